@@ -1,0 +1,108 @@
+"""The `glmc` command: compile, explain, diff, export-onnx, run."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+DEFAULT_MODEL = "glm_moe_dsa_tiny"
+
+
+def _model_path(arg: str | None) -> str:
+    """A model file, a checkpoint dir, or the name of a packaged model (default: the tiny one)."""
+    from importlib import resources
+    name = arg or DEFAULT_MODEL
+    if Path(name).exists():
+        return name
+    ref = resources.files("glmc.models").joinpath(f"{name}.yaml")
+    return str(ref) if ref.is_file() else name
+
+
+def cmd_compile(a) -> int:
+    from glmc.compiler import compile_plan, plan_json, write_plan
+    from glmc.explain import explain_plan
+    from glmc.parallel import parse_parallel
+    from glmc.passes import PASS_NAMES, Options
+    from glmc.report import render
+    from glmc.spec import load_spec
+    spec = load_spec(_model_path(a.model))
+    par = parse_parallel(a.parallel, spec.config)
+    dump = None
+    if a.dump_after:
+        dump = [x.strip() for x in a.dump_after.split(",")]
+        bad = [x for x in dump if x != "all" and x not in PASS_NAMES]
+        if bad:
+            raise ValueError(f"--dump-after: unknown pass {bad}; passes: {', '.join(PASS_NAMES)}")
+    opts = Options(moe_a2a=a.moe_a2a, topk_broadcast=a.topk_broadcast, device=a.device)
+    plan = compile_plan(spec, par, opts, dump)
+    out = Path(a.output or f"build/{spec.name}-{par.name}")
+    report = render(explain_plan(plan_json(plan), plan.graphs))
+    write_plan(plan, out, report=report)
+    print(f"wrote {out}/ ({', '.join(f'{ph}.ir' for ph in plan.graphs)}, plan.json, report.md)")
+    return 0
+
+
+def cmd_explain(a) -> int:
+    from glmc.explain import explain
+    from glmc.report import render
+    d = explain(a.plan, batch=a.batch, context=a.context)
+    print(json.dumps(d, indent=1, sort_keys=True) if a.json else render(d), end="" if not a.json else "\n")
+    return 0
+
+
+def cmd_diff(a) -> int:
+    from glmc.diff import diff_main
+    return diff_main(a.a, a.b, a.model, a.phase)
+
+
+def cmd_export_onnx(a) -> int:
+    from glmc.onnx_export import export
+    for path in export(a.plan, a.output):
+        print(f"wrote {path}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="glmc", description="GLM-5.x graph compiler and runtime")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("compile", help="compile a model for a parallel spec into a plan directory")
+    c.add_argument("--model", help="model YAML, HF checkpoint dir, or packaged name "
+                   f"(glm_moe_dsa, {DEFAULT_MODEL}; default {DEFAULT_MODEL})")
+    c.add_argument("--parallel", default="tp1", help="tp{N} | tp{N}ep{M} | dp{N}ep{M} | dp{a}tp{b}ep{c}")
+    c.add_argument("-o", "--output", help="plan directory (default build/<model>-<parallel>)")
+    c.add_argument("--dump-after", help="comma-separated pass names, or 'all'")
+    c.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    c.add_argument("--topk-broadcast", action="store_true", help="broadcast top-k from attn_tp rank 0")
+    g = c.add_mutually_exclusive_group()
+    g.add_argument("--moe-a2a", dest="moe_a2a", action="store_true", default=None,
+                   help="force the all-to-all (dispatch/combine) MoE lowering")
+    g.add_argument("--moe-gather", dest="moe_a2a", action="store_false",
+                   help="force the all-gather / reduce-scatter MoE lowering")
+    c.set_defaults(fn=cmd_compile)
+    e = sub.add_parser("explain", help="parameters, memory, FLOPs and communication of a plan")
+    e.add_argument("plan")
+    e.add_argument("--json", action="store_true")
+    e.add_argument("--batch", type=int, default=32, help="decode batch (all DP ranks)")
+    e.add_argument("--context", type=int, default=4096, help="context length (prefill prompt)")
+    e.set_defaults(fn=cmd_explain)
+    d = sub.add_parser("diff", help="IR diff of two plans, or of two parallel specs of one model")
+    d.add_argument("a")
+    d.add_argument("b")
+    d.add_argument("--model", help="with two parallel specs: the model (default tiny)")
+    d.add_argument("--phase", default="decode")
+    d.set_defaults(fn=cmd_diff)
+    x = sub.add_parser("export-onnx", help="write the plan's IR as ONNX graphs")
+    x.add_argument("plan")
+    x.add_argument("-o", "--output", help="directory (default: the plan directory)")
+    x.set_defaults(fn=cmd_export_onnx)
+    a = ap.parse_args(argv)
+    try:
+        return a.fn(a)
+    except (ValueError, OSError) as err:
+        print(f"glmc {a.cmd}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,96 @@
+"""`glmc explain`: parameters, memory, FLOPs and the communication bill of a plan directory.
+
+JSON keys (stable): `model`, `parallel`, `params` {total, mtp, active_per_token, per_rank},
+`memory` {weights_bytes_per_rank, kv_bytes_per_token, kv_elements_per_token_per_layer,
+index_bytes_per_token, full_indexer_layers, shared_indexer_layers, hbm_bytes, kv_tokens_per_rank,
+max_context_at_batch}, `flops_per_token` {decode, executed_decode}, `comm` {prefill, decode}: each
+{point, per_step {kind: {count, message_bytes, wire_bytes}}, per_layer {layer: {kind: {count,
+message_bytes}}}}, `moe_lowering` {phase: decision}, `moe_alternatives` {gather, a2a: per_step},
+`fusions` {phase: {rule: count}}. Byte conventions are those of `glmc.passes.costs`.
+"""
+from __future__ import annotations
+
+from glmc.compiler import compile_phase, load_plan_graphs
+from glmc.parallel import parse_parallel
+from glmc.passes import Options
+from glmc.passes.costs import params_of
+from glmc.passes.estimate_cost import bill
+from glmc.spec import DTypes, ModelSpec
+
+H200_HBM_BYTES = 141 * 10**9
+MEM_FRACTION = 0.9
+
+
+def _env(phase: str, batch: int, context: int, dp: int, topk: int) -> dict:
+    if phase == "prefill":
+        return {"T": context, "B": 1, "S": context, "K": topk, "prefill": True}
+    t = max(1, -(-batch // dp))
+    return {"T": t, "B": t, "S": context, "K": topk}
+
+
+def _params(graphs: dict) -> dict:
+    main = [params_of(op) for op in graphs["decode"].ops]
+    shared_names = ("model.embed_tokens.weight", "lm_head.weight")
+    mtp = [params_of(op) for op in graphs.get("mtp_draft", graphs["decode"]).ops
+           if "mtp_draft" in graphs and op.attr("weight") not in shared_names]
+    return {"total": sum(p[0] for p in main), "mtp": sum(p[0] for p in mtp),
+            "active_per_token": sum(p[2] for p in main), "per_rank": sum(p[1] for p in main)}
+
+
+def explain(plan_dir: str, batch: int = 32, context: int = 4096,
+            hbm_bytes: int = H200_HBM_BYTES) -> dict:
+    meta, graphs = load_plan_graphs(plan_dir)
+    return explain_plan(meta, graphs, batch, context, hbm_bytes)
+
+
+def explain_plan(meta: dict, graphs: dict, batch: int = 32, context: int = 4096,
+                 hbm_bytes: int = H200_HBM_BYTES) -> dict:
+    """`meta` is plan.json's content, `graphs` the phase graphs."""
+    spec = ModelSpec(**meta["spec"])
+    cfg, dtypes = spec.config, DTypes(**meta["dtypes"])
+    par = parse_parallel(meta["parallel"]["spec"], cfg)
+    dec_meta = meta["phases"]["decode"]
+    mem = dec_meta["memory"]
+    out = {"model": meta["model"], "parallel": meta["parallel"], "params": _params(graphs)}
+    weights = mem["weights_bytes"]
+    kv_tok = mem["kv_bytes_per_token"] + mem["index_bytes_per_token"]
+    free = max(0, int(hbm_bytes * MEM_FRACTION) - weights)
+    full = meta["phases"]["decode"]["indexer"]["full_layers"]
+    out["memory"] = {
+        "weights_bytes_per_rank": weights, "kv_bytes_per_token": mem["kv_bytes_per_token"],
+        "kv_elements_per_token_per_layer": cfg.kv_lora_rank + cfg.qk_rope_head_dim,
+        "index_bytes_per_token": mem["index_bytes_per_token"], "full_indexer_layers": len(full),
+        "shared_indexer_layers": cfg.num_hidden_layers - len(full), "hbm_bytes": hbm_bytes,
+        "kv_tokens_per_rank": free // kv_tok if kv_tok else 0,
+        "max_context_at_batch": (free // kv_tok) * par.attn_dp // max(1, batch) if kv_tok else 0,
+    }
+    ref = compile_phase(spec, parse_parallel("tp1", cfg), "decode", Options(device="cpu"))
+    one = bill(ref, _env("decode", 1, context, 1, cfg.index_topk), dtypes)
+    dec = bill(graphs["decode"], _env("decode", batch, context, par.attn_dp, cfg.index_topk), dtypes)
+    out["flops_per_token"] = {"decode": one["totals"]["flops"],
+                              "executed_decode": dec["totals"]["flops"] * par.world / batch}
+    out["comm"] = {}
+    for phase in ("prefill", "decode"):
+        env = _env(phase, batch, context, par.attn_dp, cfg.index_topk)
+        b = bill(graphs[phase], env, dtypes)
+        out["comm"][phase] = {"point": {k: v for k, v in env.items() if k != "prefill"},
+                              "per_step": b["comm"], "per_layer": b["per_layer"]}
+    out["moe_lowering"] = {ph: m.get("moe_lowering") for ph, m in meta["phases"].items()
+                           if m.get("moe_lowering")}
+    out["moe_alternatives"] = _alternatives(spec, par, meta, batch, context)
+    out["fusions"] = {ph: m.get("rewrites", {}) for ph, m in meta["phases"].items()}
+    return out
+
+
+def _alternatives(spec, par, meta, batch, context) -> dict:
+    """The decode bill under both MoE lowerings (where the plan had a choice)."""
+    if not any(m.get("moe_lowering") for m in meta["phases"].values()) or par.moe_tp > 1:
+        return {}
+    opts = meta["options"]
+    out = {}
+    for name, forced in (("gather", False), ("a2a", True)):
+        o = Options(**{**opts, "moe_a2a": forced})
+        g = compile_phase(spec, par, "decode", o)
+        env = _env("decode", batch, context, par.attn_dp, spec.config.index_topk)
+        out[name] = bill(g, env, spec.dtypes)["comm"]
+    return out

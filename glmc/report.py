@@ -1,0 +1,73 @@
+"""Human-readable rendering of `explain` output, and the article cross-check for GLM-5.3."""
+from __future__ import annotations
+
+KINDS = ("all_reduce", "reduce_scatter", "all_gather", "dispatch", "combine", "broadcast")
+
+
+def _b(n: float) -> str:
+    for unit, k in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(n) >= k:
+            return f"{n / k:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _step_table(per_step: dict) -> list[str]:
+    rows = ["| collective | count | message bytes | wire bytes / rank |", "|---|---:|---:|---:|"]
+    for k in KINDS:
+        if k in per_step:
+            r = per_step[k]
+            rows.append(f"| {k} | {r['count']} | {_b(r['message_bytes'])} | {_b(r['wire_bytes'])} |")
+    return rows if len(rows) > 2 else ["(no communication)"]
+
+
+def _layer_table(per_layer: dict) -> list[str]:
+    """One row per distinct per-layer pattern (consecutive layers with the same bill merge)."""
+    rows = ["| layers | collectives (message bytes of each) |", "|---|---|"]
+    keyed = sorted(per_layer.items(), key=lambda kv: (kv[0] == "-", int(kv[0]) if kv[0] != "-" else 0))
+    groups: list[list] = []
+    for layer, cells in keyed:
+        sig = ", ".join(f"{k} " + " + ".join(_b(x) for x in c["messages"])
+                        for k, c in sorted(cells.items()))
+        if groups and groups[-1][1] == sig and layer != "-":
+            groups[-1][0].append(layer)
+        else:
+            groups.append([[layer], sig])
+    for layers, sig in groups:
+        name = "prologue/epilogue" if layers == ["-"] else \
+            (layers[0] if len(layers) == 1 else f"{layers[0]}..{layers[-1]} ({len(layers)})")
+        rows.append(f"| {name} | {sig} |")
+    return rows
+
+
+def render(d: dict) -> str:
+    p, m, f = d["params"], d["memory"], d["flops_per_token"]
+    out = [f"# glmc explain: {d['model']} on {d['parallel']['spec']} (world {d['parallel']['world']})",
+           "", "## Parameters",
+           f"- total: {p['total'] / 1e9:.1f} B (+ MTP layer {p['mtp'] / 1e9:.2f} B)",
+           f"- active per token: {p['active_per_token'] / 1e9:.1f} B",
+           f"- per rank: {p['per_rank'] / 1e9:.1f} B", "", "## Memory per rank",
+           f"- weights: {_b(m['weights_bytes_per_rank'])}",
+           f"- KV cache: {m['kv_elements_per_token_per_layer']} elements per token per layer, "
+           f"{_b(m['kv_bytes_per_token'])} per token (all layers)",
+           f"- indexer cache: {_b(m['index_bytes_per_token'])} per token "
+           f"({m['full_indexer_layers']} full layers; {m['shared_indexer_layers']} shared layers hold none)",
+           f"- fits: {m['kv_tokens_per_rank']:,} KV tokens per rank in {_b(m['hbm_bytes'])} x 0.9; "
+           f"max context at batch {d['comm']['decode']['point']['B']} per rank: "
+           f"{m['max_context_at_batch']:,}", "", "## FLOPs per token",
+           f"- decode (model, batch 1, context {d['comm']['decode']['point']['S']}): "
+           f"{f['decode'] / 1e9:.1f} GFLOP",
+           f"- decode as executed on this plan (all ranks): {f['executed_decode'] / 1e9:.1f} GFLOP"]
+    for phase, c in d["comm"].items():
+        pt = c["point"]
+        out += ["", f"## Communication: {phase} (T={pt['T']} tokens per DP rank, context {pt['S']})",
+                "", *_step_table(c["per_step"]), "", "Per layer:", "", *_layer_table(c["per_layer"])]
+    if d["moe_alternatives"]:
+        out += ["", "## MoE lowerings (decode step)"]
+        for name, per_step in d["moe_alternatives"].items():
+            out += ["", f"{name}:", "", *_step_table(per_step)]
+        out += ["", "Chosen: " + ", ".join(f"{ph} {m['choice']} (est. us {m['est_us']})"
+                                          for ph, m in d["moe_lowering"].items())]
+    out += ["", "## Fusions"]
+    for ph, rules in d["fusions"].items():
+        out.append(f"- {ph}: " + (", ".join(f"{k} x{v}" for k, v in sorted(rules.items())) or "none"))
+    return "\n".join(out) + "\n"

@@ -1,0 +1,232 @@
+"""The model spec: GLM-5.x hyperparameters (HF `config.json` names), dtypes and the op program.
+
+`load_spec(path)` reads a YAML model file or a Hugging Face checkpoint directory (its
+`config.json`, with the op program of the packaged `glm_moe_dsa.yaml`). Every error names the file,
+the field and the reason (`SpecError`).
+"""
+from __future__ import annotations
+
+import json
+from importlib import resources
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+Frozen = ConfigDict(frozen=True, extra="forbid")
+
+
+class SpecError(ValueError):
+    """A model spec that cannot be used; the message names the file and the field."""
+
+
+class GlmConfig(BaseModel):
+    """Hyperparameters, named as in HF `config.json` (glm_moe_dsa / deepseek_v32)."""
+    model_config = Frozen
+    vocab_size: int = Field(gt=0)
+    hidden_size: int = Field(gt=0)
+    intermediate_size: int = Field(gt=0)
+    moe_intermediate_size: int = Field(gt=0)
+    num_hidden_layers: int = Field(gt=0)
+    num_attention_heads: int = Field(gt=0)
+    q_lora_rank: int = Field(gt=0)
+    kv_lora_rank: int = Field(gt=0)
+    qk_nope_head_dim: int = Field(gt=0)
+    qk_rope_head_dim: int = Field(gt=0)
+    v_head_dim: int = Field(gt=0)
+    n_routed_experts: int = Field(gt=0)
+    num_experts_per_tok: int = Field(gt=0)
+    n_shared_experts: int = Field(ge=0)
+    n_group: int = Field(default=1, gt=0)
+    topk_group: int = Field(default=1, gt=0)
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+    first_k_dense_replace: int = Field(default=0, ge=0)
+    index_topk: int = Field(gt=0)
+    index_n_heads: int = Field(gt=0)
+    index_head_dim: int = Field(gt=0)
+    index_topk_freq: int = Field(default=1, gt=0)
+    index_skip_topk_offset: int = Field(default=2, ge=0)
+    index_topk_pattern: str | None = None
+    indexer_types: tuple[Literal["full", "shared"], ...] | None = None
+    indexer_rope_interleave: bool = True
+    mlp_layer_types: tuple[Literal["dense", "sparse"], ...] | None = None
+    rms_norm_eps: float = Field(default=1e-5, gt=0)
+    rope_theta: float = Field(default=10000.0, gt=0)
+    max_position_embeddings: int = Field(default=4096, gt=0)
+    tie_word_embeddings: bool = False
+    num_nextn_predict_layers: int = Field(default=0, ge=0)
+    eos_token_id: int | tuple[int, ...] | None = None
+
+    @model_validator(mode="after")
+    def _cross_check(self):
+        n = self.num_hidden_layers
+        if self.indexer_types is not None and len(self.indexer_types) != n:
+            raise ValueError(f"indexer_types has {len(self.indexer_types)} entries, "
+                             f"num_hidden_layers is {n}")
+        if self.mlp_layer_types is not None and len(self.mlp_layer_types) != n:
+            raise ValueError(f"mlp_layer_types has {len(self.mlp_layer_types)} entries, "
+                             f"num_hidden_layers is {n}")
+        if self.index_topk_pattern is not None and len(self.index_topk_pattern) != n:
+            raise ValueError(f"index_topk_pattern has {len(self.index_topk_pattern)} letters, "
+                             f"num_hidden_layers is {n}")
+        if self.layer_indexer_types()[0] != "full":
+            raise ValueError("indexer_types: layer 0 must be 'full' (shared layers reuse the "
+                             "previous full layer's top-k)")
+        if self.first_k_dense_replace > n:
+            raise ValueError(f"first_k_dense_replace {self.first_k_dense_replace} > "
+                             f"num_hidden_layers {n}")
+        if self.n_routed_experts % self.n_group:
+            raise ValueError(f"n_routed_experts {self.n_routed_experts} is not divisible by "
+                             f"n_group {self.n_group}")
+        if self.topk_group > self.n_group:
+            raise ValueError(f"topk_group {self.topk_group} > n_group {self.n_group}")
+        per_group = self.n_routed_experts // self.n_group
+        if self.num_experts_per_tok > self.topk_group * per_group:
+            raise ValueError(f"num_experts_per_tok {self.num_experts_per_tok} > topk_group "
+                             f"{self.topk_group} x experts per group {per_group}")
+        if self.n_group > 1 and per_group < 2:
+            raise ValueError(f"n_group {self.n_group} leaves {per_group} expert per group; "
+                             "group scores sum the top-2")
+        if self.qk_rope_head_dim % 2 or self.qk_rope_head_dim > self.index_head_dim:
+            raise ValueError(f"qk_rope_head_dim {self.qk_rope_head_dim} must be even and <= "
+                             f"index_head_dim {self.index_head_dim}")
+        return self
+
+    def layer_indexer_types(self) -> tuple[str, ...]:
+        """Per layer "full"/"shared": indexer_types, else index_topk_pattern, else freq/offset."""
+        if self.indexer_types is not None:
+            return self.indexer_types
+        if self.index_topk_pattern is not None:
+            return tuple("full" if c.upper() == "F" else "shared" for c in self.index_topk_pattern)
+        off, freq = self.index_skip_topk_offset, self.index_topk_freq
+        return tuple("full" if max(i - off + 1, 0) % freq == 0 else "shared"
+                     for i in range(self.num_hidden_layers))
+
+    def layer_mlp_types(self) -> tuple[str, ...]:
+        if self.mlp_layer_types is not None:
+            return self.mlp_layer_types
+        return tuple("dense" if i < self.first_k_dense_replace else "sparse"
+                     for i in range(self.num_hidden_layers))
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+DType = Literal["fp32", "bf16", "fp16", "fp8"]
+
+
+class DTypes(BaseModel):
+    """Storage dtypes: activations, linear weights, KV cache, indexer cache."""
+    model_config = Frozen
+    activation: DType = "bf16"
+    weight: DType = "bf16"
+    kv_cache: DType = "bf16"
+    index_cache: DType = "bf16"
+
+
+class Statement(BaseModel):
+    """One op of the program: `out = op(args) {attrs}`, kept only where every `when` tag holds."""
+    model_config = Frozen
+    op: str
+    out: str | tuple[str, ...]
+    args: tuple[str, ...] = ()
+    when: tuple[str, ...] = ()
+    attrs: dict = Field(default_factory=dict)
+
+
+class Program(BaseModel):
+    """The op program: prologue + layer (x78) + epilogue; MTP: mtp_prologue + layer + mtp_epilogue."""
+    model_config = Frozen
+    prologue: tuple[Statement, ...]
+    layer: tuple[Statement, ...]
+    epilogue: tuple[Statement, ...]
+    mtp_prologue: tuple[Statement, ...] = ()
+    mtp_epilogue: tuple[Statement, ...] = ()
+
+
+class ModelSpec(BaseModel):
+    """A whole model file."""
+    model_config = Frozen
+    name: str
+    config: GlmConfig
+    dtypes: DTypes = DTypes()
+    program: Program
+    source: str = ""
+
+
+def _fail(path: str, e: ValidationError) -> SpecError:
+    lines = [f"{path}: invalid model spec"]
+    for err in e.errors():
+        field = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        lines.append(f"  field {field}: {err['msg']}")
+    return SpecError("\n".join(lines))
+
+
+def _packaged_program(path: Path, name: str) -> dict:
+    """`program: glm_moe_dsa` reuses the op program of a packaged model file."""
+    ref = resources.files("glmc.models").joinpath(f"{name}.yaml")
+    if not ref.is_file():
+        raise SpecError(f"{path}: field program: no packaged model {name!r}")
+    return yaml.safe_load(ref.read_text())["program"]
+
+
+def default_program() -> dict:
+    return _packaged_program(Path("glm_moe_dsa"), "glm_moe_dsa")
+
+
+def load_spec(path: str | Path) -> ModelSpec:
+    """Load a YAML model file or a HF checkpoint directory (config.json)."""
+    path = Path(path)
+    if path.is_dir():
+        return _from_hf_dir(path)
+    if not path.exists():
+        raise SpecError(f"{path}: no such model file or checkpoint directory")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise SpecError(f"{path}: not valid YAML: {e}") from e
+    if not isinstance(data, dict):
+        raise SpecError(f"{path}: expected a mapping with name, config, program")
+    if isinstance(data.get("program"), str):
+        data["program"] = _packaged_program(path, data["program"])
+    try:
+        return ModelSpec(**data, source=str(path))
+    except ValidationError as e:
+        raise _fail(str(path), e) from None
+
+
+HF_MODEL_TYPES = ("glm_moe_dsa", "deepseek_v32")
+
+
+def _from_hf_dir(path: Path) -> ModelSpec:
+    cfg_path = path / "config.json"
+    if not cfg_path.exists():
+        raise SpecError(f"{path}: directory has no config.json")
+    raw = json.loads(cfg_path.read_text())
+    if raw.get("model_type") not in HF_MODEL_TYPES:
+        raise SpecError(f"{cfg_path}: field model_type: {raw.get('model_type')!r} is not one of "
+                        f"{HF_MODEL_TYPES}")
+    return ModelSpec(name=path.name, config=config_from_hf(raw, str(cfg_path)),
+                     dtypes=_hf_dtypes(raw), program=default_program(), source=str(path))
+
+
+def config_from_hf(raw: dict, where: str = "config.json") -> GlmConfig:
+    """Keep the HF keys glmc knows (others: architectures, dtype, ... are not model shape)."""
+    known = {k: v for k, v in raw.items() if k in GlmConfig.model_fields and v is not None}
+    rope = raw.get("rope_parameters") or {}
+    if "rope_theta" not in known and "rope_theta" in rope:
+        known["rope_theta"] = rope["rope_theta"]
+    try:
+        return GlmConfig(**known)
+    except ValidationError as e:
+        raise _fail(where, e) from None
+
+
+def _hf_dtypes(raw: dict) -> DTypes:
+    quant = raw.get("quantization_config") or {}
+    fp8 = quant.get("quant_method") == "fp8" or quant.get("fmt") == "e4m3"
+    return DTypes(activation="bf16", weight="fp8" if fp8 else "bf16", kv_cache="fp8",
+                  index_cache="fp8")

@@ -1,0 +1,85 @@
+"""`Graph`: an immutable, topologically ordered list of ops plus graph-level metadata.
+
+networkx is the storage for def-use edges (users, topological order); passes never touch it,
+they read `ops`, `producer`, `users` and build a new Graph.
+"""
+from __future__ import annotations
+
+import json
+from typing import Iterable
+
+import networkx as nx
+
+from .ops import IRError, Op
+
+
+class Graph:
+    """Ops in a stable topological order (ties broken by construction order) and `meta`."""
+
+    def __init__(self, ops: Iterable[Op], meta: dict | None = None):
+        ops = list(ops)
+        self.meta = dict(meta or {})
+        self._producer: dict[str, Op] = {}
+        g = nx.DiGraph()
+        for i, op in enumerate(ops):
+            g.add_node(i)
+            for r in op.results:
+                if r in self._producer:
+                    raise IRError(f"{op.where()}: value %{r} defined twice")
+                self._producer[r] = op
+        self.ops: list[Op] = ops if self._in_order(ops) else self._sorted(ops)
+        self._users: dict[str, list[Op]] = {r: [] for r in self._producer}
+        for op in self.ops:
+            for v in op.operands:
+                self._users[v].append(op)
+
+    def _in_order(self, ops: list[Op]) -> bool:
+        seen: set[str] = set()
+        for op in ops:
+            for v in op.operands:
+                if v not in self._producer:
+                    raise IRError(f"{op.where()}: operand %{v} is not defined")
+                if v not in seen:
+                    return False
+            seen.update(op.results)
+        return True
+
+    def _sorted(self, ops: list[Op]) -> list[Op]:
+        """Topological order, ties broken by construction order (stable text, stable diffs)."""
+        g = nx.DiGraph()
+        g.add_nodes_from(range(len(ops)))
+        index = {id(op): i for i, op in enumerate(ops)}
+        for i, op in enumerate(ops):
+            for v in op.operands:
+                g.add_edge(index[id(self._producer[v])], i)
+        if not nx.is_directed_acyclic_graph(g):
+            raise IRError("graph has a cycle")
+        return [ops[i] for i in nx.lexicographical_topological_sort(g)]
+
+    def producer(self, value: str) -> Op:
+        return self._producer[value]
+
+    def users(self, value: str) -> list[Op]:
+        return self._users[value]
+
+    def type_of(self, value: str):
+        op = self._producer[value]
+        return op.types[op.results.index(value)]
+
+    def placement_of(self, value: str):
+        op = self._producer[value]
+        return op.placements[op.results.index(value)]
+
+    def with_ops(self, ops: Iterable[Op], **meta) -> "Graph":
+        return Graph(ops, {**self.meta, **meta})
+
+    def count(self, prefix: str) -> int:
+        return sum(op.kind.startswith(prefix) for op in self.ops)
+
+    def __repr__(self) -> str:
+        from .text import print_graph
+        return print_graph(self)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Graph) and self.ops == other.ops and \
+            json.dumps(self.meta, sort_keys=True) == json.dumps(other.meta, sort_keys=True)

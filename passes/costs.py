@@ -1,0 +1,160 @@
+"""The cost model: parameters, FLOPs, HBM bytes and collective traffic of one op at a point.
+
+`op_cost(op, graph, env)` evaluates an op of a lowered graph with the symbols bound
+(`T` tokens per DP rank in the step, `B` requests, `S` context length). Conventions:
+- params: elements of the op's weights, `params` over the whole model, `params_local` on one rank.
+- flops: 2 x multiply-adds on one rank; MoE assumes balanced routing; attention counts the keys
+  a query actually reads (min(S, index_topk); prefill sums over causal positions).
+- comm `message_bytes`: the logical tensor the collective reduces or produces (all-reduce: its
+  input; all-gather: its output; reduce-scatter: its input); for dispatch/combine the rows sent,
+  summed over the group's ranks. `wire_bytes`: what one rank sends (ring algorithms).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from glmc.ir import Graph, Op
+from glmc.ir.types import DTYPE_BYTES
+
+COMM_KINDS = {"comm.all_reduce": "all_reduce", "fused.allreduce_add_rms": "all_reduce",
+              "comm.all_gather": "all_gather", "comm.reduce_scatter": "reduce_scatter",
+              "fused.reduce_scatter_add_rms": "reduce_scatter", "moe.dispatch": "dispatch",
+              "moe.combine": "combine", "comm.broadcast": "broadcast"}
+
+
+@dataclass
+class Cost:
+    params: int = 0
+    params_local: int = 0
+    active_params: int = 0
+    weight_bytes_local: int = 0
+    flops: float = 0.0
+    comm: str | None = None
+    message_bytes: int = 0
+    wire_bytes: float = 0.0
+
+
+def _i(x) -> int:
+    return int(x)
+
+
+def params_of(op: Op) -> tuple[int, int, int, str]:
+    """(global params, local params, active params per token, weight storage class)."""
+    a = op.attr
+    tp = _i(a("tp", 1))
+    k = op.kind
+    if k in ("embed.lookup", "lm.head"):
+        n = _i(a("vocab")) * _i(a("hidden"))
+        return n, n // tp, (n if k == "lm.head" else 0), "dense16"
+    if k in ("linear", "mla.a_proj"):
+        n = _i(a("in_features")) * _i(a("out_features"))
+        return n, n // tp, n, "weight"
+    if k.startswith("attn."):
+        n = _i(a("kv_lora")) * _i(a("heads")) * (_i(a("dn")) + _i(a("dv")))
+        return n, n // tp, n, "weight"
+    if k == "mlp.swiglu":
+        n = 3 * _i(a("hidden")) * _i(a("inter"))
+        return n, n // tp, n, "weight"
+    if k == "moe.experts":
+        per = 3 * _i(a("hidden")) * _i(a("inter"))
+        n = per * _i(a("experts"))
+        return n, n // (_i(a("ep", 1)) * _i(a("moe_tp", 1))), per * _i(a("top_k")), "weight"
+    if k == "moe.gate":
+        n = _i(a("experts")) * (_i(a("hidden")) + 1)
+        return n, n, n, "fp32"
+    if k in ("norm.rms", "fused.add_rms", "fused.allreduce_add_rms",
+             "fused.reduce_scatter_add_rms"):
+        n = op.types[0].shape[-1].eval({})
+        return n, n, n, "dense16"
+    if k == "norm.layer":
+        n = 2 * op.types[0].shape[-1].eval({})
+        return n, n, n, "dense16"
+    if k.startswith("fused.qkv_a_norm_rope_write"):
+        n = _i(a("q_lora")) + _i(a("kv_lora")) + 2 * _i(a("index_dim", 0))
+        return n, n, n, "dense16"
+    return 0, 0, 0, "none"
+
+
+def _causal_keys(t: int, s: int, k: int) -> int:
+    """Keys read by t new queries ending a context of s tokens, each limited to the top k."""
+    def upto(n: int) -> int:     # sum of min(k, p) for p = 1..n
+        return n * (n + 1) // 2 if n <= k else k * (k + 1) // 2 + (n - k) * k
+    return upto(s) - upto(s - t)
+
+
+def flops_of(op: Op, graph: Graph, env: dict) -> float:
+    a, k = op.attr, op.kind
+    rows = op.types[0].shape[0].eval(env) if op.types and op.types[0].shape else 0
+    ins = [graph.type_of(v) for v in op.operands]
+    tp = _i(a("tp", 1))
+    if k in ("linear", "mla.a_proj"):
+        in_f = _i(a("in_features")) // (tp if a("parallel") == "row" else 1)
+        out_f = _i(a("out_features")) // (tp if a("parallel") == "column" else 1)
+        return 2.0 * rows * in_f * out_f
+    if k == "lm.head":
+        return 2.0 * rows * _i(a("hidden")) * _i(a("vocab")) // tp
+    if k == "mlp.swiglu":
+        return 2.0 * rows * 3 * _i(a("hidden")) * _i(a("inter")) / tp
+    if k == "moe.gate":
+        return 2.0 * rows * _i(a("hidden")) * _i(a("experts"))
+    if k == "moe.experts":
+        routed_rows = ins[1].shape[-1].eval(env) == 1        # after dispatch: one row per (token, expert)
+        pairs = rows if routed_rows else rows * _i(a("top_k")) / _i(a("ep", 1))
+        return 2.0 * pairs * 3 * _i(a("hidden")) * _i(a("inter")) / _i(a("moe_tp", 1))
+    if k.startswith("attn."):
+        return _attn_flops(op, env, rows, tp)
+    if k == "idx.topk":
+        keys = _causal_keys(rows, env["S"], env["S"]) if rows > 1 and env.get("prefill") else \
+            rows * env["S"]
+        return 2.0 * keys * _i(a("heads")) * _i(a("head_dim"))
+    return 0.0
+
+
+def _attn_flops(op: Op, env: dict, rows: int, tp: int) -> float:
+    a = op.attr
+    h = _i(a("heads")) // tp
+    dn, dr, dv, c, topk = _i(a("dn")), _i(a("dr")), _i(a("dv")), _i(a("kv_lora")), env["K"]
+    if op.kind == "attn.mla_mha":
+        keys = _causal_keys(rows, env["S"], topk)
+        expand = 2.0 * env["S"] * c * h * (dn + dv)   # kv_b over the request's context
+        return expand + 2.0 * keys * h * (dn + dr + dv)
+    keys = rows * min(env["S"], topk)
+    return 2.0 * rows * h * (dn * c + c * dv) + 2.0 * keys * h * (c + dr + c)
+
+
+def comm_of(op: Op, graph: Graph, env: dict) -> tuple[str, int, float] | None:
+    kind = COMM_KINDS.get(op.kind)
+    if kind is None:
+        return None
+    n = _i(op.attr("size"))
+    frac = (n - 1) / n
+    src = graph.type_of(op.operands[0]).nbytes(env)
+    if kind == "all_reduce":
+        return kind, src, 2 * frac * src
+    if kind == "reduce_scatter":
+        return kind, src, frac * src
+    if kind == "all_gather":
+        out = op.types[0].nbytes(env)
+        return kind, out, frac * out
+    if kind == "dispatch":
+        sent = sum(t.nbytes(env) for t in op.types)
+        return kind, sent * n, frac * sent
+    if kind == "combine":
+        return kind, src * n, frac * src
+    return kind, src, frac * src
+
+
+def op_cost(op: Op, graph: Graph, env: dict, weight_bytes: dict[str, int]) -> Cost:
+    p, pl, act, cls = params_of(op)
+    c = Cost(params=p, params_local=pl, active_params=act,
+             weight_bytes_local=pl * weight_bytes.get(cls, 0), flops=flops_of(op, graph, env))
+    comm = comm_of(op, graph, env)
+    if comm:
+        c.comm, c.message_bytes, c.wire_bytes = comm
+    return c
+
+
+def weight_bytes_for(dtypes) -> dict[str, int]:
+    """Bytes per element for each weight storage class (norms, embeddings stay 16-bit)."""
+    act = DTYPE_BYTES[dtypes.activation]
+    return {"weight": DTYPE_BYTES[dtypes.weight], "dense16": act, "fp32": 4, "none": 0}

@@ -1,0 +1,125 @@
+"""lower-moe: choose how token-split MoE reaches its experts, by cost (or `--moe-a2a`).
+
+Assumes: insert-collectives ran. Two lowerings of `moe.experts` on tokens split over ranks:
+  gather: all-gather tokens (+ routing) -> local experts on all tokens -> reduce-scatter partials;
+  a2a:    moe.dispatch each token to its experts' ranks -> local experts -> moe.combine.
+The cost model compares bytes on the wire per rank plus a per-collective latency at the phase's
+token count (`phase_tokens`) and records the decision in `meta.moe_lowering`; small decode
+batches favour the gather (fewer, cheaper-to-start collectives), prefill chunks the all-to-all
+(k/W of the bytes). a2a needs moe_tp == 1.
+Example (dp8ep8, a2a):
+
+    %L3.hn.ag = comm.all_gather(%L3.hn) ...  (x3: hn, route_w, route_ids)
+    %L3.routed = moe.experts(%L3.hn.ag, %L3.route_w.ag, %L3.route_ids.ag) ... @ {ep=P}
+    %L3.routed.rs = comm.reduce_scatter(%L3.routed) {group=world, size=8} ...
+ -> %L3.routed.dx, %L3.routed.dw, %L3.routed.di = moe.dispatch(%L3.hn, %L3.route_w, %L3.route_ids) {...}
+    %L3.routed = moe.experts(%L3.routed.dx, %L3.routed.dw, %L3.routed.di) ... @ {ep=S(0)}
+    %L3.routed.cb = moe.combine(%L3.routed, %L3.hn) ... @ {attn_dp=S(0)}
+"""
+from __future__ import annotations
+
+from glmc.ir import Graph, Op, Placement
+from glmc.ir.ops import infer_types
+from glmc.ir.types import DTYPE_BYTES
+
+from .base import Pass, PassContext, PassError
+from .rewrite import Rewrite, apply_patterns
+
+# Assumed, not measured here: NCCL collective latency on one NVLink node, an all-to-all with
+# per-token routing (DeepEP-style) costs more to start, and one direction of H200 NVLink.
+LATENCY_US = {"collective": 5.0, "a2a": 15.0}
+WIRE_GBPS = 450.0
+
+
+def phase_tokens(ctx: PassContext) -> int:
+    """Tokens per DP rank at which the phase is costed."""
+    o, dp = ctx.options, ctx.parallel.attn_dp
+    per_rank = max(1, o.decode_batch // dp)
+    return {"prefill": o.chunked_prefill, "mtp_verify": per_rank * o.mtp_draft_tokens}.get(
+        ctx.phase, per_rank)
+
+
+def _match(op: Op, graph: Graph):
+    """reduce_scatter(moe.experts(all_gather(x), all_gather(w), all_gather(ids)))"""
+    if op.kind != "comm.reduce_scatter":
+        return None
+    ex = graph.producer(op.operands[0])
+    if ex.kind != "moe.experts":
+        return None
+    gathers = [graph.producer(v) for v in ex.operands]
+    if not all(g.kind == "comm.all_gather" for g in gathers):
+        return None
+    return ex, gathers
+
+
+def _a2a(ctx: PassContext):
+    size, disp_dtype = ctx.parallel.ep, _dispatch_dtype(ctx)
+
+    def rule(op: Op, graph: Graph):
+        m = _match(op, graph)
+        if m is None:
+            return None
+        ex, gathers = m
+        src = [g.operands[0] for g in gathers]
+        base = ex.result
+        attrs = {"top_k": ex.attr("top_k"), "group": ("ep",), "size": size}
+        disp = Op.make("moe.dispatch", [f"{base}.dx", f"{base}.dw", f"{base}.di"], src,
+                       {**attrs, "dtype": disp_dtype}, op.layer)
+        routed = Placement.of({"ep": "S(0)"})
+        disp = disp.with_types(infer_types(disp, [graph.type_of(v) for v in src]), [routed] * 3)
+        out_dtype = {"out_dtype": ex.types[0].dtype} if disp_dtype != ex.types[0].dtype else {}
+        experts = Op.make(ex.kind, ex.results, disp.results, {**dict(ex.attrs), **out_dtype}, ex.layer)
+        experts = experts.with_types(infer_types(experts, list(disp.types)), [routed])
+        comb = Op.make("moe.combine", f"{base}.cb", [base, src[0]], attrs, op.layer)
+        comb = comb.with_types(infer_types(comb, [experts.types[0], graph.type_of(src[0])]),
+                               op.placements)
+        dead = {g.result for g in gathers} | {op.result, ex.result}
+        return Rewrite([disp, experts, comb], dead=dead, rename={op.result: comb.result})
+    return rule
+
+
+def _dispatch_dtype(ctx: PassContext) -> str:
+    """DeepEP-style fp8 dispatch when the experts run in fp8; otherwise the activation dtype."""
+    return "fp8" if ctx.spec.dtypes.weight == "fp8" else ctx.spec.dtypes.activation
+
+
+def estimate_us(graph: Graph, ctx: PassContext, tokens: int) -> dict[str, float] | None:
+    """Cost of both lowerings for the first token-split MoE layer, at `tokens` per DP rank."""
+    env = {"T": tokens, "B": tokens, "S": 1}
+    for op in graph.ops:
+        m = _match(op, graph)
+        if m is None:
+            continue
+        ex, gathers = m
+        w = int(op.attr("size"))
+        frac = (w - 1) / w
+        gather_bytes = sum(g.types[0].nbytes(env) for g in gathers) + op.types[0].nbytes(env) * w
+        x = graph.type_of(gathers[0].operands[0])
+        rows = x.shape[0].eval(env) * int(ex.attr("top_k"))
+        h = x.shape[-1].eval(env)
+        a2a_bytes = rows * (h * DTYPE_BYTES[_dispatch_dtype(ctx)] + 8) + rows * h * DTYPE_BYTES[x.dtype]
+        return {"gather": 4 * LATENCY_US["collective"] + gather_bytes * frac / WIRE_GBPS / 1e3,
+                "a2a": 2 * LATENCY_US["a2a"] + a2a_bytes * frac / WIRE_GBPS / 1e3}
+    return None
+
+
+class LowerMoE(Pass):
+    name = "lower-moe"
+
+    def run(self, graph: Graph, ctx: PassContext) -> Graph:
+        tokens = phase_tokens(ctx)
+        cost = estimate_us(graph, ctx, tokens)
+        if cost is None:
+            return graph
+        forced = ctx.options.moe_a2a
+        if forced and ctx.parallel.moe_tp > 1:
+            raise PassError(f"lower-moe: --moe-a2a needs moe_tp 1, {ctx.parallel.name} has moe_tp "
+                            f"{ctx.parallel.moe_tp} (world {ctx.parallel.world} / ep {ctx.parallel.ep})")
+        can_a2a = ctx.parallel.moe_tp == 1
+        choice = ("a2a" if forced else "gather") if forced is not None else \
+            ("a2a" if can_a2a and cost["a2a"] < cost["gather"] else "gather")
+        decision = {"choice": choice, "forced": forced is not None, "tokens_per_rank": tokens,
+                    "est_us": {k: round(v, 2) for k, v in cost.items()}}
+        if choice == "gather":
+            return graph.with_ops(graph.ops, moe_lowering=decision)
+        return apply_patterns(graph, [("moe-a2a", _a2a(ctx))], moe_lowering=decision)

@@ -1,0 +1,60 @@
+"""plan-memory: what one rank holds — weights, KV + indexer cache per token, workspaces, graphs.
+
+Assumes: a lowered, sharded graph with buckets. Guarantees: `meta.memory` with
+`weights_bytes` (this phase's graph, one rank), `kv_bytes_per_token` (c_kv | k_pe per layer, all
+layers), `index_bytes_per_token` (indexer keys + fp8 scale, full layers only), the layer counts,
+`indexer_workspace_bytes` (fp32 score tiles + running top-k for the largest step) and
+`graph_bytes` per bucket (the largest per-layer activation set at that batch, plus logits).
+"""
+from __future__ import annotations
+
+from glmc.ir import Graph
+
+from .base import Pass, PassContext
+from .costs import params_of, weight_bytes_for
+
+SCALE_BYTES = {"fp8": 4}   # one fp32 scale per token row of an fp8 indexer cache
+TILE_KEYS = 4096
+
+
+def _rows(graph: Graph, ctx: PassContext) -> int:
+    buckets = graph.meta.get("cuda_graph_buckets") or [ctx.options.chunked_prefill]
+    return max(buckets)
+
+
+def _layer_activation_bytes(graph: Graph, env: dict) -> int:
+    per_layer: dict = {}
+    for op in graph.ops:
+        for t in op.types:
+            if t is not None and t.shape and t.shape[0].sym in ("T", "B"):
+                per_layer[op.layer] = per_layer.get(op.layer, 0) + t.nbytes(env)
+    return max(per_layer.values(), default=0)
+
+
+class PlanMemory(Pass):
+    name = "plan-memory"
+
+    def run(self, graph: Graph, ctx: PassContext) -> Graph:
+        wb = weight_bytes_for(ctx.spec.dtypes)
+        weights = 0
+        for op in graph.ops:
+            _, local, _, cls = params_of(op)
+            weights += local * wb[cls]
+        kv = [op for op in graph.ops if op.kind.startswith(("mem.kv_write", "fused.qkv"))]
+        kv_tok = sum(op.types[1 if op.kind.startswith("fused") else 0].nbytes({"S": 1}) for op in kv)
+        idx = [op.types[-1] for op in graph.ops
+               if op.kind in ("mem.index_k_write", "fused.qkv_a_norm_rope_write_index")]
+        idx_tok = sum(t.nbytes({"S": 1}) + SCALE_BYTES.get(t.dtype, 0) for t in idx)
+        cfg = ctx.spec.config
+        memory = {
+            "weights_bytes": weights,
+            "kv_bytes_per_token": kv_tok, "kv_layers": len(kv),
+            "index_bytes_per_token": idx_tok, "index_layers": len(idx),
+            # scores are produced in tiles of TILE_KEYS keys and merged into a running top-k
+            "indexer_workspace_bytes": _rows(graph, ctx) * (TILE_KEYS + 2 * cfg.index_topk) * 4
+            if idx else 0,
+            "graph_bytes": {str(b): _layer_activation_bytes(graph, {"T": b, "B": b, "S": 1})
+                            + b * cfg.vocab_size * 4
+                            for b in graph.meta.get("cuda_graph_buckets", [])},
+        }
+        return graph.with_ops(graph.ops, memory=memory)

@@ -1,0 +1,92 @@
+"""propagate-sharding: choose every value's placement, shard weights, make placement changes explicit.
+
+Assumes: inferred (logical) types. Guarantees: every result has a placement over the mesh axes of
+size > 1 and a per-rank type; weight-sharded ops carry `tp` (or `ep`/`moe_tp` for experts); where an
+operand's placement differs from what its op needs, a `comm.reshard {kind, group, size, src, dst}`
+sits between them (lowered by insert-collectives). Nothing changes at tp1. Example (tp8):
+
+    %L0.o = linear(%L0.attn) {parallel=row} : [T, 6144] bf16
+    %L0.h = elt.add(%L0.o, %x) : [T, 6144] bf16
+ -> %L0.o = linear(%L0.attn) {parallel=row, tp=8} : [T, 6144] bf16 @ {attn_tp=P}
+    %L0.o.ar = comm.reshard(%L0.o) {dst=R, group=[attn_tp], kind=all_reduce, size=8, src="{attn_tp=P}"} : [T, 6144] bf16 @ R
+    %L0.h = elt.add(%L0.o.ar, %x) : [T, 6144] bf16 @ R
+"""
+from __future__ import annotations
+
+import math
+
+from glmc.ir import Graph, Op, Placement
+from glmc.ir.ops import infer_types
+
+from .base import Pass, PassContext, PassError
+from .layouts import Layouts
+
+SHORT = {"all_reduce": "ar", "all_gather": "ag", "reduce_scatter": "rs", "shard": "sh"}
+
+
+def reshard_kind(src: Placement, dst: Placement, mesh: dict) -> tuple[str, tuple[str, ...], int, int]:
+    """(kind, group axes, group size, tensor dim) turning src into dst."""
+    axes = [a for a in mesh if mesh[a] > 1 and src.get(a) != dst.get(a)]
+    reduce = [a for a in axes if src.get(a) == "P"]
+    gather = [a for a in axes if src.get(a).startswith("S") and dst.get(a) == "R"]
+    scatter = [a for a in axes if dst.get(a).startswith("S")]
+    size = lambda group: math.prod(mesh[a] for a in group)  # noqa: E731
+    dim = lambda p, group: int(p.get(group[0])[2])  # noqa: E731
+    if reduce and scatter and size(reduce) == size(scatter) and not gather:
+        group = tuple(dict.fromkeys(reduce + scatter))
+        return "reduce_scatter", group, size(reduce), dim(dst, scatter)
+    if reduce and not (gather or scatter):
+        return "all_reduce", tuple(reduce), size(reduce), 0
+    if gather and not (reduce or scatter):
+        return "all_gather", tuple(gather), size(gather), dim(src, gather)
+    if scatter and not (reduce or gather):
+        return "shard", tuple(scatter), size(scatter), dim(dst, scatter)
+    raise ValueError(f"no single collective turns {src} into {dst}")
+
+
+def group_name(axes: tuple[str, ...], size: int, world: int):
+    """Axes of the group, or `world` when it spans different axes over all ranks."""
+    return "world" if size == world and len(axes) > 1 else axes
+
+
+class PropagateSharding(Pass):
+    name = "propagate-sharding"
+
+    def run(self, graph: Graph, ctx: PassContext) -> Graph:
+        from .sharding_rules import RULES, default_rule
+        lay, mesh = Layouts(ctx.parallel), ctx.parallel.mesh
+        place: dict[str, Placement] = {}
+        types: dict[str, object] = {}
+        ops: list[Op] = []
+        resharded: dict[tuple[str, Placement], str] = {}
+        for op in graph.ops:
+            ins = [place[v] for v in op.operands]
+            try:
+                want, outs, attrs = RULES.get(op.kind, default_rule)(op, ins, lay, ctx)
+                operands = [self._reshard(v, w, place, types, ops, resharded, mesh, op)
+                            for v, w in zip(op.operands, want)]
+            except ValueError as e:
+                raise PassError(f"propagate-sharding: {op.where()}: {e}") from e
+            new = Op.make(op.kind, op.results, operands, {**dict(op.attrs), **attrs}, op.layer)
+            out_types = infer_types(new, [types[v] for v in operands])
+            ops.append(new.with_types(out_types, outs))
+            types.update(zip(op.results, out_types))
+            place.update(zip(op.results, outs))
+        return graph.with_ops(ops)
+
+    def _reshard(self, v, want, place, types, ops, cache, mesh, user) -> str:
+        if want is None or want == place[v]:
+            return v
+        if (v, want) in cache:
+            return cache[(v, want)]
+        kind, axes, size, dim = reshard_kind(place[v], want, mesh)
+        name = f"{v}.{SHORT[kind]}"
+        attrs = {"kind": kind, "group": group_name(axes, size, math.prod(
+            mesh[a] for a in ("attn_dp", "attn_tp"))), "size": size, "src": str(place[v]),
+            "dst": str(want), "dim": dim}
+        op = Op.make("comm.reshard", name, [v], attrs, user.layer)
+        t = infer_types(op, [types[v]])
+        ops.append(op.with_types(t, [want]))
+        types[name], place[name] = t[0], want
+        cache[(v, want)] = name
+        return name

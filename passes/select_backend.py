@@ -1,0 +1,36 @@
+"""select-attention-backend: the kernel each attention / indexer op runs, per phase and device.
+
+Assumes: MLA form chosen. Guarantees: `attn.*` and `idx.topk` ops carry `backend`: on cuda,
+`triton_sparse_mla_decode` (absorbed), `triton_sparse_prefill` (MHA), `triton_indexer_topk`;
+on cpu, `torch`. Example (decode, cuda):
+
+    %L0.attn = attn.mla_absorbed(...) {dn=192, ...} -> {backend=triton_sparse_mla_decode, dn=192, ...}
+"""
+from __future__ import annotations
+
+from glmc.ir import Graph, Op
+
+from .base import Pass, PassContext
+from .rewrite import Rewrite, apply_patterns
+
+CUDA_BACKENDS = {"attn.mla_absorbed": "triton_sparse_mla_decode",
+                 "attn.mla_mha": "triton_sparse_prefill",
+                 "idx.topk": "triton_indexer_topk"}
+
+
+def _pick(device: str):
+    def rule(op: Op, graph: Graph):
+        # op -> op {backend=...} for the ops that have more than one implementation
+        if op.kind not in CUDA_BACKENDS or op.attr("backend"):
+            return None
+        backend = CUDA_BACKENDS[op.kind] if device == "cuda" else "torch"
+        return Rewrite([op.with_attrs(backend=backend)])
+    return rule
+
+
+class SelectAttentionBackend(Pass):
+    name = "select-attention-backend"
+
+    def run(self, graph: Graph, ctx: PassContext) -> Graph:
+        return apply_patterns(graph, [("backend", _pick(ctx.options.device))],
+                              device=ctx.options.device)

@@ -1,0 +1,16 @@
+"""Shared fixtures. GLMC_VERIFY=1: the verifier runs between every pass in tests."""
+import os
+
+import pytest
+
+os.environ.setdefault("GLMC_VERIFY", "1")
+
+
+def pytest_addoption(parser):
+    parser.addoption("--update-golden", action="store_true",
+                     help="rewrite tests/golden/*.ir from the current compiler")
+
+
+@pytest.fixture(scope="session")
+def update_golden(request):
+    return request.config.getoption("--update-golden")
