@@ -6,6 +6,7 @@ index_bytes_per_token, full_indexer_layers, shared_indexer_layers, hbm_bytes, kv
 max_context_at_batch}, `flops_per_token` {decode, executed_decode}, `comm` {prefill, decode}: each
 {point, per_step {kind: {count, message_bytes, wire_bytes}}, per_layer {layer: {kind: {count,
 message_bytes}}}}, `moe_lowering` {phase: decision}, `moe_alternatives` {gather, a2a: per_step},
+`ep_dispatch_bytes_per_token` (payload, top_k x hidden in the dispatch dtype),
 `fusions` {phase: {rule: count}}. Byte conventions are those of `glmc.passes.costs`.
 """
 from __future__ import annotations
@@ -15,6 +16,8 @@ from glmc.parallel import parse_parallel
 from glmc.passes import Options
 from glmc.passes.costs import params_of
 from glmc.passes.estimate_cost import bill
+from glmc.passes.rewrite import FUSIONS
+from glmc.ir.types import DTYPE_BYTES
 from glmc.spec import DTypes, ModelSpec
 
 H200_HBM_BYTES = 141 * 10**9
@@ -78,7 +81,11 @@ def explain_plan(meta: dict, graphs: dict, batch: int = 32, context: int = 4096,
     out["moe_lowering"] = {ph: m.get("moe_lowering") for ph, m in meta["phases"].items()
                            if m.get("moe_lowering")}
     out["moe_alternatives"] = _alternatives(spec, par, meta, batch, context)
-    out["fusions"] = {ph: m.get("rewrites", {}) for ph, m in meta["phases"].items()}
+    disp = "fp8" if dtypes.weight == "fp8" else dtypes.activation
+    out["ep_dispatch_bytes_per_token"] = cfg.num_experts_per_tok * cfg.hidden_size * \
+        DTYPE_BYTES[disp]
+    out["fusions"] = {ph: {k: v for k, v in m.get("rewrites", {}).items() if k in FUSIONS}
+                      for ph, m in meta["phases"].items()}
     return out
 
 

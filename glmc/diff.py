@@ -1,0 +1,60 @@
+"""`glmc diff A B`: a readable IR diff of two plans (or two parallel specs of one model) and a
+summary of collectives and fusions added or removed."""
+from __future__ import annotations
+
+import difflib
+from collections import Counter
+from pathlib import Path
+
+from glmc.ir import Graph, print_graph
+from glmc.passes.rewrite import FUSIONS
+
+COLLECTIVE_PREFIXES = ("comm.", "moe.dispatch", "moe.combine", "fused.allreduce", "fused.reduce_scatter")
+
+
+def _graphs(arg: str, model: str | None, phase: str) -> tuple[str, Graph]:
+    if (Path(arg) / "plan.json").exists():
+        from glmc.compiler import load_plan_graphs
+        _, graphs = load_plan_graphs(arg)
+        if phase not in graphs:
+            raise ValueError(f"{arg}: plan has no phase {phase!r} (has {sorted(graphs)})")
+        return arg, graphs[phase]
+    from glmc.cli import _model_path
+    from glmc.compiler import compile_phase
+    from glmc.parallel import parse_parallel
+    from glmc.passes import Options
+    from glmc.spec import load_spec
+    if Path(arg).exists():
+        raise ValueError(f"{arg}: not a plan directory (no plan.json)")
+    spec = load_spec(_model_path(model))
+    return f"{spec.name} {arg}", compile_phase(spec, parse_parallel(arg, spec.config), phase, Options())
+
+
+def summary(a: Graph, b: Graph) -> list[str]:
+    """Collective ops and fusion rewrites whose counts differ, as `+n kind` / `-n kind` lines."""
+    def coll(g):
+        return Counter(op.kind for op in g.ops if op.kind.startswith(COLLECTIVE_PREFIXES))
+    lines = []
+    for title, ca, cb in (("collectives", coll(a), coll(b)),
+                          ("fusions", _fusions(a), _fusions(b))):
+        rows = [f"  {'+' if cb[k] > ca[k] else '-'}{abs(cb[k] - ca[k])} {k} ({ca[k]} -> {cb[k]})"
+                for k in sorted(set(ca) | set(cb)) if ca[k] != cb[k]]
+        lines += [f"{title}:"] + (rows or ["  (same)"])
+    return lines
+
+
+def _fusions(g: Graph) -> Counter:
+    return Counter({k: v for k, v in g.meta.get("rewrites", {}).items() if k in FUSIONS})
+
+
+def diff_text(name_a: str, a: Graph, name_b: str, b: Graph) -> str:
+    body = difflib.unified_diff(print_graph(a).splitlines(), print_graph(b).splitlines(),
+                                name_a, name_b, lineterm="", n=1)
+    return "\n".join([*summary(a, b), "", *body]) + "\n"
+
+
+def diff_main(a: str, b: str, model: str | None, phase: str) -> int:
+    name_a, ga = _graphs(a, model, phase)
+    name_b, gb = _graphs(b, model, phase)
+    print(diff_text(name_a, ga, name_b, gb), end="")
+    return 0

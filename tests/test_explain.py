@@ -1,0 +1,96 @@
+"""`glmc explain` reproduces the GLM-5.3 article's figures (and the CLI around it)."""
+import json
+
+import onnx
+import pytest
+
+from glmc.cli import main
+from glmc.compiler import compile_plan, plan_json
+from glmc.explain import explain_plan
+from glmc.parallel import parse_parallel
+from tests.compile_util import FULL, spec
+
+
+@pytest.fixture(scope="module")
+def bills():
+    s = spec(FULL)
+    out = {}
+    for par in ("tp8", "tp8ep8", "dp8ep8"):
+        plan = compile_plan(s, parse_parallel(par, s.config))
+        out[par] = explain_plan(plan_json(plan), plan.graphs, batch=32, context=4096)
+    return out
+
+
+def test_parameters_and_memory(bills):
+    d = bills["dp8ep8"]
+    assert 743e9 < d["params"]["total"] < 745e9          # ~744B
+    assert 39.5e9 < d["params"]["active_per_token"] < 41e9  # ~40B active
+    assert d["memory"]["kv_elements_per_token_per_layer"] == 576
+    assert d["memory"]["kv_bytes_per_token"] == 44928       # 44.9 KB/token in fp8
+    assert d["memory"]["full_indexer_layers"] == 21 and d["memory"]["shared_indexer_layers"] == 57
+    assert 105e9 < d["memory"]["weights_bytes_per_rank"] < 115e9   # ~109 GB per rank (EP8)
+
+
+def _per_layer(d, phase, layer):
+    return {k: v["messages"] for k, v in d["comm"][phase]["per_layer"][str(layer)].items()}
+
+
+def test_tp8_ledger(bills):
+    b = 32 * 6144 * 2
+    assert _per_layer(bills["tp8"], "decode", 5) == {"all_reduce": [b, b]}
+    step = bills["tp8"]["comm"]["decode"]["per_step"]
+    assert step["all_reduce"]["count"] == 157 and step["all_gather"]["count"] == 1
+
+
+def test_tp8ep8_ledger(bills):
+    layer = _per_layer(bills["tp8ep8"], "decode", 5)
+    assert layer["reduce_scatter"][-1] == 32 * 6144 * 2
+    assert layer["all_gather"][0] == 32 * 6144 * 2
+
+
+def test_dp8ep8_decode_bill_at_batch_32(bills):
+    d = bills["dp8ep8"]
+    assert _per_layer(d, "decode", 5)["all_gather"][0] == 393216      # 393 KB per DP gather
+    assert d["ep_dispatch_bytes_per_token"] == 49152                  # 48 KB per token, fp8
+    a2a = d["moe_alternatives"]["a2a"]
+    assert a2a["dispatch"]["count"] == 75
+    assert a2a["dispatch"]["message_bytes"] == 75 * 32 * (49152 + 8 * 8)   # + routing weights/ids
+    assert a2a["combine"]["message_bytes"] == 75 * 32 * 8 * 6144 * 2
+    assert "all_reduce" not in d["comm"]["decode"]["per_step"]         # attention is local
+
+
+def test_cli_compile_explain_diff_onnx(tmp_path, capsys):
+    out = tmp_path / "plan"
+    assert main(["compile", "--parallel", "tp8ep8", "-o", str(out), "--dump-after",
+                 "propagate-sharding,fuse-add-norm"]) == 0
+    for name in ("prefill.ir", "decode.ir", "mtp_draft.ir", "mtp_verify.ir", "plan.json", "report.md"):
+        assert (out / name).exists(), name
+    assert (out / "after" / "02-propagate-sharding" / "decode.ir").exists()
+    assert "comm.reshard" in (out / "after" / "02-propagate-sharding" / "decode.ir").read_text()
+    capsys.readouterr()
+    assert main(["explain", str(out), "--json", "--batch", "8"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["comm"]["decode"]["point"]["T"] == 8 and d["parallel"]["spec"] == "tp8ep8"
+    assert main(["explain", str(out)]) == 0
+    assert "## Communication: decode" in capsys.readouterr().out
+    assert main(["diff", "tp8", "tp8ep8", "--phase", "prefill"]) == 0
+    text = capsys.readouterr().out
+    assert "-1 comm.all_reduce (1 -> 0)" in text and "+4 fused.reduce_scatter_add_rms (0 -> 4)" in text
+    assert "--- glm-tiny tp8" in text and "+++ glm-tiny tp8ep8" in text
+    assert main(["export-onnx", str(out)]) == 0
+    model = onnx.load(str(out / "decode.onnx"))
+    onnx.checker.check_model(model)
+    assert any(n.op_type == "attn.mla_absorbed" and n.domain == "ai.glmc" for n in model.graph.node)
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["compile", "--parallel", "tp48", "--model", "glm_moe_dsa"], "attn_tp = 48"),
+    (["compile", "--model", "nope.yaml"], "nope.yaml: no such model file"),
+    (["compile", "--dump-after", "fuse-everything"], "unknown pass ['fuse-everything']"),
+    (["explain", "/nonexistent"], "not a plan directory"),
+])
+def test_cli_errors(argv, msg, capsys, tmp_path):
+    argv = argv + (["-o", str(tmp_path / "p")] if argv[0] == "compile" else [])
+    assert main(argv) == 2
+    assert msg in capsys.readouterr().err
+    assert not (tmp_path / "p").exists()          # nothing half-written
