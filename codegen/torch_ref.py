@@ -1,0 +1,223 @@
+"""The `torch` codegen target: one pure, fp32-exact reference function per op of glm_moe_dsa.
+
+These are the numerics every other target is checked against (and, composed by
+`runtime/reference_model.py`, what is checked against Hugging Face). Clarity beats speed: attention
+and the indexer loop over requests and gather each request's KV through `req_to_token`.
+
+Conventions: token-major tensors ([T, ...]); linear weights in HF layout [out, in] (y = x @ W.T);
+RoPE output uses HF's layout (see `rope`); top-k indices are POSITIONS within the request (columns of
+`req_to_token`), -1 padded, never slots, so a shared layer can reuse them whatever the page layout.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from glmc.runtime.forward_batch import ForwardBatch
+from glmc.runtime.kv_cache import KVPool
+
+
+def rms_norm(x, weight, eps):
+    """y = weight * x / sqrt(mean(x^2, -1) + eps), computed in fp32."""
+    x = x.float()
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def add_rms_norm(x, residual, weight, eps):
+    """r = x + residual; returns (rms_norm(r), r): the fused pre-norm of the next sub-layer."""
+    new_residual = x + residual
+    return rms_norm(new_residual, weight, eps), new_residual
+
+
+def layer_norm(x, weight, bias, eps):
+    """y = (x - mean) / sqrt(var + eps) * weight + bias over the last dim (biased variance)."""
+    return F.layer_norm(x.float(), (x.shape[-1],), weight, bias, eps)
+
+
+def rope(x, positions, theta, interleaved=True):
+    """Rotate x[t, ..., :] by angle positions[t] * theta^(-2j/d) per pair j of the last dim.
+
+    interleaved=True pairs (x[2j], x[2j+1]) (DeepSeek/GLM) and, like HF, writes the result
+    de-interleaved: [rotated evens | rotated odds]. interleaved=False pairs (x[j], x[j + d/2]) and
+    keeps that layout. A dot product of two vectors rotated the same way is layout-independent, so
+    q and k (and the KV cache) must just use the same call.
+    """
+    d = x.shape[-1]
+    # Same float ops as HF's rotary embedding so angles match bit for bit.
+    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float) / d))
+    freqs = positions.float()[:, None] * inv_freq  # [T, d/2]
+    shape = (freqs.shape[0],) + (1,) * (x.dim() - 2) + (d // 2,)
+    cos, sin = freqs.cos().view(shape), freqs.sin().view(shape)
+    if interleaved:
+        a, b = x[..., 0::2], x[..., 1::2]
+    else:
+        a, b = x[..., : d // 2], x[..., d // 2 :]
+    return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
+
+
+def kv_write(pool: KVPool, layer, loc, c_kv, k_pe):
+    """pool.kv[layer][loc] = [c_kv | k_pe] (normalised latent, then RoPE'd shared key)."""
+    pool.kv[layer][loc] = torch.cat([c_kv, k_pe], dim=-1).to(pool.dtype)
+
+
+def index_k_write(pool: KVPool, layer, loc, k):
+    """pool.index_k[layer][loc] = k (the RoPE'd, LayerNorm'd indexer key; full layers only)."""
+    pool.index_k[layer][loc] = k.to(pool.dtype)
+
+
+def _requests(batch: ForwardBatch):
+    """Yield (token slice, key positions' slots [L], query positions [n]) per request."""
+    for b, start, end in batch.token_ranges():
+        row, seq_len = int(batch.req_pool_indices[b]), int(batch.seq_lens[b])
+        slots = batch.req_to_token[row, :seq_len].long()
+        yield slice(start, end), slots, batch.positions[start:end]
+
+
+def indexer_topk(q_idx, weights, pool: KVPool, layer, batch: ForwardBatch, topk):
+    """I(t,s) = sum_h w_h(t) relu(q_h(t).k(s) Di^-0.5) over s <= pos(t); top-k POSITIONS, -1 padded.
+
+    `weights` is weights_proj(x) * Hi^-0.5 (the caller applies HF's head scaling). HF ranks a row over
+    ALL seq_len keys of the request with future keys at -inf and k = min(topk, seq_len); we do the
+    same so torch.topk sees identical rows and breaks exact ties (keys whose every head is ReLU'd to 0)
+    exactly like HF. Positions of future keys that fill a short row are then replaced by -1.
+    """
+    out = torch.full((q_idx.shape[0], topk), -1, dtype=torch.int64)
+    scale = q_idx.shape[-1] ** -0.5
+    for tok, slots, qpos in _requests(batch):
+        k = pool.index_k[layer][slots].float()  # [L, Di]
+        scores = torch.relu(torch.einsum("thd,ld->thl", q_idx[tok].float(), k) * scale)
+        index = torch.einsum("th,thl->tl", weights[tok].float(), scores)  # [n, L]
+        future = torch.arange(k.shape[0])[None, :] > qpos[:, None]
+        index = index.masked_fill(future, float("-inf"))
+        picked = index.topk(min(topk, k.shape[0]), dim=-1).indices
+        picked = picked.masked_fill(picked > qpos[:, None], -1)
+        out[tok, : picked.shape[1]] = picked
+    return out
+
+
+def _allowed(qpos, num_keys, topk_pos):
+    """Key mask [n, L]: causal, and (if topk_pos is given) among the top-k positions."""
+    causal = torch.arange(num_keys)[None, :] <= qpos[:, None]
+    if topk_pos is None:
+        return causal
+    chosen = torch.zeros(qpos.shape[0], num_keys + 1, dtype=torch.bool)
+    # -1 pads land in the extra last column, which is dropped.
+    chosen.scatter_(1, torch.where(topk_pos < 0, num_keys, topk_pos), True)
+    return causal & chosen[:, :num_keys]
+
+
+def _softmax_masked(scores, allowed):
+    """softmax over keys of scores [H, n, L] restricted to allowed [n, L]."""
+    return torch.softmax(scores.masked_fill(~allowed[None], float("-inf")), dim=-1)
+
+
+def mla_attention_mha(q_nope, q_pe, pool: KVPool, layer, w_kv_b, topk, batch: ForwardBatch, scale, dn, dv):
+    """o_h = softmax(s (q_nope.k_nope + q_pe.k_pe) | causal & top-k) v, with [k_nope|v] = kv_b(c_kv).
+
+    Prefill form: every request's latent KV is gathered through req_to_token and expanded per head.
+    `topk` is [T, K] positions from `indexer_topk` (-1 padded) or None for dense causal. -> [T, H*dv].
+    """
+    T, H = q_nope.shape[:2]
+    out = q_nope.new_zeros(T, H, dv, dtype=torch.float32)
+    for tok, slots, qpos in _requests(batch):
+        kv = (pool.c_kv(layer, slots).float() @ w_kv_b.float().T).view(-1, H, dn + dv)
+        k_nope, v = kv[..., :dn], kv[..., dn:]
+        k_pe = pool.k_pe(layer, slots).float()
+        scores = torch.einsum("thd,lhd->htl", q_nope[tok].float(), k_nope)
+        scores = (scores + torch.einsum("thd,ld->htl", q_pe[tok].float(), k_pe)) * scale
+        probs = _softmax_masked(scores, _allowed(qpos, slots.shape[0], None if topk is None else topk[tok]))
+        out[tok] = torch.einsum("htl,lhd->thd", probs, v)
+    return out.reshape(T, H * dv)
+
+
+def mla_attention_absorbed(q_nope, q_pe, pool: KVPool, layer, w_kv_b, topk, batch: ForwardBatch, scale, dn, dv):
+    """Same result as mla_attention_mha, in latent space: q_lat = q_nope W_UK; o = softmax(...) c_kv W_UV.
+
+    Decode form: scores against the cached 576-wide rows directly, no per-head K/V expansion.
+    """
+    T, H = q_nope.shape[:2]
+    w = w_kv_b.float().view(H, dn + dv, -1)
+    w_uk, w_uv = w[:, :dn], w[:, dn:]  # [H, dn, R], [H, dv, R]
+    q_lat = torch.einsum("thd,hdr->thr", q_nope.float(), w_uk)
+    out_lat = q_lat.new_zeros(q_lat.shape)
+    for tok, slots, qpos in _requests(batch):
+        c_kv, k_pe = pool.c_kv(layer, slots).float(), pool.k_pe(layer, slots).float()
+        scores = torch.einsum("thr,lr->htl", q_lat[tok], c_kv)
+        scores = (scores + torch.einsum("thd,ld->htl", q_pe[tok].float(), k_pe)) * scale
+        probs = _softmax_masked(scores, _allowed(qpos, slots.shape[0], None if topk is None else topk[tok]))
+        out_lat[tok] = torch.einsum("htl,lr->thr", probs, c_kv)
+    return torch.einsum("thr,hvr->thv", out_lat, w_uv).reshape(T, H * dv)
+
+
+def moe_route(x, gate_w, bias, top_k, n_group, topk_group, norm_topk_prob, routed_scaling_factor):
+    """s = sigmoid(x Wg^T); choose top-k of s+bias within the best topk_group groups; w = s / sum * rsf.
+
+    A group's score is the sum of its two largest biased scores. Weights use the UNBIASED s.
+    Returns (weights [T, k] fp32, expert ids [T, k] int64); id order is torch.topk's (unsorted), as HF.
+    """
+    scores = torch.sigmoid(x.float() @ gate_w.float().T)
+    choice = scores + bias.float()
+    T, E = choice.shape
+    group_scores = choice.view(T, n_group, E // n_group).topk(2, dim=-1).values.sum(-1)
+    group_idx = group_scores.topk(topk_group, dim=-1, sorted=False).indices
+    group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1).bool()
+    expert_mask = group_mask[:, :, None].expand(T, n_group, E // n_group).reshape(T, E)
+    ids = choice.masked_fill(~expert_mask, float("-inf")).topk(top_k, dim=-1, sorted=False).indices
+    weights = scores.gather(1, ids)
+    if norm_topk_prob:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return weights * routed_scaling_factor, ids
+
+
+def swiglu(x, w_gate, w_up, w_down):
+    """y = (silu(x Wg^T) * (x Wu^T)) Wd^T."""
+    x = x.float()
+    return (F.silu(x @ w_gate.float().T) * (x @ w_up.float().T)) @ w_down.float().T
+
+
+def moe_experts(x, ids, weights, w_gate, w_up, w_down, expert_offset=0):
+    """y_t = sum over chosen experts e held here (offset <= e < offset+E) of w_te * swiglu_e(x_t).
+
+    Experts outside this rank's range contribute nothing, so summing over EP ranks gives the full
+    result; with an intermediate-dim (moe_tp) shard of the weights each rank returns a partial sum.
+    """
+    out = torch.zeros(x.shape[0], w_down.shape[1], dtype=torch.float32)
+    for e in range(w_gate.shape[0]):
+        tok, slot = torch.where(ids == expert_offset + e)
+        if tok.numel() == 0:
+            continue
+        y = swiglu(x[tok], w_gate[e], w_up[e], w_down[e]) * weights[tok, slot, None].float()
+        out.index_add_(0, tok, y)
+    return out
+
+
+def sample(logits, temperature, top_k, top_p, min_p, generator=None):
+    """Per row: greedy if temperature == 0, else draw from softmax(logits / T) after top-k/top-p/min-p.
+
+    Per-row tensors [B]; top_k <= 0 means all tokens, top_p 1 and min_p 0 disable those filters.
+    top-p keeps the smallest prefix of sorted probabilities whose mass reaches p (at least one token);
+    min-p drops tokens with p < min_p * max(p).
+    """
+    logits = logits.float()
+    B, V = logits.shape
+    greedy = logits.argmax(-1)
+    temp = temperature.float().clamp_min(1e-6)[:, None]
+    probs = torch.softmax(logits / temp, dim=-1)
+    sorted_p, order = probs.sort(dim=-1, descending=True)
+    rank = torch.arange(V)[None, :]
+    k = torch.where(top_k <= 0, V, top_k.clamp_max(V))[:, None]
+    keep = rank < k
+    keep &= (sorted_p.cumsum(-1) - sorted_p) <= top_p.float()[:, None]  # SGLang: drop if mass before > p
+    keep &= sorted_p >= min_p.float()[:, None] * sorted_p[:, :1]
+    keep[:, 0] = True
+    sorted_p = sorted_p * keep
+    choice = torch.multinomial(sorted_p / sorted_p.sum(-1, keepdim=True), 1, generator=generator)
+    drawn = order.gather(1, choice).squeeze(1)
+    return torch.where(temperature <= 0, greedy, drawn)
+
+
+def fp8_block_dequant(w_fp8, scale_inv, block=128):
+    """W[i, j] = Wq[i, j] * S[i // block, j // block] in fp32 (DeepSeek/GLM block-scaled FP8)."""
+    rows, cols = w_fp8.shape
+    s = scale_inv.float().repeat_interleave(block, 0)[:rows].repeat_interleave(block, 1)[:, :cols]
+    return w_fp8.float() * s

@@ -1,0 +1,107 @@
+"""One forward step's inputs (SGLang's `ForwardBatch`, trimmed to what the model needs).
+
+The scheduler builds a `ForwardBatch` per step; every executor (the torch `ReferenceModel`, compiled
+plans) reads only these tensors. Token-level tensors are laid out request by request: the first
+`extend_lens[0]` tokens belong to request 0, and so on. KV slots are already allocated when the batch
+is built: `out_cache_loc[t]` is where token t's KV goes and `req_to_token[row, pos]` maps any
+position of a request to its slot (so attention never needs to know about pages).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+MODES = ("extend", "decode", "idle")
+
+
+def _i64(values) -> torch.Tensor:
+    return torch.as_tensor(values, dtype=torch.int64)
+
+
+@dataclass
+class ForwardBatch:
+    """One forward step's inputs, SGLang-style. T = tokens in the step, B = requests."""
+
+    mode: str  # "extend" (prefill/chunked/prefix-hit; also mixed) | "decode" | "idle"
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64, absolute positions (start at prefix_len for a prefix hit)
+    req_pool_indices: torch.Tensor  # [B] int64 rows of req_to_token
+    seq_lens: torch.Tensor  # [B] int64, total length after this step
+    prefix_lens: torch.Tensor  # [B] int64, tokens already in the KV cache before this step
+    extend_lens: torch.Tensor  # [B] int64, new tokens this step (decode: all 1); sum == T
+    out_cache_loc: torch.Tensor  # [T] int64, KV slot for each new token
+    req_to_token: torch.Tensor  # [max_reqs, max_context] int64, KV slot of (request row, position)
+
+    def __post_init__(self):
+        self.validate()
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.numel())
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.req_pool_indices.numel())
+
+    @classmethod
+    def build(cls, mode: str, input_ids, req_pool_indices, prefix_lens, req_to_token) -> ForwardBatch:
+        """Derive positions, lengths and out_cache_loc from per-request new tokens.
+
+        `input_ids` is a list (one entry per request) of that request's new token ids; the slots of
+        positions [prefix_len, prefix_len + extend_len) must already be written into `req_to_token`.
+        """
+        extend_lens = [len(ids) for ids in input_ids]
+        positions, locs = [], []
+        for row, prefix, n in zip(req_pool_indices, prefix_lens, extend_lens):
+            span = torch.arange(int(prefix), int(prefix) + n)
+            positions.append(span)
+            locs.append(req_to_token[int(row), span].long())
+        flat_ids = [int(t) for ids in input_ids for t in ids]
+        return cls(
+            mode=mode,
+            input_ids=_i64(flat_ids),
+            positions=torch.cat(positions).long() if positions else _i64([]),
+            req_pool_indices=_i64(list(req_pool_indices)),
+            seq_lens=_i64([int(p) + n for p, n in zip(prefix_lens, extend_lens)]),
+            prefix_lens=_i64(list(prefix_lens)),
+            extend_lens=_i64(extend_lens),
+            out_cache_loc=torch.cat(locs).long() if locs else _i64([]),
+            req_to_token=req_to_token,
+        )
+
+    @classmethod
+    def idle(cls, req_to_token: torch.Tensor | None = None) -> ForwardBatch:
+        """An empty step: DP-attention ranks with no work still join every collective."""
+        empty = _i64([])
+        table = req_to_token if req_to_token is not None else torch.zeros((0, 0), dtype=torch.int64)
+        return cls("idle", empty, empty, empty, empty, empty, empty, empty, table)
+
+    def token_ranges(self) -> list[tuple[int, int, int]]:
+        """Per request: (index into the batch, first token index, one-past-last token index)."""
+        ends = torch.cumsum(self.extend_lens, 0).tolist()
+        starts = [0] + ends[:-1]
+        return [(b, s, e) for b, (s, e) in enumerate(zip(starts, ends))]
+
+    def validate(self) -> None:
+        """Check the cross-tensor invariants; errors print the numbers that disagree."""
+        if self.mode not in MODES:
+            raise ValueError(f"ForwardBatch.mode must be one of {MODES}, got {self.mode!r}")
+        T, B = self.num_tokens, self.batch_size
+        for name in ("positions", "out_cache_loc"):
+            if getattr(self, name).shape != (T,):
+                raise ValueError(f"{name} has shape {tuple(getattr(self, name).shape)}, expected ({T},)")
+        for name in ("seq_lens", "prefix_lens", "extend_lens"):
+            if getattr(self, name).shape != (B,):
+                raise ValueError(f"{name} has shape {tuple(getattr(self, name).shape)}, expected ({B},)")
+        if int(self.extend_lens.sum()) != T:
+            raise ValueError(f"sum(extend_lens)={int(self.extend_lens.sum())} != T={T}")
+        if not torch.equal(self.prefix_lens + self.extend_lens, self.seq_lens):
+            raise ValueError(
+                f"prefix_lens {self.prefix_lens.tolist()} + extend_lens {self.extend_lens.tolist()}"
+                f" != seq_lens {self.seq_lens.tolist()}"
+            )
+        if self.mode == "decode" and bool((self.extend_lens != 1).any()):
+            raise ValueError(f"decode batch needs extend_lens all 1, got {self.extend_lens.tolist()}")
+        if self.mode == "idle" and T:
+            raise ValueError(f"idle batch must have no tokens, got T={T}")

@@ -1,0 +1,120 @@
+"""Tiny random glm_moe_dsa checkpoints for tests; the HF model built here is the numerical oracle.
+
+HF initialises weights with std 0.02, which leaves logits nearly tied and attention nearly uniform, so
+top-k and routing bugs would hide. `randomize_` re-draws every weight at unit-variance scale (norm
+weights around 1, non-zero LayerNorm bias and router bias) so sparse attention, group-limited routing
+and greedy decoding are all decisive. Everything is deterministic given the seed.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
+
+# Shapes small enough for 2 CPU cores; index_topk below the prompt lengths used in tests so DSA is active.
+BASE = dict(
+    vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
+    num_attention_heads=2, num_key_value_heads=2, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
+    qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+    n_group=4, topk_group=2, first_k_dense_replace=1, index_topk=8, index_n_heads=4, index_head_dim=16,
+    indexer_types=["full", "shared", "full", "shared"], routed_scaling_factor=2.5, rms_norm_eps=1e-5,
+    max_position_embeddings=512, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    eos_token_id=None, bos_token_id=None, pad_token_id=None, tie_word_embeddings=False,
+)
+# Named variants: "grouped" = n_group 4 / topk_group 2, FSFS indexers; "wide" = 4 heads, 3 layers,
+# ungrouped routing, indexer schedule from HF's freq/offset rule (F F S), index_topk 16.
+CONFIGS = {
+    "grouped": {},
+    "wide": dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=3,
+                 n_group=1, topk_group=1, index_topk=16, index_n_heads=2, indexer_types=None,
+                 index_topk_freq=2, index_skip_topk_offset=2, first_k_dense_replace=2, vocab_size=320,
+                 rope_parameters={"rope_type": "default", "rope_theta": 500.0}),
+}
+
+
+def make_config(name: str = "grouped", **overrides) -> GlmMoeDsaConfig:
+    """A GlmMoeDsaConfig from BASE + CONFIGS[name] + overrides (HF derives the rest)."""
+    kw = {**BASE, **CONFIGS[name], **overrides}
+    if kw.get("indexer_types") is None:
+        kw.pop("indexer_types", None)
+    return GlmMoeDsaConfig(**kw)
+
+
+@torch.no_grad()
+def randomize_(module: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """Re-draw every parameter and the router bias at decisive scales (see module doc)."""
+    g = torch.Generator().manual_seed(seed)
+    for name, t in sorted(list(module.named_parameters()) + list(module.named_buffers())):
+        if "inv_freq" in name:
+            continue
+        noise = torch.randn(t.shape, generator=g)
+        if name.endswith("e_score_correction_bias") or name.endswith("k_norm.bias"):
+            t.copy_(0.2 * noise)
+        elif t.dim() == 1:  # RMSNorm / LayerNorm weights
+            t.copy_(1.0 + 0.2 * noise)
+        elif name.endswith("embed_tokens.weight"):
+            t.copy_(noise)
+        else:  # [.., out, in] linear weights, fused experts included
+            t.copy_(noise / math.sqrt(t.shape[-1]))
+    return module
+
+
+def build_hf(config: GlmMoeDsaConfig, seed: int = 0) -> GlmMoeDsaForCausalLM:
+    """A randomised fp32 HF model in eval mode."""
+    torch.manual_seed(seed)
+    return randomize_(GlmMoeDsaForCausalLM(config), seed).float().eval()
+
+
+@torch.no_grad()
+def shrink_latents_(model: GlmMoeDsaForCausalLM, factor: float = 1e-3) -> None:
+    """Scale q_a_proj and the c_kv rows of kv_a_proj so the latents' variance (~1e-6) is comparable
+    to the RMSNorm eps: a wrong q_a/kv_a layernorm eps then moves logits by O(1), not O(1e-6)."""
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        attn.q_a_proj.weight.mul_(factor)
+        attn.kv_a_proj_with_mqa.weight[: attn.kv_lora_rank].mul_(factor)
+
+
+def save_tiny(path: Path, name: str = "grouped", seed: int = 0, max_shard_size=None, tweak=None, **overrides):
+    """Build, randomise (then `tweak(model)` if given) and save_pretrained a tiny model; returns it."""
+    model = build_hf(make_config(name, **overrides), seed)
+    if tweak is not None:
+        tweak(model)
+    kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    model.save_pretrained(path, **kwargs)
+    return model
+
+
+def per_expert(prefix: str, fused_gate_up: torch.Tensor, fused_down: torch.Tensor) -> dict[str, torch.Tensor]:
+    """HF's in-memory fused experts -> the per-expert names HF saves (gate rows first, then up)."""
+    out, inter = {}, fused_down.shape[-1]
+    for e in range(fused_gate_up.shape[0]):
+        out[f"{prefix}{e}.gate_proj.weight"] = fused_gate_up[e, :inter].clone()
+        out[f"{prefix}{e}.up_proj.weight"] = fused_gate_up[e, inter:].clone()
+        out[f"{prefix}{e}.down_proj.weight"] = fused_down[e].clone()
+    return out
+
+
+def checkpoint_names(module: torch.nn.Module, prefix: str) -> dict[str, torch.Tensor]:
+    """state_dict of an HF module under `prefix`, with fused experts split to checkpoint names."""
+    sd, out = module.state_dict(), {}
+    for k, v in sd.items():
+        if k.endswith("experts.gate_up_proj"):
+            out |= per_expert(prefix + k[: -len("gate_up_proj")], v, sd[k[: -len("gate_up_proj")] + "down_proj"])
+        elif not k.endswith("experts.down_proj") and "inv_freq" not in k:
+            out[prefix + k] = v.clone()
+    return out
+
+
+def fp8_quantize(w: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-scaled float8_e4m3fn: S = amax(block) / 448, Wq = W / S (DeepSeek's recipe)."""
+    rows, cols = w.shape
+    nb_r, nb_c = -(-rows // block), -(-cols // block)
+    padded = torch.zeros(nb_r * block, nb_c * block)
+    padded[:rows, :cols] = w.float()
+    blocks = padded.view(nb_r, block, nb_c, block)
+    scale = blocks.abs().amax(dim=(1, 3)).clamp_min(1e-12) / 448.0
+    q = (blocks / scale[:, None, :, None]).view(nb_r * block, nb_c * block)[:rows, :cols]
+    return q.to(torch.float8_e4m3fn), scale
