@@ -155,7 +155,13 @@ def moe_route(x, gate_w, bias, top_k, n_group, topk_group, norm_topk_prob, route
     A group's score is the sum of its two largest biased scores. Weights use the UNBIASED s.
     Returns (weights [T, k] fp32, expert ids [T, k] int64); id order is torch.topk's (unsorted), as HF.
     """
-    scores = torch.sigmoid(x.float() @ gate_w.float().T)
+    return moe_route_logits(x.float() @ gate_w.float().T, bias, top_k, n_group, topk_group,
+                            norm_topk_prob, routed_scaling_factor)
+
+
+def moe_route_logits(logits, bias, top_k, n_group, topk_group, norm_topk_prob, routed_scaling_factor):
+    """moe_route from router logits [T, E] (fp32) instead of x and the gate weight."""
+    scores = torch.sigmoid(logits.float())
     choice = scores + bias.float()
     T, E = choice.shape
     group_scores = choice.view(T, n_group, E // n_group).topk(2, dim=-1).values.sum(-1)

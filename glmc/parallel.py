@@ -55,6 +55,9 @@ def parse_parallel(text: str, config: GlmConfig | None = None) -> Parallel:
         raise ParallelError(f"parallel spec {text!r}: ep {ep} does not divide world {world} "
                             f"(= attn_dp {dp} x attn_tp {tp})")
     par = Parallel(dp, tp, ep, world // ep, text.strip().lower())
+    if dp > 1 and ep == 1:
+        raise ParallelError(f"parallel spec {text!r}: attention DP {dp} needs EP > 1 (experts "
+                            f"split over ranks that hold different tokens); use dp{dp}ep{world}")
     if config is not None:
         validate(par, config)
     return par

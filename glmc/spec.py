@@ -226,6 +226,8 @@ def config_from_hf(raw: dict, where: str = "config.json") -> GlmConfig:
 
 
 def _hf_dtypes(raw: dict) -> DTypes:
+    if (raw.get("dtype") or raw.get("torch_dtype")) == "float32":
+        return DTypes(activation="fp32", weight="fp32", kv_cache="fp32", index_cache="fp32")
     quant = raw.get("quantization_config") or {}
     fp8 = quant.get("quant_method") == "fp8" or quant.get("fmt") == "e4m3"
     return DTypes(activation="bf16", weight="fp8" if fp8 else "bf16", kv_cache="fp8",

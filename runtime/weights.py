@@ -203,9 +203,11 @@ def _read(f, scale_f, name, shape, dtype_str, spec) -> torch.Tensor:
 
 
 def load_checkpoint(ckpt_dir, expected: dict[str, tuple[int, ...]], shard: ShardFn | None = None,
-                    dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+                    dtype: torch.dtype = torch.float32, only=None) -> dict[str, torch.Tensor]:
     """Load exactly `expected` (HF name -> FULL shape); shard(name) -> (dim, rank, world) | None
-    picks the slice this rank reads. FP8 (float8_e4m3fn + <name>_scale_inv) comes back dequantised."""
+    picks the slice this rank reads; `only` (a set of names) limits what is read to what this rank
+    needs (e.g. its own experts) while the whole checkpoint is still checked.
+    FP8 (float8_e4m3fn + <name>_scale_inv) comes back dequantised."""
     ckpt_dir = Path(ckpt_dir)
     files = _files(ckpt_dir)
     found = _found_shapes(files)
@@ -218,6 +220,8 @@ def load_checkpoint(ckpt_dir, expected: dict[str, tuple[int, ...]], shard: Shard
         return handles[path]
 
     for name, shape in expected.items():
+        if only is not None and name not in only:
+            continue
         fp8 = found[name][1] == "F8_E4M3"
         scale_f = handle(files[name + SCALE_SUFFIX]) if fp8 else None
         spec = shard(name) if shard else None

@@ -1,0 +1,115 @@
+"""Collectives of a plan over torch.distributed (gloo on CPU, NCCL on GPU), counted as they run.
+
+Ranks are laid out as rank = attn_dp_rank * attn_tp + attn_tp_rank (attention) and
+rank = ep_rank * moe_tp + moe_tp_rank (MoE), so token shards over (attn_dp, attn_tp) concatenate
+in rank order. Every call adds to `counts[kind] = {count, message_bytes}` with the cost model's
+conventions (`glmc.passes.costs`), so a step's counts can be compared with `glmc explain`.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+ATTN, MOE = ("attn_dp", "attn_tp"), ("ep", "moe_tp")
+
+
+@dataclass(frozen=True)
+class Coords:
+    rank: int
+    mesh: dict
+
+    def of(self, axis: str) -> int:
+        m = self.mesh
+        return {"attn_dp": self.rank // m["attn_tp"], "attn_tp": self.rank % m["attn_tp"],
+                "ep": self.rank // m["moe_tp"], "moe_tp": self.rank % m["moe_tp"]}[axis]
+
+
+def group_ranks(axes, mesh: dict, world: int) -> list[list[int]]:
+    """The partition of ranks into groups over `axes` (a tuple of axis names, or "world")."""
+    if axes == "world":
+        return [list(range(world))]
+    axes = tuple(a for a in axes if mesh[a] > 1)
+    family = ATTN if set(axes) <= set(ATTN) else MOE if set(axes) <= set(MOE) else None
+    if family is None:
+        raise ValueError(f"group over {axes} mixes attention and MoE axes")
+    other = [a for a in family if a not in axes]
+    key = lambda r: tuple(Coords(r, mesh).of(a) for a in other)  # noqa: E731
+    groups: dict = defaultdict(list)
+    for r in range(world):
+        groups[key(r)].append(r)
+    return list(groups.values())
+
+
+class Comm:
+    """Process groups for every group a plan uses, and counted collectives over them."""
+
+    def __init__(self, mesh: dict, groups_used: set):
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.mesh, self.coords = mesh, Coords(self.rank, mesh)
+        self.counts: dict = defaultdict(lambda: {"count": 0, "message_bytes": 0})
+        self._groups: dict = {}
+        for axes in sorted(groups_used, key=repr):       # same order on every rank
+            for ranks in group_ranks(axes, mesh, self.world):
+                g = dist.new_group(ranks) if self.world > 1 else None
+                if self.rank in ranks:
+                    self._groups[axes] = (g, ranks)
+
+    def _g(self, axes):
+        return self._groups[axes]
+
+    def _count(self, kind: str, nbytes: int) -> None:
+        self.counts[kind]["count"] += 1
+        self.counts[kind]["message_bytes"] += int(nbytes)
+
+    def reset(self) -> dict:
+        out = {k: dict(v) for k, v in self.counts.items()}
+        self.counts.clear()
+        return out
+
+    def all_reduce(self, x, axes, nbytes=None):
+        g, _ = self._g(axes)
+        x = x.contiguous().clone()
+        dist.all_reduce(x, group=g)
+        self._count("all_reduce", x.numel() * x.element_size() if nbytes is None else nbytes)
+        return x
+
+    def all_gather(self, x, axes, dim=0, nbytes=None):
+        g, ranks = self._g(axes)
+        parts = [torch.empty_like(x) for _ in ranks]
+        dist.all_gather(parts, x.contiguous(), group=g)
+        out = torch.cat(parts, dim=dim)
+        self._count("all_gather", out.numel() * out.element_size() if nbytes is None else nbytes)
+        return out
+
+    def reduce_scatter(self, x, axes, dim=0, nbytes=None):
+        """Sum over the group, keep this rank's 1/n slice of dim (all-reduce + slice: gloo has no
+        reduce_scatter; the traffic counted is the collective's, not the implementation's)."""
+        g, ranks = self._g(axes)
+        total = x.contiguous().clone()
+        dist.all_reduce(total, group=g)
+        self._count("reduce_scatter", x.numel() * x.element_size() if nbytes is None else nbytes)
+        return total.chunk(len(ranks), dim=dim)[ranks.index(self.rank)].contiguous()
+
+    def broadcast(self, x, axes, nbytes=None):
+        g, ranks = self._g(axes)
+        x = x.contiguous().clone()
+        dist.broadcast(x, src=ranks[0], group=g)
+        self._count("broadcast", x.numel() * x.element_size() if nbytes is None else nbytes)
+        return x
+
+    def all_to_all(self, chunks: list[torch.Tensor], axes, kind: str, nbytes: int):
+        """Send chunks[i] to the i-th rank of the group; returns what each rank sent here."""
+        g, ranks = self._g(axes)
+        sizes = torch.tensor([c.shape[0] for c in chunks], dtype=torch.int64)
+        recv_sizes = torch.empty_like(sizes)
+        dist.all_to_all_single(recv_sizes, sizes, group=g)
+        rest = chunks[0].shape[1:]
+        out = torch.empty((int(recv_sizes.sum()),) + tuple(rest), dtype=chunks[0].dtype)
+        dist.all_to_all_single(out, torch.cat(chunks).contiguous(), recv_sizes.tolist(),
+                               sizes.tolist(), group=g)
+        self._count(kind, nbytes)
+        return list(out.split(recv_sizes.tolist()))

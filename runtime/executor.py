@@ -1,0 +1,124 @@
+"""Run a compiled plan's phase graphs with the torch target, one process per rank.
+
+`PlanExecutor(graphs, config, weights, pool, comm)` binds this rank's weights and KV pool;
+`forward(phase, batch, ...)` evaluates the phase graph op by op (`codegen.torch_target.IMPLS`)
+and returns {"logits", "hidden", "next_ids"} for the batch's requests. Token counts that must
+split evenly (TP attention with EP: the residual is split over attn_tp; DP gathers) are padded
+with dummy tokens that write their KV to a scratch slot (the pool's last slot, which allocators
+must not hand out) and are dropped from the outputs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from glmc.codegen.torch_target import IMPLS
+from glmc.ir import Graph
+from glmc.runtime.comm import Comm
+from glmc.runtime.forward_batch import ForwardBatch
+from glmc.runtime.kv_cache import KVPool
+
+
+@dataclass
+class Step:
+    """What ops see during one forward: feeds, batch, pool, comm, padded KV locations."""
+    ex: "PlanExecutor"
+    graph: Graph
+    batch: ForwardBatch
+    feeds: dict
+    loc: torch.Tensor
+    routes: dict = field(default_factory=dict)
+
+    @property
+    def pool(self) -> KVPool:
+        return self.ex.pool
+
+    @property
+    def comm(self) -> Comm:
+        return self.ex.comm
+
+    @property
+    def num_experts(self) -> int:
+        return self.ex.config.n_routed_experts
+
+    def w(self, name: str) -> torch.Tensor:
+        return self.ex.weight(name)
+
+    def tp_rank(self, op) -> int:
+        return self.comm.coords.of("moe_tp" if op.attr("parallel") == "shared" else "attn_tp")
+
+    def gate_bias(self, op) -> str:
+        return f"model.layers.{op.layer}.mlp.gate.e_score_correction_bias"
+
+    def experts(self, op):
+        return self.ex.expert_stacks(op)
+
+    def expert_offset(self, op) -> int:
+        ep = int(op.attr("ep", 1))
+        return self.comm.coords.of("ep") * (int(op.attr("experts")) // ep) if ep > 1 else 0
+
+    def type_of(self, value: str):
+        return self.graph.type_of(value)
+
+
+class PlanExecutor:
+    def __init__(self, graphs: dict[str, Graph], config, weights: dict, pool: KVPool,
+                 comm: Comm | None = None):
+        self.graphs, self.config, self.weights, self.pool = graphs, config, weights, pool
+        self.mesh = next(iter(graphs.values())).meta["mesh"]
+        self.comm = comm or Comm(self.mesh, set())
+        self._stacks: dict = {}
+
+    def weight(self, name: str) -> torch.Tensor:
+        if isinstance(name, tuple):          # fused A-projection: rows of several weights
+            if name not in self._stacks:
+                self._stacks[name] = torch.cat([self.weights[n] for n in name], dim=0)
+            return self._stacks[name]
+        try:
+            return self.weights[name]
+        except KeyError:
+            raise KeyError(f"rank {self.comm.rank} has no weight {name!r} (not in its shard)") from None
+
+    def expert_stacks(self, op):
+        key = op.attr("weight")
+        if key not in self._stacks:
+            ep = int(op.attr("ep", 1))
+            per = int(op.attr("experts")) // ep
+            first = self.comm.coords.of("ep") * per if ep > 1 else 0
+            self._stacks[key] = tuple(torch.stack([self.weights[f"{key}.{e}.{n}_proj.weight"]
+                                                   for e in range(first, first + per)])
+                                      for n in ("gate", "up", "down"))
+        return self._stacks[key]
+
+    def padded_tokens(self, t: int, dp_tokens: list[int] | None) -> int:
+        """Tokens after padding: the largest DP rank's count, rounded up to attn_tp if split."""
+        t = max(dp_tokens) if dp_tokens else t
+        tp = self.mesh["attn_tp"] if self.mesh["ep"] > 1 else 1
+        return -(-t // tp) * tp if t else 0
+
+    @torch.no_grad()
+    def forward(self, phase: str, batch: ForwardBatch, hidden: torch.Tensor | None = None,
+                dp_tokens: list[int] | None = None) -> dict:
+        graph = self.graphs[phase]
+        t = batch.num_tokens
+        pad = self.padded_tokens(t, dp_tokens) - t
+        scratch = torch.full((pad,), self.pool.num_slots - 1, dtype=torch.int64)
+        zeros = torch.zeros(pad, dtype=torch.int64)
+        feeds = {"input_ids": torch.cat([batch.input_ids, zeros]),
+                 "positions": torch.cat([batch.positions, zeros])}
+        if hidden is not None:
+            feeds["hidden"] = torch.cat([hidden.float(), hidden.new_zeros(pad, hidden.shape[1])])
+        step = Step(self, graph, batch, feeds, torch.cat([batch.out_cache_loc, scratch]))
+        values = {}
+        for op in graph.ops:
+            try:
+                out = IMPLS[op.kind](op, [values[v] for v in op.operands], step)
+            except Exception as e:
+                raise RuntimeError(f"rank {self.comm.rank}, {phase}: {op.where()}: {e}") from e
+            values.update(zip(op.results, out if isinstance(out, tuple) else (out,)))
+        head = next(op for op in graph.ops if op.kind == "lm.head")
+        rows = batch.batch_size if phase == "prefill" else t
+        logits = values[next(op for op in graph.ops if op.kind == "sample.tokens").operands[0]]
+        return {"logits": logits[:rows], "hidden": values[head.operands[0]][:rows],
+                "next_ids": values[graph.ops[-1].result][:rows]}

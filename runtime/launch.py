@@ -1,0 +1,45 @@
+"""Start one process per rank with a torch.distributed group (gloo on CPU, NCCL on GPU).
+
+`spawn(fn, world, *args)` runs `fn(rank, world, *args)` in `world` processes. If any rank raises
+or dies, the others are stopped and `RankFailed` names the rank; collectives also time out after
+`timeout_s` (so a peer that vanished under torchrun fails them instead of hanging).
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+class RankFailed(RuntimeError):
+    """A rank raised or died; the message names it and what it said."""
+
+
+def _entry(rank, fn, world, init_file, backend, timeout_s, args):
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
+    try:
+        fn(rank, world, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(fn, world: int, *args, backend: str | None = None, timeout_s: float = 120.0) -> None:
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    fd, init_file = tempfile.mkstemp(prefix="glmc-dist-")
+    os.close(fd)
+    os.unlink(init_file)
+    try:
+        mp.spawn(_entry, args=(fn, world, init_file, backend, timeout_s, args), nprocs=world)
+    except mp.ProcessRaisedException as e:
+        raise RankFailed(f"a rank raised: {str(e).strip().splitlines()[-1]}\n{e}") from None
+    except mp.ProcessExitedException as e:
+        raise RankFailed(f"rank {e.error_index} died (exit code {e.exit_code}); the other ranks "
+                         "were stopped") from None
+    finally:
+        if os.path.exists(init_file):
+            os.unlink(init_file)
