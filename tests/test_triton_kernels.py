@@ -1,0 +1,262 @@
+"""Triton kernels (codegen/triton_target.py) against the torch target (codegen/torch_ref.py).
+
+Runs on CPU under the Triton interpreter, so shapes are tiny and ragged (non-power-of-two widths,
+uneven request lengths, scattered KV slots). Every kernel output is allocated poisoned (NaN / a
+sentinel) so an element the kernel forgot to write fails the comparison. The FileCheck-style tests
+at the end read the generated source: the specialised constants must be in it.
+"""
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: CI has no GPU
+
+import pytest
+import torch
+
+from glmc.codegen import torch_ref as ref
+from glmc.codegen import triton_target as tt
+from glmc.runtime.forward_batch import ForwardBatch
+from glmc.runtime.kv_cache import PAGE_SIZE, KVPool
+
+R, DR, DI, HI = 32, 8, 16, 4  # kv_lora, rope dim, indexer head dim, indexer heads (tiny GLM)
+_EMPTY = torch.empty
+INT_POISON = -777
+
+
+def _poisoned_empty(*args, **kwargs):
+    """torch.empty whose contents are NaN (floats) or INT_POISON (ints): unwritten outputs show."""
+    t = _EMPTY(*args, **kwargs)
+    return t.fill_(float("nan") if t.is_floating_point() else INT_POISON)
+
+
+@pytest.fixture(autouse=True)
+def poison(monkeypatch):
+    monkeypatch.setattr(torch, "empty", _poisoned_empty)
+    torch.manual_seed(0)
+
+
+def make_batch(mode, prefix_lens, extend_lens, num_slots, max_ctx=64):
+    """A ForwardBatch over shuffled request rows and scattered (non-contiguous) KV slots."""
+    B = len(prefix_lens)
+    rows = torch.randperm(B + 1)[:B].tolist()
+    table = torch.full((B + 1, max_ctx), INT_POISON, dtype=torch.int64)
+    slots, used = torch.randperm(num_slots), 0
+    for row, p, n in zip(rows, prefix_lens, extend_lens):
+        table[row, : p + n] = slots[used: used + p + n]
+        used += p + n
+    ids = [[1] * n for n in extend_lens]
+    return ForwardBatch.build(mode, ids, rows, prefix_lens, table)
+
+
+def make_pool(dtype=torch.float32):
+    """Two layers (0 full, 1 shared), random contents so a wrong gather reads wrong numbers."""
+    pool = KVPool(2, {0}, num_pages=2, kv_lora_rank=R, qk_rope_head_dim=DR, index_head_dim=DI, dtype=dtype)
+    for t in pool.kv + list(pool.index_k.values()):
+        t.copy_(torch.randn(t.shape))
+    return pool
+
+
+def close(a, b, tol=1e-5):
+    torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol, equal_nan=True)
+
+
+# ----------------------------------------------------------------------------- norms / router / rope
+def test_rms_norm_and_fused_residual():
+    x, res, w = torch.randn(5, 48), torch.randn(5, 48), torch.randn(48)
+    close(tt.rms_norm(x, w, 1e-5), ref.rms_norm(x, w, 1e-5))
+    normed, new_res = tt.add_rms_norm(x, res, w, 1e-6)
+    ref_normed, ref_res = ref.add_rms_norm(x, res, w, 1e-6)
+    close(new_res, ref_res, 0)
+    close(normed, ref_normed)
+
+
+@pytest.mark.parametrize("n_group,topk_group", [(1, 1), (4, 2)])
+def test_moe_route(n_group, topk_group):
+    x, gate_w, bias = torch.randn(7, 64), torch.randn(16, 64) * 0.3, torch.randn(16) * 0.1
+    w, ids = tt.moe_route(x, gate_w, bias, 4, n_group, topk_group, True, 2.5)
+    ref_w, ref_ids = ref.moe_route(x, gate_w, bias, 4, n_group, topk_group, True, 2.5)
+    order, ref_order = ids.argsort(-1), ref_ids.argsort(-1)  # torch.topk's id order is unspecified
+    assert torch.equal(ids.gather(1, order), ref_ids.gather(1, ref_order))
+    close(w.gather(1, order), ref_w.gather(1, ref_order))
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_rope_partial_strided(interleaved):
+    q = torch.randn(6, 3, 24)  # rotate q[..., 16:] like q_pe inside q, and the first 8 of 16 like q_idx
+    pos = torch.tensor([0, 1, 7, 40, 41, 1000])
+    close(tt.rope(q[..., 16:], pos, 8e6, interleaved), ref.rope(q[..., 16:], pos, 8e6, interleaved))
+    got = tt.rope(q[..., :16], pos, 1e4, interleaved, rope_dim=8)
+    want = torch.cat([ref.rope(q[..., :8], pos, 1e4, interleaved), q[..., 8:16]], dim=-1)
+    close(got, want)
+
+
+@pytest.mark.parametrize("layer", [0, 1])
+def test_qkv_norm_rope_write(layer):
+    """Layer 0 is full (also writes the indexer key), layer 1 shared (no indexer cache)."""
+    pool, T = make_pool(), 5
+    for t in pool.kv + list(pool.index_k.values()):
+        t.fill_(float("nan"))
+    want = make_pool()
+    for a, b in zip(pool.kv + list(pool.index_k.values()), want.kv + list(want.index_k.values())):
+        b.copy_(a)
+    q_a, kv_a, ik = torch.randn(T, 40), torch.randn(T, R + DR), torch.randn(T, DI)
+    qw, kvw, kw, kb = torch.randn(40), torch.randn(R), torch.randn(DI), torch.randn(DI)
+    pos, loc = torch.tensor([3, 4, 0, 9, 10]), torch.tensor([70, 5, 64, 127, 1])
+    full = layer in pool.full_layers
+    c_q = tt.qkv_norm_rope_write(q_a, kv_a, pos, loc, pool, layer, qw, kvw, 1e-6, 8e6,
+                                 index_k=ik if full else None, k_norm_w=kw, k_norm_b=kb, index_interleaved=False)
+    close(c_q, ref.rms_norm(q_a, qw, 1e-6))
+    ref.kv_write(want, layer, loc, ref.rms_norm(kv_a[:, :R], kvw, 1e-6), ref.rope(kv_a[:, R:], pos, 8e6))
+    if full:
+        k = ref.layer_norm(ik, kw, kb, 1e-6)
+        ref.index_k_write(want, layer, loc, torch.cat([ref.rope(k[:, :DR], pos, 8e6, False), k[:, DR:]], -1))
+        close(pool.index_k[layer], want.index_k[layer])
+    close(pool.kv[layer], want.kv[layer])
+
+
+# ----------------------------------------------------------------------------- indexer / attention
+def _indexer_inputs(batch):
+    T = batch.num_tokens
+    return torch.randn(T, HI, DI), torch.randn(T, HI) * HI ** -0.5
+
+
+def _index_scores(q, w, pool, batch):
+    """I(t, s) for every token and key position (test-side helper to compare selections by value)."""
+    out = {}
+    for b, s, e in batch.token_ranges():
+        slots = batch.req_to_token[int(batch.req_pool_indices[b]), : int(batch.seq_lens[b])]
+        k = pool.index_k[0][slots]
+        sc = torch.relu(torch.einsum("thd,ld->thl", q[s:e], k) * DI ** -0.5)
+        for i, t in enumerate(range(s, e)):
+            out[t] = torch.einsum("h,hl->l", w[t], sc[i])
+    return out
+
+
+@pytest.mark.parametrize("mode,prefix,extend,topk", [
+    ("extend", [0, 21, 2], [19, 3, 1], 8),  # ragged chunked prefill: short rows keep all keys
+    ("decode", [4, 40, 16], [1, 1, 1], 16),
+])
+def test_indexer_topk(mode, prefix, extend, topk):
+    pool = make_pool()
+    batch = make_batch(mode, prefix, extend, pool.num_slots)
+    q, w = _indexer_inputs(batch)
+    got = tt.indexer_topk(q, w, pool, 0, batch, topk, block_n=16, chunk=16)
+    want = ref.indexer_topk(q, w, pool, 0, batch, topk)
+    scores = _index_scores(q, w, pool, batch)
+    for t in range(batch.num_tokens):
+        g, r = got[t][got[t] >= 0], want[t][want[t] >= 0]
+        assert g.numel() == r.numel() and torch.equal(got[t][g.numel():], torch.full_like(got[t][g.numel():], -1))
+        assert g.unique().numel() == g.numel() and int(g.max()) <= int(batch.positions[t])
+        # equal as score multisets: exact ties (all heads ReLU'd to 0) may pick other positions
+        assert torch.equal(scores[t][g].sort().values, scores[t][r].sort().values), (t, g, r, scores[t])
+
+
+def test_topk_select_heavy_ties():
+    """Radix select with many exact ties, negatives and short rows (lens <= k keep every position)."""
+    values = torch.tensor([-1.5, -0.25, 0.0, 0.25, 3.0, float("-inf")])
+    scores = values[torch.randint(0, 5, (5, 48))]
+    lens = torch.tensor([48, 40, 7, 33, 12])
+    got = tt.topk_select(scores, lens, 12, chunk=16)
+    for t in range(5):
+        n = int(lens[t])
+        g = got[t][got[t] >= 0]
+        assert g.numel() == min(n, 12) and bool((got[t][g.numel():] == -1).all())
+        assert g.unique().numel() == g.numel() and int(g.max()) < n
+        assert torch.equal(scores[t][g].sort().values, scores[t][:n].topk(min(n, 12)).values.sort().values)
+
+
+@pytest.mark.parametrize("key_major", [False, True])
+@pytest.mark.parametrize("mode,prefix,extend,use_topk,splits", [
+    ("decode", [4, 40, 16], [1, 1, 1], True, 3),
+    ("extend", [0, 9], [12, 3], True, None),
+    ("extend", [0, 9], [12, 3], False, 2),  # dense causal (context <= index_topk)
+])
+def test_sparse_mla(mode, prefix, extend, use_topk, splits, key_major):
+    H, dn, dv = 4, 16, 8
+    pool = make_pool()
+    batch = make_batch(mode, prefix, extend, pool.num_slots)
+    T = batch.num_tokens
+    topk = ref.indexer_topk(*_indexer_inputs(batch), pool, 0, batch, 16) if use_topk else None
+    q_nope, q_pe, w_kv_b = torch.randn(T, H, dn), torch.randn(T, H, DR), torch.randn(H * (dn + dv), R) * 0.2
+    args = (q_nope, q_pe, pool, 0, w_kv_b, topk, batch, 0.25, dn, dv)
+    got = tt.mla_attention_absorbed(*args, block_n=16, num_splits=splits, key_major=key_major)
+    close(got, ref.mla_attention_absorbed(*args), 1e-4)
+
+
+# ----------------------------------------------------------------------------- sampling
+def _ref_filtered(logits, temp, top_k, top_p, min_p, monkeypatch):
+    """torch_ref.sample's filtered distribution, read off the argument it gives torch.multinomial."""
+    seen = {}
+
+    def spy(p, n, generator=None):
+        seen["p"] = p
+        return torch.zeros(p.shape[0], n, dtype=torch.int64)
+
+    monkeypatch.setattr(torch, "multinomial", spy)
+    ref.sample(logits, temp, top_k, top_p, min_p)
+    monkeypatch.undo()
+    order = (logits.float() / temp.clamp_min(1e-6)[:, None]).softmax(-1).sort(-1, descending=True).indices
+    return torch.zeros_like(seen["p"]).scatter(1, order, seen["p"])
+
+
+def test_sample_filters_match_reference(monkeypatch):
+    V = 50
+    logits = torch.randn(5, V) * 2
+    temp = torch.tensor([0.0, 0.7, 1.0, 1.3, 0.9])
+    top_k = torch.tensor([0, 5, -1, 0, 7])
+    top_p = torch.tensor([1.0, 1.0, 0.6, 1.0, 0.8])
+    min_p = torch.tensor([0.0, 0.0, 0.0, 0.2, 0.05])
+    tokens, probs = tt.sample(logits, temp, top_k, top_p, min_p, return_probs=True)
+    want = _ref_filtered(logits, temp, top_k, top_p, min_p, monkeypatch)
+    close(probs[1:], want[1:], 1e-5)
+    assert int(tokens[0]) == int(logits[0].argmax())  # temperature 0: greedy, as torch_ref
+    assert bool((probs.gather(1, tokens[:, None]) > 0).all())
+
+
+def test_sample_draw_frequencies():
+    """The exponential race draws from the filtered distribution (n draws, ~4 sigma bound)."""
+    V, n = 20, 512
+    logits = (torch.randn(1, V) * 1.5).expand(n, V)
+    temp, min_p = torch.full((n,), 0.8), torch.full((n,), 0.1)
+    top_k, top_p = torch.zeros(n, dtype=torch.int64), torch.ones(n)
+    tokens, probs = tt.sample(logits, temp, top_k, top_p, min_p, torch.Generator().manual_seed(1), True)
+    freq = torch.bincount(tokens, minlength=V).float() / n
+    assert bool((probs[0][tokens] > 0).all())
+    assert float((freq - probs[0]).abs().max()) < 4 * 0.5 / n ** 0.5
+
+
+# ----------------------------------------------------------------------------- generated source
+def check(src, *patterns, absent=()):
+    """FileCheck-style: each pattern occurs after the previous one; none of `absent` occurs."""
+    at = 0
+    for p in patterns:
+        found = src.find(p, at)
+        assert found >= 0, f"CHECK: {p!r} not found after offset {at} in:\n{src}"
+        at = found + len(p)
+    for p in absent:
+        assert p not in src, f"CHECK-NOT: {p!r} found"
+
+
+def test_source_is_specialised_for_glm53(tmp_path):
+    norm = tt.RmsNormCtx.make(6144, 1e-5, True)
+    check(tt.render("rms_norm", norm), "res_ptr", "tl.arange(0, 8192)", "offs < 6144", "x = new_res", "+ 1e-05")
+    check(tt.render("rms_norm", tt.RmsNormCtx.make(512, 1e-6, False)), "offs < 512", absent=("res_ptr",))
+    router = tt.MoeRouterCtx.make(256, 1, 1, 8, True, 2.5)
+    check(tt.render("moe_router", router), "tl.arange(0, 256)", "tl.static_range(8)", "1e-20", "* 2.5",
+          absent=("gscore",))
+    check(tt.render("moe_router", tt.MoeRouterCtx.make(256, 8, 4, 8, True, 2.5)), "tl.arange(0, 8)",
+          "tl.arange(0, 32)", "gscore", "tl.static_range(4)", 'float("-inf")')
+    mla = tt.SparseMlaDecodeCtx.make(64, 512, 64, 2048, 2048, 1 / 16, torch.bfloat16, 1, 132)
+    check(tt.render("sparse_mla_decode", mla), "tl.arange(0, 512)", "tl.arange(0, 64)", "num_keys = 2048",
+          "+ 512 + dr", "tl.bfloat16", "* 0.09016844005556021", absent=("num_keys = qpos + 1",))
+    wide = tt.SparseMlaDecodeCtx.make(64, 512, 64, 2048, 2048, 1 / 16, torch.bfloat16, 128, 132)
+    assert (wide.key_major, wide.block_h, wide.num_warps, wide.num_stages) == (True, 64, 8, 1)
+    check(tt.render("sparse_mla_decode", wide), "q = tl.trans(q)", "tl.zeros([512, 64]", "tl.dot(ckv, q",
+          "tl.dot(tl.trans(ckv), p.to(tl.bfloat16)")
+    qkv = tt.QkvNormRopeWriteCtx.make(2048, 512, 64, 1e-5, True, 128)
+    check(tt.render("qkv_norm_rope_write", qkv), "oq < 2048", "oc < 512", "ia = 2 * j", "dst + 512 + j",
+          "dst + 544 + j", "oi < 128", "+ 1e-06")
+    check(tt.render("topk_select", tt.TopkSelectCtx.make(2048, 8192)), "n > 2048", "tl.arange(0, 4096)")
+    check(tt.render("sample", tt.SampleCtx.make(154880)), "range(0, 154880, 4096)", absent=("probs_ptr",))
+    paths = tt.write_kernels(tmp_path, {"layer_norm": norm, "router": router})
+    assert paths["router"].read_text() == tt.render("moe_router", router)
+    assert hasattr(tt.load_kernel(paths["layer_norm"]), "rms_norm_kernel")
