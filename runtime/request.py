@@ -1,0 +1,87 @@
+"""Request state: the scheduler's ledger for one sequence.
+
+A request's tokens are `prompt_ids + output_ids`; the first `num_computed` of them have KV in the
+pool, on `pages` (slot of position i = pages[i // 64] * 64 + i % 64). A step computes some of the
+rest; when it reaches the last token, the step's logits give the next output token. So a decode is
+just a request with one pending token, a chunked prefill one with many, and a retracted request
+(pages released, `num_computed` reset) resumes by prefilling prompt and outputs so far.
+"""
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from glmc.runtime.sampling import SamplingParams, TokenLogprobs
+
+_ids = itertools.count()
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence being generated (one of the `n` choices of an API call)."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    rid: str = field(default_factory=lambda: f"req-{next(_ids)}")
+    eos_token_ids: frozenset[int] = frozenset()
+    max_context: int = 1 << 30  # model context limit; generation stops with "length" there
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    output_text: str = ""  # detokenized, cut at a stop string
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    # KV bookkeeping (owned by the scheduler)
+    pages: list[int] = field(default_factory=list)
+    row: int | None = None
+    num_computed: int = 0
+    num_cached_tokens: int = 0  # prefix-cache hit of the latest admission
+    num_retractions: int = 0
+    # Sampling state (owned by the engine): a torch.Generator, so seeded draws are reproducible
+    generator: object = None
+    # Timing for metrics
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens whose KV the next steps must compute before the next token can be sampled."""
+        return self.num_tokens - self.num_computed
+
+    @property
+    def is_decoding(self) -> bool:
+        return self.num_pending == 1 and bool(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    @property
+    def max_total_tokens(self) -> int:
+        """Largest sequence this request can reach (prompt + max_tokens, capped by the context)."""
+        return min(len(self.prompt_ids) + self.params.max_tokens, self.max_context)
+
+    def check_stop_token(self, token: int) -> str | None:
+        """Finish reason after appending `token` (stop strings are the detokenizer's business)."""
+        if token in self.params.stop_token_ids or (
+                token in self.eos_token_ids and not self.params.ignore_eos):
+            return "stop"
+        if len(self.output_ids) >= self.params.max_tokens or self.num_tokens >= self.max_context:
+            return "length"
+        return None

@@ -1,0 +1,194 @@
+"""Continuous-batching scheduler: which requests compute how many tokens in the next step.
+
+Each step gets a token budget (`max_batch_tokens`, also the chunked-prefill size). Running requests
+go first, oldest first: a decode costs one token, an unfinished prefill takes what budget is left
+(a chunk). Then waiting requests are admitted FIFO while budget, request rows and KV pages allow:
+admission needs pages for the whole remaining prompt plus one page of headroom per running request,
+counting pages the prefix cache could evict. Pages are allocated per step as sequences grow; when
+the pool runs dry, the newest running request is retracted (its computed pages go to the prefix
+cache, the rest is freed) and later resumes by prefilling prompt and outputs so far.
+
+Pure Python; the engine turns a `ScheduledBatch` into a `ForwardBatch`.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from glmc.runtime.pages import PageAllocator, ReqToTokenPool, num_pages_for, slots_for
+from glmc.runtime.prefix_cache import PrefixCache
+from glmc.runtime.request import Request, Status
+
+
+@dataclass
+class ScheduledBatch:
+    """One step's work: request i computes positions [prefix_lens[i], prefix_lens[i] +
+    extend_lens[i]), whose KV slots are already written into its req_to_token row."""
+
+    reqs: list[Request] = field(default_factory=list)
+    prefix_lens: list[int] = field(default_factory=list)
+    extend_lens: list[int] = field(default_factory=list)
+    admitted: list[Request] = field(default_factory=list)
+    retracted: list[Request] = field(default_factory=list)
+
+    @property
+    def mode(self) -> str:
+        """`decode` when every request feeds back its last sampled token, else `extend` (which
+        also covers mixed prefill + decode batches)."""
+        decode = all(n == 1 and r.output_ids for r, n in zip(self.reqs, self.extend_lens))
+        return "decode" if decode else "extend"
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.extend_lens)
+
+    def add(self, req: Request, n: int) -> None:
+        self.reqs.append(req)
+        self.prefix_lens.append(req.num_computed)
+        self.extend_lens.append(n)
+
+
+class Scheduler:
+    """Waiting queue + running set over a page allocator, a req_to_token pool and a prefix cache."""
+
+    def __init__(self, allocator: PageAllocator, req_pool: ReqToTokenPool, cache: PrefixCache, *,
+                 max_running: int = 64, max_batch_tokens: int = 512):
+        if max_batch_tokens < 1 or max_running < 1:
+            raise ValueError(f"max_batch_tokens ({max_batch_tokens}) and max_running "
+                             f"({max_running}) must be >= 1")
+        self.allocator, self.req_pool, self.cache = allocator, req_pool, cache
+        self.page_size = allocator.page_size
+        self.max_running = min(max_running, req_pool.max_reqs)
+        self.max_batch_tokens = max_batch_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    # -- queue -----------------------------------------------------------------------------------
+
+    def fits(self, req: Request) -> bool:
+        """Whether `req` could ever run alone: its longest sequence fits the pool and a row."""
+        return (num_pages_for(req.max_total_tokens, self.page_size) <= self.allocator.num_pages
+                and req.max_total_tokens <= self.req_pool.max_context)
+
+    def add(self, req: Request) -> None:
+        req.status = Status.WAITING
+        self.waiting.append(req)
+
+    def finish(self, req: Request, reason: str) -> None:
+        """Mark `req` done, cache its computed pages and free everything it holds."""
+        if req.status is Status.FINISHED:
+            return
+        if req.status is Status.RUNNING:
+            self.running.remove(req)
+            self._release(req)
+        elif req.status is Status.WAITING:
+            self.waiting.remove(req)
+        req.status, req.finish_reason = Status.FINISHED, reason
+
+    @property
+    def num_pages_held(self) -> int:
+        """Pages some request holds (a page shared with the cache counts here, not as cached)."""
+        return len({p for r in self.running for p in r.pages})
+
+    # -- one step --------------------------------------------------------------------------------
+
+    def schedule(self) -> ScheduledBatch | None:
+        batch, budget = ScheduledBatch(), self.max_batch_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = self._grow(req, min(req.num_pending, budget), batch)
+            if n:
+                batch.add(req, n)
+                budget -= n
+                i += 1
+        while (not batch.retracted and budget > 0 and self.waiting
+               and len(self.running) < self.max_running):
+            req = self.waiting[0]
+            n = self._admit(req, budget)
+            if not n:
+                break
+            self.waiting.popleft()
+            self.running.append(req)
+            batch.admitted.append(req)
+            batch.add(req, n)
+            budget -= n
+        return batch if batch.reqs or batch.retracted else None
+
+    def commit(self, batch: ScheduledBatch) -> None:
+        """Record that the batch's KV is written; newly completed pages become cacheable."""
+        for req, start, n in zip(batch.reqs, batch.prefix_lens, batch.extend_lens):
+            req.num_computed = start + n
+            if req.num_computed // self.page_size > start // self.page_size:
+                self._cache_pages(req)
+
+    # -- internals -------------------------------------------------------------------------------
+
+    def _grow(self, req: Request, n: int, batch: ScheduledBatch) -> int:
+        """Get pages for `n` more tokens of running `req`; shrink a prefill chunk or retract newer
+        requests when the pool is dry. Returns tokens granted (0 if `req` itself was retracted)."""
+        while not self._ensure_pages(req, req.num_computed + n):
+            room = (len(req.pages) + self.allocator.num_free + self.cache.num_evictable_pages()
+                    ) * self.page_size - req.num_computed
+            if 0 < room < n:
+                n = room  # a smaller prefill chunk fits: no need to retract anyone
+                continue
+            victim = self.running[-1]
+            self._retract(victim, batch)
+            if victim is req:
+                return 0
+        return n
+
+    def _admit(self, req: Request, budget: int) -> int:
+        row = self.req_pool.alloc()
+        if row is None:
+            return 0
+        # Leave at least one token to compute: its logits give the next token.
+        pages = self.cache.match(req.all_ids[:req.num_tokens - 1])
+        need = num_pages_for(req.num_tokens, self.page_size) - len(pages)
+        available = self.allocator.num_free + self.cache.num_evictable_pages()
+        if need + len(self.running) > available:
+            self.allocator.decref(pages)
+            self.req_pool.free(row)
+            return 0
+        req.row, req.pages, req.status = row, pages, Status.RUNNING
+        req.num_computed = req.num_cached_tokens = len(pages) * self.page_size
+        if req.num_computed:
+            self.req_pool.write(row, 0, slots_for(pages, 0, req.num_computed, self.page_size))
+        n = min(req.num_pending, budget)
+        ok = self._ensure_pages(req, req.num_computed + n)
+        assert ok, "admission checked free + evictable pages"
+        return n
+
+    def _ensure_pages(self, req: Request, num_tokens: int) -> bool:
+        """Hold pages for `num_tokens` tokens of `req` and write their req_to_token slots."""
+        need = num_pages_for(num_tokens, self.page_size) - len(req.pages)
+        if need > 0:
+            if need > self.allocator.num_free:
+                self.cache.evict(need - self.allocator.num_free)
+            new = self.allocator.alloc(need)
+            if new is None:
+                return False
+            req.pages += new
+        start = req.num_computed
+        self.req_pool.write(req.row, start, slots_for(req.pages, start, num_tokens, self.page_size))
+        return True
+
+    def _retract(self, req: Request, batch: ScheduledBatch) -> None:
+        self.running.remove(req)
+        self._release(req)
+        req.status = Status.WAITING
+        req.num_retractions += 1
+        self.waiting.appendleft(req)  # newest retracted first, so older ones end up in front
+        batch.retracted.append(req)
+
+    def _cache_pages(self, req: Request) -> None:
+        full = req.num_computed // self.page_size
+        if full:
+            self.cache.insert(req.all_ids[:full * self.page_size], req.pages[:full])
+
+    def _release(self, req: Request) -> None:
+        self._cache_pages(req)
+        self.allocator.decref(req.pages)
+        self.req_pool.free(req.row)
+        req.pages, req.row, req.num_computed = [], None, 0

@@ -1,0 +1,208 @@
+"""Scheduler policy (pure Python, a fake model) and the engine loop over the real tiny model:
+chunked prefill, retraction, prefix cache and abort never change greedy output, and pages come back."""
+import json
+
+import pytest
+import torch
+
+from glmc.runtime.engine import build_engine, make_tiny_checkpoint
+from glmc.runtime.forward_batch import ForwardBatch
+from glmc.runtime.kv_cache import KVPool
+from glmc.runtime.pages import PageAllocator, ReqToTokenPool, slots_for
+from glmc.runtime.prefix_cache import NoPrefixCache, RadixCache
+from glmc.runtime.reference_model import ReferenceModel
+from glmc.runtime.request import Request, Status
+from glmc.runtime.sampling import SamplingParams
+from glmc.runtime.scheduler import Scheduler
+from glmc.runtime.weights import expected_tensors, load_checkpoint, resolve_config
+
+# -- the policy, with a fake model ----------------------------------------------------------------
+
+
+def scheduler(num_pages, max_running=8, max_batch_tokens=128, cache=True):
+    a = PageAllocator(num_pages)
+    return Scheduler(a, ReqToTokenPool(max_running, 4096), RadixCache(a) if cache else NoPrefixCache(),
+                     max_running=max_running, max_batch_tokens=max_batch_tokens)
+
+
+def req(prompt_len, max_tokens=4, base=0):
+    return Request([(base + i) % 500 for i in range(prompt_len)], SamplingParams(max_tokens=max_tokens))
+
+
+def step(s):
+    """Schedule, 'run', and append a token that depends only on the sequence (like greedy)."""
+    batch = s.schedule()
+    if batch is None:
+        return None
+    s.commit(batch)
+    for r in batch.reqs:
+        assert s.req_pool.table[r.row, :r.num_computed].tolist() == slots_for(r.pages, 0, r.num_computed)
+        if r.num_pending == 0:
+            r.output_ids.append(sum(r.all_ids) % 97)
+            if len(r.output_ids) >= r.params.max_tokens:
+                s.finish(r, "length")
+    return batch
+
+
+def run(s, reqs):
+    for r in reqs:
+        s.add(r)
+    batches = []
+    while not all(r.finished for r in reqs):
+        batches.append(step(s))
+    return batches
+
+
+def test_chunked_prefill_rides_along_with_decodes():
+    s = scheduler(64, max_batch_tokens=64)
+    a, b = req(10, max_tokens=20), req(300, base=7)
+    s.add(a)
+    step(s)
+    s.add(b)
+    batch = step(s)
+    assert batch.mode == "extend" and batch.reqs == [a, b] and batch.extend_lens == [1, 63]
+    while b.num_pending > 1 or not b.output_ids:
+        batch = step(s)
+        assert batch.num_tokens <= 64 and batch.extend_lens[0] == 1
+    assert step(s).mode == "decode"
+
+
+def test_admission_waits_for_pages():
+    s = scheduler(4)
+    a, b = req(150), req(100, base=3)  # 3 pages, then 2 pages + 1 of headroom for a
+    s.add(a), s.add(b)
+    step(s)
+    assert s.running == [a] and list(s.waiting) == [b]
+    while not a.finished:
+        step(s)
+    step(s)
+    assert b.status is Status.RUNNING
+
+
+def test_retraction_finishes_everything_with_the_same_tokens():
+    reqs = [req(60, max_tokens=100, base=i) for i in range(4)]
+    roomy = [req(60, max_tokens=100, base=i) for i in range(4)]
+    run(scheduler(64), roomy)
+    s = scheduler(5)  # 3 pages each at the end: 4 requests cannot all fit
+    batches = run(s, reqs)
+    assert sum(len(b.retracted) for b in batches) > 0
+    assert [r.output_ids for r in reqs] == [r.output_ids for r in roomy]
+    assert s.num_pages_held == 0
+    s.cache.reset()
+    assert s.allocator.num_free == 5 and s.req_pool.num_free == 8
+
+
+def test_abort_frees_every_page():
+    s = scheduler(8, cache=False)
+    a, b = req(100, max_tokens=50), req(10, max_tokens=50)
+    s.add(a), s.add(b)
+    for _ in range(3):
+        step(s)
+    s.finish(a, "abort")
+    assert a.pages == [] and a.row is None and s.allocator.num_used == len(b.pages)
+    s.finish(b, "abort")
+    assert s.allocator.num_free == 8 and s.req_pool.num_free == 8 and not s.running
+
+
+def test_prefix_hit_skips_whole_pages_only():
+    s = scheduler(16)
+    run(s, [req(130)])
+    again, exact = req(130), req(128)
+    run(s, [again])
+    assert again.num_cached_tokens == 128
+    run(s, [exact])  # one token must be computed for its logits: a 128-token prompt reuses 64
+    assert exact.num_cached_tokens == 64
+
+
+# -- the engine over the real tiny model ----------------------------------------------------------
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """The tiny model's ops are too small to split: on 2 shared cores extra intra-op threads only
+    contend (5-10x slower under load), so this module runs torch single-threaded."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny"))
+
+
+def engine(ckpt, **kw):
+    return build_engine(ckpt, warmup=False, **kw)
+
+
+def reference_greedy(ckpt, prompt, max_tokens):
+    """Greedy decoding with the bare ReferenceModel: one request, positions mapped to slots 1:1."""
+    config = json.loads((ckpt / "config.json").read_text())
+    c = resolve_config(config)
+    pool = KVPool(c.num_hidden_layers, c.full_layers, 8, c.kv_lora_rank, c.qk_rope_head_dim,
+                  c.index_head_dim)
+    model = ReferenceModel(config, load_checkpoint(ckpt, expected_tensors(config)), pool)
+    table = torch.arange(8 * 64).view(1, -1)
+    logits, out = model.forward(ForwardBatch.build("extend", [prompt], [0], [0], table)), []
+    for _ in range(max_tokens):
+        out.append(int(logits[0].argmax()))
+        fb = ForwardBatch.build("decode", [[out[-1]]], [0], [len(prompt) + len(out) - 1], table)
+        logits = model.forward(fb)
+    return out
+
+
+def prompts(*lengths):
+    return [[(37 * i + 11 * n) % 500 + 10 for i in range(n)] for n in lengths]
+
+
+def test_engine_greedy_equals_reference_model(ckpt):
+    ps = prompts(5, 70, 140)
+    got = [r.output_ids for r in engine(ckpt).generate(ps, GREEDY)]
+    assert got == [reference_greedy(ckpt, p, GREEDY.max_tokens) for p in ps]
+
+
+def test_chunked_prefill_same_greedy_tokens(ckpt):
+    ps = prompts(150, 9, 100)
+    whole = engine(ckpt, max_batch_tokens=512).generate(ps, GREEDY)
+    chunked = engine(ckpt, max_batch_tokens=16).generate(ps, GREEDY)
+    assert [r.output_ids for r in chunked] == [r.output_ids for r in whole]
+
+
+def test_prefix_cache_same_output_and_skips_prefill(ckpt):
+    cached, plain = engine(ckpt), engine(ckpt, enable_prefix_cache=False)
+    p = prompts(150)
+    first = cached.generate(p, GREEDY)[0]
+    computed = cached.metrics.counters["prefill_tokens_total"]
+    second = cached.generate(p, GREEDY)[0]
+    assert second.num_cached_tokens == 128
+    assert cached.metrics.counters["prefill_tokens_total"] - computed == 150 - 128
+    assert first.output_ids == second.output_ids == plain.generate(p, GREEDY)[0].output_ids
+
+
+def test_retraction_same_greedy_output(ckpt):
+    params = SamplingParams(max_tokens=80, temperature=0.0, ignore_eos=True)
+    ps = prompts(60, 61, 62, 63)
+    roomy = engine(ckpt).generate(ps, params)
+    tight = engine(ckpt, num_pages=5)
+    got = tight.generate(ps, params)
+    assert tight.metrics.counters["requests_retracted_total"] > 0
+    assert [r.output_ids for r in got] == [r.output_ids for r in roomy]
+    tight.flush_cache()
+    assert tight.allocator.num_free == 5
+
+
+def test_abort_mid_generation_frees_pages(ckpt):
+    e = engine(ckpt, enable_prefix_cache=False)
+    a, b = (e.make_request(p, SamplingParams(max_tokens=30)) for p in prompts(100, 20))
+    e.submit(a), e.submit(b)
+    for _ in range(4):
+        e.step()
+    e.abort(a.rid)
+    e.step()
+    assert a.finish_reason == "abort" and a.pages == [] and e.allocator.num_used == len(b.pages)
+    while not b.finished:
+        e.step()
+    assert e.allocator.num_free == e.allocator.num_pages and e.req_pool.num_free == e.req_pool.max_reqs
