@@ -1,6 +1,8 @@
 """Human-readable rendering of `explain` output, and the article cross-check for GLM-5.3."""
 from __future__ import annotations
 
+from glmc import article
+
 KINDS = ("all_reduce", "reduce_scatter", "all_gather", "dispatch", "combine", "broadcast")
 
 
@@ -70,4 +72,6 @@ def render(d: dict) -> str:
     out += ["", "## Fusions"]
     for ph, rules in d["fusions"].items():
         out.append(f"- {ph}: " + (", ".join(f"{k} x{v}" for k, v in sorted(rules.items())) or "none"))
+    if article.applies(d):
+        out += ["", "## Against the GLM-5.3 article", "", *article.cross_check(d)]
     return "\n".join(out) + "\n"

@@ -94,3 +94,11 @@ def test_cli_errors(argv, msg, capsys, tmp_path):
     assert main(argv) == 2
     assert msg in capsys.readouterr().err
     assert not (tmp_path / "p").exists()          # nothing half-written
+
+
+def test_report_cross_checks_the_article(bills):
+    from glmc.report import render
+    text = render(bills["dp8ep8"])
+    assert "| DP all-gather per layer (batch 32) | 393KB | 393,216 B |" in text
+    assert "| EP dispatch per token (fp8) | 48KB | 49,152 B |" in text
+    assert "83.3 GFLOP | 103.5 GFLOP" in text
