@@ -28,7 +28,7 @@ def build(ckpt_dir, parallel: str = "tp1", moe_a2a=None, groups=None):
     full = {i for i, t in enumerate(c.layer_indexer_types()) if t == "full"}
     pool = KVPool(c.num_hidden_layers + 1, full | {c.num_hidden_layers}, 64, c.kv_lora_rank,
                   c.qk_rope_head_dim, c.index_head_dim)
-    weights = load_rank_weights(ckpt_dir, c, [graphs[p] for p in ("prefill", "decode")], comm.coords)
+    weights = load_rank_weights(ckpt_dir, c, list(graphs.values()), comm.coords)
     return PlanExecutor(graphs, c, weights, pool, comm), spec
 
 

@@ -38,3 +38,50 @@ def test_plan_greedy_decode_matches_generate(ckpt):
     want = model.generate(torch.tensor(prompts), max_new_tokens=32, do_sample=False,
                           min_new_tokens=32)[:, 26:]
     assert torch.equal(tokens, want)
+
+
+@pytest.fixture(scope="module")
+def mtp_ckpt(tmp_path_factory):
+    """A tiny checkpoint with an MTP layer (model.layers.N.*), config num_nextn_predict_layers 1."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+    from test_reference_model import _mtp_oracle
+    path = tmp_path_factory.mktemp("mtp")
+    model = save_tiny(path, "grouped", seed=3)
+    _, _, mtp = _mtp_oracle(model, seed=9)
+    tensors = load_file(path / "model.safetensors")
+    save_file({**tensors, **{k: v.contiguous() for k, v in mtp.items()}}, path / "model.safetensors")
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, "num_nextn_predict_layers": 1}))
+    return path
+
+
+def test_mtp_draft_phase_matches_direct_composition(mtp_ckpt):
+    """eh_proj over [enorm(embed(next)), hnorm(h)] -> one decoder block -> shared head, as planned."""
+    from glmc.runtime.forward_batch import ForwardBatch
+    from glmc.runtime.reference_model import ReferenceModel
+    from glmc.runtime.weights import detect_mtp, expected_tensors, load_checkpoint
+    from tests.plan_run import table
+    ex, spec = build(mtp_ckpt)
+    assert "mtp_draft" in ex.graphs
+    (ids,) = _prompts(spec.config.vocab_size, [25], seed=2)
+    nxt = ids[1:] + [7]
+    weights = load_checkpoint(mtp_ckpt, expected_tensors(spec.config.model_dump(), **detect_mtp(mtp_ckpt)))
+    ref = ReferenceModel(spec.config.model_dump(), weights, _fresh_pool(spec))
+    batch = ForwardBatch.build("extend", [ids], [0], [0], table(1))
+    _, h = ref.forward(batch, return_all_logits=True, return_hidden=True)
+    want = ref.mtp_forward(h, torch.tensor(nxt), batch, return_all_logits=True)
+    ex.forward("prefill", batch)
+    mtp_batch = ForwardBatch.build("extend", [nxt], [0], [0], table(1))
+    got = ex.forward("mtp_draft", ForwardBatch(**{**mtp_batch.__dict__, "positions": batch.positions}),
+                     hidden=h)["logits"]
+    assert got.shape == want.shape and (got - want).abs().max() < 1e-5
+
+
+def _fresh_pool(spec):
+    from glmc.runtime.kv_cache import KVPool
+    c = spec.config
+    full = {i for i, t in enumerate(c.layer_indexer_types()) if t == "full"}
+    return KVPool(c.num_hidden_layers + 1, full | {c.num_hidden_layers}, 64, c.kv_lora_rank,
+                  c.qk_rope_head_dim, c.index_head_dim)
