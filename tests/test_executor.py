@@ -22,9 +22,9 @@ def _prompts(vocab, lengths, seed=0):
 
 def test_plan_prefill_matches_transformers(ckpt):
     path, model = ckpt
-    ex, spec = build(path)
-    prompts = _prompts(spec.config.vocab_size, [23, 37, 30])
-    logits, _, _ = greedy(ex, prompts, 0)
+    m = build(path)
+    prompts = _prompts(m.spec.config.vocab_size, [23, 37, 30])
+    logits, _, _ = greedy(m, prompts, 0)
     for b, p in enumerate(prompts):
         want = model(torch.tensor([p])).logits[0, -1]
         assert (logits[b] - want).abs().max() < ATOL
@@ -32,9 +32,9 @@ def test_plan_prefill_matches_transformers(ckpt):
 
 def test_plan_greedy_decode_matches_generate(ckpt):
     path, model = ckpt
-    ex, spec = build(path)
-    prompts = _prompts(spec.config.vocab_size, [26, 26], seed=1)
-    _, tokens, _ = greedy(ex, prompts, 32)
+    m = build(path)
+    prompts = _prompts(m.spec.config.vocab_size, [26, 26], seed=1)
+    _, tokens, _ = greedy(m, prompts, 32)
     want = model.generate(torch.tensor(prompts), max_new_tokens=32, do_sample=False,
                           min_new_tokens=32)[:, 26:]
     assert torch.equal(tokens, want)
@@ -62,18 +62,18 @@ def test_mtp_draft_phase_matches_direct_composition(mtp_ckpt):
     from glmc.runtime.forward_batch import ForwardBatch
     from glmc.runtime.reference_model import ReferenceModel
     from glmc.runtime.weights import detect_mtp, expected_tensors, load_checkpoint
-    from tests.plan_run import table
-    ex, spec = build(mtp_ckpt)
+    m = build(mtp_ckpt)
+    ex, spec, r2t = m.executor, m.spec, m.req_to_token
     assert "mtp_draft" in ex.graphs
     (ids,) = _prompts(spec.config.vocab_size, [25], seed=2)
     nxt = ids[1:] + [7]
     weights = load_checkpoint(mtp_ckpt, expected_tensors(spec.config.model_dump(), **detect_mtp(mtp_ckpt)))
     ref = ReferenceModel(spec.config.model_dump(), weights, _fresh_pool(spec))
-    batch = ForwardBatch.build("extend", [ids], [0], [0], table(1))
+    batch = ForwardBatch.build("extend", [ids], [0], [0], r2t)
     _, h = ref.forward(batch, return_all_logits=True, return_hidden=True)
     want = ref.mtp_forward(h, torch.tensor(nxt), batch, return_all_logits=True)
     ex.forward("prefill", batch)
-    mtp_batch = ForwardBatch.build("extend", [nxt], [0], [0], table(1))
+    mtp_batch = ForwardBatch.build("extend", [nxt], [0], [0], r2t)
     got = ex.forward("mtp_draft", ForwardBatch(**{**mtp_batch.__dict__, "positions": batch.positions}),
                      hidden=h)["logits"]
     assert got.shape == want.shape and (got - want).abs().max() < 1e-5
@@ -85,3 +85,22 @@ def _fresh_pool(spec):
     full = {i for i, t in enumerate(c.layer_indexer_types()) if t == "full"}
     return KVPool(c.num_hidden_layers + 1, full | {c.num_hidden_layers}, 64, c.kv_lora_rank,
                   c.qk_rope_head_dim, c.index_head_dim)
+
+
+def test_chunked_prefill_and_prefix_hit_equal_one_prefill(tmp_path):
+    """Through the plan: a prompt in 3 chunks, and a second request reusing the first's prefix
+    KV, give one prefill's logits (16 indexer heads: no exact top-k ties, see tiny_hf)."""
+    from glmc.runtime.forward_batch import ForwardBatch
+    save_tiny(tmp_path, "grouped", seed=11, index_n_heads=16)
+    m = build(tmp_path)
+    (p,) = _prompts(m.spec.config.vocab_size, [40], seed=5)
+    r2t = m.req_to_token
+    one = m.executor.forward("prefill", ForwardBatch.build("extend", [p], [0], [0], r2t))["logits"]
+    ex2 = build(tmp_path).executor
+    for lo, hi in ((0, 15), (15, 30), (30, 40)):
+        last = ex2.forward("prefill", ForwardBatch.build("extend", [p[lo:hi]], [0], [lo], r2t))
+    assert (last["logits"] - one).abs().max() < 1e-5
+    # request row 1 shares row 0's first 24 cached tokens (same slots), computes only the rest
+    r2t[1, :24] = r2t[0, :24]
+    hit = ex2.forward("prefill", ForwardBatch.build("extend", [p[24:]], [1], [24], r2t))
+    assert (hit["logits"] - one).abs().max() < 1e-5

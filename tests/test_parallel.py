@@ -17,8 +17,7 @@ def setup(tmp_path_factory):
     save_tiny(path, "grouped", seed=5)
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (21, 30, 17, 26)]
-    ex, _ = build(path)
-    logits, tokens, _ = greedy(ex, prompts, STEPS)
+    logits, tokens, _ = greedy(build(path), prompts, STEPS)
     return path, prompts, logits, tokens
 
 
@@ -67,7 +66,8 @@ def test_collectives_executed_equal_the_bill(setup, tmp_path, parallel, world, a
     """Per decode step, every rank ran exactly the plan's collectives with the predicted sizes."""
     path, prompts, _, _ = setup
     results = run(setup, tmp_path, parallel, world, a2a)
-    ex, spec = build(path, parallel, a2a)
+    m = build(path, parallel, a2a)
+    ex, spec = m.executor, m.spec
     dp = ex.mesh["attn_dp"]
     t = ex.padded_tokens(0, [len(range(r, len(prompts), dp)) for r in range(dp)])
     want = bill(ex.graphs["decode"], {"T": t, "B": t, "S": 64, "K": spec.config.index_topk},
