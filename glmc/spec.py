@@ -7,6 +7,7 @@ the field and the reason (`SpecError`).
 from __future__ import annotations
 
 import json
+import math
 from importlib import resources
 from pathlib import Path
 from typing import Literal
@@ -58,6 +59,7 @@ class GlmConfig(BaseModel):
     tie_word_embeddings: bool = False
     num_nextn_predict_layers: int = Field(default=0, ge=0)
     eos_token_id: int | tuple[int, ...] | None = None
+    rope_scaling: dict | None = None      # HF rope_scaling / rope_parameters (yarn for DeepSeek-V3.2)
 
     @model_validator(mode="after")
     def _cross_check(self):
@@ -113,6 +115,16 @@ class GlmConfig(BaseModel):
     @property
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        """(dn + dr)^-0.5, times mscale^2 for yarn RoPE (DeepSeek-V3.x); GLM-5: 1/16."""
+        scale = self.qk_head_dim ** -0.5
+        rs = self.rope_scaling or {}
+        if rs.get("rope_type", rs.get("type")) == "yarn" and rs.get("mscale_all_dim"):
+            m = 0.1 * rs["mscale_all_dim"] * math.log(rs["factor"]) + 1.0
+            scale *= m * m
+        return scale
 
 
 DType = Literal["fp32", "bf16", "fp16", "fp8"]
@@ -216,9 +228,11 @@ def _from_hf_dir(path: Path) -> ModelSpec:
 def config_from_hf(raw: dict, where: str = "config.json") -> GlmConfig:
     """Keep the HF keys glmc knows (others: architectures, dtype, ... are not model shape)."""
     known = {k: v for k, v in raw.items() if k in GlmConfig.model_fields and v is not None}
-    rope = raw.get("rope_parameters") or {}
+    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     if "rope_theta" not in known and "rope_theta" in rope:
         known["rope_theta"] = rope["rope_theta"]
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        known["rope_scaling"] = rope
     try:
         return GlmConfig(**known)
     except ValidationError as e:

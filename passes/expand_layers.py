@@ -47,7 +47,7 @@ class _Env:
         self.cfg = ctx.spec.config
         self.names: dict[str, str] = {}     # program name -> current IR value
         self.prev_full: int | None = None
-        self.fields = dict(self.cfg.model_dump())
+        self.fields = {**self.cfg.model_dump(), "softmax_scale": self.cfg.softmax_scale}
 
     def layer(self, ops: list[Op], i: int, tags: set[str]) -> None:
         self.emit(ops, self.ctx.spec.program.layer, layer=i, tags=tags, prefix=f"L{i}.")

@@ -96,3 +96,38 @@ def test_parallel_specs(text, mesh):
 def test_parallel_errors_show_numbers(text, msg):
     with pytest.raises(ParallelError, match=msg.replace("{", r"\{").replace("}", r"\}")):
         parse_parallel(text, spec(FULL).config)
+
+
+def test_deepseek_v32_config_compiles(tmp_path):
+    """A DeepSeek-V3.2 config.json (same code path, other shapes, yarn RoPE) compiles for dp8ep8."""
+    from glmc.compiler import compile_plan
+    cfg = dict(model_type="deepseek_v32", vocab_size=129280, hidden_size=7168, intermediate_size=18432,
+               moe_intermediate_size=2048, num_hidden_layers=61, num_attention_heads=128,
+               q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+               v_head_dim=128, n_routed_experts=256, num_experts_per_tok=8, n_shared_experts=1,
+               n_group=8, topk_group=4, first_k_dense_replace=3, routed_scaling_factor=2.5,
+               index_topk=2048, index_n_heads=64, index_head_dim=128, rope_theta=10000,
+               num_nextn_predict_layers=1, architectures=["DeepseekV32ForCausalLM"],
+               rope_scaling={"type": "yarn", "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                             "original_max_position_embeddings": 4096},
+               quantization_config={"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]})
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    s = load_spec(tmp_path)
+    assert s.config.layer_indexer_types().count("full") == 61 and s.dtypes.weight == "fp8"
+    plan = compile_plan(s, parse_parallel("dp8ep8", s.config))
+    attn = next(op for op in plan.graphs["decode"].ops if op.kind == "attn.mla_absorbed")
+    mscale = 0.1 * 1.0 * __import__("math").log(40) + 1.0
+    assert abs(attn.attr("scale") - 192 ** -0.5 * mscale ** 2) < 1e-12
+    assert not any(op.kind == "idx.reuse" for op in plan.graphs["decode"].ops)
+
+
+def test_full_model_compiles_all_phases_quickly(monkeypatch):
+    """The user's compile (the verifier on the final graph only) of all 4 phases takes < 5 s."""
+    import time
+    monkeypatch.setenv("GLMC_VERIFY", "0")
+    from glmc.compiler import compile_plan
+    s = spec(FULL)
+    t = time.perf_counter()
+    plan = compile_plan(s, parse_parallel("dp8ep8", s.config))
+    assert len(plan.graphs) == 4
+    assert time.perf_counter() - t < 5.0
