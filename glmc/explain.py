@@ -7,7 +7,8 @@ max_context_at_batch}, `flops_per_token` {decode, executed_decode}, `comm` {pref
 {point, per_step {kind: {count, message_bytes, wire_bytes}}, per_layer {layer: {kind: {count,
 message_bytes}}}}, `moe_lowering` {phase: decision}, `moe_alternatives` {gather, a2a: per_step},
 `ep_dispatch_bytes_per_token` (payload, top_k x hidden in the dispatch dtype),
-`fusions` {phase: {rule: count}}. Byte conventions are those of `glmc.passes.costs`.
+`fusions` {phase: {rule: count}}, `fused_ops` {phase: {fused op kind: [layer, ...]}} (-1:
+outside the decoder layers). Byte conventions are those of `glmc.passes.costs`.
 """
 from __future__ import annotations
 
@@ -86,7 +87,17 @@ def explain_plan(meta: dict, graphs: dict, batch: int = 32, context: int = 4096,
         DTYPE_BYTES[disp]
     out["fusions"] = {ph: {k: v for k, v in m.get("rewrites", {}).items() if k in FUSIONS}
                       for ph, m in meta["phases"].items()}
+    out["fused_ops"] = {ph: _fused_where(g) for ph, g in graphs.items()}
     return out
+
+
+def _fused_where(graph) -> dict:
+    """{fused op kind: layers it sits in} (layer -1: outside the decoder layers)."""
+    where: dict = {}
+    for op in graph.ops:
+        if op.kind.startswith("fused."):
+            where.setdefault(op.kind, []).append(-1 if op.layer is None else op.layer)
+    return where
 
 
 def _alternatives(spec, par, meta, batch, context) -> dict:

@@ -41,6 +41,18 @@ def _layer_table(per_layer: dict) -> list[str]:
     return rows
 
 
+def _ranges(layers: list[int]) -> str:
+    """[0, 1, 2, 5, -1] -> '0-2, 5, final'."""
+    nums = sorted(set(x for x in layers if x >= 0))
+    parts, start = [], None
+    for i, x in enumerate(nums):
+        start = x if start is None else start
+        if i + 1 == len(nums) or nums[i + 1] != x + 1:
+            parts.append(f"{start}" if start == x else f"{start}-{x}")
+            start = None
+    return ", ".join(parts + (["final"] if -1 in layers else []))
+
+
 def render(d: dict) -> str:
     p, m, f = d["params"], d["memory"], d["flops_per_token"]
     out = [f"# glmc explain: {d['model']} on {d['parallel']['spec']} (world {d['parallel']['world']})",
@@ -72,6 +84,8 @@ def render(d: dict) -> str:
     out += ["", "## Fusions"]
     for ph, rules in d["fusions"].items():
         out.append(f"- {ph}: " + (", ".join(f"{k} x{v}" for k, v in sorted(rules.items())) or "none"))
+        for kind, layers in sorted(d["fused_ops"].get(ph, {}).items()):
+            out.append(f"  - `{kind}` x{len(layers)}: layers {_ranges(layers)}")
     if article.applies(d):
         out += ["", "## Against the GLM-5.3 article", "", *article.cross_check(d)]
     return "\n".join(out) + "\n"

@@ -102,3 +102,11 @@ def test_report_cross_checks_the_article(bills):
     assert "| DP all-gather per layer (batch 32) | 393KB | 393,216 B |" in text
     assert "| EP dispatch per token (fp8) | 48KB | 49,152 B |" in text
     assert "83.3 GFLOP | 103.5 GFLOP" in text
+
+
+def test_fusions_are_listed_with_their_layers(bills):
+    from glmc.report import render
+    d = bills["tp8"]
+    assert d["fused_ops"]["decode"]["fused.qkv_a_norm_rope_write_index"][:4] == [0, 1, 2, 6]
+    text = render(d)
+    assert "`fused.allreduce_add_rms` x156: layers 0-77, final" in text
