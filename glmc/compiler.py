@@ -67,13 +67,28 @@ def compile_phase(spec: ModelSpec, parallel: Parallel, phase: str, options: Opti
 
 def compile_plan(spec: ModelSpec, parallel: Parallel, options: Options = Options(),
                  dump_after: list[str] | None = None) -> Plan:
+    """All phases; `dump_after` (pass names or "all") keeps the graph after those passes.
+    GLMC_DUMP_IR=dir also writes every pass's graph to dir/<NN>-<pass>/<phase>.ir."""
+    env_dir = os.environ.get("GLMC_DUMP_IR")
+    if env_dir:
+        dump_after = ["all"]
     plan = Plan(spec, parallel, options, {})
     for phase in phases_of(spec):
         def dump(name, g, phase=phase):
             if dump_after is not None and ("all" in dump_after or name in dump_after):
                 plan.dumps.setdefault(name, {})[phase] = g
         plan.graphs[phase] = compile_phase(spec, parallel, phase, options, dump)
+    if env_dir:
+        _write_dumps(plan, Path(env_dir))
     return plan
+
+
+def _write_dumps(plan: Plan, root: Path) -> None:
+    for i, name in enumerate(p.name for p in PIPELINE):
+        for phase, g in plan.dumps.get(name, {}).items():
+            d = root / f"{i:02d}-{name}"
+            d.mkdir(parents=True, exist_ok=True)
+            (d / f"{phase}.ir").write_text(print_graph(g))
 
 
 def plan_json(plan: Plan) -> dict:
@@ -96,11 +111,7 @@ def write_plan(plan: Plan, out_dir: str | Path, report: str = "") -> Path:
     try:
         for phase, g in plan.graphs.items():
             (tmp / f"{phase}.ir").write_text(print_graph(g))
-        for i, name in enumerate(n.name for n in PIPELINE):
-            for phase, g in plan.dumps.get(name, {}).items():
-                d = tmp / "after" / f"{i:02d}-{name}"
-                d.mkdir(parents=True, exist_ok=True)
-                (d / f"{phase}.ir").write_text(print_graph(g))
+        _write_dumps(plan, tmp / "after")
         (tmp / "plan.json").write_text(json.dumps(plan_json(plan), indent=1, sort_keys=True) + "\n")
         (tmp / "report.md").write_text(report)
         if out_dir.exists():

@@ -110,3 +110,12 @@ def test_fusions_are_listed_with_their_layers(bills):
     assert d["fused_ops"]["decode"]["fused.qkv_a_norm_rope_write_index"][:4] == [0, 1, 2, 6]
     text = render(d)
     assert "`fused.allreduce_add_rms` x156: layers 0-77, final" in text
+
+
+def test_glmc_dump_ir_env(tmp_path, monkeypatch):
+    from tests.compile_util import plan
+    monkeypatch.setenv("GLMC_DUMP_IR", str(tmp_path / "dumps"))
+    plan("glm_moe_dsa_tiny", "tp8")
+    names = sorted(p.name for p in (tmp_path / "dumps").iterdir())
+    assert names[0] == "00-expand-layers" and names[-1] == "12-estimate-cost"
+    assert "comm.reshard" in (tmp_path / "dumps" / "02-propagate-sharding" / "decode.ir").read_text()
