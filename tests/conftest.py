@@ -1,5 +1,11 @@
-"""Shared fixtures. GLMC_VERIFY=1: the verifier runs between every pass in tests."""
+"""Shared fixtures. GLMC_VERIFY=1: the verifier runs between every pass in tests.
+
+TRITON_INTERPRET=1 is set here, before any test module imports triton (transformers and torch
+may import it early): CI has no GPU, so Triton kernels run in the interpreter.
+"""
 import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 
