@@ -63,6 +63,29 @@ def cmd_export_onnx(a) -> int:
     return 0
 
 
+def cmd_run(a) -> int:
+    """Serve a model over the OpenAI API: the tiny default, a checkpoint, or a compiled plan."""
+    from glmc.runtime.build import TINY_NAME, default_cache_dir, make_tiny_checkpoint
+    from glmc.runtime.dist_engine import ServeConfig, serve_model
+    from glmc.runtime.launch import RankFailed
+    if a.weights:
+        ckpt = Path(a.weights)
+        if not (ckpt / "config.json").exists():
+            raise ValueError(f"--weights {ckpt}: not a checkpoint directory (no config.json)")
+    else:  # the tiny default model; a plan dir without --weights must be a plan of it
+        ckpt = make_tiny_checkpoint(Path(a.cache_dir or default_cache_dir()) / "tiny")
+    engine_kwargs = dict(max_running=a.max_running, max_batch_tokens=a.max_batch_tokens,
+                         max_waiting=a.max_waiting, enable_prefix_cache=not a.no_prefix_cache)
+    name = a.served_model_name or (ckpt.name if a.weights else TINY_NAME)
+    try:
+        serve_model(ServeConfig(str(ckpt), a.plan, a.parallel, name, a.host, a.port, a.num_pages,
+                                a.max_context, engine_kwargs, not a.no_warmup, a.log_level))
+    except RankFailed as e:
+        print(f"glmc run: error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="glmc", description="GLM-5.x graph compiler and runtime")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -96,6 +119,31 @@ def main(argv: list[str] | None = None) -> int:
     x.add_argument("plan")
     x.add_argument("-o", "--output", help="directory (default: the plan directory)")
     x.set_defaults(fn=cmd_export_onnx)
+    r = sub.add_parser("run", help="serve a model over an OpenAI-compatible HTTP API "
+                       "(default: the tiny model, compiled for tp1)")
+    r.add_argument("plan", nargs="?", help="plan directory from `glmc compile` (default: compile "
+                   "the model of --weights for --parallel)")
+    r.add_argument("--weights", help="HF checkpoint dir: config.json, safetensors, tokenizer.json, "
+                   "tokenizer_config.json (default: the tiny model, random weights)")
+    r.add_argument("--parallel", help="parallel spec, one process per rank (default tp1, or the "
+                   "plan's)")
+    r.add_argument("--host", default="127.0.0.1")
+    r.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    r.add_argument("--num-pages", type=int, default=256, help="KV pages of 64 tokens per DP rank")
+    r.add_argument("--max-running", type=int, default=32, help="running requests per DP rank")
+    r.add_argument("--max-batch-tokens", type=int, default=256, help="tokens per step and DP rank "
+                   "(the chunked-prefill size)")
+    r.add_argument("--max-waiting", type=int, default=256, help="queued requests before 503s")
+    r.add_argument("--max-context", type=int, help="longest sequence (default: the model's, "
+                   "capped by the KV pool)")
+    r.add_argument("--served-model-name", help="the API's model id (default glmc-tiny or the "
+                   "checkpoint directory's name)")
+    r.add_argument("--no-prefix-cache", action="store_true")
+    r.add_argument("--no-warmup", action="store_true")
+    r.add_argument("--cache-dir", help="where the tiny model's weights are made (default "
+                   "$GLMC_CACHE or ~/.cache/glmc)")
+    r.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    r.set_defaults(fn=cmd_run)
     a = ap.parse_args(argv)
     try:
         return a.fn(a)

@@ -1,59 +1,37 @@
-"""The engine loop: scheduler + model runner + sampler, with thread-safe submission and async streams.
+"""The engine loop: scheduler + model runner + sampler, with thread-safe submission.
 
-One engine thread owns all scheduling state and runs `step()` in a loop: take new requests and aborts
-from the inbox, schedule, run the model, sample, detokenize and hand `StreamEvent`s to each request's
-sink. The HTTP server (asyncio) talks to it only through `open_stream` and `abort`, so a slow
-forward never blocks the event loop. Tests may instead call `step()`/`generate()` directly with no
-thread.
+One engine thread owns all scheduling state and runs `step()` in a loop: take new requests and
+aborts from the inbox, schedule, run the model, sample, detokenize and hand `StreamEvent`s to each
+request's sink. The HTTP server (asyncio) talks to it only through `submit_many` and `abort` (its
+`EventStream` turns sinks into an async queue), so a slow forward never blocks the event loop.
+Tests may instead call `step()`/`generate()` directly with no thread.
 
-`ModelRunner` is the seam to the device: the torch `ReferenceModel` today, compiled plans later.
+With attention data parallelism (`runner.num_dp` > 1) every DP rank has its own pages,
+req_to_token rows, prefix cache and `Scheduler`; a new request goes to the least loaded rank, and
+each step runs every rank's batch at once (`ModelRunner.forward_dp`; idle ranks step too).
+Builders live in `runtime/build.py`, runners in `runtime/model_runner.py`.
 """
 from __future__ import annotations
 
-import asyncio
-import json
-import math
-import os
-import shutil
 import threading
 import traceback
-import time
-from abc import ABC, abstractmethod
 from collections import deque
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
 import torch
 
 from glmc.runtime.forward_batch import ForwardBatch
 from glmc.runtime.metrics import Metrics
+from glmc.runtime.model_runner import ModelRunner
 from glmc.runtime.pages import PAGE_SIZE, PageAllocator, ReqToTokenPool
 from glmc.runtime.prefix_cache import NoPrefixCache, RadixCache
 from glmc.runtime.request import Request
 from glmc.runtime.sampling import SamplingParams, TokenLogprobs, make_generator, sample_row
-from glmc.runtime.scheduler import ScheduledBatch, Scheduler
+from glmc.runtime.scheduler import DataParallelScheduler, ScheduledBatch, Scheduler
 from glmc.runtime.tokenizer import Detokenizer, Tokenizer
 
-
-class ModelRunner(ABC):
-    """Runs one `ForwardBatch` on a device that owns the paged KV memory.
-
-    Contract: `forward(batch)` writes the KV (and indexer keys) of every new token at
-    `batch.out_cache_loc`, reads earlier tokens through `batch.req_to_token`, and returns fp32 logits
-    [B, vocab_size] of each request's last new token. The runner never allocates slots: the
-    scheduler hands out pages 0..num_pages-1 (of `page_size` tokens) and positions below
-    `max_context`; a runner that needs scratch slots (e.g. padding tokens of a compiled plan)
-    keeps them in pages numbered num_pages and above.
-    """
-
-    vocab_size: int
-    num_pages: int
-    max_context: int
-    page_size: int = PAGE_SIZE
-
-    @abstractmethod
-    def forward(self, batch: ForwardBatch) -> torch.Tensor: ...
+__all__ = ["Engine", "InvalidRequest", "ModelRunner", "Overloaded", "StreamEvent"]
 
 
 class InvalidRequest(ValueError):
@@ -81,49 +59,6 @@ class StreamEvent:
     num_output_tokens: int
 
 
-class EventStream:
-    """Events of requests submitted together (the `n` choices / prompts of one API call), as
-    (index, event) pairs in arrival order via `get()` until `done`. Use as `async with`: leaving
-    early aborts the requests that have not finished, which frees their pages."""
-
-    def __init__(self, engine: Engine, reqs: list[Request]):
-        self.engine, self.reqs = engine, reqs
-        self._loop, self._queue = asyncio.get_running_loop(), asyncio.Queue()
-        self._open = len(reqs)
-
-    def sink(self, index: int) -> Callable[[StreamEvent], None]:
-        def put(event: StreamEvent) -> None:
-            try:
-                self._loop.call_soon_threadsafe(self._queue.put_nowait, (index, event))
-            except RuntimeError:  # the event loop is gone; nobody is listening any more
-                pass
-        return put
-
-    @property
-    def done(self) -> bool:
-        return self._open == 0
-
-    async def get(self, timeout: float | None = None) -> tuple[int, StreamEvent] | None:
-        """The next (index, event), or None if nothing arrived within `timeout` seconds."""
-        try:
-            index, event = await asyncio.wait_for(self._queue.get(), timeout)
-        except asyncio.TimeoutError:
-            return None
-        self._open -= event.finish_reason is not None
-        return index, event
-
-    def close(self) -> None:
-        for req in self.reqs:
-            if not req.finished:
-                self.engine.abort(req.rid)
-
-    async def __aenter__(self) -> EventStream:
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        self.close()
-
-
 class Engine:
     """Continuous-batching engine over a `ModelRunner`; see the module docstring."""
 
@@ -136,11 +71,9 @@ class Engine:
             raise ValueError(f"tokenizer has {tokenizer.vocab_size} tokens, model vocab_size is "
                              f"{runner.vocab_size}")
         self.runner, self.tokenizer, self.max_waiting = runner, tokenizer, max_waiting
-        self.allocator = PageAllocator(runner.num_pages)
-        self.req_pool = ReqToTokenPool(max_running, runner.max_context)
-        self.cache = RadixCache(self.allocator) if enable_prefix_cache else NoPrefixCache()
-        self.scheduler = Scheduler(self.allocator, self.req_pool, self.cache,
-                                   max_running=max_running, max_batch_tokens=max_batch_tokens)
+        self.scheduler = DataParallelScheduler([  # one per DP rank: pages, rows, cache
+            _rank_scheduler(runner, max_running, max_batch_tokens, enable_prefix_cache)
+            for _ in range(runner.num_dp)])
         self.metrics = Metrics()
         self.max_context = runner.max_context
         self._inbox: deque = deque()
@@ -174,7 +107,7 @@ class Engine:
                       max_context=self.max_context, generator=make_generator(params.seed))
         if not self.scheduler.fits(req):
             raise InvalidRequest(f"request needs {req.max_total_tokens} tokens of KV, more than the "
-                                 f"pool's {self.allocator.num_pages * PAGE_SIZE}", "max_tokens",
+                                 f"pool's {self.runner.num_pages * PAGE_SIZE}", "max_tokens",
                                  "context_length_exceeded")
         return req
 
@@ -184,7 +117,7 @@ class Engine:
 
     def submit_many(self, reqs: list[Request], sinks: list) -> None:
         """Queue all of `reqs` or none of them (raises `Overloaded` when the queue is full)."""
-        if len(self.scheduler.waiting) + len(self._inbox) + len(reqs) > self.max_waiting:
+        if self.num_waiting + len(reqs) > self.max_waiting:
             raise Overloaded(f"{self.max_waiting} requests already waiting")
         self._inbox.extend(("add", r, s) for r, s in zip(reqs, sinks))
         self._wake.set()
@@ -193,12 +126,6 @@ class Engine:
         """Stop a request (e.g. its client went away); its pages are freed on the engine thread."""
         self._inbox.append(("abort", rid, None))
         self._wake.set()
-
-    def open_stream(self, reqs: list[Request]) -> EventStream:
-        """Submit `reqs` now (call from the event loop) and return their merged event stream."""
-        stream = EventStream(self, reqs)
-        self.submit_many(reqs, [stream.sink(i) for i in range(len(reqs))])
-        return stream
 
     # -- the loop --------------------------------------------------------------------------------
 
@@ -246,28 +173,42 @@ class Engine:
     def step(self) -> bool:
         """One iteration; returns False when there was nothing to do."""
         self._drain_inbox()
-        batch = self.scheduler.schedule()
-        if batch is None:
+        batches = self.scheduler.schedule()
+        if batches is None:
             self._update_gauges()
             return False
-        self._account(batch)
-        if batch.reqs:
-            fb = ForwardBatch.build(
-                batch.mode, [r.all_ids[s:s + n] for r, s, n in
-                             zip(batch.reqs, batch.prefix_lens, batch.extend_lens)],
-                [r.row for r in batch.reqs], batch.prefix_lens, self.req_pool.table)
-            logits = self.runner.forward(fb)
-            self.scheduler.commit(batch)
-            for i, req in enumerate(batch.reqs):
-                if req.num_pending == 0:
-                    self._sample(req, logits[i])
+        self.metrics.step([b for b in batches if b is not None])
+        work = [b if b is not None and b.reqs else None for b in batches]
+        if any(work):  # else only retractions happened
+            ranks = self.scheduler.ranks
+            fbs = [self._forward_batch(s, b) for s, b in zip(ranks, work)]
+            for s, batch, logits in zip(ranks, work, self.runner.forward_dp(fbs)):
+                if batch is not None:
+                    s.commit(batch)
+                    for i, req in enumerate(batch.reqs):
+                        if req.num_pending == 0:
+                            self._sample(req, logits[i])
         self._update_gauges()
         return True
+
+    @staticmethod
+    def _forward_batch(s: Scheduler, batch: ScheduledBatch | None) -> ForwardBatch:
+        if batch is None:  # this DP rank has nothing to do but must still step
+            return ForwardBatch.idle(s.req_pool.table)
+        return ForwardBatch.build(
+            batch.mode, [r.all_ids[p:p + n] for r, p, n in
+                         zip(batch.reqs, batch.prefix_lens, batch.extend_lens)],
+            [r.row for r in batch.reqs], batch.prefix_lens, s.req_pool.table)
+
+    def reset_metrics(self) -> None:
+        """Start counting afresh (e.g. after warm-up)."""
+        self.metrics = Metrics()
+        self._update_gauges()
 
     def flush_cache(self, timeout: float = 10.0) -> None:
         """Drop the prefix cache; with the engine thread running, it does it between steps."""
         if not self.alive:
-            self.cache.reset()
+            self._reset_caches()
             self._update_gauges()
             return
         done = threading.Event()
@@ -286,27 +227,17 @@ class Engine:
                 self._detok[item.rid] = Detokenizer(self.tokenizer, item.params.stop)
                 self.scheduler.add(item)
             elif kind == "flush":
-                self.cache.reset()
+                self._reset_caches()
                 item.set()
             elif (req := self._live.get(item)) is not None:
                 self._finish(req, "abort")
-
-    def _account(self, batch: ScheduledBatch) -> None:
-        m = self.metrics
-        m.inc("steps_total")
-        m.inc("requests_retracted_total", len(batch.retracted))
-        for req in batch.admitted:
-            m.inc("prompt_tokens_total", req.num_tokens)
-            m.inc("prefix_cache_hit_tokens_total", req.num_cached_tokens)
-        m.inc("prefill_tokens_total", sum(n for r, n in zip(batch.reqs, batch.extend_lens)
-                                          if not r.is_decoding))
 
     def _sample(self, req: Request, logits: torch.Tensor) -> None:
         token, lp = sample_row(logits, req.params, req.prompt_ids, req.output_ids, req.generator)
         req.output_ids.append(token)
         if lp is not None:
             req.output_logprobs.append(lp)
-        self._timing(req)
+        self.metrics.token(req)
         reason = req.check_stop_token(token)
         detok = self._detok[req.rid]
         if reason == "stop":  # a stop/eos token: its text is not part of the output
@@ -316,162 +247,64 @@ class Engine:
             reason = "stop" if detok.stopped else reason
             text += detok.flush() if reason else ""
         req.output_text += text
-        self._emit(req, StreamEvent(token, text, lp, reason, len(req.prompt_ids),
-                                    req.num_cached_tokens, len(req.output_ids)))
+        event = StreamEvent(token, text, lp, reason, len(req.prompt_ids), req.num_cached_tokens,
+                            len(req.output_ids))
         if reason:
-            self._finish(req, reason)
-
-    def _timing(self, req: Request) -> None:
-        now, m = time.monotonic(), self.metrics
-        if req.first_token_time is None:
-            req.first_token_time = now
-            m.observe("time_to_first_token_seconds", now - req.arrival_time)
+            self._finish(req, reason, event)
         else:
-            m.observe("inter_token_latency_seconds", now - req.last_token_time)
-        req.last_token_time = now
-        m.tokens(1)
+            self._emit(req, event)
 
     def _emit(self, req: Request, event: StreamEvent) -> None:
         sink = self._sinks.get(req.rid)
         if sink is not None:
             sink(event)
 
-    def _finish(self, req: Request, reason: str) -> None:
+    def _finish(self, req: Request, reason: str, last: StreamEvent | None = None) -> None:
+        """Free and count `req`, then send its last event (`last`, or an empty one for abort and
+        error): a client that has seen the end also sees it in the metrics."""
         self.scheduler.finish(req, reason)
-        if reason in ("abort", "error"):
-            self._emit(req, StreamEvent(-1, "", None, reason, len(req.prompt_ids),
-                                        req.num_cached_tokens, len(req.output_ids)))
-        self.metrics.finish(reason)
-        if req.first_token_time is not None:
-            self.metrics.observe("e2e_request_latency_seconds", time.monotonic() - req.arrival_time)
+        self.metrics.finish(req, reason)
+        self._emit(req, last or StreamEvent(-1, "", None, reason, len(req.prompt_ids),
+                                            req.num_cached_tokens, len(req.output_ids)))
         for table in (self._live, self._sinks, self._detok):
             table.pop(req.rid, None)
 
+    def _reset_caches(self) -> None:
+        for s in self.scheduler.ranks:
+            s.cache.reset()
+
     def _update_gauges(self) -> None:
-        held, cached = self.scheduler.num_pages_held, self.cache.num_cached_pages
-        total = self.allocator.num_pages
+        ss = self.scheduler.ranks
+        total = sum(s.allocator.num_pages for s in ss)
         self.metrics.set_gauges(
-            num_requests_waiting=len(self.scheduler.waiting) + len(self._inbox),
+            num_requests_waiting=self.num_waiting,
             num_requests_running=len(self.scheduler.running), kv_pages_total=total,
-            kv_pages_used=held, kv_pages_cached=cached,
-            kv_usage_ratio=self.allocator.num_used / total)
+            kv_pages_used=self.scheduler.num_pages_held,
+            kv_pages_cached=sum(s.cache.num_cached_pages for s in ss),
+            kv_usage_ratio=sum(s.allocator.num_used for s in ss) / total)
 
-    def warmup(self) -> None:
-        """Run one short request through every phase (prefill, decode), then forget it."""
-        from tqdm import tqdm
+    # -- DP rank 0's parts (the only ones unless runner.num_dp > 1) ------------------------------
 
-        params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-        req = self.make_request(list(range(min(8, self.runner.vocab_size))), params)
-        self.submit(req)
-        with tqdm(total=params.max_tokens, desc="warm-up", unit="tok", leave=False) as bar:
-            while not req.finished:
-                self.step()
-                bar.n = len(req.output_ids)
-                bar.refresh()
-        self.flush_cache()
-        self.metrics = Metrics()
-        self._update_gauges()
+    @property
+    def allocator(self) -> PageAllocator:
+        return self.scheduler.ranks[0].allocator
 
+    @property
+    def req_pool(self) -> ReqToTokenPool:
+        return self.scheduler.ranks[0].req_pool
 
-class ReferenceRunner(ModelRunner):
-    """`ModelRunner` over the fp32 torch `ReferenceModel` and its own `KVPool`."""
+    @property
+    def cache(self):
+        return self.scheduler.ranks[0].cache
 
-    def __init__(self, config: dict, weights: dict[str, torch.Tensor], num_pages: int,
-                 max_context: int | None = None):
-        from glmc.runtime.kv_cache import PAGE_SIZE as POOL_PAGE_SIZE, KVPool
-        from glmc.runtime.reference_model import ReferenceModel
-        from glmc.runtime.weights import resolve_config
-
-        if POOL_PAGE_SIZE != PAGE_SIZE:
-            raise ValueError(f"kv_cache.PAGE_SIZE {POOL_PAGE_SIZE} != pages.PAGE_SIZE {PAGE_SIZE}")
-        c = resolve_config(config)
-        mtp = f"model.layers.{c.num_hidden_layers}.eh_proj.weight" in weights
-        num_layers = c.num_hidden_layers + mtp  # the MTP block gets a KV layer of its own
-        full = set(c.full_layers) | ({c.num_hidden_layers} if mtp else set())
-        self.pool = KVPool(num_layers, full, num_pages, c.kv_lora_rank, c.qk_rope_head_dim,
-                           c.index_head_dim)
-        self.model = ReferenceModel(config, weights, self.pool)
-        self.vocab_size, self.num_pages = c.vocab_size, num_pages
-        limit = min(c.max_position_embeddings, num_pages * PAGE_SIZE)
-        self.max_context = min(max_context or limit, limit)
-
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        return self.model.forward(batch)
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting) + len(self._inbox)
 
 
-# -- building engines ----------------------------------------------------------------------------
-
-TINY_DIR = Path(__file__).resolve().parent.parent / "models" / "tiny"
-TINY_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json")
-TINY_SEED = 0
-TINY_STAMP = f"glmc tiny weights: seed {TINY_SEED}, init v1\n"  # bump when _tiny_init changes
-
-
-def make_tiny_checkpoint(ckpt_dir: str | Path) -> Path:
-    """Write the tiny GLM (models/tiny/config.json, same architecture as GLM-5) as an HF checkpoint
-    with deterministic random weights, plus the tiny tokenizer. Reuses an up-to-date directory."""
-    from safetensors.torch import save_file
-    from tqdm import tqdm
-
-    from glmc.runtime.weights import expected_tensors
-
-    ckpt_dir = Path(ckpt_dir)
-    ckpt_dir.mkdir(parents=True, exist_ok=True)
-    fresh = all((ckpt_dir / f).exists() and (ckpt_dir / f).read_bytes() == (TINY_DIR / f).read_bytes()
-                for f in TINY_FILES)
-    stamp = ckpt_dir / "glmc_tiny.txt"
-    if fresh and stamp.exists() and stamp.read_text() == TINY_STAMP:
-        return ckpt_dir
-    config = json.loads((TINY_DIR / "config.json").read_text())
-    gen, tensors = torch.Generator().manual_seed(TINY_SEED), {}
-    for name, shape in tqdm(sorted(expected_tensors(config).items()), desc="tiny weights",
-                            unit="tensor", leave=False):
-        tensors[name] = _tiny_init(name, shape, gen)
-    tmp = ckpt_dir / f"model.safetensors.tmp{os.getpid()}"
-    save_file(tensors, str(tmp), metadata={"format": "pt"})
-    os.replace(tmp, ckpt_dir / "model.safetensors")  # atomic: concurrent builders agree
-    for f in TINY_FILES:
-        shutil.copyfile(TINY_DIR / f, ckpt_dir / f)
-    stamp.write_text(TINY_STAMP)  # last: a half-written directory is never taken as fresh
-    return ckpt_dir
-
-
-def _tiny_init(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
-    """Norm weights 1, biases small, embeddings N(0, 1), matrices with std 2/sqrt(fan_in): the
-    activations stay O(1) and the logits are peaked enough that greedy decoding has clear winners."""
-    if name.endswith("norm.weight"):
-        return torch.ones(shape)
-    if len(shape) == 1:
-        return 0.01 * torch.randn(shape, generator=gen)
-    scale = 1.0 if name.endswith("embed_tokens.weight") else 2.0 / math.sqrt(shape[1])
-    return scale * torch.randn(shape, generator=gen)
-
-
-def build_engine(ckpt_dir: str | Path, *, num_pages: int = 256, max_context: int | None = None,
-                 warmup: bool = True, **engine_kwargs) -> Engine:
-    """An engine over the reference model of an HF glm_moe_dsa checkpoint directory (config.json,
-    safetensors, tokenizer.json, tokenizer_config.json)."""
-    from tqdm import tqdm
-
-    from glmc.runtime.weights import detect_mtp, expected_tensors, load_checkpoint
-
-    ckpt_dir = Path(ckpt_dir)
-    config = json.loads((ckpt_dir / "config.json").read_text())
-    expected = expected_tensors(config, **detect_mtp(ckpt_dir))
-    with tqdm(total=len(expected), desc="loading weights", unit="tensor", leave=False) as bar:
-        weights = load_checkpoint(ckpt_dir, expected)  # no per-tensor hook: one jump at the end
-        bar.update(len(weights))
-    runner = ReferenceRunner(config, weights, num_pages, max_context)
-    engine = Engine(runner, Tokenizer.from_dir(ckpt_dir), **engine_kwargs)
-    if warmup:
-        engine.warmup()
-    return engine
-
-
-def build_tiny_engine(cache_dir: str | Path | None = None, **kwargs) -> Engine:
-    """The default tiny model: random weights made on first use under `cache_dir`
-    (default $GLMC_CACHE/tiny or ~/.cache/glmc/tiny), tokenizer and chat template from models/tiny."""
-    if cache_dir is None:
-        root = os.environ.get("GLMC_CACHE") or Path.home() / ".cache" / "glmc"
-        cache_dir = Path(root) / "tiny"
-    return build_engine(make_tiny_checkpoint(cache_dir), **kwargs)
+def _rank_scheduler(runner: ModelRunner, max_running: int, max_batch_tokens: int,
+                    enable_prefix_cache: bool) -> Scheduler:
+    allocator = PageAllocator(runner.num_pages)
+    cache = RadixCache(allocator) if enable_prefix_cache else NoPrefixCache()
+    return Scheduler(allocator, ReqToTokenPool(max_running, runner.max_context), cache,
+                     max_running=max_running, max_batch_tokens=max_batch_tokens)

@@ -71,6 +71,7 @@ class Metrics:
         self.gauges = dict.fromkeys(self.GAUGES, 0.0)
         self.histograms = {name: Histogram() for name in self.HISTOGRAMS}
         self.finished: dict[str, int] = {}
+        self.admitted_by_dp_rank: dict[int, int] = {}  # attention-DP balance
         self._recent: deque[tuple[float, int]] = deque()
 
     def inc(self, name: str, value: int = 1) -> None:
@@ -81,15 +82,42 @@ class Metrics:
         with self._lock:
             self.histograms[name].observe(value)
 
-    def finish(self, reason: str) -> None:
+    # -- engine events (duck-typed `Request`s and `ScheduledBatch`es) ------------------------------
+
+    def step(self, batches: list) -> None:
+        """One engine step: every DP rank's scheduled batch."""
+        self.inc("steps_total")
+        for batch in batches:
+            self.inc("requests_retracted_total", len(batch.retracted))
+            for req in batch.admitted:
+                self._admit(req.dp_rank)
+                self.inc("prompt_tokens_total", req.num_tokens)
+                self.inc("prefix_cache_hit_tokens_total", req.num_cached_tokens)
+            self.inc("prefill_tokens_total", sum(n for r, n in zip(batch.reqs, batch.extend_lens)
+                                                 if not r.is_decoding))
+
+    def token(self, req) -> None:
+        """`req` just got a token: TTFT or inter-token latency, and the throughput window."""
+        now = time.monotonic()
+        if req.first_token_time is None:
+            req.first_token_time = now
+            self.observe("time_to_first_token_seconds", now - req.arrival_time)
+        else:
+            self.observe("inter_token_latency_seconds", now - req.last_token_time)
+        req.last_token_time = now
+        with self._lock:
+            self.counters["generation_tokens_total"] += 1
+            self._recent.append((now, 1))
+
+    def finish(self, req, reason: str) -> None:
         with self._lock:
             self.finished[reason] = self.finished.get(reason, 0) + 1
+        if req.first_token_time is not None:
+            self.observe("e2e_request_latency_seconds", time.monotonic() - req.arrival_time)
 
-    def tokens(self, n: int) -> None:
-        now = time.monotonic()
+    def _admit(self, dp_rank: int) -> None:
         with self._lock:
-            self.counters["generation_tokens_total"] += n
-            self._recent.append((now, n))
+            self.admitted_by_dp_rank[dp_rank] = self.admitted_by_dp_rank.get(dp_rank, 0) + 1
 
     def set_gauges(self, **values: float) -> None:
         with self._lock:
@@ -108,6 +136,10 @@ class Metrics:
                     f"# TYPE {PREFIX}requests_finished_total counter"]
             out += [f'{PREFIX}requests_finished_total{{finish_reason="{r}"}} {n}'
                     for r, n in sorted(self.finished.items())]
+            out += [f"# HELP {PREFIX}requests_admitted_total Admissions (first and after "
+                    "retraction) by attention-DP rank.", f"# TYPE {PREFIX}requests_admitted_total counter"]
+            out += [f'{PREFIX}requests_admitted_total{{dp_rank="{r}"}} {n}'
+                    for r, n in sorted(self.admitted_by_dp_rank.items())]
             for name, help_ in self.HISTOGRAMS.items():
                 out += [f"# HELP {PREFIX}{name} {help_}", f"# TYPE {PREFIX}{name} histogram"]
                 out += self.histograms[name].render(PREFIX + name)

@@ -41,6 +41,7 @@ class Request:
     # KV bookkeeping (owned by the scheduler)
     pages: list[int] = field(default_factory=list)
     row: int | None = None
+    dp_rank: int = 0  # the attention-DP rank whose pages and rows the request uses
     num_computed: int = 0
     num_cached_tokens: int = 0  # prefix-cache hit of the latest admission
     num_retractions: int = 0

@@ -192,3 +192,50 @@ class Scheduler:
         self.allocator.decref(req.pages)
         self.req_pool.free(req.row)
         req.pages, req.row, req.num_computed = [], None, 0
+
+
+class DataParallelScheduler:
+    """One `Scheduler` per attention-DP rank (each over its own pages, req_to_token rows and prefix
+    cache) behind the queue interface of one: `add` routes a request to the rank with the fewest
+    requests, among those the one whose prefix cache holds most of its prompt, then the lowest,
+    and records it in `req.dp_rank`; `schedule` returns every rank's batch (None for a rank with
+    nothing to do). With one rank it is a plain `Scheduler`."""
+
+    def __init__(self, ranks: list[Scheduler]):
+        self.ranks = ranks
+
+    @property
+    def waiting(self) -> list[Request]:
+        return [r for s in self.ranks for r in s.waiting]
+
+    @property
+    def running(self) -> list[Request]:
+        return [r for s in self.ranks for r in s.running]
+
+    @property
+    def num_pages_held(self) -> int:
+        return sum(s.num_pages_held for s in self.ranks)
+
+    def fits(self, req: Request) -> bool:
+        return self.ranks[0].fits(req)  # every rank has the same pool
+
+    def add(self, req: Request) -> None:
+        if len(self.ranks) > 1:
+            req.dp_rank = min(range(len(self.ranks)), key=lambda i: (
+                len(self.ranks[i].running) + len(self.ranks[i].waiting), -self._hit(i, req), i))
+        self.ranks[req.dp_rank].add(req)
+
+    def _hit(self, rank: int, req: Request) -> int:
+        """Prompt pages rank `rank`'s prefix cache holds (admission would match the same)."""
+        s = self.ranks[rank]
+        pages = s.cache.match(req.all_ids[:req.num_tokens - 1])
+        s.allocator.decref(pages)
+        return len(pages)
+
+    def finish(self, req: Request, reason: str) -> None:
+        self.ranks[req.dp_rank].finish(req, reason)
+
+    def schedule(self) -> list[ScheduledBatch | None] | None:
+        """Every rank's batch, or None when no rank has anything to do."""
+        batches = [s.schedule() for s in self.ranks]
+        return None if all(b is None for b in batches) else batches

@@ -4,97 +4,83 @@ Routes: POST /v1/chat/completions, POST /v1/completions (SSE when `stream`), GET
 GET /health, GET /metrics (Prometheus text). Every error, including malformed JSON and unknown
 routes, comes back in OpenAI's shape `{"error": {"message", "type", "param", "code"}}` with a 4xx
 status, or 503 + Retry-After when the waiting queue is full. A client that disconnects (streaming
-or not) has its requests aborted, which frees their KV pages.
+or not) has its requests aborted, which frees their KV pages. The wire format itself (bodies,
+responses, chunks) is `runtime/protocol.py`.
 """
 from __future__ import annotations
 
-import itertools
-import json
+import asyncio
+import signal
+import socket
+import threading
 import time
 import uuid
 from contextlib import asynccontextmanager
+from typing import Callable
 
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException
 
-from glmc.runtime.engine import Engine, EventStream, InvalidRequest, Overloaded
-from glmc.runtime.sampling import SamplingError, SamplingParams
-from glmc.runtime.tokenizer import TemplateError
+from glmc.runtime.engine import Engine, InvalidRequest, Overloaded, StreamEvent
+from glmc.runtime.protocol import (ENGINE_FAILED, APIError, ChatRequest, CompletionRequest,
+                                   Formatter, prompt_ids, sampling_params, sse_data, usage)
+from glmc.runtime.request import Request
+from glmc.runtime.sampling import SamplingError
 
 DISCONNECT_POLL_S = 0.5
 
 
-class APIError(Exception):
-    """An error answered in OpenAI's shape."""
+class EventStream:
+    """Events of requests submitted together (the `n` choices / prompts of one API call), as
+    (index, event) pairs in arrival order via `get()` until `done`. Use as `async with`: leaving
+    early aborts the requests that have not finished, which frees their pages."""
 
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 code: str | None = None, type: str = "invalid_request_error", headers=None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-        self.type, self.headers = type, headers
+    @classmethod
+    def open(cls, engine: Engine, reqs: list[Request]) -> EventStream:
+        """Submit `reqs` to `engine` (call from the event loop); raises `Overloaded`."""
+        stream = cls(engine, reqs)
+        engine.submit_many(reqs, [stream.sink(i) for i in range(len(reqs))])
+        return stream
 
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
+    def __init__(self, engine: Engine, reqs: list[Request]):
+        self.engine, self.reqs = engine, reqs
+        self._loop, self._queue = asyncio.get_running_loop(), asyncio.Queue()
+        self._open = len(reqs)
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+    def sink(self, index: int) -> Callable[[StreamEvent], None]:
+        def put(event: StreamEvent) -> None:
+            try:
+                self._loop.call_soon_threadsafe(self._queue.put_nowait, (index, event))
+            except RuntimeError:  # the event loop is gone; nobody is listening any more
+                pass
+        return put
 
+    @property
+    def done(self) -> bool:
+        return self._open == 0
 
-ENGINE_FAILED = APIError(500, "the engine failed while running this request (see server log)",
-                         None, "engine_error", "server_error")
+    async def get(self, timeout: float | None = None) -> tuple[int, StreamEvent] | None:
+        """The next (index, event), or None if nothing arrived within `timeout` seconds."""
+        try:
+            index, event = await asyncio.wait_for(self._queue.get(), timeout)
+        except asyncio.TimeoutError:
+            return None
+        self._open -= event.finish_reason is not None
+        return index, event
 
+    def close(self) -> None:
+        for req in self.reqs:
+            if not req.finished:
+                self.engine.abort(req.rid)
 
-class _SamplingFields(BaseModel):
-    """Fields common to both generation endpoints; unknown fields are ignored, as OpenAI does."""
+    async def __aenter__(self) -> EventStream:
+        return self
 
-    model_config = ConfigDict(extra="ignore")
-    model: str
-    n: int | None = 1
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    stop: str | list[str | int] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    seed: int | None = None
-    stream: bool = False
-    stream_options: dict | None = None
+    async def __aexit__(self, *exc) -> None:
+        self.close()
 
-
-class ChatRequest(_SamplingFields):
-    messages: list[dict]
-    max_completion_tokens: int | None = None
-    logprobs: bool | None = False
-    top_logprobs: int | None = None
-
-
-class CompletionRequest(_SamplingFields):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: int | None = None
-    echo: bool | None = False
-
-
-def _sampling(body: _SamplingFields, max_tokens: int | None, logprobs: bool, top: int,
-              seed: int | None) -> SamplingParams:
-    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-    d = SamplingParams()
-    pick = lambda name: v if (v := getattr(body, name)) is not None else getattr(d, name)  # noqa
-    return SamplingParams(
-        max_tokens=max_tokens, **{k: pick(k) for k in (
-            "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-            "repetition_penalty")},
-        stop=[s for s in stop if isinstance(s, str)],
-        stop_token_ids=[s for s in stop if isinstance(s, int)] + list(body.stop_token_ids or []),
-        ignore_eos=body.ignore_eos, seed=seed, logprobs=logprobs, top_logprobs=top)
 
 
 class _Api:
@@ -103,36 +89,9 @@ class _Api:
     def __init__(self, engine: Engine, model_name: str, max_n: int):
         self.engine, self.model_name, self.max_n = engine, model_name, max_n
         self.created = int(time.time())
+        self.fmt = Formatter(model_name, engine.tokenizer)
 
     # -- request -> engine requests --------------------------------------------------------------
-
-    def _prompts(self, body) -> list[list[int]]:
-        tok = self.engine.tokenizer
-        if isinstance(body, ChatRequest):
-            if not body.messages:
-                raise APIError(400, "messages must be a non-empty list", "messages")
-            messages = [self._message(m, i) for i, m in enumerate(body.messages)]
-            try:
-                return [tok.encode(tok.apply_chat_template(messages))]
-            except TemplateError as e:
-                raise APIError(400, str(e), "messages") from e
-        p = body.prompt
-        if isinstance(p, str) or (p and isinstance(p[0], int)) or not p:
-            p = [p]
-        return [tok.encode(x) if isinstance(x, str) else list(x) for x in p]
-
-    @staticmethod
-    def _message(m: dict, i: int) -> dict:
-        content = m.get("content")
-        if isinstance(content, list):  # OpenAI content parts: only text is understood here
-            if any(not isinstance(c, dict) or c.get("type") != "text" for c in content):
-                raise APIError(400, f"messages[{i}].content: only text parts are supported",
-                               f"messages[{i}].content")
-            content = "".join(c.get("text", "") for c in content)
-        if not isinstance(m.get("role"), str) or not isinstance(content, (str, type(None))):
-            raise APIError(400, f"messages[{i}] needs a string role and string content",
-                           f"messages[{i}]")
-        return {**m, "content": content or ""}
 
     def _requests(self, body) -> list:
         if body.model != self.model_name:
@@ -153,13 +112,13 @@ class _Api:
             logprobs, top = body.logprobs is not None, body.logprobs or 0
             max_tokens = 16 if body.max_tokens is None else body.max_tokens  # OpenAI's default
         reqs = []
-        for prompt in self._prompts(body):
+        for prompt in prompt_ids(body, self.engine.tokenizer):
             for _ in range(n):
                 limit = max_tokens if max_tokens is not None else max(
                     1, self.engine.max_context - len(prompt))
                 seed = None if body.seed is None else body.seed + len(reqs)
                 try:
-                    params = _sampling(body, limit, logprobs, top, seed)
+                    params = sampling_params(body, limit, logprobs, top, seed)
                     reqs.append(self.engine.make_request(prompt, params))
                 except SamplingError as e:  # completions call top_logprobs `logprobs`
                     param = "logprobs" if e.param == "top_logprobs" and not chat else e.param
@@ -173,15 +132,15 @@ class _Api:
     async def generate(self, http: HTTPRequest, body) -> Response:
         reqs = self._requests(body)
         try:
-            stream = self.engine.open_stream(reqs)
+            stream = EventStream.open(self.engine, reqs)
         except Overloaded as e:
             raise APIError(503, f"server overloaded: {e}; retry later", None, "overloaded",
                            "server_error", {"Retry-After": "1"}) from e
         chat, n = isinstance(body, ChatRequest), body.n or 1
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         if body.stream:
-            usage = bool((body.stream_options or {}).get("include_usage"))
-            return StreamingResponse(self._sse(http, stream, rid, chat, usage, n),
+            with_usage = bool((body.stream_options or {}).get("include_usage"))
+            return StreamingResponse(self._sse(http, stream, rid, chat, with_usage, n),
                                      media_type="text/event-stream")
         async with stream:
             choices = [{"text": "", "logprobs": [], "finish_reason": None} for _ in reqs]
@@ -195,70 +154,31 @@ class _Api:
                 return Response(status_code=499)  # client went away; nobody reads this
         if any(c["finish_reason"] == "error" for c in choices):
             raise ENGINE_FAILED
-        return JSONResponse(self._response(rid, chat, reqs, choices, counts, n))
+        return JSONResponse(self.fmt.response(rid, chat, reqs, choices, counts, n))
 
-    async def _sse(self, http, stream: EventStream, rid: str, chat: bool, usage: bool, n: int):
+    async def _sse(self, http, stream: EventStream, rid: str, chat: bool, with_usage: bool,
+                   n: int):
         async with stream:
             if chat:  # OpenAI opens each choice with the role
                 for i in range(len(stream.reqs)):
-                    yield self._chunk(rid, chat, i, {"role": "assistant", "content": ""}, None, None)
+                    role = {"role": "assistant", "content": ""}
+                    yield self.fmt.chunk(rid, chat, i, role, None, None)
             counts = [None] * len(stream.reqs)
             async for i, ev in _events(http, stream):
                 if ev.finish_reason == "error":
-                    yield _sse_data(ENGINE_FAILED.body())
+                    yield sse_data(ENGINE_FAILED.body())
                     return
                 counts[i] = ev
                 if not (ev.text or ev.finish_reason or ev.logprobs):
                     continue  # text held back (partial UTF-8 or a possible stop string)
                 lp = [(ev.token_id, ev.logprobs)] if ev.logprobs else None
                 delta = {"content": ev.text} if chat else ev.text
-                yield self._chunk(rid, chat, i, delta, ev.finish_reason, lp)
-            if usage and stream.done:
-                yield _sse_data({**self._head(rid, chat, True), "choices": [],
-                                 "usage": _usage(counts, n)})
+                yield self.fmt.chunk(rid, chat, i, delta, ev.finish_reason, lp)
+            if with_usage and stream.done:
+                yield sse_data({**self.fmt.head(rid, chat, True), "choices": [],
+                                 "usage": usage(counts, n)})
             if stream.done:
                 yield "data: [DONE]\n\n"
-
-    def _head(self, rid: str, chat: bool, chunk: bool) -> dict:
-        obj = ("chat.completion.chunk" if chunk else "chat.completion") if chat else \
-            "text_completion"
-        return {"id": rid, "object": obj, "created": int(time.time()), "model": self.model_name}
-
-    def _chunk(self, rid, chat, index, delta, finish_reason, lp) -> str:
-        choice = {"index": index, "finish_reason": finish_reason,
-                  "logprobs": self._logprobs(lp, chat)}
-        choice |= {"delta": delta} if chat else {"text": delta}
-        return _sse_data({**self._head(rid, chat, True), "choices": [choice]})
-
-    def _response(self, rid, chat, reqs, choices, counts, n) -> dict:
-        out = []
-        for i, c in enumerate(choices):
-            choice = {"index": i, "finish_reason": c["finish_reason"],
-                      "logprobs": self._logprobs(c["logprobs"] if reqs[i].params.logprobs
-                                                 else None, chat)}
-            choice |= ({"message": {"role": "assistant", "content": c["text"]}} if chat
-                       else {"text": c["text"]})
-            out.append(choice)
-        return {**self._head(rid, chat, False), "choices": out,
-                "usage": _usage(counts, n)}
-
-    def _logprobs(self, items, chat: bool):
-        """OpenAI logprobs: chat's `content` list, or the legacy completions layout."""
-        if items is None:
-            return None
-        tok = self.engine.tokenizer
-        name = tok.id_to_token
-
-        def entry(t, lp):
-            return {"token": name(t), "logprob": lp, "bytes": list(tok.token_bytes(t))}
-        if chat:
-            return {"content": [entry(t, lp.logprob) | {"top_logprobs": [
-                entry(a, b) for a, b in lp.top]} for t, lp in items]}
-        tokens = [name(t) for t, _ in items]
-        offsets = [0, *itertools.accumulate(len(x) for x in tokens)][:len(tokens)]
-        return {"tokens": tokens, "token_logprobs": [lp.logprob for _, lp in items],
-                "top_logprobs": [{name(a): b for a, b in lp.top} for _, lp in items],
-                "text_offset": offsets}
 
     def models(self) -> dict:
         return {"object": "list", "data": [{
@@ -278,21 +198,6 @@ async def _events(http: HTTPRequest, stream: EventStream):
             if await http.is_disconnected():
                 return
             next_check = time.monotonic() + DISCONNECT_POLL_S
-
-
-def _sse_data(obj: dict) -> str:
-    return f"data: {json.dumps(obj)}\n\n"
-
-
-def _usage(counts: list, n: int) -> dict:
-    """Token counts; a prompt shared by `n` choices counts once, as OpenAI does."""
-    done = [c for c in counts if c is not None]
-    firsts = [c for i, c in enumerate(counts) if i % n == 0 and c is not None]
-    prompt = sum(c.num_prompt_tokens for c in firsts)
-    completion = sum(c.num_output_tokens for c in done)
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(c.num_cached_tokens for c in firsts)}}
 
 
 def _error_handlers(app: FastAPI, engine: Engine) -> None:
@@ -368,8 +273,23 @@ def create_app(engine: Engine, model_name: str = "glmc-tiny", *, max_n: int = 16
 
 def serve(engine: Engine, model_name: str = "glmc-tiny", host: str = "127.0.0.1",
           port: int = 8000, log_level: str = "info") -> None:
-    """Run the server in the foreground until interrupted (Ctrl-C)."""
+    """Serve in the foreground until SIGINT or SIGTERM (then shut down cleanly). The port is bound
+    before the URL is printed, so a client that read the URL can connect; port 0 picks a free one."""
     import uvicorn
 
-    print(f"glmc: serving {model_name} at http://{host}:{port}/v1", flush=True)
-    uvicorn.run(create_app(engine, model_name), host=host, port=port, log_level=log_level)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.create_server((host, port), family=family)
+    url = f"http://{'[' + host + ']' if ':' in host else host}:{sock.getsockname()[1]}"
+    print(f"glmc: serving {model_name} at {url}/v1", flush=True)
+    config = uvicorn.Config(create_app(engine, model_name), log_level=log_level)
+    # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal to the handler
+    # it found: make that one a no-op so serve() returns and callers can clean up.
+    main = threading.current_thread() is threading.main_thread()
+    sigs = (signal.SIGINT, signal.SIGTERM)
+    previous = {s: signal.signal(s, lambda *_: None) for s in sigs} if main else {}
+    try:
+        uvicorn.Server(config).run(sockets=[sock])
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    print(f"glmc: stopped serving {model_name}", flush=True)

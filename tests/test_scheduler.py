@@ -1,13 +1,15 @@
-"""Scheduler policy (pure Python, a fake model) and the engine loop over the real tiny model:
-chunked prefill, retraction, prefix cache and abort never change greedy output, and pages come back."""
+"""Scheduler policy (pure Python, a fake model) and the engine loop over the real tiny model (its
+compiled plan, the default runner): chunked prefill, retraction, prefix cache and abort never change
+greedy output, pages come back, and the plan serves exactly what the reference model does."""
 import json
 
 import pytest
 import torch
 
-from glmc.runtime.engine import build_engine, make_tiny_checkpoint
+from glmc.runtime.build import build_engine, make_tiny_checkpoint
 from glmc.runtime.forward_batch import ForwardBatch
 from glmc.runtime.kv_cache import KVPool
+from glmc.runtime.model_runner import PlanRunner, ReferenceRunner
 from glmc.runtime.pages import PageAllocator, ReqToTokenPool, slots_for
 from glmc.runtime.prefix_cache import NoPrefixCache, RadixCache
 from glmc.runtime.reference_model import ReferenceModel
@@ -206,3 +208,17 @@ def test_abort_mid_generation_frees_pages(ckpt):
     while not b.finished:
         e.step()
     assert e.allocator.num_free == e.allocator.num_pages and e.req_pool.num_free == e.req_pool.max_reqs
+
+
+def test_plan_runner_serves_what_the_reference_runner_does(ckpt):
+    """Mixed prefill + decode batches, chunked prefill and prefix hits, through both runners."""
+    ps = prompts(150, 9, 100, 70) + [prompts(150)[0][:130] + [5, 6]]  # the last one hits the cache
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    plan, ref = engine(ckpt, max_batch_tokens=48), engine(ckpt, runner="reference",
+                                                          max_batch_tokens=48)
+    assert isinstance(plan.runner, PlanRunner) and isinstance(ref.runner, ReferenceRunner)
+    assert plan.runner.executor.pool.num_pages == plan.runner.num_pages + 1  # + the scratch page
+    got = [[r.output_ids for r in e.generate(ps[:4], params) + e.generate(ps[4:], params)]
+           for e in (plan, ref)]
+    assert got[0] == got[1]
+    assert plan.metrics.counters["prefix_cache_hit_tokens_total"] >= 128

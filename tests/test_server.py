@@ -12,7 +12,7 @@ import pytest
 import torch
 import uvicorn
 
-from glmc.runtime.engine import build_engine, make_tiny_checkpoint
+from glmc.runtime.build import build_engine, make_tiny_checkpoint
 from glmc.runtime.sampling import SamplingParams
 from glmc.runtime.server import create_app
 

@@ -1,0 +1,202 @@
+"""Building engines: checkpoints (and the tiny default one), weights, runners, warm-up.
+
+`build_engine(ckpt_dir)` serves an HF glm_moe_dsa checkpoint directory (config.json, safetensors,
+tokenizer.json, tokenizer_config.json); `build_tiny_engine()` serves the tiny default model, whose
+random weights are made deterministically on first use. Slow steps show progress bars (stderr).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm as _tqdm
+
+from glmc.runtime.engine import Engine
+from glmc.runtime.model_runner import PlanRunner, ReferenceRunner
+from glmc.runtime.sampling import SamplingParams
+from glmc.runtime.tokenizer import Tokenizer
+
+TINY_DIR = Path(__file__).resolve().parent.parent / "models" / "tiny"
+TINY_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json")
+TINY_SEED = 0
+TINY_STAMP = f"glmc tiny weights: seed {TINY_SEED}, init v1\n"  # bump when _tiny_init changes
+TINY_NAME = "glmc-tiny"
+
+
+def tqdm(*args, **kwargs):
+    """A progress bar on stderr, off when $TQDM_DISABLE is set (read now, not at import: ranks
+    other than 0 set it after tqdm was imported)."""
+    return _tqdm(*args, disable=bool(os.environ.get("TQDM_DISABLE")), leave=False, **kwargs)
+
+
+def default_cache_dir() -> Path:
+    """$GLMC_CACHE, else ~/.cache/glmc."""
+    return Path(os.environ.get("GLMC_CACHE") or Path.home() / ".cache" / "glmc")
+
+
+def make_tiny_checkpoint(ckpt_dir: str | Path) -> Path:
+    """Write the tiny GLM (models/tiny/config.json, same architecture as GLM-5) as an HF checkpoint
+    with deterministic random weights, plus the tiny tokenizer. Reuses an up-to-date directory."""
+    from safetensors.torch import save_file
+
+    from glmc.runtime.weights import expected_tensors
+
+    ckpt_dir = Path(ckpt_dir)
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    fresh = all((ckpt_dir / f).exists() and (ckpt_dir / f).read_bytes() == (TINY_DIR / f).read_bytes()
+                for f in TINY_FILES)
+    stamp = ckpt_dir / "glmc_tiny.txt"
+    if fresh and stamp.exists() and stamp.read_text() == TINY_STAMP:
+        return ckpt_dir
+    config = json.loads((TINY_DIR / "config.json").read_text())
+    gen, tensors = torch.Generator().manual_seed(TINY_SEED), {}
+    for name, shape in tqdm(sorted(expected_tensors(config).items()), desc="creating tiny weights",
+                            unit="tensor"):
+        tensors[name] = _tiny_init(name, shape, gen)
+    tmp = ckpt_dir / f"model.safetensors.tmp{os.getpid()}"
+    save_file(tensors, str(tmp), metadata={"format": "pt"})
+    os.replace(tmp, ckpt_dir / "model.safetensors")  # atomic: concurrent builders agree
+    for f in TINY_FILES:
+        shutil.copyfile(TINY_DIR / f, ckpt_dir / f)
+    stamp.write_text(TINY_STAMP)  # last: a half-written directory is never taken as fresh
+    return ckpt_dir
+
+
+def _tiny_init(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    """Norm weights 1, biases small, embeddings N(0, 1), matrices with std 2/sqrt(fan_in): the
+    activations stay O(1) and the logits are peaked enough that greedy decoding has clear winners."""
+    if name.endswith("norm.weight"):
+        return torch.ones(shape)
+    if len(shape) == 1:
+        return 0.01 * torch.randn(shape, generator=gen)
+    scale = 1.0 if name.endswith("embed_tokens.weight") else 2.0 / math.sqrt(shape[1])
+    return scale * torch.randn(shape, generator=gen)
+
+
+def load_weights(ckpt_dir: Path, config: dict) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint (for the reference model, which is not sharded)."""
+    from glmc.runtime.weights import detect_mtp, expected_tensors, load_checkpoint
+
+    expected = expected_tensors(config, **detect_mtp(ckpt_dir))
+    with tqdm(total=len(expected), desc="loading weights", unit="tensor") as bar:
+        weights = load_checkpoint(ckpt_dir, expected)  # no per-tensor hook: one jump at the end
+        bar.update(len(weights))
+    return weights
+
+
+@dataclass
+class PlanSource:
+    """What every rank needs to run a compiled plan: its phase graphs, the model config, the
+    parallel spec's name and world size, and the checkpoint to read its weights from."""
+
+    ckpt_dir: Path
+    graphs: dict
+    config: object  # glmc.spec.GlmConfig
+    parallel: str
+    world: int
+
+
+def plan_source(ckpt_dir: str | Path, plan_dir: str | Path | None = None,
+                parallel: str | None = None) -> PlanSource:
+    """The plan in `plan_dir`, or (without one) the checkpoint's model compiled for `parallel`
+    (default tp1) for the torch target."""
+    from glmc.spec import load_spec
+
+    ckpt_dir = Path(ckpt_dir)
+    spec = load_spec(ckpt_dir)
+    if plan_dir is not None:
+        return _load_plan(ckpt_dir, Path(plan_dir), spec.config, parallel)
+    from glmc.compiler import compile_phase, phases_of
+    from glmc.parallel import parse_parallel
+    from glmc.passes import Options
+
+    par = parse_parallel(parallel or "tp1", spec.config)
+    graphs = {ph: compile_phase(spec, par, ph, Options(device="cpu"))
+              for ph in tqdm(phases_of(spec), desc=f"compiling {par.name}", unit="phase")}
+    return PlanSource(ckpt_dir, graphs, spec.config, par.name, par.world)
+
+
+def _load_plan(ckpt_dir: Path, plan_dir: Path, config, parallel: str | None) -> PlanSource:
+    from glmc.compiler import load_plan_graphs
+    from glmc.spec import GlmConfig
+
+    meta, graphs = load_plan_graphs(plan_dir)
+    planned = GlmConfig.model_validate(meta["config"])
+    differ = [k for k in GlmConfig.model_fields if getattr(planned, k) != getattr(config, k)]
+    if differ:
+        k = differ[0]
+        raise ValueError(f"{plan_dir} was compiled for another model than {ckpt_dir}: {k} = "
+                         f"{getattr(planned, k)!r} in the plan, {getattr(config, k)!r} in "
+                         f"config.json ({len(differ)} fields differ)")
+    name = meta["parallel"]["spec"]
+    if parallel is not None and parallel != name:
+        raise ValueError(f"{plan_dir} is compiled for {name}, not {parallel}; drop --parallel or "
+                         f"compile for {parallel}")
+    return PlanSource(ckpt_dir, graphs, planned, name, int(meta["parallel"]["world"]))
+
+
+def plan_runner(src: PlanSource, num_pages: int, max_context: int | None = None,
+                comm=None) -> PlanRunner:
+    """This rank's `PlanRunner`: its shard of the weights (read by the plan's ops) and KV pool."""
+    from glmc.runtime.comm import Coords
+    from glmc.runtime.plan_weights import load_rank_weights
+
+    coords = comm.coords if comm is not None else Coords(0, next(iter(src.graphs.values()))
+                                                         .meta["mesh"])
+    with tqdm(total=1, desc="loading weights", unit="shard") as bar:
+        weights = load_rank_weights(src.ckpt_dir, src.config, list(src.graphs.values()), coords)
+        bar.update()
+    return PlanRunner.on_cpu(src.graphs, src.config, weights, num_pages, max_context, comm)
+
+
+def build_engine(ckpt_dir: str | Path, plan_dir: str | Path | None = None,
+                 parallel: str | None = None, *, runner: str = "plan", num_pages: int = 256,
+                 max_context: int | None = None, warmup: bool = True, **engine_kwargs) -> Engine:
+    """An engine (one process) over an HF glm_moe_dsa checkpoint directory (config.json,
+    safetensors, tokenizer.json, tokenizer_config.json). `runner="plan"` (default) serves the plan
+    in `plan_dir`, or the checkpoint's model compiled for `parallel` (default tp1);
+    `runner="reference"` serves the fp32 reference model. Plans over several ranks need one
+    process each: `glmc.runtime.dist_engine.serve_parallel`."""
+    ckpt_dir = Path(ckpt_dir)
+    if runner == "reference":
+        config = json.loads((ckpt_dir / "config.json").read_text())
+        model = ReferenceRunner(config, load_weights(ckpt_dir, config), num_pages, max_context)
+    elif runner == "plan":
+        src = plan_source(ckpt_dir, plan_dir, parallel)
+        if src.world != 1:
+            raise ValueError(f"{src.parallel} runs {src.world} ranks, one process each: serve it "
+                             "with `glmc run --parallel` (glmc.runtime.dist_engine)")
+        model = plan_runner(src, num_pages, max_context)
+    else:
+        raise ValueError(f"runner must be 'plan' or 'reference', got {runner!r}")
+    engine = Engine(model, Tokenizer.from_dir(ckpt_dir), **engine_kwargs)
+    if warmup:
+        warm_up(engine)
+    return engine
+
+
+def build_tiny_engine(cache_dir: str | Path | None = None, **kwargs) -> Engine:
+    """The default tiny model: random weights made on first use under `cache_dir`
+    (default $GLMC_CACHE/tiny or ~/.cache/glmc/tiny), tokenizer and chat template from models/tiny."""
+    return build_engine(make_tiny_checkpoint(cache_dir or default_cache_dir() / "tiny"), **kwargs)
+
+
+def warm_up(engine: Engine) -> None:
+    """Run a short request per DP rank through every phase (prefill, decode), then forget them."""
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    prompt = list(range(min(8, engine.runner.vocab_size)))
+    reqs = [engine.make_request(prompt, params) for _ in range(engine.runner.num_dp)]
+    for req in reqs:
+        engine.submit(req)
+    with tqdm(total=params.max_tokens, desc="warm-up", unit="step") as bar:
+        while not all(r.finished for r in reqs):
+            engine.step()
+            bar.n = min(len(r.output_ids) for r in reqs)
+            bar.refresh()
+    engine.flush_cache()
+    engine.reset_metrics()

@@ -1,0 +1,127 @@
+"""Model runners: the engine's seam to the device, which owns the paged KV memory.
+
+`ModelRunner` is the contract; `ReferenceRunner` runs the fp32 torch `ReferenceModel` (the
+numerical oracle).
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from glmc.runtime.forward_batch import ForwardBatch
+from glmc.runtime.kv_cache import PAGE_SIZE as POOL_PAGE_SIZE, KVPool
+from glmc.runtime.pages import PAGE_SIZE
+
+
+class ModelRunner(ABC):
+    """Runs one `ForwardBatch` on a device that owns the paged KV memory.
+
+    Contract: `forward(batch)` writes the KV (and indexer keys) of every new token at
+    `batch.out_cache_loc`, reads earlier tokens through `batch.req_to_token`, and returns fp32 logits
+    [B, vocab_size] of each request's last new token. The runner never allocates slots: the
+    scheduler hands out pages 0..num_pages-1 (of `page_size` tokens) and positions below
+    `max_context`; a runner that needs scratch slots (e.g. padding tokens of a compiled plan)
+    keeps them in pages numbered num_pages and above.
+
+    With attention data parallelism (`num_dp` > 1) each DP rank has its own KV pool of
+    `num_pages` pages and its own req_to_token rows: `forward_dp(batches)` runs batch i on DP
+    rank i, all in one step (an idle rank gets `ForwardBatch.idle`, as collectives need every rank),
+    and returns each rank's logits (an empty tensor for an idle rank).
+    """
+
+    vocab_size: int
+    num_pages: int
+    max_context: int
+    page_size: int = PAGE_SIZE
+    num_dp: int = 1
+
+    @abstractmethod
+    def forward(self, batch: ForwardBatch) -> torch.Tensor: ...
+
+    def forward_dp(self, batches: list[ForwardBatch]) -> list[torch.Tensor]:
+        if len(batches) != 1:
+            raise ValueError(f"{type(self).__name__} has one DP rank, got {len(batches)} batches")
+        return [self.forward(batches[0])]
+
+
+def check_page_size() -> None:
+    if POOL_PAGE_SIZE != PAGE_SIZE:
+        raise ValueError(f"kv_cache.PAGE_SIZE {POOL_PAGE_SIZE} != pages.PAGE_SIZE {PAGE_SIZE}")
+
+
+def context_limit(max_position_embeddings: int, num_pages: int, max_context: int | None) -> int:
+    """The longest sequence a runner serves: the model's positions, the pool, and the caller's cap."""
+    limit = min(max_position_embeddings, num_pages * PAGE_SIZE)
+    return min(max_context or limit, limit)
+
+
+class ReferenceRunner(ModelRunner):
+    """`ModelRunner` over the fp32 torch `ReferenceModel` and its own `KVPool`."""
+
+    def __init__(self, config: dict, weights: dict[str, torch.Tensor], num_pages: int,
+                 max_context: int | None = None):
+        from glmc.runtime.reference_model import ReferenceModel
+        from glmc.runtime.weights import resolve_config
+
+        check_page_size()
+        c = resolve_config(config)
+        mtp = f"model.layers.{c.num_hidden_layers}.eh_proj.weight" in weights
+        num_layers = c.num_hidden_layers + mtp  # the MTP block gets a KV layer of its own
+        full = set(c.full_layers) | ({c.num_hidden_layers} if mtp else set())
+        self.pool = KVPool(num_layers, full, num_pages, c.kv_lora_rank, c.qk_rope_head_dim,
+                           c.index_head_dim)
+        self.model = ReferenceModel(config, weights, self.pool)
+        self.vocab_size, self.num_pages = c.vocab_size, num_pages
+        self.max_context = context_limit(c.max_position_embeddings, num_pages, max_context)
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        return self.model.forward(batch)
+
+
+class PlanRunner(ModelRunner):
+    """`ModelRunner` over a compiled plan's executor for one rank of the plan's mesh: the torch
+    target's `PlanExecutor` (or any executor with its `forward(phase, batch, dp_tokens=)` and
+    `pool`, e.g. `gpu_runner.GpuRunner`). The executor writes padding tokens to the pool's last
+    slot, so the runner reports one page fewer than the pool has: the scheduler never hands out
+    the scratch page.
+
+    `run(phase, batch, dp_tokens)` is the per-rank step that `dist_engine` drives; `forward` picks
+    the phase from the batch (decode batches run the decode graph, all else the prefill graph).
+    """
+
+    def __init__(self, executor, max_context: int | None = None):
+        check_page_size()
+        self.executor, c = executor, executor.config
+        self.vocab_size, self.num_pages = c.vocab_size, executor.pool.num_pages - 1
+        self.max_context = context_limit(c.max_position_embeddings, self.num_pages, max_context)
+
+    @classmethod
+    def on_cpu(cls, graphs: dict, config, weights: dict[str, torch.Tensor], num_pages: int,
+               max_context: int | None = None, comm=None) -> PlanRunner:
+        """The torch target in fp32 over a pool of `num_pages` pages plus the scratch page."""
+        from glmc.runtime.executor import PlanExecutor
+
+        return cls(PlanExecutor(graphs, config, weights, plan_pool(graphs, config, num_pages + 1),
+                                comm), max_context)
+
+    @staticmethod
+    def phase_of(batches: list[ForwardBatch]) -> str:
+        """The graph a step runs on every rank: decode only when no rank extends."""
+        return "decode" if all(b.mode in ("decode", "idle") for b in batches) else "prefill"
+
+    def run(self, phase: str, batch: ForwardBatch, dp_tokens: list[int] | None = None):
+        return self.executor.forward(phase, batch, dp_tokens=dp_tokens)["logits"]
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        return self.run(self.phase_of([batch]), batch)
+
+
+def plan_pool(graphs: dict, config, num_pages: int, **kwargs) -> KVPool:
+    """A KV pool for a plan: every decoder layer, plus the MTP block's (layer N) when the plan has
+    MTP phases; indexer caches on the full-indexer layers (and the MTP block)."""
+    n = config.num_hidden_layers
+    mtp = any(p.startswith("mtp") for p in graphs)
+    full = {i for i, t in enumerate(config.layer_indexer_types()) if t == "full"}
+    return KVPool(n + mtp, full | ({n} if mtp else set()), num_pages, config.kv_lora_rank,
+                  config.qk_rope_head_dim, config.index_head_dim, **kwargs)

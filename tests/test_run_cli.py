@@ -1,0 +1,174 @@
+"""`glmc run` for real: a subprocess serving the tiny model (made on first run into a cache dir) or
+a compiled plan with a checkpoint, called with the official `openai` client, then stopped with
+SIGTERM, which must end it (and every process it started) cleanly."""
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import openai
+import pytest
+import torch
+
+from glmc.cli import main as glmc
+from glmc.runtime.build import TINY_NAME, build_engine, make_tiny_checkpoint
+from glmc.runtime.sampling import SamplingParams
+
+START_TIMEOUT_S = 120
+GREEDY = dict(temperature=0, max_tokens=8, extra_body={"ignore_eos": True})
+
+
+def descendants(pid: int) -> set[int]:
+    """Every live process below `pid` (from /proc: ppid links)."""
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        try:
+            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            children.setdefault(ppid, []).append(int(d.name))
+        except (ValueError, OSError, IndexError):
+            continue
+    out, todo = set(), [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.add(c)
+            todo.append(c)
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+class GlmcRun:
+    """`glmc run ARGS` in its own session; `url` once it printed it. Leaving the block sends SIGTERM
+    and checks a clean exit; on any failure the whole session is killed, so nothing outlives it."""
+
+    def __init__(self, args: list[str], log: Path, env: dict | None = None):
+        # One intra-op thread: the tiny model's ops are too small to split over 2 shared cores.
+        self.args, self.log = args, log
+        self.env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+
+    def __enter__(self):
+        self.out = open(self.log, "w")
+        self.proc = subprocess.Popen([sys.executable, "-m", "glmc.cli", "run", *self.args],
+                                     stdout=self.out, stderr=subprocess.STDOUT, env=self.env,
+                                     start_new_session=True)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not (m := re.search(r"serving (\S+) at (http://\S+/v1)", self.log.read_text())):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.kill()
+                raise AssertionError(f"glmc run did not start:\n{self.log.read_text()[-3000:]}")
+            time.sleep(0.1)
+        self.model, self.url = m.group(1), m.group(2)
+        self.client = openai.OpenAI(base_url=self.url, api_key="none", max_retries=0, timeout=60)
+        return self
+
+    def stop(self) -> list[int]:
+        """SIGTERM, wait; returns the processes it had started (all of which must be gone)."""
+        started = descendants(self.proc.pid)
+        self.proc.send_signal(signal.SIGTERM)
+        self.proc.wait(timeout=60)
+        return started
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # the session this test started
+        except ProcessLookupError:
+            pass
+        self.proc.wait(timeout=30)
+
+    def __exit__(self, exc_type, *_):
+        try:
+            if exc_type is None:
+                started = self.stop()
+                text = self.log.read_text()
+                assert self.proc.returncode == 0, text[-3000:]
+                assert "stopped serving" in text
+                deadline = time.monotonic() + 10
+                while any(alive(p) for p in started) and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                assert not [p for p in started if alive(p)], "processes outlived glmc run"
+        finally:
+            if self.proc.poll() is None or exc_type is not None:
+                self.kill()
+            self.out.close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def offline(ckpt, prompt_ids: list[int], max_tokens: int = 8) -> str:
+    """Greedy text of the same model in this process (tp1 plan)."""
+    engine = build_engine(ckpt, warmup=False)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return engine.generate([prompt_ids], params)[0].output_text
+
+
+def test_glmc_run_serves_the_tiny_model_by_default(tmp_path):
+    cache, port = tmp_path / "cache", free_port()
+    with GlmcRun(["--port", str(port), "--log-level", "warning"], tmp_path / "log",
+                 {"GLMC_CACHE": str(cache)}) as run:
+        assert run.url == f"http://127.0.0.1:{port}/v1"
+        assert (cache / "tiny" / "model.safetensors").exists()  # made at first run
+        c = run.client
+        assert [m.id for m in c.models.list().data] == [TINY_NAME]
+        messages = [{"role": "user", "content": "Say something."}]
+        got = c.chat.completions.create(model=TINY_NAME, messages=messages, **GREEDY)
+        engine = build_engine(cache / "tiny", warmup=False)
+        ids = engine.tokenizer.encode(engine.tokenizer.apply_chat_template(messages))
+        assert got.choices[0].message.content == offline(cache / "tiny", ids)
+        assert got.usage.prompt_tokens == len(ids) and got.usage.completion_tokens == 8
+        chunks = list(c.completions.create(model=TINY_NAME, prompt="Once upon", stream=True,
+                                           **GREEDY))
+        whole = c.completions.create(model=TINY_NAME, prompt="Once upon", **GREEDY)
+        assert "".join(ch.choices[0].text for ch in chunks) == whole.choices[0].text
+
+
+def test_glmc_run_serves_a_compiled_plan_with_a_checkpoint(tmp_path):
+    ckpt = make_tiny_checkpoint(tmp_path / "my-glm")  # an HF checkpoint dir with a tokenizer
+    assert glmc(["compile", "--model", str(ckpt), "--parallel", "tp1", "--device", "cpu",
+                 "-o", str(tmp_path / "plan")]) == 0
+    with GlmcRun([str(tmp_path / "plan"), "--weights", str(ckpt), "--port", "0",
+                  "--log-level", "warning", "--num-pages", "16"], tmp_path / "log") as run:
+        assert run.model == "my-glm"
+        got = run.client.completions.create(model="my-glm", prompt=[5, 6, 7, 8], **GREEDY)
+        assert got.choices[0].text == offline(ckpt, [5, 6, 7, 8])
+
+
+def test_glmc_run_refuses_a_plan_of_another_model(tmp_path, capsys):
+    ckpt = make_tiny_checkpoint(tmp_path / "ckpt")
+    assert glmc(["compile", "--model", "glm_moe_dsa_tiny", "--parallel", "tp1",
+                 "-o", str(tmp_path / "plan")]) == 0
+    assert glmc(["run", str(tmp_path / "plan"), "--weights", str(ckpt)]) == 2
+    err = capsys.readouterr().err
+    assert "compiled for another model" in err and "in the plan" in err
+    assert glmc(["run", "--weights", str(tmp_path)]) == 2
+    assert "no config.json" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """As in test_server: on 2 shared cores extra intra-op threads only contend."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(autouse=True)
+def _no_stray_servers():
+    """A failing test must not leave `glmc run` processes behind (GlmcRun kills its session)."""
+    before = descendants(os.getpid())
+    yield
+    assert descendants(os.getpid()) <= before
