@@ -148,7 +148,7 @@ def test_glmc_run_serves_a_compiled_plan_with_a_checkpoint(tmp_path):
 
 def test_glmc_run_refuses_a_plan_of_another_model(tmp_path, capsys):
     ckpt = make_tiny_checkpoint(tmp_path / "ckpt")
-    assert glmc(["compile", "--model", "glm_moe_dsa_tiny", "--parallel", "tp1",
+    assert glmc(["compile", "--model", "glm_moe_dsa", "--parallel", "tp1",
                  "-o", str(tmp_path / "plan")]) == 0
     assert glmc(["run", str(tmp_path / "plan"), "--weights", str(ckpt)]) == 2
     err = capsys.readouterr().err

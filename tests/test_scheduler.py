@@ -16,7 +16,7 @@ from glmc.runtime.reference_model import ReferenceModel
 from glmc.runtime.request import Request, Status
 from glmc.runtime.sampling import SamplingParams
 from glmc.runtime.scheduler import Scheduler
-from glmc.runtime.weights import expected_tensors, load_checkpoint, resolve_config
+from glmc.runtime.weights import detect_mtp, expected_tensors, load_checkpoint, resolve_config
 
 # -- the policy, with a fake model ----------------------------------------------------------------
 
@@ -144,9 +144,11 @@ def reference_greedy(ckpt, prompt, max_tokens):
     """Greedy decoding with the bare ReferenceModel: one request, positions mapped to slots 1:1."""
     config = json.loads((ckpt / "config.json").read_text())
     c = resolve_config(config)
-    pool = KVPool(c.num_hidden_layers, c.full_layers, 8, c.kv_lora_rank, c.qk_rope_head_dim,
-                  c.index_head_dim)
-    model = ReferenceModel(config, load_checkpoint(ckpt, expected_tensors(config)), pool)
+    mtp = detect_mtp(ckpt)
+    extra = {c.num_hidden_layers} if mtp["mtp"] else set()   # the MTP layer's KV lives in the pool too
+    pool = KVPool(c.num_hidden_layers + len(extra), c.full_layers | extra, 8, c.kv_lora_rank,
+                  c.qk_rope_head_dim, c.index_head_dim)
+    model = ReferenceModel(config, load_checkpoint(ckpt, expected_tensors(config, **mtp)), pool)
     table = torch.arange(8 * 64).view(1, -1)
     logits, out = model.forward(ForwardBatch.build("extend", [prompt], [0], [0], table)), []
     for _ in range(max_tokens):
