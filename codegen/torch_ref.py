@@ -45,7 +45,7 @@ def rope(x, positions, theta, interleaved=True):
     d = x.shape[-1]
     # Same float ops as HF's rotary embedding so angles match bit for bit.
     inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float) / d))
-    freqs = positions.float()[:, None] * inv_freq  # [T, d/2]
+    freqs = positions.float()[:, None] * inv_freq.to(positions.device)  # [T, d/2]
     shape = (freqs.shape[0],) + (1,) * (x.dim() - 2) + (d // 2,)
     cos, sin = freqs.cos().view(shape), freqs.sin().view(shape)
     if interleaved:
@@ -73,6 +73,11 @@ def _requests(batch: ForwardBatch):
         yield slice(start, end), slots, batch.positions[start:end]
 
 
+def _on(batch_tensor, device):
+    """A batch index tensor (built on the host) on the device of the data it indexes."""
+    return batch_tensor.to(device)
+
+
 def indexer_topk(q_idx, weights, pool: KVPool, layer, batch: ForwardBatch, topk):
     """I(t,s) = sum_h w_h(t) relu(q_h(t).k(s) Di^-0.5) over s <= pos(t); top-k POSITIONS, -1 padded.
 
@@ -81,13 +86,15 @@ def indexer_topk(q_idx, weights, pool: KVPool, layer, batch: ForwardBatch, topk)
     same so torch.topk sees identical rows and breaks exact ties (keys whose every head is ReLU'd to 0)
     exactly like HF. Positions of future keys that fill a short row are then replaced by -1.
     """
-    out = torch.full((q_idx.shape[0], topk), -1, dtype=torch.int64)
+    dev = q_idx.device
+    out = torch.full((q_idx.shape[0], topk), -1, dtype=torch.int64, device=dev)
     scale = q_idx.shape[-1] ** -0.5
     for tok, slots, qpos in _requests(batch):
+        slots, qpos = _on(slots, dev), _on(qpos, dev)
         k = pool.index_k[layer][slots].float()  # [L, Di]
         scores = torch.relu(torch.einsum("thd,ld->thl", q_idx[tok].float(), k) * scale)
         index = torch.einsum("th,thl->tl", weights[tok].float(), scores)  # [n, L]
-        future = torch.arange(k.shape[0])[None, :] > qpos[:, None]
+        future = torch.arange(k.shape[0], device=dev)[None, :] > qpos[:, None]
         index = index.masked_fill(future, float("-inf"))
         picked = index.topk(min(topk, k.shape[0]), dim=-1).indices
         picked = picked.masked_fill(picked > qpos[:, None], -1)
@@ -97,10 +104,10 @@ def indexer_topk(q_idx, weights, pool: KVPool, layer, batch: ForwardBatch, topk)
 
 def _allowed(qpos, num_keys, topk_pos):
     """Key mask [n, L]: causal, and (if topk_pos is given) among the top-k positions."""
-    causal = torch.arange(num_keys)[None, :] <= qpos[:, None]
+    causal = torch.arange(num_keys, device=qpos.device)[None, :] <= qpos[:, None]
     if topk_pos is None:
         return causal
-    chosen = torch.zeros(qpos.shape[0], num_keys + 1, dtype=torch.bool)
+    chosen = torch.zeros(qpos.shape[0], num_keys + 1, dtype=torch.bool, device=qpos.device)
     # -1 pads land in the extra last column, which is dropped.
     chosen.scatter_(1, torch.where(topk_pos < 0, num_keys, topk_pos), True)
     return causal & chosen[:, :num_keys]
@@ -120,6 +127,7 @@ def mla_attention_mha(q_nope, q_pe, pool: KVPool, layer, w_kv_b, topk, batch: Fo
     T, H = q_nope.shape[:2]
     out = q_nope.new_zeros(T, H, dv, dtype=torch.float32)
     for tok, slots, qpos in _requests(batch):
+        slots, qpos = _on(slots, q_nope.device), _on(qpos, q_nope.device)
         kv = (pool.c_kv(layer, slots).float() @ w_kv_b.float().T).view(-1, H, dn + dv)
         k_nope, v = kv[..., :dn], kv[..., dn:]
         k_pe = pool.k_pe(layer, slots).float()
@@ -141,6 +149,7 @@ def mla_attention_absorbed(q_nope, q_pe, pool: KVPool, layer, w_kv_b, topk, batc
     q_lat = torch.einsum("thd,hdr->thr", q_nope.float(), w_uk)
     out_lat = q_lat.new_zeros(q_lat.shape)
     for tok, slots, qpos in _requests(batch):
+        slots, qpos = _on(slots, q_nope.device), _on(qpos, q_nope.device)
         c_kv, k_pe = pool.c_kv(layer, slots).float(), pool.k_pe(layer, slots).float()
         scores = torch.einsum("thr,lr->htl", q_lat[tok], c_kv)
         scores = (scores + torch.einsum("thd,ld->htl", q_pe[tok].float(), k_pe)) * scale
@@ -187,7 +196,7 @@ def moe_experts(x, ids, weights, w_gate, w_up, w_down, expert_offset=0):
     Experts outside this rank's range contribute nothing, so summing over EP ranks gives the full
     result; with an intermediate-dim (moe_tp) shard of the weights each rank returns a partial sum.
     """
-    out = torch.zeros(x.shape[0], w_down.shape[1], dtype=torch.float32)
+    out = torch.zeros(x.shape[0], w_down.shape[1], dtype=torch.float32, device=x.device)
     for e in range(w_gate.shape[0]):
         tok, slot = torch.where(ids == expert_offset + e)
         if tok.numel() == 0:
@@ -210,7 +219,7 @@ def sample(logits, temperature, top_k, top_p, min_p, generator=None):
     temp = temperature.float().clamp_min(1e-6)[:, None]
     probs = torch.softmax(logits / temp, dim=-1)
     sorted_p, order = probs.sort(dim=-1, descending=True)
-    rank = torch.arange(V)[None, :]
+    rank = torch.arange(V, device=logits.device)[None, :]
     k = torch.where(top_k <= 0, V, top_k.clamp_max(V))[:, None]
     keep = rank < k
     keep &= (sorted_p.cumsum(-1) - sorted_p) <= top_p.float()[:, None]  # SGLang: drop if mass before > p

@@ -6,6 +6,11 @@ and returns {"logits", "hidden", "next_ids"} for the batch's requests. Token cou
 split evenly (TP attention with EP: the residual is split over attn_tp; DP gathers) are padded
 with dummy tokens that write their KV to a scratch slot (the pool's last slot, which allocators
 must not hand out) and are dropped from the outputs.
+
+Hooks for other targets (backward compatible): `impls` swaps the op table (the CUDA target,
+`codegen/cuda_target.py`), `device` puts the step's feeds and KV locations on that device (the torch
+target run on a GPU), and `run_ops(graph, step)` is the op loop a subclass can reuse (the GPU runner
+calls it inside CUDA-graph capture).
 """
 from __future__ import annotations
 
@@ -64,8 +69,10 @@ class Step:
 
 class PlanExecutor:
     def __init__(self, graphs: dict[str, Graph], config, weights: dict, pool: KVPool,
-                 comm: Comm | None = None):
+                 comm: Comm | None = None, impls: dict | None = None, device=None):
         self.graphs, self.config, self.weights, self.pool = graphs, config, weights, pool
+        self.impls = IMPLS if impls is None else impls
+        self.device = torch.device(device) if device is not None else None
         self.mesh = next(iter(graphs.values())).meta["mesh"]
         self.comm = comm or Comm(self.mesh, set())
         self._stacks: dict = {}
@@ -97,6 +104,17 @@ class PlanExecutor:
         tp = self.mesh["attn_tp"] if self.mesh["ep"] > 1 else 1
         return -(-t // tp) * tp if t else 0
 
+    def run_ops(self, graph: Graph, step, phase: str = "") -> dict:
+        """Evaluate every op of `graph` in order with `self.impls`; -> {value name: result}."""
+        values = {}
+        for op in graph.ops:
+            try:
+                out = self.impls[op.kind](op, [values[v] for v in op.operands], step)
+            except Exception as e:
+                raise RuntimeError(f"rank {self.comm.rank}, {phase}: {op.where()}: {e}") from e
+            values.update(zip(op.results, out if isinstance(out, tuple) else (out,)))
+        return values
+
     @torch.no_grad()
     def forward(self, phase: str, batch: ForwardBatch, hidden: torch.Tensor | None = None,
                 dp_tokens: list[int] | None = None) -> dict:
@@ -109,14 +127,10 @@ class PlanExecutor:
                  "positions": torch.cat([batch.positions, zeros])}
         if hidden is not None:
             feeds["hidden"] = torch.cat([hidden.float(), hidden.new_zeros(pad, hidden.shape[1])])
-        step = Step(self, graph, batch, feeds, torch.cat([batch.out_cache_loc, scratch]))
-        values = {}
-        for op in graph.ops:
-            try:
-                out = IMPLS[op.kind](op, [values[v] for v in op.operands], step)
-            except Exception as e:
-                raise RuntimeError(f"rank {self.comm.rank}, {phase}: {op.where()}: {e}") from e
-            values.update(zip(op.results, out if isinstance(out, tuple) else (out,)))
+        loc = torch.cat([batch.out_cache_loc, scratch])
+        if self.device is not None:
+            feeds, loc = {k: v.to(self.device) for k, v in feeds.items()}, loc.to(self.device)
+        values = self.run_ops(graph, Step(self, graph, batch, feeds, loc), phase)
         head = next(op for op in graph.ops if op.kind == "lm.head")
         rows = batch.batch_size if phase == "prefill" else t
         logits = values[next(op for op in graph.ops if op.kind == "sample.tokens").operands[0]]

@@ -1,0 +1,260 @@
+"""The compiled plan on a GPU (runtime/gpu_runner.py, decode replayed from CUDA graphs) against its oracles.
+
+    python bench/gpu_plan_check.py --out results.json     # CUDA (the H200)
+    python bench/gpu_plan_check.py --cpu                  # CPU dry run under TRITON_INTERPRET=1, tiny shapes
+
+1. tiny: greedy tokens of the GPU plan (fp32 tiny checkpoint from tests/tiny_hf.py, 16 indexer heads, rope 16,
+   3 requests padded into the 4-bucket graph) == transformers `generate` on the same device.
+2. width: a 2-layer GLM-5.3-width slice (hidden 6144, 64 heads, 256 experts top-8, index_topk 2048;
+   layer 0 dense, layer 1 MoE, both full indexers), random weights in bf16: glmc (bf16, graphs) logits
+   vs the torch target (codegen/torch_target.py, fp32 compute on the same bf16-rounded weights, on the
+   GPU) for a prefill of requests of 2100 (DSA active past 2048) and 300 tokens, then decode steps.
+The helpers here (slice config, model, glmc weights, greedy loop) are shared with bench/decode_bench.py.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+GLM53 = dict(vocab_size=154880, hidden_size=6144, intermediate_size=12288, moe_intermediate_size=2048,
+             num_attention_heads=64, num_key_value_heads=64, q_lora_rank=2048, kv_lora_rank=512,
+             qk_nope_head_dim=192, qk_rope_head_dim=64, v_head_dim=256, n_routed_experts=256,
+             num_experts_per_tok=8, n_shared_experts=1, n_group=1, topk_group=1, norm_topk_prob=True,
+             routed_scaling_factor=2.5, index_topk=2048, index_n_heads=32, index_head_dim=128, rms_norm_eps=1e-5,
+             rope_parameters={"rope_type": "default", "rope_theta": 8e6}, max_position_embeddings=202752,
+             tie_word_embeddings=False, eos_token_id=None, bos_token_id=None, pad_token_id=None)
+SLICE = dict(num_hidden_layers=2, first_k_dense_replace=1, indexer_types=["full", "full"])
+# Same structure at tiny widths, for CPU dry runs (power-of-two latent dims for the Triton kernels).
+NARROW = dict(vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_attention_heads=4,
+              num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+              v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2, index_topk=16, index_n_heads=4,
+              index_head_dim=16)
+
+
+def import_glmc():
+    """Import glmc; without an install, map the repo's folders onto glmc.* (the device image)."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    try:
+        import glmc.runtime.gpu_runner  # noqa: F401
+        return
+    except ImportError:
+        pass
+    for name, folder in [("glmc", "glmc"), ("glmc.ir", "ir"), ("glmc.passes", "passes"), ("glmc.codegen", "codegen"),
+                         ("glmc.runtime", "runtime"), ("glmc.models", "models")]:
+        spec = importlib.util.spec_from_file_location(name, ROOT / folder / "__init__.py",
+                                                      submodule_search_locations=[str(ROOT / folder)])
+        sys.modules[name] = module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+
+
+# ----------------------------------------------------------------------------- shared helpers
+def slice_model(device, dtype, seed=0, narrow=False, **overrides):
+    """A randomised GlmMoeDsaForCausalLM slice built directly on `device` in `dtype` (eval mode)."""
+    import torch
+    from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
+    cfg = GlmMoeDsaConfig(**{**GLM53, **SLICE, **(NARROW if narrow else {}), **overrides})
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = GlmMoeDsaForCausalLM(cfg).eval()
+    finally:
+        torch.set_default_dtype(old)
+    randomize_on_device_(model, seed)
+    return model
+
+
+@__import__("torch").no_grad()
+def randomize_on_device_(model, seed):
+    """tests/tiny_hf.randomize_'s decisive scales, drawn on the parameters' device (GB-sized slices)."""
+    import torch
+    g = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    for name, t in sorted(list(model.named_parameters()) + list(model.named_buffers())):
+        if "inv_freq" in name or not t.is_floating_point():
+            continue
+        if name.endswith("e_score_correction_bias") or name.endswith("k_norm.bias"):
+            t.normal_(0.0, 0.2, generator=g)
+        elif t.dim() == 1:
+            t.normal_(1.0, 0.2, generator=g)
+        elif name.endswith("embed_tokens.weight"):
+            t.normal_(0.0, 1.0, generator=g)
+        else:
+            t.normal_(0.0, t.shape[-1] ** -0.5, generator=g)
+
+
+def glmc_plan(model, max_reqs, dtype_name):
+    """(spec, graphs) of the tp1 plan for the model's config (written as config.json to a temp dir)."""
+    from glmc.compiler import compile_plan
+    from glmc.parallel import parse_parallel
+    from glmc.passes import Options
+    from glmc.spec import load_spec
+    d = Path(tempfile.mkdtemp(prefix="glmc_slice_"))
+    raw = model.config.to_dict()
+    raw.update(model_type="glm_moe_dsa", dtype=dtype_name, num_nextn_predict_layers=0)
+    (d / "config.json").write_text(json.dumps(raw))
+    spec = load_spec(d)
+    return spec, compile_plan(spec, parse_parallel("tp1", spec.config), Options(device="cuda", max_batch=max_reqs)).graphs
+
+
+def glmc_weights(model):
+    """HF state dict -> (checkpoint-named weights, expert stacks {prefix: (gate, up, down)}), zero copy:
+    gate and up are views of HF's fused gate_up_proj [E, 2I, H]."""
+    sd = model.state_dict()
+    weights, stacks = {}, {}
+    for k, v in sd.items():
+        if k.endswith("experts.gate_up_proj"):
+            prefix = k[: -len(".gate_up_proj")]
+            inter = sd[prefix + ".down_proj"].shape[-1]
+            stacks[prefix] = (v[:, :inter], v[:, inter:], sd[prefix + ".down_proj"])
+        elif not k.endswith("experts.down_proj") and "inv_freq" not in k:
+            weights[k] = v
+    return weights, stacks
+
+
+def req_table(num_rows, pages_per_req):
+    """req_to_token: row r on pages r*ppr+1 .. (r+1)*ppr (page 0 unused; the pool's last page is scratch)."""
+    import torch
+    from glmc.runtime.kv_cache import PAGE_SIZE
+    pages = torch.arange(num_rows * pages_per_req).view(num_rows, pages_per_req) + 1
+    return (pages[:, :, None] * PAGE_SIZE + torch.arange(PAGE_SIZE)).reshape(num_rows, -1)
+
+
+def prefill(runner, prompts, table, group=None):
+    """Prefill prompts (rows 0..B-1), `group` requests per forward; -> logits [B, V]."""
+    import torch
+    from glmc.runtime.forward_batch import ForwardBatch
+    group, out = group or len(prompts), []
+    for i in range(0, len(prompts), group):
+        ps = prompts[i:i + group]
+        batch = ForwardBatch.build("extend", ps, list(range(i, i + len(ps))), [0] * len(ps), table)
+        out.append(runner.forward("prefill", batch)["logits"].float())
+    return torch.cat(out)
+
+
+def decode_batch(seqs, table):
+    from glmc.runtime.forward_batch import ForwardBatch
+    return ForwardBatch.build("decode", [[s[-1]] for s in seqs], list(range(len(seqs))),
+                              [len(s) - 1 for s in seqs], table)
+
+
+def greedy(runner, prompts, steps, table):
+    """Prefill + `steps` greedy decode steps; -> tokens [B, steps] (CPU)."""
+    import torch
+    seqs = [list(p) for p in prompts]
+    nxt = prefill(runner, prompts, table).argmax(-1).tolist()
+    tokens = []
+    for _ in range(steps):
+        tokens.append(nxt)
+        for s, t in zip(seqs, nxt):
+            s.append(t)
+        nxt = runner.forward("decode", decode_batch(seqs, table))["logits"].argmax(-1).tolist()
+    return torch.tensor(tokens).T
+
+
+# ----------------------------------------------------------------------------- checks
+def check_tiny(dev, capture, steps=16):
+    import torch
+    from tiny_hf import save_tiny
+    from glmc.runtime.gpu_runner import build_runner
+    tmp = Path(tempfile.mkdtemp(prefix="glmc_tiny_"))
+    # 16 indexer heads: with tiny's 4, keys whose every head is ReLU'd to 0 tie exactly at the top-k
+    # threshold, and torch.topk breaks such ties differently on CPU and CUDA (HF itself is ambiguous there).
+    # RoPE dim 16 (index head 32): Triton's tl.dot needs K >= 16 on a GPU (tiny's 8 runs only interpreted).
+    model = save_tiny(tmp, "grouped", seed=3, index_n_heads=16, qk_rope_head_dim=16, index_head_dim=32).to(dev)
+    runner, _ = build_runner(tmp, device=dev, max_reqs=4, max_context=128)
+    t0 = time.perf_counter()
+    cap = runner.capture() if capture else {}
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 256, (26,), generator=g).tolist() for _ in range(3)]
+    got = greedy(runner, prompts, steps, req_table(4, 2))
+    want = model.generate(torch.tensor(prompts, device=dev), max_new_tokens=steps, min_new_tokens=steps,
+                          do_sample=False)[:, 26:].cpu()
+    return {"check": "tiny greedy == HF generate", "pass": bool(torch.equal(got, want)),
+            "agree": float((got == want).float().mean()), "buckets_captured": sorted(cap),
+            "capture_s": round(time.perf_counter() - t0, 2), "tokens": got[0].tolist()[:8]}
+
+
+def check_width(dev, dtype, narrow, lengths, steps=3, tol=2e-2):
+    import torch
+    from glmc.runtime.executor import PlanExecutor
+    from glmc.runtime.gpu_runner import GpuRunner, make_pool
+    model = slice_model(dev, dtype, seed=0, narrow=narrow)
+    B, max_ctx = len(lengths), -(-(max(lengths) + steps + 1) // 64) * 64
+    spec, graphs = glmc_plan(model, B, "bfloat16")
+    c = spec.config
+    weights, stacks = glmc_weights(model)
+    runner = GpuRunner(graphs, c, weights, make_pool(c, dev, dtype, B, max_ctx), max_reqs=B, max_context=max_ctx,
+                       stacks=stacks)
+    ref = PlanExecutor(graphs, c, {k: v.float() for k, v in weights.items()},
+                       make_pool(c, dev, torch.float32, B, max_ctx), device=dev)
+    ref._stacks.update(stacks)  # torch_ref.moe_experts upcasts one expert at a time
+    if dev != "cpu":
+        runner.capture([B])
+    table = req_table(B, max_ctx // 64)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, c.vocab_size, (n,), generator=g).tolist() for n in lengths]
+    rows = [_compare("prefill", prefill(runner, prompts, table), prefill(ref, prompts, table))]
+    seqs = [list(p) for p in prompts]
+    for i in range(steps):
+        for s in seqs:
+            s.append(int(torch.randint(0, c.vocab_size, (1,), generator=g)))
+        batch = decode_batch(seqs, table)
+        rows.append(_compare(f"decode {i}", runner.forward("decode", batch)["logits"].float(),
+                             ref.forward("decode", batch)["logits"].float()))
+    ok = all(r["rel_err"] < tol for r in rows)
+    return {"check": f"width logits vs torch target (tol {tol})", "pass": ok, "lengths": list(lengths),
+            "graphs": sorted(runner.captured), "rows": rows}
+
+
+def _compare(name, got, want):
+    got, want = got.double().cpu(), want.double().cpu()
+    err = (got - want).nan_to_num(float("inf"))
+    return {"step": name, "rel_err": float(err.norm() / want.norm()), "max_abs": float(err.abs().max()),
+            "argmax_agree": float((got.argmax(-1) == want.argmax(-1)).float().mean())}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cpu", action="store_true")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--skip-width", action="store_true")
+    args = ap.parse_args()
+    if args.cpu:
+        os.environ["TRITON_INTERPRET"] = "1"
+    import_glmc()
+    import torch
+    torch.backends.cuda.matmul.allow_tf32 = False
+    dev = "cpu" if args.cpu else "cuda"
+    results = {"device": "cpu-interpreter" if args.cpu else torch.cuda.get_device_name(),
+               "date": time.strftime("%Y-%m-%d %H:%M:%S"), "torch": torch.__version__, "checks": []}
+    jobs = [("tiny", lambda: check_tiny(dev, not args.cpu))]
+    if not args.skip_width:
+        jobs.append(("width", lambda: check_width(dev, torch.float32 if args.cpu else torch.bfloat16, args.cpu,
+                                                  (40, 21) if args.cpu else (2100, 300))))
+    for name, job in jobs:
+        t0 = time.perf_counter()
+        try:
+            r = job()
+        except Exception as e:  # a failed check is reported, and the next one still runs
+            import traceback
+            traceback.print_exc()
+            r = {"check": name, "pass": False, "error": f"{type(e).__name__}: {e}"[:2000]}
+        r["seconds"] = round(time.perf_counter() - t0, 1)
+        results["checks"].append(r)
+        print(json.dumps(r), flush=True)
+        if dev == "cuda":
+            torch.cuda.empty_cache()
+        if args.out:
+            Path(args.out).write_text(json.dumps(results, indent=1))
+    print("PLAN CHECK:", " ".join(f"{c['check']}={'PASS' if c['pass'] else 'FAIL'}" for c in results["checks"]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,169 @@
+"""The CUDA target: `torch_target.IMPLS` with the hot ops replaced by Triton kernels and cuBLAS GEMMs.
+
+`IMPLS[kind](op, args, rt)` as in torch_target, but values stay in the plan's compute dtype (bf16
+for real checkpoints, fp32 for fp32 ones) on the weights' device, and every op here is capture-safe:
+no host sync (.item(), .tolist(), int(tensor)), no allocation-size that depends on data, no host
+loop over requests. That lets `runtime/gpu_runner.py` capture a decode step as one CUDA graph.
+
+`rt` is the runner's step state (`runtime.gpu_runner.GpuStep`); beyond torch_target's it provides
+device tensors `rows` (req_to_token row per token), `pos` (position per token), `r2t` (the device
+req_to_token table), `loc` (KV slot per token), the static workspace width `max_len` (>= every
+seq_len), `last_rows` (prefill: each request's last token), `moe_tiles` (tile overrides) and
+`derived(key, fn)` (per-runner cache of weights re-laid out once: absorbed W_UK/W_UV, fused gate_up).
+
+Ops not listed here (views, slices, concat, elt.add, io.input, collectives) use torch_target's.
+Dense GEMMs go to cuBLAS (torch.matmul) in the weights' dtype; the router GEMM stays fp32.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from glmc.codegen import torch_ref as ref
+from glmc.codegen import torch_target
+from glmc.codegen import triton_moe as tm
+from glmc.codegen import triton_target as tt
+
+IMPLS: dict = dict(torch_target.IMPLS)
+
+
+def impl(*kinds):
+    def deco(fn):
+        for k in kinds:
+            IMPLS[k] = fn
+        return fn
+    return deco
+
+
+def _mm(x, w):
+    """x @ w.T in w's dtype (cuBLAS)."""
+    return x.to(w.dtype) @ w.T
+
+
+@impl("embed.lookup")
+def _embed(op, args, rt):
+    if int(op.attr("tp", 1)) != 1:
+        raise NotImplementedError("cuda target: vocab-parallel embedding (tp > 1) is not implemented")
+    return rt.w(op.attr("weight"))[args[0]]
+
+
+@impl("norm.rms")
+def _rms(op, args, rt):
+    return tt.rms_norm(args[0], rt.w(op.attr("weight")), op.attr("eps"))
+
+
+@impl("norm.layer")
+def _ln(op, args, rt):
+    x = args[0]
+    return ref.layer_norm(x, rt.w(op.attr("weight")).float(), rt.w(op.attr("bias")).float(),
+                          op.attr("eps")).to(x.dtype)
+
+
+@impl("rope.apply")
+def _rope(op, args, rt):
+    x, d = args[0], int(op.attr("dims"))
+    return tt.rope(x, args[1], op.attr("theta"), op.attr("interleaved", True), rope_dim=d)
+
+
+@impl("linear", "mla.a_proj", "lm.head")
+def _linear(op, args, rt):
+    return _mm(args[0], rt.w(op.attr("weight")))
+
+
+@impl("tensor.select_last")
+def _select_last(op, args, rt):
+    return args[0][rt.last_rows]
+
+
+@impl("fused.add_rms")
+def _fused_add_rms(op, args, rt):
+    return tt.add_rms_norm(args[0], args[1], rt.w(op.attr("weight")), op.attr("eps"))
+
+
+@impl("fused.qkv_a_norm_rope_write", "fused.qkv_a_norm_rope_write_index")
+def _qkv_fused(op, args, rt):
+    """Slices of the A-projection -> one kernel: c_q out; KV (and indexer K) rows written at rt.loc."""
+    a, pos = args
+    q, c, r = int(op.attr("q_lora")), int(op.attr("kv_lora")), int(op.attr("rope_dim"))
+    wq, wkv = (rt.w(n) for n in op.attr("weight"))
+    layer = int(op.attr("layer"))
+    kw = {}
+    if op.kind.endswith("_index"):
+        di = int(op.attr("index_dim"))
+        w, b = (rt.w(n) for n in op.attr("index_weight"))
+        kw = dict(index_k=a[:, q + c + r:q + c + r + di], k_norm_w=w, k_norm_b=b,
+                  index_eps=op.attr("index_eps"))
+    c_q = tt.qkv_norm_rope_write(a[:, :q], a[:, q:q + c + r], pos, rt.loc, rt.pool, layer, wq, wkv,
+                                 op.attr("eps"), op.attr("theta"), **kw)
+    return (c_q, layer, layer) if kw else (c_q, layer)
+
+
+@impl("idx.topk")
+def _topk(op, args, rt):
+    """Indexer scores over the paged K cache into a [T, max_len] workspace, then exact top-k."""
+    q, w, layer = args
+    heads = int(op.attr("heads"))
+    scores = tt.indexer_scores(q, w.float() * heads ** -0.5, rt.pool.index_k[layer], rt.r2t, rt.rows,
+                               rt.pos, rt.max_len)
+    return tt.topk_select(scores, rt.pos + 1, int(op.attr("k")))
+
+
+def _absorbed_weights(rt, name, heads, dn, dv):
+    """W_UK [H, dn, R] and W_UV^T [H, R, dv] of kv_b_proj, contiguous, made once per runner."""
+    def make():
+        w = rt.w(name).view(heads, dn + dv, -1)
+        return w[:, :dn].contiguous(), w[:, dn:].transpose(1, 2).contiguous()
+    return rt.derived(("absorbed", name), make)
+
+
+@impl("attn.mla_absorbed", "attn.sparse_mla", "attn.mla_mha")
+def _attn(op, args, rt):
+    """Absorbed MLA for every phase: q_lat = q_nope W_UK (batched GEMM), the sparse latent kernel
+    over top-k (or causal) keys, o = out_lat W_UV. The MHA form of prefill is the same function."""
+    q_nope, q_pe, layer, topk = args
+    H, dn, dv = int(op.attr("heads")), int(op.attr("dn")), int(op.attr("dv"))
+    w_uk, w_uv = _absorbed_weights(rt, op.attr("weight"), H, dn, dv)
+    T = q_nope.shape[0]
+    q_lat = torch.bmm(q_nope.transpose(0, 1).to(w_uk.dtype), w_uk).transpose(0, 1)   # [T, H, R] view
+    out_lat = tt.sparse_mla_latent(q_lat, q_pe.to(q_lat.dtype), rt.pool.kv[layer], rt.r2t, rt.rows, rt.pos,
+                                   topk, op.attr("scale"), num_keys=None if topk is not None else rt.max_len)
+    return torch.bmm(out_lat.transpose(0, 1), w_uv).transpose(0, 1).reshape(T, H * dv)
+
+
+@impl("moe.gate")
+def _gate(op, args, rt):
+    name = op.attr("weight")
+    w = rt.derived(("fp32", name), lambda: rt.w(name).float().contiguous())
+    return args[0].float() @ w.T
+
+
+@impl("moe.topk")
+def _moe_topk(op, args, rt):
+    name = rt.gate_bias(op)
+    bias = rt.derived(("fp32", name), lambda: rt.w(name).float().contiguous())
+    return tt.moe_route_logits(args[0], bias, int(op.attr("top_k")), int(op.attr("n_group")),
+                               int(op.attr("topk_group")), op.attr("norm_topk_prob"), op.attr("scale"))
+
+
+@impl("moe.experts")
+def _experts(op, args, rt):
+    x, w, ids = args
+    gate, up, down = rt.experts(op)
+    return tm.moe_experts(x, ids, w, gate, up, down, expert_offset=rt.expert_offset(op),
+                          tiles=rt.moe_tiles).to(x.dtype)
+
+
+@impl("mlp.swiglu")
+def _swiglu(op, args, rt):
+    """down(silu(gate x) * up x) with gate and up as one GEMM over a fused [2I, H] weight."""
+    p = op.attr("weight")
+    gate_up = rt.derived(("gate_up", p), lambda: torch.cat([rt.w(f"{p}.gate_proj.weight"),
+                                                            rt.w(f"{p}.up_proj.weight")]))
+    gu = _mm(args[0], gate_up)
+    inter = gu.shape[1] // 2
+    return _mm(F.silu(gu[:, :inter]) * gu[:, inter:], rt.w(f"{p}.down_proj.weight"))
+
+
+@impl("sample.tokens")
+def _sample(op, args, rt):
+    return args[0].argmax(-1)
