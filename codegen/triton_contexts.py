@@ -1,0 +1,219 @@
+"""Typed kernel contexts: every shape, tile size and flag of a Triton kernel, computed in Python.
+
+Templates are dumb (STYLE rule 10): a frozen ``*Ctx`` dataclass carries what its template
+substitutes (``{{ value }}``) or branches on (``{% if flag %}``); ``make`` derives it from shapes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+
+from glmc.codegen.triton_render import _DOT, _warps, next_pow2
+
+# ----------------------------------------------------------------------------- contexts
+@dataclass(frozen=True)
+class RmsNormCtx:
+    """rms_norm.py.j2: one row per program; optional fused residual add."""
+    template: ClassVar[str] = "rms_norm"
+    hidden: int
+    eps: float
+    has_residual: bool
+    block_d: int
+    num_warps: int
+
+    @classmethod
+    def make(cls, hidden: int, eps: float, has_residual: bool) -> "RmsNormCtx":
+        block = next_pow2(hidden)
+        return cls(hidden, float(eps), bool(has_residual), block, _warps(block, 1024))
+
+
+@dataclass(frozen=True)
+class MoeRouterCtx:
+    """moe_router.py.j2: experts as a [groups, experts per group] tile; top-k by repeated argmax."""
+    template: ClassVar[str] = "moe_router"
+    num_experts: int
+    n_group: int
+    group_size: int
+    topk_group: int
+    top_k: int
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+    group_limited: bool
+    masked_score: str  # what experts of dropped groups score: torch_ref uses -inf (SGLang); HF uses 0.0
+    block_groups: int
+    block_group_size: int
+    block_k: int
+    num_warps: int
+
+    @classmethod
+    def make(cls, num_experts, n_group, topk_group, top_k, norm_topk_prob, routed_scaling_factor):
+        if num_experts % n_group or not 1 <= topk_group <= n_group or top_k > num_experts:
+            raise ValueError(f"moe_router: experts {num_experts}, n_group {n_group}, topk_group {topk_group},"
+                             f" top_k {top_k} are inconsistent")
+        gs = num_experts // n_group
+        return cls(num_experts, n_group, gs, topk_group, top_k, bool(norm_topk_prob),
+                   float(routed_scaling_factor), topk_group < n_group, 'float("-inf")',
+                   next_pow2(n_group), next_pow2(gs), next_pow2(top_k), _warps(num_experts, 64, 4))
+
+
+@dataclass(frozen=True)
+class RopeCtx:
+    """rope.py.j2: rotate the first rope_dim of head_dim dims of [T, heads, head_dim]."""
+    template: ClassVar[str] = "rope"
+    num_heads: int
+    head_dim: int
+    rope_dim: int
+    half_rope: int
+    interleaved: bool
+    has_pass: bool
+    block_h: int
+    block_half: int
+    block_pass: int
+    num_warps: int
+
+    @classmethod
+    def make(cls, num_heads, head_dim, rope_dim, interleaved):
+        half, rest = rope_dim // 2, head_dim - rope_dim
+        block_h = min(next_pow2(num_heads), 16)
+        return cls(num_heads, head_dim, rope_dim, half, bool(interleaved), rest > 0, block_h, next_pow2(half),
+                   next_pow2(max(rest, 1)), _warps(block_h * head_dim, 512, 4))
+
+
+@dataclass(frozen=True)
+class QkvNormRopeWriteCtx:
+    """qkv_norm_rope_write.py.j2: q/kv latent RMSNorm, k_pe RoPE, KV (and indexer K) cache write."""
+    template: ClassVar[str] = "qkv_norm_rope_write"
+    q_lora: int
+    kv_lora: int
+    rope_dim: int
+    half_rope: int
+    kv_pe_hi: int  # kv_lora + half_rope: where the rotated second halves go in a cache row
+    eps: float
+    interleaved: bool
+    has_index_k: bool
+    index_dim: int
+    index_eps: float
+    index_interleaved: bool
+    block_q: int
+    block_kv: int
+    block_half: int
+    block_index: int
+    num_warps: int
+
+    @classmethod
+    def make(cls, q_lora, kv_lora, rope_dim, eps, interleaved, index_dim=0, index_eps=1e-6,
+             index_interleaved=True):
+        half = rope_dim // 2
+        return cls(q_lora, kv_lora, rope_dim, half, kv_lora + half, float(eps), bool(interleaved),
+                   index_dim > 0, index_dim, float(index_eps), bool(index_interleaved), next_pow2(q_lora),
+                   next_pow2(kv_lora), next_pow2(half), next_pow2(max(index_dim, 1)), _warps(q_lora, 512, 4))
+
+
+@dataclass(frozen=True)
+class IndexerScoresCtx:
+    """indexer_scores.py.j2: one (token, key block) per program, heads padded to a dot tile."""
+    template: ClassVar[str] = "indexer_scores"
+    num_heads: int
+    index_dim: int
+    scale: float
+    block_h: int
+    block_n: int
+    dot_dtype: str
+    dot_precision: str
+    num_warps: int
+
+    @classmethod
+    def make(cls, num_heads, index_dim, dtype, block_n=None):
+        dot_dtype, precision = _DOT[dtype]
+        block_n = block_n or 64
+        return cls(num_heads, index_dim, index_dim ** -0.5, max(16, next_pow2(num_heads)), block_n,
+                   dot_dtype, precision, 4)
+
+
+@dataclass(frozen=True)
+class TopkSelectCtx:
+    """topk_select.py.j2: exact k-th-largest threshold by bitwise search, then ordered compaction."""
+    template: ClassVar[str] = "topk_select"
+    k: int
+    chunk: int
+    num_warps: int
+
+    @classmethod
+    def make(cls, k, row_len, chunk=None):
+        chunk = chunk or min(4096, next_pow2(max(row_len, 16)))
+        return cls(k, chunk, _warps(chunk, 256, 8))
+
+
+@dataclass(frozen=True)
+class SparseMlaDecodeCtx:
+    """sparse_mla_decode.py.j2: absorbed MLA split-K partials over top-k slots (or causal positions)."""
+    template: ClassVar[str] = "sparse_mla_decode"
+    num_heads: int
+    kv_lora: int
+    rope_dim: int
+    has_topk: bool
+    topk: int
+    num_splits: int
+    block_h: int
+    block_n: int
+    key_major: bool  # [keys, heads] scores: lets the MMA's M be keys / latent dims instead of heads
+    qk_scale_log2: float  # softmax scale * log2(e): the kernel works in exp2
+    dot_dtype: str
+    dot_precision: str
+    num_warps: int
+    num_stages: int
+
+    @classmethod
+    def make(cls, num_heads, kv_lora, rope_dim, topk, num_keys, scale, dtype, num_tokens, num_sms,
+             block_h=None, block_n=None, num_splits=None, num_warps=None, num_stages=None, key_major=None):
+        if kv_lora != next_pow2(kv_lora) or rope_dim != next_pow2(rope_dim):
+            raise ValueError(f"sparse_mla_decode needs power-of-two kv_lora/rope dims, got {kv_lora}/{rope_dim}")
+        dot_dtype, precision = _DOT[dtype]
+        # Measured on an H200 (bench/results/gpu_kernels_2026-11-29.json, K=2048, 64 heads): with >= 32
+        # tokens, key-major 64 heads x 32 keys (one KV read per token, wgmma) was fastest (318 us at
+        # B=128 vs 355); with 1 token, head-major 16 x 32 at 4 warps (9.9 us vs 16.6). Both spill-free.
+        wide = num_tokens >= 32 and num_heads >= 64 and key_major is None
+        if key_major is None:
+            key_major = wide
+        block_h = block_h or (64 if wide else 16)
+        block_n = block_n or 32
+        num_warps = num_warps or (8 if block_h > 16 else 4)
+        num_stages = num_stages or (1 if wide else 2)
+        if num_splits is None:  # flash-decoding: enough programs for ~2 waves, >= 2 key blocks per split
+            programs = num_tokens * -(-num_heads // block_h)
+            num_splits = max(1, min(-(-2 * num_sms // programs), num_keys // (2 * block_n)))
+        return cls(num_heads, kv_lora, rope_dim, topk is not None, topk or 0, num_splits, block_h, block_n,
+                   bool(key_major), float(scale) * 1.4426950408889634, dot_dtype, precision, num_warps, num_stages)
+
+
+@dataclass(frozen=True)
+class MlaCombineCtx:
+    """mla_combine.py.j2: merge split-K partials by their log-sum-exp."""
+    template: ClassVar[str] = "mla_combine"
+    num_heads: int
+    kv_lora: int
+    num_splits: int
+    block_splits: int
+    num_warps: int
+
+    @classmethod
+    def make(cls, num_heads, kv_lora, num_splits):
+        return cls(num_heads, kv_lora, num_splits, next_pow2(num_splits), _warps(kv_lora * num_splits, 1024, 4))
+
+
+@dataclass(frozen=True)
+class SampleCtx:
+    """sample.py.j2: one vocab row per program, chunked passes, exponential-race draw."""
+    template: ClassVar[str] = "sample"
+    vocab: int
+    chunk: int
+    write_probs: bool
+    num_warps: int
+
+    @classmethod
+    def make(cls, vocab, write_probs=False, chunk=None):
+        chunk = chunk or min(4096, next_pow2(vocab))
+        return cls(vocab, chunk, bool(write_probs), _warps(chunk, 256, 8))
+
+
