@@ -149,8 +149,11 @@ def device_name() -> str:
 
 def git_commit() -> str:
     def git(*args):
-        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout
-    head = git("rev-parse", "HEAD").strip() or "unknown"
+        try:  # a device machine may have no git (nor .git): then $GLMC_COMMIT, else "unknown"
+            return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout
+        except OSError:
+            return ""
+    head = git("rev-parse", "HEAD").strip() or os.environ.get("GLMC_COMMIT") or "unknown"
     return head + ("-dirty" if git("status", "--porcelain", "--untracked-files=no").strip() else "")
 
 

@@ -68,6 +68,10 @@ def cmd_run(a) -> int:
     from glmc.runtime.build import TINY_NAME, default_cache_dir, make_tiny_checkpoint
     from glmc.runtime.dist_engine import ServeConfig, serve_model
     from glmc.runtime.launch import RankFailed
+    if a.device == "cuda":  # before anything slow: one GPU, tp1, and a GPU torch can see
+        from glmc.runtime.build import require_cuda, require_tp1
+        require_tp1(a.parallel)
+        require_cuda()
     if a.weights:
         ckpt = Path(a.weights)
         if not (ckpt / "config.json").exists():
@@ -77,6 +81,13 @@ def cmd_run(a) -> int:
     engine_kwargs = dict(max_running=a.max_running, max_batch_tokens=a.max_batch_tokens,
                          max_waiting=a.max_waiting, enable_prefix_cache=not a.no_prefix_cache)
     name = a.served_model_name or (ckpt.name if a.weights else TINY_NAME)
+    if a.device == "cuda":
+        from glmc.runtime.build import build_engine
+        from glmc.runtime.server import serve
+        engine = build_engine(ckpt, a.plan, a.parallel, device="cuda", num_pages=a.num_pages,
+                              max_context=a.max_context, warmup=not a.no_warmup, **engine_kwargs)
+        serve(engine, name, a.host, a.port, a.log_level)
+        return 0
     try:
         serve_model(ServeConfig(str(ckpt), a.plan, a.parallel, name, a.host, a.port, a.num_pages,
                                 a.max_context, engine_kwargs, not a.no_warmup, a.log_level))
@@ -127,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
                    "tokenizer_config.json (default: the tiny model, random weights)")
     r.add_argument("--parallel", help="parallel spec, one process per rank (default tp1, or the "
                    "plan's)")
+    r.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu: the torch "
+                   "target, any parallel spec; cuda: one GPU, tp1, decode replayed from CUDA graphs")
     r.add_argument("--host", default="127.0.0.1")
     r.add_argument("--port", type=int, default=8000, help="0 picks a free port")
     r.add_argument("--num-pages", type=int, default=256, help="KV pages of 64 tokens per DP rank")

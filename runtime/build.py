@@ -1,15 +1,20 @@
 """Building engines: checkpoints (and the tiny default one), weights, runners, warm-up.
 
 `build_engine(ckpt_dir)` serves an HF glm_moe_dsa checkpoint directory (config.json, safetensors,
-tokenizer.json, tokenizer_config.json); `build_tiny_engine()` serves the tiny default model, whose
-random weights are made deterministically on first use. Slow steps show progress bars (stderr).
+tokenizer.json, tokenizer_config.json), on the host (torch target) or with `device="cuda"` on one
+GPU (`gpu_runner.GpuRunner`: tp1, decode replayed from CUDA graphs); `build_tiny_engine()` serves
+the tiny default model, whose random weights are made deterministically on first use. Slow steps
+show progress bars (stderr).
 """
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import os
 import shutil
+import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,7 +22,7 @@ import torch
 from tqdm import tqdm as _tqdm
 
 from glmc.runtime.engine import Engine
-from glmc.runtime.model_runner import PlanRunner, ReferenceRunner
+from glmc.runtime.model_runner import DevicePlanRunner, PlanRunner, ReferenceRunner, context_limit
 from glmc.runtime.sampling import SamplingParams
 from glmc.runtime.tokenizer import Tokenizer
 
@@ -28,6 +33,7 @@ TINY_SPECIAL = {"bos_token_id": 2, "pad_token_id": 0}   # ids in models/tiny/tok
 TINY_SEED = 0
 TINY_STAMP = f"glmc tiny weights: seed {TINY_SEED}, init v1\n"  # bump when _tiny_init changes
 TINY_NAME = "glmc-tiny"
+DEVICES = ("cpu", "cuda")
 
 
 def tqdm(*args, **kwargs):
@@ -176,15 +182,27 @@ def plan_runner(src: PlanSource, num_pages: int, max_context: int | None = None,
 
 
 def build_engine(ckpt_dir: str | Path, plan_dir: str | Path | None = None,
-                 parallel: str | None = None, *, runner: str = "plan", num_pages: int = 256,
-                 max_context: int | None = None, warmup: bool = True, **engine_kwargs) -> Engine:
+                 parallel: str | None = None, *, runner: str = "plan", device: str = "cpu",
+                 num_pages: int = 256, max_context: int | None = None, warmup: bool = True,
+                 **engine_kwargs) -> Engine:
     """An engine (one process) over an HF glm_moe_dsa checkpoint directory (config.json,
     safetensors, tokenizer.json, tokenizer_config.json). `runner="plan"` (default) serves the plan
     in `plan_dir`, or the checkpoint's model compiled for `parallel` (default tp1);
-    `runner="reference"` serves the fp32 reference model. Plans over several ranks need one
-    process each: `glmc.runtime.dist_engine.serve_parallel`."""
+    `runner="reference"` serves the fp32 reference model. `device="cuda"` serves a tp1 plan on
+    one GPU (see `cuda_plan_runner`). Plans over several ranks need one process each:
+    `glmc.runtime.dist_engine.serve_parallel`."""
     ckpt_dir = Path(ckpt_dir)
-    if runner == "reference":
+    if device not in DEVICES:
+        raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
+    if device == "cuda":
+        if runner != "plan":
+            raise ValueError(f"device 'cuda' serves compiled plans (runner='plan'), not {runner!r}")
+        require_cuda()
+        max_running = engine_kwargs.get("max_running",
+                                        inspect.signature(Engine).parameters["max_running"].default)
+        model = cuda_plan_runner(cuda_plan_source(ckpt_dir, plan_dir, parallel, max_running),
+                                 num_pages, max_context, max_running)
+    elif runner == "reference":
         config = json.loads((ckpt_dir / "config.json").read_text())
         model = ReferenceRunner(config, load_weights(ckpt_dir, config), num_pages, max_context)
     elif runner == "plan":
@@ -199,6 +217,91 @@ def build_engine(ckpt_dir: str | Path, plan_dir: str | Path | None = None,
     if warmup:
         warm_up(engine)
     return engine
+
+
+# -- one GPU ----------------------------------------------------------------------------------
+
+
+def require_cuda() -> None:
+    """Serving on CUDA needs a GPU that this torch sees; say what torch reports when it does not."""
+    if not torch.cuda.is_available():
+        raise ValueError(f"--device cuda: torch {torch.__version__} sees no CUDA device (built "
+                         f"with CUDA {torch.version.cuda}); serve on the host with --device cpu")
+
+
+def require_tp1(parallel: str | None) -> None:
+    """One GPU runs one rank: only tp1 plans (the runner's ops do not shard)."""
+    if parallel not in (None, "tp1"):
+        raise ValueError(f"--device cuda serves tp1 only (one GPU, one rank), not --parallel "
+                         f"{parallel}; serve {parallel} on the host with --device cpu")
+
+
+def cuda_plan_source(ckpt_dir: Path, plan_dir: str | Path | None, parallel: str | None,
+                     max_running: int) -> PlanSource:
+    """The tp1 plan for the CUDA target: `plan_dir`'s if compiled with `--device cuda`, else the
+    checkpoint's model compiled now (attention on the CUDA backends, CUDA-graph buckets up to
+    `max_running`, the scheduler's largest decode batch)."""
+    from glmc.compiler import compile_phase, phases_of
+    from glmc.parallel import parse_parallel
+    from glmc.passes import Options
+    from glmc.spec import load_spec
+
+    require_tp1(parallel)
+    if plan_dir is not None:
+        src = plan_source(ckpt_dir, plan_dir, parallel)
+        planned = json.loads((Path(plan_dir) / "plan.json").read_text())["options"]["device"]
+        if planned != "cuda" or src.world != 1:
+            raise ValueError(f"{plan_dir} is a {src.parallel} plan for device {planned!r}; --device "
+                             "cuda serves tp1 plans compiled with `glmc compile --device cuda`")
+        return src
+    spec = load_spec(ckpt_dir)
+    par = parse_parallel("tp1", spec.config)
+    opts = Options(device="cuda", max_batch=max_running)
+    graphs = {ph: compile_phase(spec, par, ph, opts)
+              for ph in tqdm(phases_of(spec), desc="compiling tp1 (cuda)", unit="phase")}
+    return PlanSource(ckpt_dir, graphs, spec.config, par.name, par.world)
+
+
+def cuda_plan_runner(src: PlanSource, num_pages: int, max_context: int | None, max_running: int,
+                     device: str = "cuda") -> DevicePlanRunner:
+    """A `DevicePlanRunner` over a `GpuRunner` on `device`: the checkpoint's weights in the compute
+    dtype (fp32 for an fp32 checkpoint, else bf16; the router fp32), a KV pool of `num_pages`
+    pages plus the scratch page, one req_to_token row per running request plus the padding row,
+    and (on a GPU) the decode graph captured for each bucket. `device="cpu"` runs the same code
+    uncaptured (Triton under TRITON_INTERPRET=1): a dry run without a GPU."""
+    from glmc.runtime.gpu_runner import GpuRunner, make_pool, to_device_weights
+    from glmc.spec import load_spec
+
+    c, t0 = src.config, time.perf_counter()
+    fp32 = load_spec(src.ckpt_dir).dtypes.activation == "fp32"
+    dtype = torch.float32 if fp32 else torch.bfloat16
+    max_ctx = context_limit(c.max_position_embeddings, num_pages, max_context)
+    with tqdm(total=1, desc="loading weights", unit="shard") as bar:
+        weights = to_device_weights(_rank_weights(src, dtype), device, dtype)
+        bar.update()
+    gpu = GpuRunner(src.graphs, c, weights, make_pool(c, device, dtype, max_running, max_ctx,
+                                                      num_pages + 1),
+                    max_reqs=max_running, max_context=max_ctx)
+    loaded = time.perf_counter() - t0
+    captured = gpu.capture() if torch.device(device).type == "cuda" else {}
+    print(f"glmc: {device} runner: weights {loaded:.1f} s, {len(captured)} decode graphs "
+          f"{sorted(captured)} captured in {sum(captured.values()):.1f} s", file=sys.stderr,
+          flush=True)
+    return DevicePlanRunner(gpu, max_ctx)
+
+
+def _rank_weights(src: PlanSource, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """`plan_weights.load_rank_weights` for one rank, read in `dtype`: an fp32 host copy of a bf16
+    checkpoint would double its host memory and its copy to the device."""
+    from glmc.runtime.comm import Coords
+    from glmc.runtime.plan_weights import rank_shards
+    from glmc.runtime.weights import detect_mtp, expected_tensors, load_checkpoint
+
+    graphs = list(src.graphs.values())
+    shards = rank_shards(graphs, Coords(0, graphs[0].meta["mesh"]))
+    expected = expected_tensors(src.config.model_dump(), **detect_mtp(src.ckpt_dir))
+    return load_checkpoint(src.ckpt_dir, expected, shard=shards.get, dtype=dtype,
+                           only={n for n in shards if n in expected})
 
 
 def build_tiny_engine(cache_dir: str | Path | None = None, **kwargs) -> Engine:

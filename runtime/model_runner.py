@@ -1,7 +1,8 @@
 """Model runners: the engine's seam to the device, which owns the paged KV memory.
 
 `ModelRunner` is the contract; `ReferenceRunner` runs the fp32 torch `ReferenceModel` (the
-numerical oracle).
+numerical oracle); `PlanRunner` runs a compiled plan's executor on the host, `DevicePlanRunner`
+one on an accelerator (`gpu_runner.GpuRunner`).
 """
 from __future__ import annotations
 
@@ -115,6 +116,18 @@ class PlanRunner(ModelRunner):
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         return self.run(self.phase_of([batch]), batch)
+
+
+class DevicePlanRunner(PlanRunner):
+    """`PlanRunner` over an executor whose tensors live on an accelerator (`gpu_runner.GpuRunner`,
+    one rank, tp1). The scheduler hands batches of any size: the executor pads a decode batch to
+    its smallest CUDA-graph bucket (eager above the largest) and slices the padding off again. Its
+    logits are device tensors in the compute dtype, and for a replayed graph views of a static
+    buffer that the next step overwrites: `run` copies them to the host in fp32, as the sampler
+    expects (and as the `ModelRunner` contract says)."""
+
+    def run(self, phase: str, batch: ForwardBatch, dp_tokens: list[int] | None = None):
+        return super().run(phase, batch, dp_tokens).cpu().float()
 
 
 def plan_pool(graphs: dict, config, num_pages: int, **kwargs) -> KVPool:

@@ -172,3 +172,13 @@ def _no_stray_servers():
     before = descendants(os.getpid())
     yield
     assert descendants(os.getpid()) <= before
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a host without CUDA")
+def test_run_on_cuda_without_a_gpu_fails_clearly(capsys):
+    """`glmc run --device cuda` serves one GPU: without one (or with a multi-rank spec) it stops at
+    once, exit status 2, saying why."""
+    assert glmc(["run", "--device", "cuda"]) == 2
+    assert "--device cuda: torch" in capsys.readouterr().err
+    assert glmc(["run", "--device", "cuda", "--parallel", "dp2ep2"]) == 2
+    assert "serves tp1 only" in capsys.readouterr().err
