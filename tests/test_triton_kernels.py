@@ -15,7 +15,7 @@ import torch
 from glmc.codegen import torch_ref as ref
 from glmc.codegen import triton_target as tt
 from glmc.runtime.forward_batch import ForwardBatch
-from glmc.runtime.kv_cache import PAGE_SIZE, KVPool
+from glmc.runtime.kv_cache import KVPool
 
 R, DR, DI, HI = 32, 8, 16, 4  # kv_lora, rope dim, indexer head dim, indexer heads (tiny GLM)
 _EMPTY = torch.empty
