@@ -283,7 +283,10 @@ def cuda_plan_runner(src: PlanSource, num_pages: int, max_context: int | None, m
                                                       num_pages + 1),
                     max_reqs=max_running, max_context=max_ctx)
     loaded = time.perf_counter() - t0
-    captured = gpu.capture() if torch.device(device).type == "cuda" else {}
+    captured = {}
+    if torch.device(device).type == "cuda":
+        with tqdm(total=len(gpu.buckets), desc="capturing CUDA graphs", unit="graph") as bar:
+            captured = gpu.capture(progress=bar.update)
     print(f"glmc: {device} runner: weights {loaded:.1f} s, {len(captured)} decode graphs "
           f"{sorted(captured)} captured in {sum(captured.values()):.1f} s", file=sys.stderr,
           flush=True)

@@ -137,8 +137,9 @@ class GpuRunner(PlanExecutor):
 
     # ------------------------------------------------------------------ CUDA graphs
     @torch.no_grad()
-    def capture(self, buckets=None, warmup: int = 2) -> dict:
-        """Capture the decode graph for each bucket (default: the plan's); -> seconds per bucket."""
+    def capture(self, buckets=None, warmup: int = 2, progress=None) -> dict:
+        """Capture the decode graph for each bucket (default: the plan's); -> seconds per bucket.
+        `progress()` is called after each bucket (a progress bar's update)."""
         buckets = sorted(buckets or self.buckets, reverse=True)
         pool = torch.cuda.graph_pool_handle()
         for b in buckets:
@@ -158,6 +159,8 @@ class GpuRunner(PlanExecutor):
             host = torch.empty(4, b, dtype=torch.int64).pin_memory()
             self.captured[b] = Captured(graph, packed, host, out, torch.cuda.Event())
             self.timings[b] = time.perf_counter() - t0
+            if progress is not None:
+                progress()
         return dict(self.timings)
 
 
