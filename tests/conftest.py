@@ -20,3 +20,21 @@ def pytest_addoption(parser):
 @pytest.fixture(scope="session")
 def update_golden(request):
     return request.config.getoption("--update-golden")
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """The tiny model's ops are too small to split: on 2 shared cores extra intra-op threads only
+    contend (5-10x slower under load); serving test modules run torch single-threaded."""
+    import torch
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def tiny_ckpt(tmp_path_factory):
+    """The tiny default model's checkpoint (models/glm_moe_dsa_tiny.yaml), made for this module."""
+    from glmc.runtime.build import make_tiny_checkpoint
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny"))

@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 import torch
-from test_run_cli import GlmcRun, one_torch_thread  # noqa: F401 (autouse fixture)
+from test_run_cli import GlmcRun
 
 from glmc.runtime.build import (TINY_NAME, build_engine, make_tiny_checkpoint, plan_runner,
                                 plan_source)
@@ -21,6 +21,9 @@ from glmc.runtime.tokenizer import Tokenizer
 MAX_TOKENS = 8
 QUESTIONS = ["What is 2+2?", "Name a colour.", "Tell me a joke about compilers.", "Hello!",
              "Why is the sky blue? Answer at length, please."]
+
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -157,13 +157,7 @@ def test_glmc_run_refuses_a_plan_of_another_model(tmp_path, capsys):
     assert "no config.json" in capsys.readouterr().err
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """As in test_server: on 2 shared cores extra intra-op threads only contend."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(autouse=True)

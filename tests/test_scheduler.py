@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from glmc.runtime.build import build_engine, make_tiny_checkpoint
+from glmc.runtime.build import build_engine
 from glmc.runtime.forward_batch import ForwardBatch
 from glmc.runtime.kv_cache import KVPool
 from glmc.runtime.model_runner import PlanRunner, ReferenceRunner
@@ -121,19 +121,12 @@ def test_prefix_hit_skips_whole_pages_only():
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """The tiny model's ops are too small to split: on 2 shared cores extra intra-op threads only
-    contend (5-10x slower under load), so this module runs torch single-threaded."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny"))
+def ckpt(tiny_ckpt):
+    return tiny_ckpt
 
 
 def engine(ckpt, **kw):

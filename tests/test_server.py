@@ -9,10 +9,9 @@ import time
 import httpx
 import openai
 import pytest
-import torch
 import uvicorn
 
-from glmc.runtime.build import build_engine, make_tiny_checkpoint
+from glmc.runtime.build import build_engine
 from glmc.runtime.sampling import SamplingParams
 from glmc.runtime.server import create_app
 
@@ -44,19 +43,12 @@ class Server:
         self.thread.join(timeout=30)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """The tiny model's ops are too small to split: on 2 shared cores extra intra-op threads only
-    contend (5-10x slower under load), so this module runs torch single-threaded."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny"))
+def ckpt(tiny_ckpt):
+    return tiny_ckpt
 
 
 @pytest.fixture(scope="module")
