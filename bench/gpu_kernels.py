@@ -12,10 +12,8 @@ JSON (rows + environment + measured copy bandwidth) is rewritten after every row
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
-import sys
 import time
 import traceback
 from contextlib import contextmanager
@@ -26,17 +24,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _import_glmc():
-    """Import glmc; without an install, map the repo's folders onto glmc.* (the device image)."""
-    try:
-        import glmc.codegen.torch_ref  # noqa: F401
-        return
-    except ImportError:
-        pass
-    for name, folder in [("glmc", "glmc"), ("glmc.runtime", "runtime"), ("glmc.codegen", "codegen")]:
-        spec = importlib.util.spec_from_file_location(name, ROOT / folder / "__init__.py",
-                                                      submodule_search_locations=[str(ROOT / folder)])
-        sys.modules[name] = module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+    from _glmc_import import import_glmc   # bench/ is on sys.path when a script here runs
+    import_glmc("glmc.codegen.torch_ref")
 
 
 GLM = dict(hidden=6144, q_lora=2048, heads=64, dn=192, dv=256, R=512, DR=64, HI=32, DI=128, topk=2048,

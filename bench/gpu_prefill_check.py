@@ -17,7 +17,6 @@ printed last; the JSON (env + rows) is rewritten after every row. Exit status 1 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import statistics
@@ -38,17 +37,8 @@ REL_TOL = 2e-2  # bf16 inputs and kv_b expansion vs an fp32 reference: expect ~4
 
 
 def _import_glmc():
-    """Import glmc; without an install, map the repo's folders onto glmc.* (the device image)."""
-    try:
-        import glmc.codegen.triton_prefill  # noqa: F401
-        return
-    except ImportError:
-        pass
-    for name, folder in [("glmc", "glmc"), ("glmc.runtime", "runtime"), ("glmc.codegen", "codegen")]:
-        spec = importlib.util.spec_from_file_location(name, ROOT / folder / "__init__.py",
-                                                      submodule_search_locations=[str(ROOT / folder)])
-        sys.modules[name] = module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+    from _glmc_import import import_glmc   # bench/ is on sys.path when a script here runs
+    import_glmc("glmc.codegen.triton_prefill")
 
 
 def time_ms(fn, reps, cuda):

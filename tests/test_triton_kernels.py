@@ -16,6 +16,7 @@ from glmc.codegen import torch_ref as ref
 from glmc.codegen import triton_target as tt
 from glmc.runtime.forward_batch import ForwardBatch
 from glmc.runtime.kv_cache import KVPool
+from filecheck import check
 
 R, DR, DI, HI = 32, 8, 16, 4  # kv_lora, rope dim, indexer head dim, indexer heads (tiny GLM)
 _EMPTY = torch.empty
@@ -225,15 +226,6 @@ def test_sample_draw_frequencies():
 
 
 # ----------------------------------------------------------------------------- generated source
-def check(src, *patterns, absent=()):
-    """FileCheck-style: each pattern occurs after the previous one; none of `absent` occurs."""
-    at = 0
-    for p in patterns:
-        found = src.find(p, at)
-        assert found >= 0, f"CHECK: {p!r} not found after offset {at} in:\n{src}"
-        at = found + len(p)
-    for p in absent:
-        assert p not in src, f"CHECK-NOT: {p!r} found"
 
 
 def test_source_is_specialised_for_glm53(tmp_path):

@@ -14,6 +14,7 @@ from glmc.codegen import triton_prefill as tp
 from glmc.codegen.triton_target import render
 from glmc.runtime.forward_batch import ForwardBatch
 from glmc.runtime.kv_cache import KVPool
+from filecheck import check
 
 H, DN, DR, DV, R, DI = 4, 16, 8, 16, 32, 16  # heads, nope, rope, v, kv_lora, indexer head dim
 _EMPTY = torch.empty
@@ -139,15 +140,6 @@ def test_prefill_keys_reads_only_wanted_tiles():
 
 
 # ----------------------------------------------------------------------------- generated source
-def check(src, *patterns, absent=()):
-    """FileCheck-style: each pattern occurs after the previous one; none of `absent` occurs."""
-    at = 0
-    for p in patterns:
-        found = src.find(p, at)
-        assert found >= 0, f"CHECK: {p!r} not found after offset {at} in:\n{src}"
-        at = found + len(p)
-    for p in absent:
-        assert p not in src, f"CHECK-NOT: {p!r} found"
 
 
 def test_source_is_specialised_for_glm53():
