@@ -196,6 +196,7 @@ def run_compile(model, batches, ctx, res, save, deadline):
     """torch.compile of the same HF model (default mode), in-process after eager; SIGALRM bounds the
     compile so one that outlasts the budget is reported as failed (timeout), like an OOM."""
     import signal
+
     import torch
 
     def alarm(*_):
@@ -256,7 +257,7 @@ def moe_sweep(runner, B, dev, dtype):
 def setup_glmc(model, batches, ctx, dev, dtype, info):
     """Plan, runner over the HF parameters, MoE tile sweep, prefill, capture."""
     import torch
-    from glmc.runtime.gpu_runner import GpuRunner, make_pool
+    from glmc.runtime.worker.cuda_executor import GpuRunner, make_pool
     t = now()
     spec, graphs = pc.glmc_plan(model, max(batches), "bfloat16")
     info["compile_s"] = now() - t

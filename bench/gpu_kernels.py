@@ -24,7 +24,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _import_glmc():
-    from _glmc_import import import_glmc   # bench/ is on sys.path when a script here runs
+    from _glmc_import import (
+        import_glmc,  # bench/ is on sys.path when a script here runs
+    )
     import_glmc("glmc.codegen.torch_ref")
 
 
@@ -304,8 +306,8 @@ def main():
     _import_glmc()
     from glmc.codegen import torch_ref as ref
     from glmc.codegen import triton_target as tt
-    from glmc.runtime.forward_batch import ForwardBatch
-    from glmc.runtime.kv_cache import PAGE_SIZE, KVPool
+    from glmc.runtime.worker.forward_batch import ForwardBatch
+    from glmc.runtime.worker.kv_cache import PAGE_SIZE, KVPool
     _EMPTY = torch.empty
     torch.manual_seed(0)
     b = Bench(args)

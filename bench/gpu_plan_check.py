@@ -1,4 +1,4 @@
-"""The compiled plan on a GPU (runtime/gpu_runner.py, decode replayed from CUDA graphs) against its oracles.
+"""The compiled plan on a GPU (runtime/worker/cuda_executor.py, decode replayed from CUDA graphs) against its oracles.
 
     python bench/gpu_plan_check.py --out results.json     # CUDA (the H200)
     python bench/gpu_plan_check.py --cpu                  # CPU dry run under TRITON_INTERPRET=1, tiny shapes
@@ -42,7 +42,7 @@ def import_glmc():
     """Import glmc; without an install, map the repo's folders onto glmc.* (the device image)."""
     sys.path.insert(0, str(ROOT / "tests"))
     try:
-        import glmc.runtime.gpu_runner  # noqa: F401
+        import glmc.runtime.worker.cuda_executor  # noqa: F401
         return
     except ImportError:
         pass
@@ -92,8 +92,8 @@ def randomize_on_device_(model, seed):
 def glmc_plan(model, max_reqs, dtype_name):
     """(spec, graphs) of the tp1 plan for the model's config (written as config.json to a temp dir)."""
     from glmc.compiler import compile_plan
+    from glmc.config import Options
     from glmc.parallel import parse_parallel
-    from glmc.passes import Options
     from glmc.spec import load_spec
     d = Path(tempfile.mkdtemp(prefix="glmc_slice_"))
     raw = model.config.to_dict()
@@ -121,7 +121,7 @@ def glmc_weights(model):
 def req_table(num_rows, pages_per_req):
     """req_to_token: row r on pages r*ppr+1 .. (r+1)*ppr (page 0 unused; the pool's last page is scratch)."""
     import torch
-    from glmc.runtime.kv_cache import PAGE_SIZE
+    from glmc.runtime.worker.kv_cache import PAGE_SIZE
     pages = torch.arange(num_rows * pages_per_req).view(num_rows, pages_per_req) + 1
     return (pages[:, :, None] * PAGE_SIZE + torch.arange(PAGE_SIZE)).reshape(num_rows, -1)
 
@@ -129,7 +129,7 @@ def req_table(num_rows, pages_per_req):
 def prefill(runner, prompts, table, group=None):
     """Prefill prompts (rows 0..B-1), `group` requests per forward; -> logits [B, V]."""
     import torch
-    from glmc.runtime.forward_batch import ForwardBatch
+    from glmc.runtime.worker.forward_batch import ForwardBatch
     group, out = group or len(prompts), []
     for i in range(0, len(prompts), group):
         ps = prompts[i:i + group]
@@ -139,7 +139,7 @@ def prefill(runner, prompts, table, group=None):
 
 
 def decode_batch(seqs, table):
-    from glmc.runtime.forward_batch import ForwardBatch
+    from glmc.runtime.worker.forward_batch import ForwardBatch
     return ForwardBatch.build("decode", [[s[-1]] for s in seqs], list(range(len(seqs))),
                               [len(s) - 1 for s in seqs], table)
 
@@ -161,8 +161,8 @@ def greedy(runner, prompts, steps, table):
 # ----------------------------------------------------------------------------- checks
 def check_tiny(dev, capture, steps=16):
     import torch
+    from glmc.runtime.worker.cuda_executor import build_runner
     from tiny_hf import save_tiny
-    from glmc.runtime.gpu_runner import build_runner
     tmp = Path(tempfile.mkdtemp(prefix="glmc_tiny_"))
     # 16 indexer heads: with tiny's 4, keys whose every head is ReLU'd to 0 tie exactly at the top-k
     # threshold, and torch.topk breaks such ties differently on CPU and CUDA (HF itself is ambiguous there).
@@ -183,8 +183,8 @@ def check_tiny(dev, capture, steps=16):
 
 def check_width(dev, dtype, narrow, lengths, steps=3, tol=2e-2):
     import torch
-    from glmc.runtime.executor import PlanExecutor
-    from glmc.runtime.gpu_runner import GpuRunner, make_pool
+    from glmc.runtime.worker.cuda_executor import GpuRunner, make_pool
+    from glmc.runtime.worker.executor import PlanExecutor
     model = slice_model(dev, dtype, seed=0, narrow=narrow)
     B, max_ctx = len(lengths), -(-(max(lengths) + steps + 1) // 64) * 64
     spec, graphs = glmc_plan(model, B, "bfloat16")

@@ -37,7 +37,9 @@ REL_TOL = 2e-2  # bf16 inputs and kv_b expansion vs an fp32 reference: expect ~4
 
 
 def _import_glmc():
-    from _glmc_import import import_glmc   # bench/ is on sys.path when a script here runs
+    from _glmc_import import (
+        import_glmc,  # bench/ is on sys.path when a script here runs
+    )
     import_glmc("glmc.codegen.triton_prefill")
 
 
@@ -224,8 +226,8 @@ def main():
     from glmc.codegen import torch_ref as ref
     from glmc.codegen import triton_prefill as tp
     from glmc.codegen import triton_target as tt
-    from glmc.runtime.forward_batch import ForwardBatch
-    from glmc.runtime.kv_cache import PAGE_SIZE, KVPool
+    from glmc.runtime.worker.forward_batch import ForwardBatch
+    from glmc.runtime.worker.kv_cache import PAGE_SIZE, KVPool
     if not args.cpu:
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False

@@ -77,7 +77,7 @@ def _init(name, shape, dtype, device, gen, printable):
 def write_checkpoint(d: Path, narrow: bool, device: str) -> dict:
     """config.json, model.safetensors (streamed: one tensor on the host at a time), tokenizer."""
     import torch
-    from glmc.runtime.weights import expected_tensors
+    from glmc.runtime.worker.checkpoint import expected_tensors
     dtype, dname = (torch.float32, "float32") if narrow else (torch.bfloat16, "bfloat16")
     d.mkdir(parents=True, exist_ok=True)
     if (d / "written.json").exists():  # a warm machine's earlier call wrote it
@@ -142,14 +142,14 @@ def stop_server(proc: subprocess.Popen) -> int | None:
 def serve_cpu(argv) -> None:
     """The dry run's server: `glmc run --device cuda`'s engine, with the GpuRunner on the host."""
     os.environ.setdefault("TRITON_INTERPRET", "1")
-    from glmc.runtime.build import cuda_plan_source
+    from glmc.runtime.engine.build import cuda_plan_source
     ap = argparse.ArgumentParser()
     for k in ("--weights", "--port", "--log-level", "--num-pages", "--max-context", "--max-running",
               "--max-batch-tokens"):
         ap.add_argument(k)
     a = ap.parse_args(argv)
-    import glmc.runtime.build as b
-    from glmc.runtime.server import serve
+    import glmc.runtime.engine.build as b
+    from glmc.runtime.serving.server import serve
     running = int(a.max_running)
     runner = b.cuda_plan_runner(cuda_plan_source(Path(a.weights), None, None, running),
                                 int(a.num_pages), int(a.max_context), running, device="cpu")
@@ -182,6 +182,7 @@ def run_bench(name, args, url, out, cpu, timeout) -> dict:
 def short_requests(url, n=5, max_tokens=6) -> dict:
     """n concurrent short streamed chats (decode batches 1..n: several graph buckets' padding)."""
     import asyncio
+
     import httpx
 
     async def one(client, i):

@@ -3,9 +3,9 @@
 `IMPLS[kind](op, args, rt)` as in torch_target, but values stay in the plan's compute dtype (bf16
 for real checkpoints, fp32 for fp32 ones) on the weights' device, and every op here is capture-safe:
 no host sync (.item(), .tolist(), int(tensor)), no allocation-size that depends on data, no host
-loop over requests. That lets `runtime/gpu_runner.py` capture a decode step as one CUDA graph.
+loop over requests. That lets `runtime/worker/cuda_executor.py` capture a decode step as one CUDA graph.
 
-`rt` is the runner's step state (`runtime.gpu_runner.GpuStep`); beyond torch_target's it provides
+`rt` is the runner's step state (`runtime.worker.cuda_executor.GpuStep`); beyond torch_target's it provides
 device tensors `rows` (req_to_token row per token), `pos` (position per token), `r2t` (the device
 req_to_token table), `loc` (KV slot per token), the static workspace width `max_len` (>= every
 seq_len), `last_rows` (prefill: each request's last token), `moe_tiles` (tile overrides) and
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
 from glmc.codegen import torch_ref as ref
 from glmc.codegen import torch_target
 from glmc.codegen import triton_moe as tm

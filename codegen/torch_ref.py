@@ -1,7 +1,7 @@
 """The `torch` codegen target: one pure, fp32-exact reference function per op of glm_moe_dsa.
 
 These are the numerics every other target is checked against (and, composed by
-`runtime/reference_model.py`, what is checked against Hugging Face). Clarity beats speed: attention
+`runtime/worker/reference_model.py`, what is checked against Hugging Face). Clarity beats speed: attention
 and the indexer loop over requests and gather each request's KV through `req_to_token`.
 
 Conventions: token-major tensors ([T, ...]); linear weights in HF layout [out, in] (y = x @ W.T);
@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
-from glmc.runtime.forward_batch import ForwardBatch
-from glmc.runtime.kv_cache import KVPool
+from glmc.runtime.worker.forward_batch import ForwardBatch
+from glmc.runtime.worker.kv_cache import KVPool
 
 
 def rms_norm(x, weight, eps):

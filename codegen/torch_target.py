@@ -1,14 +1,13 @@
 """The torch target: one implementation per IR op kind, built on `torch_ref`.
 
 `IMPLS[kind](op, args, rt) -> tensor | tuple` where `args` are the operand values and `rt` the
-executor's step state (`runtime.executor.Step`: weights, KV pool, batch, comm, rank coordinates).
+executor's step state (`runtime.worker.executor.Step`: weights, KV pool, batch, comm, rank coordinates).
 Values are fp32 tensors on CPU; a KV-write result is its layer number (the cache itself lives in
-the pool). Collectives count their traffic with the cost model's sizes (see runtime/comm.py).
+the pool). Collectives count their traffic with the cost model's sizes (see runtime/worker/comm.py).
 """
 from __future__ import annotations
 
 import torch
-
 from glmc.codegen import torch_ref as ref
 from glmc.ir.types import DTYPE_BYTES
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-
 from glmc.codegen.triton_render import _DOT, _warps, next_pow2
+
 
 # ----------------------------------------------------------------------------- contexts
 @dataclass(frozen=True)

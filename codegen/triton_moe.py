@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-
 from glmc.codegen.triton_target import _DOT, kernel_for, next_pow2
 
 

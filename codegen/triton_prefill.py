@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-
 from glmc.codegen.triton_target import _DOT, kernel_for, next_pow2
 
 LOG2E = 1.4426950408889634

@@ -14,11 +14,29 @@ a kernel's natural interface differs (slots instead of positions, split-K partia
 from __future__ import annotations
 
 import torch
-
 from glmc.codegen.triton_contexts import (  # noqa: F401  (re-exported)
-    RmsNormCtx, MoeRouterCtx, RopeCtx, QkvNormRopeWriteCtx, IndexerScoresCtx, TopkSelectCtx, SparseMlaDecodeCtx, MlaCombineCtx, SampleCtx)
+    IndexerScoresCtx,
+    MlaCombineCtx,
+    MoeRouterCtx,
+    QkvNormRopeWriteCtx,
+    RmsNormCtx,
+    RopeCtx,
+    SampleCtx,
+    SparseMlaDecodeCtx,
+    TopkSelectCtx,
+)
 from glmc.codegen.triton_render import (  # noqa: F401  (re-exported)
-    _DOT, TEMPLATE_DIR, _num_sms, _warps, kernel_for, load_kernel, next_pow2, render, write_kernels)
+    _DOT,
+    TEMPLATE_DIR,
+    _num_sms,
+    _warps,
+    kernel_for,
+    load_kernel,
+    next_pow2,
+    render,
+    write_kernels,
+)
+
 
 # ----------------------------------------------------------------------------- launch wrappers
 def _rows(x: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,7 @@
 
 Requests get fixed KV rows (row r owns pages r*pages_per_request+1 ...); the pool's last page is
 the executor's scratch page. Under a multi-rank spec, call `load` in every rank's process (see
-`glmc.runtime.launch.spawn`); `dp_tokens` then lists every DP rank's token count.
+`glmc.runtime.worker.launch.spawn`); `dp_tokens` then lists every DP rank's token count.
 """
 from __future__ import annotations
 
@@ -17,13 +17,13 @@ from dataclasses import dataclass, field
 import torch
 
 from glmc.compiler import compile_plan
+from glmc.config import Options
 from glmc.parallel import parse_parallel
-from glmc.passes import Options
-from glmc.runtime.comm import Comm
-from glmc.runtime.executor import PlanExecutor
-from glmc.runtime.forward_batch import ForwardBatch
-from glmc.runtime.kv_cache import PAGE_SIZE, KVPool
-from glmc.runtime.plan_weights import load_rank_weights
+from glmc.runtime.worker.comm import Comm
+from glmc.runtime.worker.executor import PlanExecutor
+from glmc.runtime.worker.forward_batch import ForwardBatch
+from glmc.runtime.worker.kv_cache import PAGE_SIZE, KVPool
+from glmc.runtime.worker.shards import load_rank_weights
 from glmc.spec import load_spec
 
 

@@ -21,9 +21,10 @@ def _model_path(arg: str | None) -> str:
 
 def cmd_compile(a) -> int:
     from glmc.compiler import compile_plan, plan_json, write_plan
+    from glmc.config import Options
     from glmc.explain import explain_plan
     from glmc.parallel import parse_parallel
-    from glmc.passes import PASS_NAMES, Options
+    from glmc.passes import PASS_NAMES
     from glmc.report import render
     from glmc.spec import load_spec
     spec = load_spec(_model_path(a.model))
@@ -65,11 +66,15 @@ def cmd_export_onnx(a) -> int:
 
 def cmd_run(a) -> int:
     """Serve a model over the OpenAI API: the tiny default, a checkpoint, or a compiled plan."""
-    from glmc.runtime.build import TINY_NAME, default_cache_dir, make_tiny_checkpoint
-    from glmc.runtime.dist_engine import ServeConfig, serve_model
-    from glmc.runtime.launch import RankFailed
+    from glmc.runtime.engine.build import (
+        TINY_NAME,
+        default_cache_dir,
+        make_tiny_checkpoint,
+    )
+    from glmc.runtime.engine.distributed import ServeConfig, serve_model
+    from glmc.runtime.worker.launch import RankFailed
     if a.device == "cuda":  # before anything slow: one GPU, tp1, and a GPU torch can see
-        from glmc.runtime.build import require_cuda, require_tp1
+        from glmc.runtime.engine.build import require_cuda, require_tp1
         require_tp1(a.parallel)
         require_cuda()
     if a.weights:
@@ -82,8 +87,8 @@ def cmd_run(a) -> int:
                          max_waiting=a.max_waiting, enable_prefix_cache=not a.no_prefix_cache)
     name = a.served_model_name or (ckpt.name if a.weights else TINY_NAME)
     if a.device == "cuda":
-        from glmc.runtime.build import build_engine
-        from glmc.runtime.server import serve
+        from glmc.runtime.engine.build import build_engine
+        from glmc.runtime.serving.server import serve
         engine = build_engine(ckpt, a.plan, a.parallel, device="cuda", num_pages=a.num_pages,
                               max_context=a.max_context, warmup=not a.no_warmup, **engine_kwargs)
         serve(engine, name, a.host, a.port, a.log_level)

@@ -15,9 +15,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from glmc import __version__
+from glmc.config import Options
 from glmc.ir import Graph, IRError, parse, print_graph, verify
 from glmc.parallel import Parallel
-from glmc.passes import PHASES, PIPELINE, Options, PassContext, PassError
+from glmc.passes import PHASES, PIPELINE, PassContext, PassError
 from glmc.spec import ModelSpec
 
 

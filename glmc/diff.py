@@ -21,8 +21,8 @@ def _graphs(arg: str, model: str | None, phase: str) -> tuple[str, Graph]:
         return arg, graphs[phase]
     from glmc.cli import _model_path
     from glmc.compiler import compile_phase
+    from glmc.config import Options
     from glmc.parallel import parse_parallel
-    from glmc.passes import Options
     from glmc.spec import load_spec
     if Path(arg).exists():
         raise ValueError(f"{arg}: not a plan directory (no plan.json)")

@@ -13,13 +13,13 @@ outside the decoder layers). Byte conventions are those of `glmc.passes.costs`.
 from __future__ import annotations
 
 from glmc.compiler import compile_phase, load_plan_graphs
+from glmc.config import DTypes, Options
+from glmc.ir.types import DTYPE_BYTES
 from glmc.parallel import parse_parallel
-from glmc.passes import Options
 from glmc.passes.costs import params_of
 from glmc.passes.estimate_cost import bill
 from glmc.passes.rewrite import FUSIONS
-from glmc.ir.types import DTYPE_BYTES
-from glmc.spec import DTypes, ModelSpec
+from glmc.spec import ModelSpec
 
 H200_HBM_BYTES = 141 * 10**9
 MEM_FRACTION = 0.9

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from .spec import GlmConfig
+from .config import GlmConfig
 
 _SPEC = re.compile(r"^(?:dp(?P<dp>\d+))?(?:tp(?P<tp>\d+))?(?:ep(?P<ep>\d+))?$")
 

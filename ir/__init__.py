@@ -1,7 +1,7 @@
 """glmc IR: typed ops with symbolic dims and placements, a graph, its text form and verifier."""
 from . import dialect, fused_and_comm  # noqa: F401  (registers the op kinds)
 from .graph import Graph
-from .ops import IRError, Op, REGISTRY
+from .ops import REGISTRY, IRError, Op
 from .text import parse, print_graph
 from .types import Dim, Placement, TensorType
 from .verify import verify

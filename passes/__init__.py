@@ -1,16 +1,16 @@
 """Compiler passes, in pipeline order. Each module holds one pass and its contract."""
-from .base import Options, Pass, PassContext, PassError, PHASES
-from .bucket_graphs import BucketCudaGraphs
+from .base import PHASES, Options, Pass, PassContext, PassError
+from .bucket_cuda_graphs import BucketCudaGraphs
 from .estimate_cost import EstimateCost
 from .expand_layers import ExpandLayers
-from .fuse_norms import FuseAddNorm
-from .fuse_qkv_rope import FuseQKVNormRope
+from .fuse_add_norm import FuseAddNorm
+from .fuse_qkv_norm_rope import FuseQKVNormRope
 from .infer_shapes import InferShapes
 from .insert_collectives import InsertCollectives
 from .lower_moe import LowerMoE
 from .plan_memory import PlanMemory
 from .propagate_sharding import PropagateSharding
-from .select_backend import SelectAttentionBackend
+from .select_attention_backend import SelectAttentionBackend
 from .select_mla_form import SelectMLAForm
 from .share_indexer import ShareIndexer
 

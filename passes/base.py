@@ -9,23 +9,13 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 from glmc.ir import Graph
+
+from glmc.config import Options
 from glmc.parallel import Parallel
 from glmc.spec import ModelSpec
 
 PHASES = ("prefill", "decode", "mtp_draft", "mtp_verify")
 DEVICES = ("cpu", "cuda")
-
-
-@dataclass(frozen=True)
-class Options:
-    """User choices that passes honour: `moe_a2a` True/False forces a MoE lowering (None: cost)."""
-    moe_a2a: bool | None = None
-    topk_broadcast: bool = False
-    device: str = "cuda"
-    mtp_draft_tokens: int = 6
-    decode_batch: int = 32
-    max_batch: int = 128
-    chunked_prefill: int = 8192
 
 
 @dataclass(frozen=True)

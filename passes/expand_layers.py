@@ -11,6 +11,7 @@ shared indexer):
 from __future__ import annotations
 
 from glmc.ir import Graph, Op
+
 from glmc.spec import Statement
 
 from .base import Pass, PassContext, PassError

@@ -8,6 +8,7 @@ on dim d. P_ATT / P_MOE: partial sums of row-parallel attention / expert outputs
 from __future__ import annotations
 
 from glmc.ir import Placement
+
 from glmc.parallel import Parallel
 
 

@@ -1,11 +1,12 @@
 """Helpers for compiler tests: compile packaged models by name, print IR."""
 from functools import lru_cache
 
+from glmc.ir import print_graph
+
 from glmc.cli import _model_path
 from glmc.compiler import compile_phase, compile_plan
-from glmc.ir import print_graph
+from glmc.config import Options
 from glmc.parallel import parse_parallel
-from glmc.passes import Options
 from glmc.spec import load_spec
 
 TINY, FULL = "glm_moe_dsa_tiny", "glm_moe_dsa"

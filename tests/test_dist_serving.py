@@ -9,14 +9,18 @@ import httpx
 import openai
 import pytest
 import torch
+from glmc.runtime.engine.build import (
+    TINY_NAME,
+    build_engine,
+    make_tiny_checkpoint,
+    plan_runner,
+    plan_source,
+)
+from glmc.runtime.engine.engine import Engine
+from glmc.runtime.engine.sampling import SamplingParams
+from glmc.runtime.engine.tokenizer import Tokenizer
+from glmc.runtime.worker.model_runner import ModelRunner
 from test_run_cli import GlmcRun
-
-from glmc.runtime.build import (TINY_NAME, build_engine, make_tiny_checkpoint, plan_runner,
-                                plan_source)
-from glmc.runtime.engine import Engine
-from glmc.runtime.model_runner import ModelRunner
-from glmc.runtime.sampling import SamplingParams
-from glmc.runtime.tokenizer import Tokenizer
 
 MAX_TOKENS = 8
 QUESTIONS = ["What is 2+2?", "Name a colour.", "Tell me a joke about compilers.", "Hello!",

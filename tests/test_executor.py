@@ -59,9 +59,13 @@ def mtp_ckpt(tmp_path_factory):
 
 def test_mtp_draft_phase_matches_direct_composition(mtp_ckpt):
     """eh_proj over [enorm(embed(next)), hnorm(h)] -> one decoder block -> shared head, as planned."""
-    from glmc.runtime.forward_batch import ForwardBatch
-    from glmc.runtime.reference_model import ReferenceModel
-    from glmc.runtime.weights import detect_mtp, expected_tensors, load_checkpoint
+    from glmc.runtime.worker.checkpoint import (
+        detect_mtp,
+        expected_tensors,
+        load_checkpoint,
+    )
+    from glmc.runtime.worker.forward_batch import ForwardBatch
+    from glmc.runtime.worker.reference_model import ReferenceModel
     m = build(mtp_ckpt)
     ex, spec, r2t = m.executor, m.spec, m.req_to_token
     assert "mtp_draft" in ex.graphs
@@ -80,7 +84,7 @@ def test_mtp_draft_phase_matches_direct_composition(mtp_ckpt):
 
 
 def _fresh_pool(spec):
-    from glmc.runtime.kv_cache import KVPool
+    from glmc.runtime.worker.kv_cache import KVPool
     c = spec.config
     full = {i for i, t in enumerate(c.layer_indexer_types()) if t == "full"}
     return KVPool(c.num_hidden_layers + 1, full | {c.num_hidden_layers}, 64, c.kv_lora_rank,
@@ -90,7 +94,7 @@ def _fresh_pool(spec):
 def test_chunked_prefill_and_prefix_hit_equal_one_prefill(tmp_path):
     """Through the plan: a prompt in 3 chunks, and a second request reusing the first's prefix
     KV, give one prefill's logits (16 indexer heads: no exact top-k ties, see tiny_hf)."""
-    from glmc.runtime.forward_batch import ForwardBatch
+    from glmc.runtime.worker.forward_batch import ForwardBatch
     save_tiny(tmp_path, "grouped", seed=11, index_n_heads=16)
     m = build(tmp_path)
     (p,) = _prompts(m.spec.config.vocab_size, [40], seed=5)

@@ -4,8 +4,8 @@ import difflib
 from pathlib import Path
 
 import pytest
-
 from glmc.ir import print_graph
+
 from tests.compile_util import FULL, TINY, graph
 
 GOLDEN = Path(__file__).parent / "golden"

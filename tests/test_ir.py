@@ -1,8 +1,8 @@
 """IR: dims, text round-trip, parser errors, verifier."""
 import pytest
-
 from glmc.ir import Graph, IRError, Op, parse, print_graph, verify
 from glmc.ir.types import Dim, Placement, TensorType, parse_dim
+
 from tests.compile_util import FULL, TINY, graph
 
 

@@ -1,8 +1,13 @@
 """Page allocator and req_to_token rows: pure bookkeeping, checked directly."""
 import pytest
 import torch
-
-from glmc.runtime.pages import PAGE_SIZE, PageAllocator, ReqToTokenPool, num_pages_for, slots_for
+from glmc.runtime.engine.pages import (
+    PAGE_SIZE,
+    PageAllocator,
+    ReqToTokenPool,
+    num_pages_for,
+    slots_for,
+)
 
 
 def test_page_math():

@@ -2,10 +2,10 @@
 collectives executed equal `glmc explain`'s bill."""
 import pytest
 import torch
+from glmc.passes.estimate_cost import bill
+from glmc.runtime.worker.launch import RankFailed, spawn
 from tiny_hf import save_tiny
 
-from glmc.passes.estimate_cost import bill
-from glmc.runtime.launch import RankFailed, spawn
 from tests.plan_run import build, greedy, rank_worker
 
 STEPS = 6

@@ -2,11 +2,12 @@
 import re
 
 import pytest
+from glmc.ir import Graph, print_graph
+from glmc.passes import PIPELINE, PassContext
 
 from glmc.compiler import CompileError
-from glmc.ir import Graph, print_graph
+from glmc.config import Options
 from glmc.parallel import parse_parallel
-from glmc.passes import PIPELINE, Options, PassContext
 from tests.compile_util import FULL, TINY, graph, ir, spec
 
 

@@ -2,9 +2,8 @@
 import random
 
 import pytest
-
-from glmc.runtime.pages import PageAllocator
-from glmc.runtime.prefix_cache import NoPrefixCache, RadixCache
+from glmc.runtime.engine.pages import PageAllocator
+from glmc.runtime.engine.prefix_cache import NoPrefixCache, RadixCache
 
 PS = 4
 

@@ -1,13 +1,26 @@
 """ReferenceModel over the paged pool vs HF GlmMoeDsaForCausalLM (fp32 logits, DSA active)."""
 import pytest
 import torch
-from tiny_hf import checkpoint_names, make_config, randomize_, save_tiny, shrink_latents_
+from glmc.runtime.worker.checkpoint import (
+    expected_tensors,
+    load_checkpoint,
+    resolve_config,
+)
+from glmc.runtime.worker.forward_batch import ForwardBatch
+from glmc.runtime.worker.kv_cache import PAGE_SIZE, KVPool
+from glmc.runtime.worker.reference_model import (
+    HF_INDEXER_NORM_EPS,
+    HF_LATENT_NORM_EPS,
+    ReferenceModel,
+)
+from tiny_hf import (
+    checkpoint_names,
+    make_config,
+    randomize_,
+    save_tiny,
+    shrink_latents_,
+)
 from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as hf
-
-from glmc.runtime.forward_batch import ForwardBatch
-from glmc.runtime.kv_cache import PAGE_SIZE, KVPool
-from glmc.runtime.reference_model import HF_INDEXER_NORM_EPS, HF_LATENT_NORM_EPS, ReferenceModel
-from glmc.runtime.weights import expected_tensors, load_checkpoint, resolve_config
 
 ATOL = 1e-4
 # "fsfs": FSSF pattern string, 2 groups / top-1 group routing with norm_topk_prob off, and latents

@@ -13,10 +13,10 @@ from pathlib import Path
 import openai
 import pytest
 import torch
+from glmc.runtime.engine.build import TINY_NAME, build_engine, make_tiny_checkpoint
+from glmc.runtime.engine.sampling import SamplingParams
 
 from glmc.cli import main as glmc
-from glmc.runtime.build import TINY_NAME, build_engine, make_tiny_checkpoint
-from glmc.runtime.sampling import SamplingParams
 
 START_TIMEOUT_S = 120
 GREEDY = dict(temperature=0, max_tokens=8, extra_body={"ignore_eos": True})

@@ -4,10 +4,15 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from glmc.runtime.sampling import (SamplingError, SamplingParams, apply_penalties, filter_logits,
-                                   make_generator, sample_row)
-from glmc.runtime.tokenizer import Detokenizer, Tokenizer
+from glmc.runtime.engine.sampling import (
+    SamplingError,
+    SamplingParams,
+    apply_penalties,
+    filter_logits,
+    make_generator,
+    sample_row,
+)
+from glmc.runtime.engine.tokenizer import Detokenizer, Tokenizer
 
 TINY = Path(__file__).resolve().parent.parent / "models" / "tiny"
 

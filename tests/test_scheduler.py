@@ -5,18 +5,22 @@ import json
 
 import pytest
 import torch
-
-from glmc.runtime.build import build_engine
-from glmc.runtime.forward_batch import ForwardBatch
-from glmc.runtime.kv_cache import KVPool
-from glmc.runtime.model_runner import PlanRunner, ReferenceRunner
-from glmc.runtime.pages import PageAllocator, ReqToTokenPool, slots_for
-from glmc.runtime.prefix_cache import NoPrefixCache, RadixCache
-from glmc.runtime.reference_model import ReferenceModel
-from glmc.runtime.request import Request, Status
-from glmc.runtime.sampling import SamplingParams
-from glmc.runtime.scheduler import Scheduler
-from glmc.runtime.weights import detect_mtp, expected_tensors, load_checkpoint, resolve_config
+from glmc.runtime.engine.build import build_engine
+from glmc.runtime.engine.pages import PageAllocator, ReqToTokenPool, slots_for
+from glmc.runtime.engine.prefix_cache import NoPrefixCache, RadixCache
+from glmc.runtime.engine.request import Request, Status
+from glmc.runtime.engine.sampling import SamplingParams
+from glmc.runtime.engine.scheduler import Scheduler
+from glmc.runtime.worker.checkpoint import (
+    detect_mtp,
+    expected_tensors,
+    load_checkpoint,
+    resolve_config,
+)
+from glmc.runtime.worker.forward_batch import ForwardBatch
+from glmc.runtime.worker.kv_cache import KVPool
+from glmc.runtime.worker.model_runner import PlanRunner, ReferenceRunner
+from glmc.runtime.worker.reference_model import ReferenceModel
 
 # -- the policy, with a fake model ----------------------------------------------------------------
 

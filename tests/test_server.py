@@ -10,10 +10,9 @@ import httpx
 import openai
 import pytest
 import uvicorn
-
-from glmc.runtime.build import build_engine
-from glmc.runtime.sampling import SamplingParams
-from glmc.runtime.server import create_app
+from glmc.runtime.engine.build import build_engine
+from glmc.runtime.engine.sampling import SamplingParams
+from glmc.runtime.serving.server import create_app
 
 MODEL = "glmc-tiny"
 SYSTEM = "You are a helpful assistant. " * 12  # > 64 tokens: a shared, cacheable prefix

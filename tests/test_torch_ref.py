@@ -1,13 +1,12 @@
 """torch_ref ops against the HF modules they mirror (GlmMoeDsa*), and against each other."""
 import torch
 import torch.nn.functional as F
+from glmc.codegen import torch_ref as ref
+from glmc.runtime.worker.forward_batch import ForwardBatch
+from glmc.runtime.worker.kv_cache import PAGE_SIZE, KVPool
 from tiny_hf import make_config, randomize_
 from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as hf
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
-from glmc.codegen import torch_ref as ref
-from glmc.runtime.forward_batch import ForwardBatch
-from glmc.runtime.kv_cache import PAGE_SIZE, KVPool
 
 G = torch.Generator().manual_seed(1234)
 

@@ -11,12 +11,11 @@ os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: CI has no GPU
 
 import pytest
 import torch
-
+from filecheck import check
 from glmc.codegen import torch_ref as ref
 from glmc.codegen import triton_target as tt
-from glmc.runtime.forward_batch import ForwardBatch
-from glmc.runtime.kv_cache import KVPool
-from filecheck import check
+from glmc.runtime.worker.forward_batch import ForwardBatch
+from glmc.runtime.worker.kv_cache import KVPool
 
 R, DR, DI, HI = 32, 8, 16, 4  # kv_lora, rope dim, indexer head dim, indexer heads (tiny GLM)
 _EMPTY = torch.empty

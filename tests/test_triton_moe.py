@@ -10,7 +10,6 @@ os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: CI has no GPU
 
 import pytest
 import torch
-
 from glmc.codegen import torch_ref as ref
 from glmc.codegen import triton_moe as tm
 

@@ -8,13 +8,12 @@ allocated NaN-poisoned, so a (token, head) the kernel forgot to write fails the 
 """
 import pytest
 import torch
-
+from filecheck import check
 from glmc.codegen import torch_ref as ref
 from glmc.codegen import triton_prefill as tp
 from glmc.codegen.triton_target import render
-from glmc.runtime.forward_batch import ForwardBatch
-from glmc.runtime.kv_cache import KVPool
-from filecheck import check
+from glmc.runtime.worker.forward_batch import ForwardBatch
+from glmc.runtime.worker.kv_cache import KVPool
 
 H, DN, DR, DV, R, DI = 4, 16, 8, 16, 32, 16  # heads, nope, rope, v, kv_lora, indexer head dim
 _EMPTY = torch.empty

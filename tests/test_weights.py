@@ -3,11 +3,16 @@ import json
 
 import pytest
 import torch
+from glmc.codegen.torch_ref import fp8_block_dequant
+from glmc.runtime.worker.checkpoint import (
+    WeightError,
+    detect_mtp,
+    expected_tensors,
+    load_checkpoint,
+    resolve_config,
+)
 from safetensors.torch import save_file
 from tiny_hf import fp8_quantize, make_config, save_tiny
-
-from glmc.codegen.torch_ref import fp8_block_dequant
-from glmc.runtime.weights import WeightError, detect_mtp, expected_tensors, load_checkpoint, resolve_config
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ Tests may instead call `step()`/`generate()` directly with no thread.
 With attention data parallelism (`runner.num_dp` > 1) every DP rank has its own pages,
 req_to_token rows, prefix cache and `Scheduler`; a new request goes to the least loaded rank, and
 each step runs every rank's batch at once (`ModelRunner.forward_dp`; idle ranks step too).
-Builders live in `runtime/build.py`, runners in `runtime/model_runner.py`.
+Builders live in `runtime/engine/build.py`, runners in `runtime/worker/model_runner.py`.
 """
 from __future__ import annotations
 
@@ -20,16 +20,24 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-
-from glmc.runtime.forward_batch import ForwardBatch
-from glmc.runtime.metrics import Metrics
-from glmc.runtime.model_runner import ModelRunner
-from glmc.runtime.pages import PAGE_SIZE, PageAllocator, ReqToTokenPool
-from glmc.runtime.prefix_cache import NoPrefixCache, RadixCache
-from glmc.runtime.request import Request
-from glmc.runtime.sampling import SamplingParams, TokenLogprobs, make_generator, sample_row
-from glmc.runtime.scheduler import DataParallelScheduler, ScheduledBatch, Scheduler
-from glmc.runtime.tokenizer import Detokenizer, Tokenizer
+from glmc.runtime.engine.metrics import Metrics
+from glmc.runtime.engine.pages import PAGE_SIZE, PageAllocator, ReqToTokenPool
+from glmc.runtime.engine.prefix_cache import NoPrefixCache, RadixCache
+from glmc.runtime.engine.request import Request
+from glmc.runtime.engine.sampling import (
+    SamplingParams,
+    TokenLogprobs,
+    make_generator,
+    sample_row,
+)
+from glmc.runtime.engine.scheduler import (
+    DataParallelScheduler,
+    ScheduledBatch,
+    Scheduler,
+)
+from glmc.runtime.engine.tokenizer import Detokenizer, Tokenizer
+from glmc.runtime.worker.forward_batch import ForwardBatch
+from glmc.runtime.worker.model_runner import ModelRunner
 
 __all__ = ["Engine", "InvalidRequest", "ModelRunner", "Overloaded", "StreamEvent"]
 

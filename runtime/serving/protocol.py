@@ -11,10 +11,9 @@ import json
 import time
 
 from fastapi.responses import JSONResponse
+from glmc.runtime.engine.sampling import SamplingParams
+from glmc.runtime.engine.tokenizer import TemplateError, Tokenizer
 from pydantic import BaseModel, ConfigDict
-
-from glmc.runtime.sampling import SamplingParams
-from glmc.runtime.tokenizer import TemplateError, Tokenizer
 
 
 class APIError(Exception):

@@ -11,7 +11,7 @@ import heapq
 import itertools
 from abc import ABC, abstractmethod
 
-from glmc.runtime.pages import PageAllocator
+from glmc.runtime.engine.pages import PageAllocator
 
 
 class PrefixCache(ABC):

@@ -13,7 +13,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-from glmc.runtime.sampling import SamplingParams, TokenLogprobs
+from glmc.runtime.engine.sampling import SamplingParams, TokenLogprobs
 
 _ids = itertools.count()
 

@@ -15,9 +15,14 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from glmc.runtime.pages import PageAllocator, ReqToTokenPool, num_pages_for, slots_for
-from glmc.runtime.prefix_cache import PrefixCache
-from glmc.runtime.request import Request, Status
+from glmc.runtime.engine.pages import (
+    PageAllocator,
+    ReqToTokenPool,
+    num_pages_for,
+    slots_for,
+)
+from glmc.runtime.engine.prefix_cache import PrefixCache
+from glmc.runtime.engine.request import Request, Status
 
 
 @dataclass

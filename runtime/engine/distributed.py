@@ -1,7 +1,7 @@
 """Serving a compiled plan over several ranks: one process per rank, rank 0 in charge.
 
 `serve_model(cfg)` serves in this process when the plan has one rank, else starts one process per
-rank (`runtime/launch.py`, gloo on CPU, NCCL on GPU). Rank 0 hosts the HTTP server, tokenizer and
+rank (`runtime/worker/launch.py`, gloo on CPU, NCCL on GPU). Rank 0 hosts the HTTP server, tokenizer and
 scheduler; its runner, `DistRunner`, sends every step's batches to all ranks over a gloo control
 group (`broadcast_object_list`), runs its own share, and collects the logits of the other
 attention-DP ranks (`gather_object`). The other ranks loop in `follow()`: receive, run, send logits.
@@ -27,12 +27,11 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-
-from glmc.runtime.forward_batch import ForwardBatch
-from glmc.runtime.model_runner import ModelRunner, PlanRunner
+from glmc.runtime.worker.forward_batch import ForwardBatch
+from glmc.runtime.worker.model_runner import ModelRunner, PlanRunner
 
 # The control group waits as long as the server is idle; a rank that dies is noticed by the
-# launcher (runtime/launch.py), which stops the others.
+# launcher (runtime/worker/launch.py), which stops the others.
 CONTROL_TIMEOUT = datetime.timedelta(days=365)
 
 
@@ -135,9 +134,9 @@ def groups_used(graphs: dict) -> set:
 def serve_model(cfg: ServeConfig) -> None:
     """Serve in the foreground until SIGINT/SIGTERM: in this process for a one-rank plan, else one
     process per rank (then a failing rank raises `launch.RankFailed`)."""
-    from glmc.runtime.build import build_engine
-    from glmc.runtime.launch import spawn
-    from glmc.runtime.server import serve
+    from glmc.runtime.engine.build import build_engine
+    from glmc.runtime.serving.server import serve
+    from glmc.runtime.worker.launch import spawn
 
     world = _world(cfg)
     if world == 1:
@@ -179,11 +178,11 @@ def _rank_main(rank: int, world: int, cfg: ServeConfig) -> None:
         for s in (signal.SIGINT, signal.SIGTERM):
             signal.signal(s, signal.SIG_IGN)
         os.environ["TQDM_DISABLE"] = "1"  # rank 0 shows the progress; tqdm reads it on import
-    from glmc.runtime.build import plan_runner, plan_source, warm_up
-    from glmc.runtime.comm import Comm
-    from glmc.runtime.engine import Engine
-    from glmc.runtime.server import serve
-    from glmc.runtime.tokenizer import Tokenizer
+    from glmc.runtime.engine.build import plan_runner, plan_source, warm_up
+    from glmc.runtime.engine.engine import Engine
+    from glmc.runtime.engine.tokenizer import Tokenizer
+    from glmc.runtime.serving.server import serve
+    from glmc.runtime.worker.comm import Comm
 
     src = plan_source(cfg.ckpt_dir, cfg.plan_dir, cfg.parallel)
     comm = Comm(next(iter(src.graphs.values())).meta["mesh"], groups_used(src.graphs))

@@ -17,12 +17,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-
 from glmc.codegen.torch_target import IMPLS
 from glmc.ir import Graph
-from glmc.runtime.comm import Comm
-from glmc.runtime.forward_batch import ForwardBatch
-from glmc.runtime.kv_cache import KVPool
+from glmc.runtime.worker.comm import Comm
+from glmc.runtime.worker.forward_batch import ForwardBatch
+from glmc.runtime.worker.kv_cache import KVPool
 
 
 @dataclass

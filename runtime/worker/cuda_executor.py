@@ -20,11 +20,10 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-
 from glmc.codegen.cuda_target import IMPLS as CUDA_IMPLS
-from glmc.runtime.executor import PlanExecutor, Step
-from glmc.runtime.forward_batch import ForwardBatch
-from glmc.runtime.kv_cache import KVPool
+from glmc.runtime.worker.executor import PlanExecutor, Step
+from glmc.runtime.worker.forward_batch import ForwardBatch
+from glmc.runtime.worker.kv_cache import KVPool
 
 FP32_WEIGHTS = ("mlp.gate.weight", "e_score_correction_bias")  # the router stays fp32 (HF, SGLang)
 
@@ -172,11 +171,12 @@ def to_device_weights(weights: dict, device, dtype) -> dict:
 def build_runner(ckpt_dir, device="cuda", dtype=None, max_reqs=8, max_context=1024, num_pages=None):
     """(GpuRunner, spec) for the tp1 plan of a HF checkpoint directory (weights in `dtype`: default
     fp32 for an fp32 checkpoint, bf16 otherwise; the KV pool in the same dtype)."""
+    from glmc.runtime.worker.comm import Coords
+    from glmc.runtime.worker.shards import load_rank_weights
+
     from glmc.compiler import compile_plan
+    from glmc.config import Options
     from glmc.parallel import parse_parallel
-    from glmc.passes import Options
-    from glmc.runtime.comm import Coords
-    from glmc.runtime.plan_weights import load_rank_weights
     from glmc.spec import load_spec
 
     spec = load_spec(ckpt_dir)
@@ -192,7 +192,7 @@ def build_runner(ckpt_dir, device="cuda", dtype=None, max_reqs=8, max_context=10
 
 def make_pool(c, device, dtype, max_reqs, max_context, num_pages=None) -> KVPool:
     """A KV pool with room for max_reqs requests of max_context tokens, plus page 0 and a scratch page."""
-    from glmc.runtime.kv_cache import PAGE_SIZE
+    from glmc.runtime.worker.kv_cache import PAGE_SIZE
     layers = c.num_hidden_layers + c.num_nextn_predict_layers
     full = {i for i, t in enumerate(c.layer_indexer_types()) if t == "full"}
     full |= set(range(c.num_hidden_layers, layers))

@@ -16,17 +16,22 @@ import shutil
 import sys
 import time
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 
 import torch
+from glmc.runtime.engine.engine import Engine
+from glmc.runtime.engine.sampling import SamplingParams
+from glmc.runtime.engine.tokenizer import Tokenizer
+from glmc.runtime.worker.model_runner import (
+    DevicePlanRunner,
+    PlanRunner,
+    ReferenceRunner,
+    context_limit,
+)
 from tqdm import tqdm as _tqdm
 
-from glmc.runtime.engine import Engine
-from glmc.runtime.model_runner import DevicePlanRunner, PlanRunner, ReferenceRunner, context_limit
-from glmc.runtime.sampling import SamplingParams
-from glmc.runtime.tokenizer import Tokenizer
-
-TINY_DIR = Path(__file__).resolve().parent.parent / "models" / "tiny"
+TINY_DIR = Path(str(resources.files("glmc.models") / "tiny"))
 TINY_FILES = ("tokenizer.json", "tokenizer_config.json")
 TINY_SPEC = "glm_moe_dsa_tiny"        # the model: models/glm_moe_dsa_tiny.yaml, as the compiler sees it
 TINY_SPECIAL = {"bos_token_id": 2, "pad_token_id": 0}   # ids in models/tiny/tokenizer.json
@@ -65,9 +70,8 @@ def make_tiny_checkpoint(ckpt_dir: str | Path) -> Path:
     """Write the tiny GLM (models/glm_moe_dsa_tiny.yaml, same architecture as GLM-5, MTP layer
     included) as an HF checkpoint with deterministic random weights, plus the tiny tokenizer.
     Reuses an up-to-date directory."""
+    from glmc.runtime.worker.checkpoint import expected_tensors
     from safetensors.torch import save_file
-
-    from glmc.runtime.weights import expected_tensors
 
     ckpt_dir = Path(ckpt_dir)
     ckpt_dir.mkdir(parents=True, exist_ok=True)
@@ -107,7 +111,11 @@ def _tiny_init(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch
 
 def load_weights(ckpt_dir: Path, config: dict) -> dict[str, torch.Tensor]:
     """Every tensor of the checkpoint (for the reference model, which is not sharded)."""
-    from glmc.runtime.weights import detect_mtp, expected_tensors, load_checkpoint
+    from glmc.runtime.worker.checkpoint import (
+        detect_mtp,
+        expected_tensors,
+        load_checkpoint,
+    )
 
     expected = expected_tensors(config, **detect_mtp(ckpt_dir))
     with tqdm(total=len(expected), desc="loading weights", unit="tensor") as bar:
@@ -123,7 +131,7 @@ class PlanSource:
 
     ckpt_dir: Path
     graphs: dict
-    config: object  # glmc.spec.GlmConfig
+    config: object  # glmc.config.GlmConfig
     parallel: str
     world: int
 
@@ -139,8 +147,8 @@ def plan_source(ckpt_dir: str | Path, plan_dir: str | Path | None = None,
     if plan_dir is not None:
         return _load_plan(ckpt_dir, Path(plan_dir), spec.config, parallel)
     from glmc.compiler import compile_phase, phases_of
+    from glmc.config import Options
     from glmc.parallel import parse_parallel
-    from glmc.passes import Options
 
     par = parse_parallel(parallel or "tp1", spec.config)
     graphs = {ph: compile_phase(spec, par, ph, Options(device="cpu"))
@@ -150,7 +158,7 @@ def plan_source(ckpt_dir: str | Path, plan_dir: str | Path | None = None,
 
 def _load_plan(ckpt_dir: Path, plan_dir: Path, config, parallel: str | None) -> PlanSource:
     from glmc.compiler import load_plan_graphs
-    from glmc.spec import GlmConfig
+    from glmc.config import GlmConfig
 
     meta, graphs = load_plan_graphs(plan_dir)
     planned = GlmConfig.model_validate(meta["config"])
@@ -170,8 +178,8 @@ def _load_plan(ckpt_dir: Path, plan_dir: Path, config, parallel: str | None) -> 
 def plan_runner(src: PlanSource, num_pages: int, max_context: int | None = None,
                 comm=None) -> PlanRunner:
     """This rank's `PlanRunner`: its shard of the weights (read by the plan's ops) and KV pool."""
-    from glmc.runtime.comm import Coords
-    from glmc.runtime.plan_weights import load_rank_weights
+    from glmc.runtime.worker.comm import Coords
+    from glmc.runtime.worker.shards import load_rank_weights
 
     coords = comm.coords if comm is not None else Coords(0, next(iter(src.graphs.values()))
                                                          .meta["mesh"])
@@ -190,7 +198,7 @@ def build_engine(ckpt_dir: str | Path, plan_dir: str | Path | None = None,
     in `plan_dir`, or the checkpoint's model compiled for `parallel` (default tp1);
     `runner="reference"` serves the fp32 reference model. `device="cuda"` serves a tp1 plan on
     one GPU (see `cuda_plan_runner`). Plans over several ranks need one process each:
-    `glmc.runtime.dist_engine.serve_parallel`."""
+    `glmc.runtime.engine.distributed.serve_parallel`."""
     ckpt_dir = Path(ckpt_dir)
     if device not in DEVICES:
         raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
@@ -209,7 +217,7 @@ def build_engine(ckpt_dir: str | Path, plan_dir: str | Path | None = None,
         src = plan_source(ckpt_dir, plan_dir, parallel)
         if src.world != 1:
             raise ValueError(f"{src.parallel} runs {src.world} ranks, one process each: serve it "
-                             "with `glmc run --parallel` (glmc.runtime.dist_engine)")
+                             "with `glmc run --parallel` (glmc.runtime.engine.distributed)")
         model = plan_runner(src, num_pages, max_context)
     else:
         raise ValueError(f"runner must be 'plan' or 'reference', got {runner!r}")
@@ -242,8 +250,8 @@ def cuda_plan_source(ckpt_dir: Path, plan_dir: str | Path | None, parallel: str 
     checkpoint's model compiled now (attention on the CUDA backends, CUDA-graph buckets up to
     `max_running`, the scheduler's largest decode batch)."""
     from glmc.compiler import compile_phase, phases_of
+    from glmc.config import Options
     from glmc.parallel import parse_parallel
-    from glmc.passes import Options
     from glmc.spec import load_spec
 
     require_tp1(parallel)
@@ -269,7 +277,12 @@ def cuda_plan_runner(src: PlanSource, num_pages: int, max_context: int | None, m
     pages plus the scratch page, one req_to_token row per running request plus the padding row,
     and (on a GPU) the decode graph captured for each bucket. `device="cpu"` runs the same code
     uncaptured (Triton under TRITON_INTERPRET=1): a dry run without a GPU."""
-    from glmc.runtime.gpu_runner import GpuRunner, make_pool, to_device_weights
+    from glmc.runtime.worker.cuda_executor import (
+        GpuRunner,
+        make_pool,
+        to_device_weights,
+    )
+
     from glmc.spec import load_spec
 
     c, t0 = src.config, time.perf_counter()
@@ -296,9 +309,13 @@ def cuda_plan_runner(src: PlanSource, num_pages: int, max_context: int | None, m
 def _rank_weights(src: PlanSource, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """`plan_weights.load_rank_weights` for one rank, read in `dtype`: an fp32 host copy of a bf16
     checkpoint would double its host memory and its copy to the device."""
-    from glmc.runtime.comm import Coords
-    from glmc.runtime.plan_weights import rank_shards
-    from glmc.runtime.weights import detect_mtp, expected_tensors, load_checkpoint
+    from glmc.runtime.worker.checkpoint import (
+        detect_mtp,
+        expected_tensors,
+        load_checkpoint,
+    )
+    from glmc.runtime.worker.comm import Coords
+    from glmc.runtime.worker.shards import rank_shards
 
     graphs = list(src.graphs.values())
     shards = rank_shards(graphs, Coords(0, graphs[0].meta["mesh"]))

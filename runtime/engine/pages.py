@@ -1,6 +1,6 @@
 """KV page bookkeeping: which pages are free, who holds them, and each request's token -> slot row.
 
-The device-side KV pool (`runtime/kv_cache.py`) owns the memory; this module only hands out page
+The device-side KV pool (`runtime/worker/kv_cache.py`) owns the memory; this module only hands out page
 numbers. A KV slot is `page * page_size + offset`. The main MLA cache and the DSA indexer cache are
 paged in lockstep (the same page number addresses both), so nothing here knows about the indexer.
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-PAGE_SIZE = 64  # must match runtime/kv_cache.py: PAGE_SIZE (FlashMLA's page size)
+PAGE_SIZE = 64  # must match runtime/worker/kv_cache.py: PAGE_SIZE (FlashMLA's page size)
 
 
 def num_pages_for(num_tokens: int, page_size: int = PAGE_SIZE) -> int:

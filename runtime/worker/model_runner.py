@@ -9,10 +9,10 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 import torch
-
-from glmc.runtime.forward_batch import ForwardBatch
-from glmc.runtime.kv_cache import PAGE_SIZE as POOL_PAGE_SIZE, KVPool
-from glmc.runtime.pages import PAGE_SIZE
+from glmc.runtime.engine.pages import PAGE_SIZE
+from glmc.runtime.worker.forward_batch import ForwardBatch
+from glmc.runtime.worker.kv_cache import PAGE_SIZE as POOL_PAGE_SIZE
+from glmc.runtime.worker.kv_cache import KVPool
 
 
 class ModelRunner(ABC):
@@ -62,8 +62,8 @@ class ReferenceRunner(ModelRunner):
 
     def __init__(self, config: dict, weights: dict[str, torch.Tensor], num_pages: int,
                  max_context: int | None = None):
-        from glmc.runtime.reference_model import ReferenceModel
-        from glmc.runtime.weights import resolve_config
+        from glmc.runtime.worker.checkpoint import resolve_config
+        from glmc.runtime.worker.reference_model import ReferenceModel
 
         check_page_size()
         c = resolve_config(config)
@@ -101,7 +101,7 @@ class PlanRunner(ModelRunner):
     def on_cpu(cls, graphs: dict, config, weights: dict[str, torch.Tensor], num_pages: int,
                max_context: int | None = None, comm=None) -> PlanRunner:
         """The torch target in fp32 over a pool of `num_pages` pages plus the scratch page."""
-        from glmc.runtime.executor import PlanExecutor
+        from glmc.runtime.worker.executor import PlanExecutor
 
         return cls(PlanExecutor(graphs, config, weights, plan_pool(graphs, config, num_pages + 1),
                                 comm), max_context)

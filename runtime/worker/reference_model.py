@@ -18,11 +18,10 @@ HF quirks reproduced on purpose (transformers 5.24):
 from __future__ import annotations
 
 import torch
-
 from glmc.codegen import torch_ref as ref
-from glmc.runtime.forward_batch import ForwardBatch
-from glmc.runtime.kv_cache import KVPool
-from glmc.runtime.weights import resolve_config
+from glmc.runtime.worker.checkpoint import resolve_config
+from glmc.runtime.worker.forward_batch import ForwardBatch
+from glmc.runtime.worker.kv_cache import KVPool
 
 HF_LATENT_NORM_EPS = 1e-6  # GlmMoeDsaRMSNorm default, used by q_a/kv_a layernorms in HF
 HF_INDEXER_NORM_EPS = 1e-6  # GlmMoeDsaIndexer.k_norm = nn.LayerNorm(eps=1e-6)

@@ -6,14 +6,14 @@ whose indexer is "full" also own `index_k[layer]` (index_head_dim per slot), pag
 `kv` (slot s addresses both), so a prefix-cache hit covers both caches. "Shared" indexer layers reuse
 the previous full layer's top-k and own no indexer cache.
 
-Slot = page * PAGE_SIZE + offset. The scheduler's page allocator (`runtime/pages.py`) hands out pages;
+Slot = page * PAGE_SIZE + offset. The scheduler's page allocator (`runtime/engine/pages.py`) hands out pages;
 this class never allocates or frees slots.
 """
 from __future__ import annotations
 
 import torch
 
-PAGE_SIZE = 64  # FlashMLA's page size; must match runtime/pages.py
+PAGE_SIZE = 64  # FlashMLA's page size; must match runtime/engine/pages.py
 
 
 class KVPool:

@@ -16,9 +16,8 @@ from types import SimpleNamespace
 from typing import Callable
 
 import torch
-from safetensors import safe_open
-
 from glmc.codegen.torch_ref import fp8_block_dequant
+from safetensors import safe_open
 
 FP8_BLOCK = 128
 SCALE_SUFFIX = "_scale_inv"

@@ -5,7 +5,7 @@ GET /health, GET /metrics (Prometheus text). Every error, including malformed JS
 routes, comes back in OpenAI's shape `{"error": {"message", "type", "param", "code"}}` with a 4xx
 status, or 503 + Retry-After when the waiting queue is full. A client that disconnects (streaming
 or not) has its requests aborted, which frees their KV pages. The wire format itself (bodies,
-responses, chunks) is `runtime/protocol.py`.
+responses, chunks) is `runtime/serving/protocol.py`.
 """
 from __future__ import annotations
 
@@ -18,16 +18,30 @@ import uuid
 from contextlib import asynccontextmanager
 from typing import Callable
 
-from fastapi import FastAPI, Request as HTTPRequest
+from fastapi import FastAPI
+from fastapi import Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import (
+    JSONResponse,
+    PlainTextResponse,
+    Response,
+    StreamingResponse,
+)
+from glmc.runtime.engine.engine import Engine, InvalidRequest, Overloaded, StreamEvent
+from glmc.runtime.engine.request import Request
+from glmc.runtime.engine.sampling import SamplingError
+from glmc.runtime.serving.protocol import (
+    ENGINE_FAILED,
+    APIError,
+    ChatRequest,
+    CompletionRequest,
+    Formatter,
+    prompt_ids,
+    sampling_params,
+    sse_data,
+    usage,
+)
 from starlette.exceptions import HTTPException
-
-from glmc.runtime.engine import Engine, InvalidRequest, Overloaded, StreamEvent
-from glmc.runtime.protocol import (ENGINE_FAILED, APIError, ChatRequest, CompletionRequest,
-                                   Formatter, prompt_ids, sampling_params, sse_data, usage)
-from glmc.runtime.request import Request
-from glmc.runtime.sampling import SamplingError
 
 DISCONNECT_POLL_S = 0.5
 

@@ -8,9 +8,8 @@ expert split over attn_tp / moe_tp when the plan gives them `tp`; a rank holds o
 from __future__ import annotations
 
 import torch
-
-from glmc.runtime.comm import Coords
-from glmc.runtime.weights import detect_mtp, expected_tensors, load_checkpoint
+from glmc.runtime.worker.checkpoint import detect_mtp, expected_tensors, load_checkpoint
+from glmc.runtime.worker.comm import Coords
 
 Shard = "tuple[int, int, int] | None"
 

@@ -1,0 +1,1 @@
+"""Serving: the OpenAI-compatible HTTP server and its wire protocol, over an `Engine`."""
