@@ -257,14 +257,12 @@ def moe_sweep(runner, B, dev, dtype):
 def setup_glmc(model, batches, ctx, dev, dtype, info):
     """Plan, runner over the HF parameters, MoE tile sweep, prefill, capture."""
     import torch
-    from glmc.runtime.worker.cuda_executor import GpuRunner, make_pool
     t = now()
-    spec, graphs = pc.glmc_plan(model, max(batches), "bfloat16")
+    plan = pc.glmc_plan(model, max(batches), "bfloat16")
     info["compile_s"] = now() - t
-    c, max_ctx = spec.config, ctx + 64
+    c, max_ctx = plan.config, ctx + 64
     weights, stacks = pc.glmc_weights(model)
-    runner = GpuRunner(graphs, c, weights, make_pool(c, dev, dtype, max(batches), max_ctx), max_reqs=max(batches),
-                       max_context=max_ctx, stacks=stacks)
+    runner = pc.gpu_runner(plan, weights, dev, max(batches), max_ctx, stacks=stacks)
     if dev == "cuda":
         t = now()
         runner.moe_tiles, info["moe_sweep"] = moe_sweep(runner, 32 if 32 in batches else max(batches), dev, dtype)

@@ -89,8 +89,8 @@ def randomize_on_device_(model, seed):
             t.normal_(0.0, t.shape[-1] ** -0.5, generator=g)
 
 
-def glmc_plan(model, max_reqs, dtype_name):
-    """(spec, graphs) of the tp1 plan for the model's config (written as config.json to a temp dir)."""
+def glmc_plan(model, max_reqs, dtype_name, parallel="tp1", **options):
+    """The CUDA-target `Plan` of the model's config (written as config.json to a temp dir)."""
     from glmc.compiler import compile_plan
     from glmc.config import Options
     from glmc.parallel import parse_parallel
@@ -100,7 +100,17 @@ def glmc_plan(model, max_reqs, dtype_name):
     raw.update(model_type="glm_moe_dsa", dtype=dtype_name, num_nextn_predict_layers=0)
     (d / "config.json").write_text(json.dumps(raw))
     spec = load_spec(d)
-    return spec, compile_plan(spec, parse_parallel("tp1", spec.config), Options(device="cuda", max_batch=max_reqs)).graphs
+    return compile_plan(spec, parse_parallel(parallel, spec.config),
+                        Options(device="cuda", max_batch=max_reqs, **options))
+
+
+def gpu_runner(plan, weights, dev, max_reqs, max_ctx, capture=False, **kw):
+    """The plan's `GpuRunner` from the one loader (`runtime/worker/loader.py`): rows 0..max_reqs-1
+    on pages 1.. of `req_table`, plus the loader's scratch page."""
+    from glmc.runtime.worker.loader import load_runner
+    pages = max_reqs * -(-max_ctx // 64) + 1
+    return load_runner(plan, weights, device=dev, num_pages=pages, max_context=max_ctx,
+                       max_running=max_reqs, capture=capture, **kw).executor
 
 
 def glmc_weights(model):
@@ -161,14 +171,20 @@ def greedy(runner, prompts, steps, table):
 # ----------------------------------------------------------------------------- checks
 def check_tiny(dev, capture, steps=16):
     import torch
-    from glmc.runtime.worker.cuda_executor import build_runner
     from tiny_hf import save_tiny
+
+    from glmc.compiler import compile_plan
+    from glmc.config import Options
+    from glmc.parallel import parse_parallel
+    from glmc.spec import load_spec
     tmp = Path(tempfile.mkdtemp(prefix="glmc_tiny_"))
     # 16 indexer heads: with tiny's 4, keys whose every head is ReLU'd to 0 tie exactly at the top-k
     # threshold, and torch.topk breaks such ties differently on CPU and CUDA (HF itself is ambiguous there).
     # RoPE dim 16 (index head 32): Triton's tl.dot needs K >= 16 on a GPU (tiny's 8 runs only interpreted).
     model = save_tiny(tmp, "grouped", seed=3, index_n_heads=16, qk_rope_head_dim=16, index_head_dim=32).to(dev)
-    runner, _ = build_runner(tmp, device=dev, max_reqs=4, max_context=128)
+    spec = load_spec(tmp)
+    plan = compile_plan(spec, parse_parallel("tp1", spec.config), Options(device="cuda", max_batch=4))
+    runner = gpu_runner(plan, tmp, dev, 4, 128)
     t0 = time.perf_counter()
     cap = runner.capture() if capture else {}
     g = torch.Generator().manual_seed(1)
@@ -183,18 +199,15 @@ def check_tiny(dev, capture, steps=16):
 
 def check_width(dev, dtype, narrow, lengths, steps=3, tol=2e-2):
     import torch
-    from glmc.runtime.worker.cuda_executor import GpuRunner, make_pool
-    from glmc.runtime.worker.executor import PlanExecutor
     model = slice_model(dev, dtype, seed=0, narrow=narrow)
     B, max_ctx = len(lengths), -(-(max(lengths) + steps + 1) // 64) * 64
-    spec, graphs = glmc_plan(model, B, "bfloat16")
-    c = spec.config
+    plan = glmc_plan(model, B, "float32" if dtype == torch.float32 else "bfloat16")
+    c = plan.config
     weights, stacks = glmc_weights(model)
-    runner = GpuRunner(graphs, c, weights, make_pool(c, dev, dtype, B, max_ctx), max_reqs=B, max_context=max_ctx,
-                       stacks=stacks)
-    ref = PlanExecutor(graphs, c, {k: v.float() for k, v in weights.items()},
-                       make_pool(c, dev, torch.float32, B, max_ctx), device=dev)
-    ref._stacks.update(stacks)  # torch_ref.moe_experts upcasts one expert at a time
+    runner = gpu_runner(plan, weights, dev, B, max_ctx, stacks=stacks)
+    # The oracle: the torch target (fp32) on the same bf16-rounded weights and GPU; its
+    # torch_ref.moe_experts upcasts one expert at a time, so the bf16 stacks are shared.
+    ref = gpu_runner(plan, weights, dev, B, max_ctx, target="cpu", stacks=stacks)
     if dev != "cpu":
         runner.capture([B])
     table = req_table(B, max_ctx // 64)

@@ -142,20 +142,25 @@ def stop_server(proc: subprocess.Popen) -> int | None:
 def serve_cpu(argv) -> None:
     """The dry run's server: `glmc run --device cuda`'s engine, with the GpuRunner on the host."""
     os.environ.setdefault("TRITON_INTERPRET", "1")
-    from glmc.runtime.engine.build import cuda_plan_source
+    from glmc.runtime.engine.engine import Engine
+    from glmc.runtime.engine.startup import warm_up
+    from glmc.runtime.engine.tokenizer import Tokenizer
+    from glmc.runtime.serving.server import serve
+    from glmc.runtime.worker.loader import load_runner
+
+    from glmc.api import plan_for
     ap = argparse.ArgumentParser()
     for k in ("--weights", "--port", "--log-level", "--num-pages", "--max-context", "--max-running",
               "--max-batch-tokens"):
         ap.add_argument(k)
     a = ap.parse_args(argv)
-    import glmc.runtime.engine.build as b
-    from glmc.runtime.serving.server import serve
     running = int(a.max_running)
-    runner = b.cuda_plan_runner(cuda_plan_source(Path(a.weights), None, None, running),
-                                int(a.num_pages), int(a.max_context), running, device="cpu")
-    engine = b.Engine(runner, b.Tokenizer.from_dir(a.weights), max_running=running,
-                      max_batch_tokens=int(a.max_batch_tokens))
-    b.warm_up(engine)
+    runner = load_runner(plan_for(a.weights, device="cuda", max_running=running), a.weights,
+                         device="cpu", num_pages=int(a.num_pages), max_context=int(a.max_context),
+                         max_running=running)
+    engine = Engine(runner, Tokenizer.from_dir(a.weights), max_running=running,
+                    max_batch_tokens=int(a.max_batch_tokens))
+    warm_up(engine)
     serve(engine, Path(a.weights).name, "127.0.0.1", int(a.port), a.log_level)
 
 

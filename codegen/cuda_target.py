@@ -22,8 +22,17 @@ from glmc.codegen import torch_ref as ref
 from glmc.codegen import torch_target
 from glmc.codegen import triton_moe as tm
 from glmc.codegen import triton_target as tt
+from glmc.ir.types import DTYPE_BYTES
 
 IMPLS: dict = dict(torch_target.IMPLS)
+# The torch target's implementations this target runs as they are: capture-safe on the device
+# (views, slices, element-wise, KV writes by index, collectives through `Comm`, whose NCCL path
+# has fixed sizes). Every other kind is overridden below; none is CPU-only.
+FROM_TORCH_TARGET = frozenset({"io.input", "elt.add", "tensor.slice", "tensor.view", "tensor.concat",
+                               "tensor.shard", "mem.kv_write", "mem.index_k_write", "comm.all_reduce",
+                               "comm.all_gather", "comm.reduce_scatter", "comm.broadcast",
+                               "fused.allreduce_add_rms", "fused.reduce_scatter_add_rms"})
+CPU_ONLY: frozenset = frozenset()
 
 
 def impl(*kinds):
@@ -41,9 +50,13 @@ def _mm(x, w):
 
 @impl("embed.lookup")
 def _embed(op, args, rt):
-    if int(op.attr("tp", 1)) != 1:
-        raise NotImplementedError("cuda target: vocab-parallel embedding (tp > 1) is not implemented")
-    return rt.w(op.attr("weight"))[args[0]]
+    """Row lookup; vocab-parallel (tp > 1): this rank's rows, zeros elsewhere (a partial sum)."""
+    w, ids = rt.w(op.attr("weight")), args[0]
+    if int(op.attr("tp", 1)) == 1:
+        return w[ids]
+    local = ids - rt.tp_rank(op) * w.shape[0]
+    hit = (local >= 0) & (local < w.shape[0])
+    return w[local.clamp(0, w.shape[0] - 1)] * hit[:, None].to(w.dtype)
 
 
 @impl("norm.rms")
@@ -120,7 +133,7 @@ def _attn(op, args, rt):
     """Absorbed MLA for every phase: q_lat = q_nope W_UK (batched GEMM), the sparse latent kernel
     over top-k (or causal) keys, o = out_lat W_UV. The MHA form of prefill is the same function."""
     q_nope, q_pe, layer, topk = args
-    H, dn, dv = int(op.attr("heads")), int(op.attr("dn")), int(op.attr("dv"))
+    H, dn, dv = q_nope.shape[1], int(op.attr("dn")), int(op.attr("dv"))   # this rank's heads
     w_uk, w_uv = _absorbed_weights(rt, op.attr("weight"), H, dn, dv)
     T = q_nope.shape[0]
     q_lat = torch.bmm(q_nope.transpose(0, 1).to(w_uk.dtype), w_uk).transpose(0, 1)   # [T, H, R] view
@@ -161,6 +174,45 @@ def _swiglu(op, args, rt):
     gu = _mm(args[0], gate_up)
     inter = gu.shape[1] // 2
     return _mm(F.silu(gu[:, :inter]) * gu[:, inter:], rt.w(f"{p}.down_proj.weight"))
+
+
+@impl("moe.dispatch")
+def _dispatch(op, args, rt):
+    """The a2a MoE lowering, capture-safe: every rank sends each peer a fixed buffer of T*k slots
+    (no counts exchanged, no host sync); row (t, j) takes the next free slot of the buffer of the
+    rank holding its expert, unused slots carry expert id -1 (the experts kernel drops them). The
+    payload travels bit-exact in one byte message (NCCL has no int16): x, the fp32 weight, the
+    int32 expert id.
+    Counted with the plan's (payload) bytes, as the torch target counts."""
+    x, w, ids = args
+    n, k = int(op.attr("size")), ids.shape[1]
+    cap = x.shape[0] * k
+    dest = (ids // (rt.num_experts // n)).reshape(-1)
+    slot = (F.one_hot(dest, n).cumsum(0) - 1).gather(1, dest[:, None]).squeeze(1)
+    pos = dest * cap + slot                                   # row of the [n * cap] send buffer
+    x_bits = x.repeat_interleave(k, 0).view(torch.uint8)     # element bytes of x
+    hx = x_bits.shape[1]
+    bits = torch.cat([x_bits, w.reshape(-1, 1).float().view(torch.uint8),
+                      ids.reshape(-1, 1).to(torch.int32).view(torch.uint8)], dim=1)
+    send = torch.zeros(n * cap, bits.shape[1], dtype=torch.uint8, device=x.device)
+    send[:, -4:] = 255                                         # expert id -1: an empty slot
+    send[pos] = bits
+    nbytes = sum(t.nbytes({"T": x.shape[0]}) for t in op.types) * n
+    got = rt.comm.all_to_all_equal(send, torch_target._axes(op), "dispatch", nbytes)
+    rt.routes[op.results[0]] = pos
+    return (got[:, :hx].contiguous().view(x.dtype), got[:, hx:hx + 4].contiguous().view(torch.float32),
+            got[:, hx + 4:].contiguous().view(torch.int32).long())
+
+
+@impl("moe.combine")
+def _combine(op, args, rt):
+    """Expert outputs back to their tokens' ranks (the same fixed buffers), each token's k summed."""
+    y, like = args
+    pos = rt.routes[op.operands[0] + ".dx"]
+    n, k = int(op.attr("size")), int(op.attr("top_k"))
+    nbytes = like.shape[0] * k * y.shape[1] * DTYPE_BYTES[rt.type_of(op.operands[0]).dtype] * n
+    back = rt.comm.all_to_all_equal(y, torch_target._axes(op), "combine", nbytes)
+    return back[pos].view(like.shape[0], k, -1).float().sum(1).to(y.dtype)
 
 
 @impl("sample.tokens")

@@ -10,10 +10,14 @@ RoPE output uses HF's layout (see `rope`); top-k indices are POSITIONS within th
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
-from glmc.runtime.worker.forward_batch import ForwardBatch
-from glmc.runtime.worker.kv_cache import KVPool
+
+if TYPE_CHECKING:  # annotations only: codegen never imports the runtime (tests/test_architecture.py)
+    from glmc.runtime.worker.forward_batch import ForwardBatch
+    from glmc.runtime.worker.kv_cache import KVPool
 
 
 def rms_norm(x, weight, eps):

@@ -12,6 +12,8 @@ from glmc.codegen import torch_ref as ref
 from glmc.ir.types import DTYPE_BYTES
 
 IMPLS: dict = {}
+# Kinds no final plan contains, so no target implements them: the pass named replaces them.
+NOT_EXECUTED = {"comm.reshard": "insert-collectives", "idx.reuse": "share-indexer"}
 
 
 def impl(*kinds):

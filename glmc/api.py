@@ -9,27 +9,28 @@
 Requests get fixed KV rows (row r owns pages r*pages_per_request+1 ...); the pool's last page is
 the executor's scratch page. Under a multi-rank spec, call `load` in every rank's process (see
 `glmc.runtime.worker.launch.spawn`); `dp_tokens` then lists every DP rank's token count.
+
+`plan_for(ckpt_dir, plan_dir, parallel, device)` gives the `glmc.plan.Plan` to serve a checkpoint
+with (a plan directory checked against the checkpoint, or the checkpoint's model compiled now);
+`build_engine(ckpt_dir, ...)` starts a one-process serving engine over it (what `glmc run` does
+for one rank). Both compile on demand; the runtime itself only ever receives a Plan.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from glmc.compiler import compile_plan
-from glmc.config import Options
+from glmc.config import GlmConfig, Options
 from glmc.parallel import parse_parallel
-from glmc.runtime.worker.comm import Comm
+from glmc.plan import Plan
 from glmc.runtime.worker.executor import PlanExecutor
 from glmc.runtime.worker.forward_batch import ForwardBatch
-from glmc.runtime.worker.kv_cache import PAGE_SIZE, KVPool
-from glmc.runtime.worker.shards import load_rank_weights
+from glmc.runtime.worker.kv_cache import PAGE_SIZE
+from glmc.runtime.worker.loader import load_runner, progress
 from glmc.spec import load_spec
-
-
-def _group(op):
-    g = op.attr("group")
-    return g if isinstance(g, str) else tuple(g)
 
 
 @dataclass
@@ -83,16 +84,50 @@ class Model:
 
 def load(ckpt_dir, parallel: str = "tp1", moe_a2a=None, max_requests: int = 8,
          pages_per_request: int = 2) -> Model:
-    """Compile the checkpoint's model for `parallel` and load this rank's shard of the weights."""
+    """Compile the checkpoint's model for `parallel` (torch target) and load this rank's shard."""
     spec = load_spec(ckpt_dir)
-    par = parse_parallel(parallel, spec.config)
-    graphs = compile_plan(spec, par, Options(device="cpu", moe_a2a=moe_a2a)).graphs
-    comm = Comm(par.mesh, {_group(op) for g in graphs.values() for op in g.ops
-                           if op.attr("group") is not None})
-    c = spec.config
-    full = {i for i, t in enumerate(c.layer_indexer_types()) if t == "full"}
-    pool = KVPool(c.num_hidden_layers + 1, full | {c.num_hidden_layers},
-                  max_requests * pages_per_request + 2, c.kv_lora_rank, c.qk_rope_head_dim,
-                  c.index_head_dim)
-    weights = load_rank_weights(ckpt_dir, c, list(graphs.values()), comm.coords)
-    return Model(PlanExecutor(graphs, c, weights, pool, comm), spec, max_requests, pages_per_request)
+    plan = compile_plan(spec, parse_parallel(parallel, spec.config),
+                        Options(device="cpu", moe_a2a=moe_a2a))
+    runner = load_runner(plan, ckpt_dir, num_pages=max_requests * pages_per_request + 1)
+    return Model(runner.executor, spec, max_requests, pages_per_request)
+
+
+def plan_for(ckpt_dir, plan_dir=None, parallel: str | None = None, device: str = "cpu",
+             max_running: int = 32) -> Plan:
+    """The plan in `plan_dir` (checked against the checkpoint's config.json), or the checkpoint's
+    model compiled now for `parallel` (default tp1) and `device`'s target (cuda: CUDA-graph
+    buckets up to `max_running`, the scheduler's largest decode batch)."""
+    spec = load_spec(ckpt_dir)
+    if plan_dir is None:
+        par = parse_parallel(parallel or "tp1", spec.config)
+        opts = Options(device=device) if device == "cpu" else Options(device=device,
+                                                                      max_batch=max_running)
+        with progress(total=1, desc=f"compiling {par.name} ({device})", unit="plan") as bar:
+            plan = compile_plan(spec, par, opts)
+            bar.update()
+        return plan
+    plan = Plan.load(plan_dir)
+    differ = [k for k in GlmConfig.model_fields
+              if getattr(plan.config, k) != getattr(spec.config, k)]
+    if differ:
+        k = differ[0]
+        raise ValueError(f"{plan_dir} was compiled for another model than {ckpt_dir}: {k} = "
+                         f"{getattr(plan.config, k)!r} in the plan, {getattr(spec.config, k)!r} in "
+                         f"config.json ({len(differ)} fields differ)")
+    if parallel is not None and parallel != plan.parallel:
+        raise ValueError(f"{plan_dir} is compiled for {plan.parallel}, not {parallel}; drop "
+                         f"--parallel or compile for {parallel}")
+    if plan.target != device:
+        raise ValueError(f"{plan_dir} is compiled for device {plan.target!r}, not {device!r}; "
+                         f"compile with `glmc compile --device {device}`")
+    return plan
+
+
+def build_engine(ckpt_dir, plan_dir=None, parallel: str | None = None, *, device: str = "cpu",
+                 **kwargs):
+    """A one-process serving engine (`glmc.runtime.engine.startup.build_engine`) over
+    `plan_for(ckpt_dir, plan_dir, parallel, device)`."""
+    from glmc.runtime.engine.startup import build_engine as start
+
+    plan = plan_for(ckpt_dir, plan_dir, parallel, device, kwargs.get("max_running", 32))
+    return start(plan, Path(ckpt_dir), device=device, **kwargs)

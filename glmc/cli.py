@@ -11,16 +11,12 @@ DEFAULT_MODEL = "glm_moe_dsa_tiny"
 
 def _model_path(arg: str | None) -> str:
     """A model file, a checkpoint dir, or the name of a packaged model (default: the tiny one)."""
-    from importlib import resources
-    name = arg or DEFAULT_MODEL
-    if Path(name).exists():
-        return name
-    ref = resources.files("glmc.models").joinpath(f"{name}.yaml")
-    return str(ref) if ref.is_file() else name
+    from glmc.spec import model_path
+    return model_path(arg or DEFAULT_MODEL)
 
 
 def cmd_compile(a) -> int:
-    from glmc.compiler import compile_plan, plan_json, write_plan
+    from glmc.compiler import compile_plan
     from glmc.config import Options
     from glmc.explain import explain_plan
     from glmc.parallel import parse_parallel
@@ -38,8 +34,7 @@ def cmd_compile(a) -> int:
     opts = Options(moe_a2a=a.moe_a2a, topk_broadcast=a.topk_broadcast, device=a.device)
     plan = compile_plan(spec, par, opts, dump)
     out = Path(a.output or f"build/{spec.name}-{par.name}")
-    report = render(explain_plan(plan_json(plan), plan.graphs))
-    write_plan(plan, out, report=report)
+    plan.save(out, {"report.md": render(explain_plan(plan))})
     print(f"wrote {out}/ ({', '.join(f'{ph}.ir' for ph in plan.graphs)}, plan.json, report.md)")
     return 0
 
@@ -66,16 +61,12 @@ def cmd_export_onnx(a) -> int:
 
 def cmd_run(a) -> int:
     """Serve a model over the OpenAI API: the tiny default, a checkpoint, or a compiled plan."""
-    from glmc.runtime.engine.build import (
-        TINY_NAME,
-        default_cache_dir,
-        make_tiny_checkpoint,
-    )
-    from glmc.runtime.engine.distributed import ServeConfig, serve_model
+    from glmc.api import plan_for
+    from glmc.runtime.serving.launch import ServeConfig, serve_model
     from glmc.runtime.worker.launch import RankFailed
-    if a.device == "cuda":  # before anything slow: one GPU, tp1, and a GPU torch can see
-        from glmc.runtime.engine.build import require_cuda, require_tp1
-        require_tp1(a.parallel)
+    from glmc.tiny import TINY_NAME, default_cache_dir, make_tiny_checkpoint
+    if a.device == "cuda":  # before anything slow: a GPU torch can see
+        from glmc.runtime.engine.startup import require_cuda
         require_cuda()
     if a.weights:
         ckpt = Path(a.weights)
@@ -83,18 +74,12 @@ def cmd_run(a) -> int:
             raise ValueError(f"--weights {ckpt}: not a checkpoint directory (no config.json)")
     else:  # the tiny default model; a plan dir without --weights must be a plan of it
         ckpt = make_tiny_checkpoint(Path(a.cache_dir or default_cache_dir()) / "tiny")
+    plan = plan_for(ckpt, a.plan, a.parallel, a.device, a.max_running)
     engine_kwargs = dict(max_running=a.max_running, max_batch_tokens=a.max_batch_tokens,
                          max_waiting=a.max_waiting, enable_prefix_cache=not a.no_prefix_cache)
     name = a.served_model_name or (ckpt.name if a.weights else TINY_NAME)
-    if a.device == "cuda":
-        from glmc.runtime.engine.build import build_engine
-        from glmc.runtime.serving.server import serve
-        engine = build_engine(ckpt, a.plan, a.parallel, device="cuda", num_pages=a.num_pages,
-                              max_context=a.max_context, warmup=not a.no_warmup, **engine_kwargs)
-        serve(engine, name, a.host, a.port, a.log_level)
-        return 0
     try:
-        serve_model(ServeConfig(str(ckpt), a.plan, a.parallel, name, a.host, a.port, a.num_pages,
+        serve_model(ServeConfig(plan, str(ckpt), a.device, name, a.host, a.port, a.num_pages,
                                 a.max_context, engine_kwargs, not a.no_warmup, a.log_level))
     except RankFailed as e:
         print(f"glmc run: error: {e}", file=sys.stderr)
@@ -144,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--parallel", help="parallel spec, one process per rank (default tp1, or the "
                    "plan's)")
     r.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu: the torch "
-                   "target, any parallel spec; cuda: one GPU, tp1, decode replayed from CUDA graphs")
+                   "target; cuda: the CUDA target (Triton kernels, decode replayed from CUDA "
+                   "graphs), one GPU per rank")
     r.add_argument("--host", default="127.0.0.1")
     r.add_argument("--port", type=int, default=8000, help="0 picks a free port")
     r.add_argument("--num-pages", type=int, default=256, help="KV pages of 64 tokens per DP rank")

@@ -14,19 +14,18 @@ COLLECTIVE_PREFIXES = ("comm.", "moe.dispatch", "moe.combine", "fused.allreduce"
 
 def _graphs(arg: str, model: str | None, phase: str) -> tuple[str, Graph]:
     if (Path(arg) / "plan.json").exists():
-        from glmc.compiler import load_plan_graphs
-        _, graphs = load_plan_graphs(arg)
+        from glmc.plan import Plan
+        graphs = Plan.load(arg).graphs
         if phase not in graphs:
             raise ValueError(f"{arg}: plan has no phase {phase!r} (has {sorted(graphs)})")
         return arg, graphs[phase]
-    from glmc.cli import _model_path
     from glmc.compiler import compile_phase
     from glmc.config import Options
     from glmc.parallel import parse_parallel
-    from glmc.spec import load_spec
+    from glmc.spec import load_spec, model_path
     if Path(arg).exists():
         raise ValueError(f"{arg}: not a plan directory (no plan.json)")
-    spec = load_spec(_model_path(model))
+    spec = load_spec(model_path(model or "glm_moe_dsa_tiny"))
     return f"{spec.name} {arg}", compile_phase(spec, parse_parallel(arg, spec.config), phase, Options())
 
 

@@ -12,13 +12,14 @@ outside the decoder layers). Byte conventions are those of `glmc.passes.costs`.
 """
 from __future__ import annotations
 
-from glmc.compiler import compile_phase, load_plan_graphs
+from glmc.compiler import compile_phase
 from glmc.config import DTypes, Options
 from glmc.ir.types import DTYPE_BYTES
 from glmc.parallel import parse_parallel
 from glmc.passes.costs import params_of
 from glmc.passes.estimate_cost import bill
 from glmc.passes.rewrite import FUSIONS
+from glmc.plan import Plan
 from glmc.spec import ModelSpec
 
 H200_HBM_BYTES = 141 * 10**9
@@ -43,13 +44,13 @@ def _params(graphs: dict) -> dict:
 
 def explain(plan_dir: str, batch: int = 32, context: int = 4096,
             hbm_bytes: int = H200_HBM_BYTES) -> dict:
-    meta, graphs = load_plan_graphs(plan_dir)
-    return explain_plan(meta, graphs, batch, context, hbm_bytes)
+    return explain_plan(Plan.load(plan_dir), batch, context, hbm_bytes)
 
 
-def explain_plan(meta: dict, graphs: dict, batch: int = 32, context: int = 4096,
+def explain_plan(plan: Plan, batch: int = 32, context: int = 4096,
                  hbm_bytes: int = H200_HBM_BYTES) -> dict:
-    """`meta` is plan.json's content, `graphs` the phase graphs."""
+    """The numbers of `plan` at a decode batch (all DP ranks) and context length."""
+    meta, graphs = plan.to_json(), plan.graphs
     spec = ModelSpec(**meta["spec"])
     cfg, dtypes = spec.config, DTypes(**meta["dtypes"])
     par = parse_parallel(meta["parallel"]["spec"], cfg)

@@ -11,8 +11,8 @@ from pathlib import Path
 import onnx
 from onnx import TensorProto, helper
 
-from glmc.compiler import load_plan_graphs
 from glmc.ir import Graph
+from glmc.plan import Plan
 
 DOMAIN = "ai.glmc"
 ELEM = {"fp32": TensorProto.FLOAT, "bf16": TensorProto.BFLOAT16, "fp16": TensorProto.FLOAT16,
@@ -59,12 +59,12 @@ def _sinks(graph: Graph) -> set[str]:
 
 
 def export(plan_dir: str, out_dir: str | None = None) -> list[Path]:
-    meta, graphs = load_plan_graphs(plan_dir)
+    plan = Plan.load(plan_dir)
     out = Path(out_dir or plan_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = []
-    for phase, g in graphs.items():
+    for phase, g in plan.graphs.items():
         path = out / f"{phase}.onnx"
-        onnx.save(to_onnx(g, f"{meta['model']}_{phase}"), str(path))
+        onnx.save(to_onnx(g, f"{plan.model}_{phase}"), str(path))
         paths.append(path)
     return paths

@@ -127,3 +127,12 @@ def _hf_dtypes(raw: dict) -> DTypes:
     fp8 = quant.get("quant_method") == "fp8" or quant.get("fmt") == "e4m3"
     return DTypes(activation="bf16", weight="fp8" if fp8 else "bf16", kv_cache="fp8",
                   index_cache="fp8")
+
+
+def model_path(name: str) -> str:
+    """A model file or checkpoint dir as given, else the packaged model of that name
+    (`glm_moe_dsa`, `glm_moe_dsa_tiny`: models/<name>.yaml)."""
+    if Path(name).exists():
+        return name
+    ref = resources.files("glmc.models").joinpath(f"{name}.yaml")
+    return str(ref) if ref.is_file() else name

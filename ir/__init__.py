@@ -2,7 +2,8 @@
 from . import dialect, fused_and_comm  # noqa: F401  (registers the op kinds)
 from .graph import Graph
 from .ops import REGISTRY, IRError, Op
-from .text import parse, print_graph
+from .parser import parse
+from .printer import print_graph
 from .types import Dim, Placement, TensorType
 from .verify import verify
 

@@ -11,6 +11,7 @@ from typing import Iterable
 import networkx as nx
 
 from .ops import IRError, Op
+from .printer import print_graph
 
 
 class Graph:
@@ -77,7 +78,6 @@ class Graph:
         return sum(op.kind.startswith(prefix) for op in self.ops)
 
     def __repr__(self) -> str:
-        from .text import print_graph
         return print_graph(self)
 
     def __eq__(self, other) -> bool:

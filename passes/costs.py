@@ -82,6 +82,18 @@ def _causal_keys(t: int, s: int, k: int) -> int:
     return upto(s) - upto(s - t)
 
 
+# Kinds `flops_of` counts arithmetic for; every other kind is a collective (COMM_KINDS) or FREE:
+# data movement, element-wise or bookkeeping whose FLOPs the cost model does not count (their
+# bytes are counted by `op_cost`).
+FLOP_KINDS = frozenset({"linear", "mla.a_proj", "lm.head", "mlp.swiglu", "moe.gate", "moe.experts",
+                        "attn.sparse_mla", "attn.mla_absorbed", "attn.mla_mha", "idx.topk"})
+FREE_KINDS = frozenset({"io.input", "embed.lookup", "norm.rms", "norm.layer", "rope.apply",
+                        "elt.add", "tensor.slice", "tensor.view", "tensor.concat", "tensor.shard",
+                        "tensor.select_last", "mem.kv_write", "mem.index_k_write", "fused.add_rms",
+                        "fused.qkv_a_norm_rope_write", "fused.qkv_a_norm_rope_write_index",
+                        "moe.topk", "idx.reuse", "comm.reshard", "sample.tokens"})
+
+
 def flops_of(op: Op, graph: Graph, env: dict) -> float:
     a, k = op.attr, op.kind
     rows = op.types[0].shape[0].eval(env) if op.types and op.types[0].shape else 0

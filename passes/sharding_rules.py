@@ -137,3 +137,19 @@ RULES = {
     "lm.head": _lm_head,
     "sample.tokens": _sample,
 }
+
+# Ops that exist when propagate-sharding runs and take `default_rule` (element-wise / per-token:
+# partial inputs reduced first, placement of the first operand).
+DEFAULT_RULE_KINDS = frozenset({"norm.rms", "norm.layer", "moe.gate", "moe.topk", "tensor.concat",
+                                "idx.reuse"})
+# Ops made after propagate-sharding, by the pass named here, which sets their placements.
+PLACED_BY_PASS = {
+    "comm.reshard": "propagate-sharding", "comm.all_reduce": "insert-collectives",
+    "comm.all_gather": "insert-collectives", "comm.reduce_scatter": "insert-collectives",
+    "comm.broadcast": "insert-collectives", "tensor.shard": "insert-collectives",
+    "moe.dispatch": "lower-moe", "moe.combine": "lower-moe", "fused.add_rms": "fuse-add-norm",
+    "fused.allreduce_add_rms": "fuse-add-norm", "fused.reduce_scatter_add_rms": "fuse-add-norm",
+    "fused.qkv_a_norm_rope_write": "fuse-qkv-norm-rope",
+    "fused.qkv_a_norm_rope_write_index": "fuse-qkv-norm-rope",
+    "attn.mla_absorbed": "select-mla-form", "attn.mla_mha": "select-mla-form",
+}

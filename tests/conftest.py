@@ -36,5 +36,5 @@ def one_torch_thread():
 @pytest.fixture(scope="module")
 def tiny_ckpt(tmp_path_factory):
     """The tiny default model's checkpoint (models/glm_moe_dsa_tiny.yaml), made for this module."""
-    from glmc.runtime.engine.build import make_tiny_checkpoint
+    from glmc.tiny import make_tiny_checkpoint
     return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny"))

@@ -9,18 +9,15 @@ import httpx
 import openai
 import pytest
 import torch
-from glmc.runtime.engine.build import (
-    TINY_NAME,
-    build_engine,
-    make_tiny_checkpoint,
-    plan_runner,
-    plan_source,
-)
 from glmc.runtime.engine.engine import Engine
 from glmc.runtime.engine.sampling import SamplingParams
 from glmc.runtime.engine.tokenizer import Tokenizer
+from glmc.runtime.worker.loader import load_runner
 from glmc.runtime.worker.model_runner import ModelRunner
 from test_run_cli import GlmcRun
+
+from glmc.api import build_engine, plan_for
+from glmc.tiny import TINY_NAME, make_tiny_checkpoint
 
 MAX_TOKENS = 8
 QUESTIONS = ["What is 2+2?", "Name a colour.", "Tell me a joke about compilers.", "Hello!",
@@ -41,8 +38,8 @@ class TwoDPRanks(ModelRunner):
     num_dp = 2
 
     def __init__(self, ckpt):
-        src = plan_source(ckpt)
-        self.ranks = [plan_runner(src, num_pages=8) for _ in range(2)]
+        plan = plan_for(ckpt)
+        self.ranks = [load_runner(plan, ckpt, num_pages=8) for _ in range(2)]
         r = self.ranks[0]
         self.vocab_size, self.num_pages, self.max_context = r.vocab_size, r.num_pages, r.max_context
         self.modes: list[tuple[str, str]] = []

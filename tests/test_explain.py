@@ -5,7 +5,7 @@ import onnx
 import pytest
 
 from glmc.cli import main
-from glmc.compiler import compile_plan, plan_json
+from glmc.compiler import compile_plan
 from glmc.explain import explain_plan
 from glmc.parallel import parse_parallel
 from tests.compile_util import FULL, spec
@@ -17,7 +17,7 @@ def bills():
     out = {}
     for par in ("tp8", "tp8ep8", "dp8ep8"):
         plan = compile_plan(s, parse_parallel(par, s.config))
-        out[par] = explain_plan(plan_json(plan), plan.graphs, batch=32, context=4096)
+        out[par] = explain_plan(plan, batch=32, context=4096)
     return out
 
 

@@ -5,7 +5,6 @@ import json
 
 import pytest
 import torch
-from glmc.runtime.engine.build import build_engine
 from glmc.runtime.engine.pages import PageAllocator, ReqToTokenPool, slots_for
 from glmc.runtime.engine.prefix_cache import NoPrefixCache, RadixCache
 from glmc.runtime.engine.request import Request, Status
@@ -21,6 +20,8 @@ from glmc.runtime.worker.forward_batch import ForwardBatch
 from glmc.runtime.worker.kv_cache import KVPool
 from glmc.runtime.worker.model_runner import PlanRunner, ReferenceRunner
 from glmc.runtime.worker.reference_model import ReferenceModel
+
+from glmc.api import build_engine
 
 # -- the policy, with a fake model ----------------------------------------------------------------
 

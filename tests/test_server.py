@@ -10,9 +10,10 @@ import httpx
 import openai
 import pytest
 import uvicorn
-from glmc.runtime.engine.build import build_engine
 from glmc.runtime.engine.sampling import SamplingParams
 from glmc.runtime.serving.server import create_app
+
+from glmc.api import build_engine
 
 MODEL = "glmc-tiny"
 SYSTEM = "You are a helpful assistant. " * 12  # > 64 tokens: a shared, cacheable prefix

@@ -9,7 +9,7 @@ Tests may instead call `step()`/`generate()` directly with no thread.
 With attention data parallelism (`runner.num_dp` > 1) every DP rank has its own pages,
 req_to_token rows, prefix cache and `Scheduler`; a new request goes to the least loaded rank, and
 each step runs every rank's batch at once (`ModelRunner.forward_dp`; idle ranks step too).
-Builders live in `runtime/engine/build.py`, runners in `runtime/worker/model_runner.py`.
+Engines are started by `runtime/engine/startup.py`; runners live in `runtime/worker/`.
 """
 from __future__ import annotations
 

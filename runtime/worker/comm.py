@@ -1,5 +1,9 @@
 """Collectives of a plan over torch.distributed (gloo on CPU, NCCL on GPU), counted as they run.
 
+On NCCL every collective is capture-safe (fixed sizes from shapes, no host sync): the CUDA target
+replays them inside decode CUDA graphs, and `add(counts)` credits a replayed step with the counts
+its capture recorded. gloo lacks reduce_scatter and single-tensor all-gather: those are composed.
+
 Ranks are laid out as rank = attn_dp_rank * attn_tp + attn_tp_rank (attention) and
 rank = ep_rank * moe_tp + moe_tp_rank (MoE), so token shards over (attn_dp, attn_tp) concatenate
 in rank order. Every call adds to `counts[kind] = {count, message_bytes}` with the cost model's
@@ -50,6 +54,7 @@ class Comm:
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.mesh, self.coords = mesh, Coords(self.rank, mesh)
+        self.nccl = dist.is_initialized() and dist.get_backend() == "nccl"
         self.counts: dict = defaultdict(lambda: {"count": 0, "message_bytes": 0})
         self._groups: dict = {}
         for axes in sorted(groups_used, key=repr):       # same order on every rank
@@ -70,6 +75,12 @@ class Comm:
         self.counts.clear()
         return out
 
+    def add(self, counts: dict) -> None:
+        """Credit collectives that ran without Python (a replayed CUDA graph's, as captured)."""
+        for kind, c in counts.items():
+            self.counts[kind]["count"] += c["count"]
+            self.counts[kind]["message_bytes"] += c["message_bytes"]
+
     def all_reduce(self, x, axes, nbytes=None):
         g, _ = self._g(axes)
         x = x.contiguous().clone()
@@ -79,9 +90,14 @@ class Comm:
 
     def all_gather(self, x, axes, dim=0, nbytes=None):
         g, ranks = self._g(axes)
-        parts = [torch.empty_like(x) for _ in ranks]
-        dist.all_gather(parts, x.contiguous(), group=g)
-        out = torch.cat(parts, dim=dim)
+        if self.nccl:
+            out = x.new_empty((len(ranks) * x.shape[0],) + tuple(x.shape[1:]))
+            dist.all_gather_into_tensor(out, x.contiguous(), group=g)
+            out = torch.cat(out.chunk(len(ranks)), dim=dim) if dim else out
+        else:
+            parts = [torch.empty_like(x) for _ in ranks]
+            dist.all_gather(parts, x.contiguous(), group=g)
+            out = torch.cat(parts, dim=dim)
         self._count("all_gather", out.numel() * out.element_size() if nbytes is None else nbytes)
         return out
 
@@ -89,9 +105,14 @@ class Comm:
         """Sum over the group, keep this rank's 1/n slice of dim (all-reduce + slice: gloo has no
         reduce_scatter; the traffic counted is the collective's, not the implementation's)."""
         g, ranks = self._g(axes)
+        self._count("reduce_scatter", x.numel() * x.element_size() if nbytes is None else nbytes)
+        if self.nccl:
+            parts = x.chunk(len(ranks), dim=dim)
+            out = x.new_empty(parts[0].shape)
+            dist.reduce_scatter_tensor(out, torch.cat(parts) if dim else x.contiguous(), group=g)
+            return out
         total = x.contiguous().clone()
         dist.all_reduce(total, group=g)
-        self._count("reduce_scatter", x.numel() * x.element_size() if nbytes is None else nbytes)
         return total.chunk(len(ranks), dim=dim)[ranks.index(self.rank)].contiguous()
 
     def broadcast(self, x, axes, nbytes=None):
@@ -100,6 +121,15 @@ class Comm:
         dist.broadcast(x, src=ranks[0], group=g)
         self._count("broadcast", x.numel() * x.element_size() if nbytes is None else nbytes)
         return x
+
+    def all_to_all_equal(self, x: torch.Tensor, axes, kind: str, nbytes: int) -> torch.Tensor:
+        """x's dim 0 in equal parts, part i to the i-th rank of the group; what each sent here, in
+        the same layout (capture-safe: the sizes are x's shape)."""
+        g, _ = self._g(axes)
+        out = torch.empty_like(x)
+        dist.all_to_all_single(out, x.contiguous(), group=g)
+        self._count(kind, nbytes)
+        return out
 
     def all_to_all(self, chunks: list[torch.Tensor], axes, kind: str, nbytes: int):
         """Send chunks[i] to the i-th rank of the group; returns what each rank sent here."""

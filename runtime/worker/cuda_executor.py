@@ -1,6 +1,6 @@
 """Run a compiled plan on one GPU: eager prefill, decode captured as one CUDA graph per bucket.
 
-`GpuRunner(graphs, config, weights, pool, max_reqs=, max_context=)` is a `PlanExecutor` whose op table
+`GpuRunner(plan, weights, pool, comm, max_reqs=, max_context=)` is a `PlanExecutor` whose op table
 is `codegen.cuda_target.IMPLS` and whose step state (`GpuStep`) holds device index tensors. The
 runner owns a device copy of req_to_token (`r2t`, one spare row for padding): prefill copies its
 requests' rows in; every decode step (eager or replayed) first writes r2t[row, pos] = out_cache_loc
@@ -12,7 +12,7 @@ graph over static buffers [ids | positions | slots | rows] x b (largest first, o
 position 0 of the spare row, KV slot = the pool's last slot, which allocators never hand out),
 copies the four vectors in and replays; B above the largest bucket, or an uncaptured runner, runs
 eagerly with the same code. No host sync inside the captured region (see cuda_target).
-`build_runner(ckpt_dir, ...)` compiles the tp1 plan for a HF checkpoint and loads its weights.
+Made by `runtime/worker/loader.py` (`load_runner`), which also captures the graphs.
 """
 from __future__ import annotations
 
@@ -21,9 +21,12 @@ from dataclasses import dataclass, field
 
 import torch
 from glmc.codegen.cuda_target import IMPLS as CUDA_IMPLS
+from glmc.runtime.worker.comm import Comm
 from glmc.runtime.worker.executor import PlanExecutor, Step
 from glmc.runtime.worker.forward_batch import ForwardBatch
 from glmc.runtime.worker.kv_cache import KVPool
+
+from glmc.plan import Plan
 
 FP32_WEIGHTS = ("mlp.gate.weight", "e_score_correction_bias")  # the router stays fp32 (HF, SGLang)
 
@@ -49,20 +52,23 @@ class Captured:
     host: torch.Tensor     # [4, b] int64 pinned staging buffer
     out: dict              # static outputs: logits, next_ids, hidden
     copied: object = None  # torch.cuda.Event: the last host->device copy of `host` is done
+    counts: dict = field(default_factory=dict)  # the collectives one replay runs (as captured)
 
 
 class GpuRunner(PlanExecutor):
-    def __init__(self, graphs, config, weights, pool: KVPool, max_reqs: int, max_context: int,
-                 stacks: dict | None = None, moe_tiles: dict | None = None):
-        super().__init__(graphs, config, weights, pool, impls=CUDA_IMPLS, device=pool.device)
-        self._stacks.update(stacks or {})
+    def __init__(self, plan: Plan, weights, pool: KVPool, comm: Comm | None, max_reqs: int,
+                 max_context: int, stacks: dict | None = None, moe_tiles: dict | None = None):
+        super().__init__(plan, weights, pool, comm, impls=CUDA_IMPLS, device=pool.device,
+                         stacks=stacks)
         self.max_context, self.pad_row, self.scratch = max_context, max_reqs, pool.num_slots - 1
         self.r2t = torch.full((max_reqs + 1, max_context), self.scratch, dtype=torch.int64, device=pool.device)
         self.moe_tiles = moe_tiles or {}
         self._derived: dict = {}
         self.captured: dict[int, Captured] = {}
-        self.buckets = list(graphs["decode"].meta.get("cuda_graph_buckets", []))
+        split = plan.mesh["attn_tp"] if plan.mesh["ep"] > 1 else 1   # tokens split over attn_tp
+        self.buckets = [b for b in plan.decode_buckets if b % split == 0]
         self.timings: dict = {}
+        self.last_bucket: int | None = None   # the bucket the last decode step replayed
 
     def derived(self, key, make):
         if key not in self._derived:
@@ -107,21 +113,25 @@ class GpuRunner(PlanExecutor):
     def forward(self, phase: str, batch: ForwardBatch, hidden=None, dp_tokens=None) -> dict:
         if phase not in ("prefill", "decode"):
             raise NotImplementedError(f"GpuRunner: phase {phase!r} (MTP) is not wired yet")
-        if int(batch.seq_lens.max()) > self.max_context:
-            raise ValueError(f"GpuRunner: seq_len {int(batch.seq_lens.max())} > max_context {self.max_context}")
+        longest = int(batch.seq_lens.max()) if batch.batch_size else 1   # idle: padding only
+        if longest > self.max_context:
+            raise ValueError(f"GpuRunner: seq_len {longest} > max_context {self.max_context}")
         B = batch.batch_size
-        if phase == "decode":
-            bucket = next((b for b in sorted(self.captured) if b >= B), None)
+        if phase == "decode":   # every rank of a DP/TP group runs the same bucket (collectives)
+            need = self.padded_tokens(B, dp_tokens)
+            bucket = next((b for b in sorted(self.captured) if b >= need), None)
+            self.last_bucket = bucket
             if bucket is not None:
                 return self._replay(bucket, batch)
             self._load_rows(batch)
-            ids, pos, loc, rows = self._host_vectors(batch, B).to(self.r2t.device)
+            ids, pos, loc, rows = self._host_vectors(batch, need).to(self.r2t.device)
             return {k: v[:B] for k, v in self._decode_body(ids, pos, loc, rows).items()}
         self._load_rows(batch)
-        ids, pos, loc, rows = self._host_vectors(batch, batch.num_tokens).to(self.r2t.device)
+        size = self.padded_tokens(batch.num_tokens, dp_tokens)
+        ids, pos, loc, rows = self._host_vectors(batch, size).to(self.r2t.device)
         last = (torch.cumsum(batch.extend_lens, 0) - 1).to(self.r2t.device)
         graph = self.graphs["prefill"]
-        values = self.run_ops(graph, self._step(graph, batch, ids, pos, loc, rows, int(batch.seq_lens.max()),
+        values = self.run_ops(graph, self._step(graph, batch, ids, pos, loc, rows, longest,
                                                 last), "prefill")
         return self._outputs(graph, values)
 
@@ -132,6 +142,7 @@ class GpuRunner(PlanExecutor):
         cap.packed.copy_(cap.host, non_blocking=True)
         cap.copied.record()
         cap.graph.replay()
+        self.comm.add(cap.counts)
         return {k: v[:batch.batch_size] for k, v in cap.out.items()}
 
     # ------------------------------------------------------------------ CUDA graphs
@@ -152,11 +163,14 @@ class GpuRunner(PlanExecutor):
                     self._decode_body(*packed)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
+            saved = self.comm.reset()
             with torch.cuda.graph(graph, pool=pool):
                 out = self._decode_body(*packed)
+            counts = self.comm.reset()            # one step's collectives, credited per replay
+            self.comm.add(saved)
             torch.cuda.synchronize()
             host = torch.empty(4, b, dtype=torch.int64).pin_memory()
-            self.captured[b] = Captured(graph, packed, host, out, torch.cuda.Event())
+            self.captured[b] = Captured(graph, packed, host, out, torch.cuda.Event(), counts)
             self.timings[b] = time.perf_counter() - t0
             if progress is not None:
                 progress()
@@ -166,35 +180,3 @@ class GpuRunner(PlanExecutor):
 def to_device_weights(weights: dict, device, dtype) -> dict:
     """Checkpoint tensors on `device` in the compute dtype; the router weight and bias stay fp32."""
     return {n: w.to(device, torch.float32 if n.endswith(FP32_WEIGHTS) else dtype) for n, w in weights.items()}
-
-
-def build_runner(ckpt_dir, device="cuda", dtype=None, max_reqs=8, max_context=1024, num_pages=None):
-    """(GpuRunner, spec) for the tp1 plan of a HF checkpoint directory (weights in `dtype`: default
-    fp32 for an fp32 checkpoint, bf16 otherwise; the KV pool in the same dtype)."""
-    from glmc.runtime.worker.comm import Coords
-    from glmc.runtime.worker.shards import load_rank_weights
-
-    from glmc.compiler import compile_plan
-    from glmc.config import Options
-    from glmc.parallel import parse_parallel
-    from glmc.spec import load_spec
-
-    spec = load_spec(ckpt_dir)
-    c = spec.config
-    par = parse_parallel("tp1", c)
-    graphs = compile_plan(spec, par, Options(device="cuda", max_batch=max_reqs)).graphs
-    dtype = dtype or (torch.float32 if spec.dtypes.activation == "fp32" else torch.bfloat16)
-    weights = load_rank_weights(ckpt_dir, c, [graphs[p] for p in ("prefill", "decode")], Coords(0, par.mesh))
-    return GpuRunner(graphs, c, to_device_weights(weights, device, dtype),
-                     make_pool(c, device, dtype, max_reqs, max_context, num_pages),
-                     max_reqs=max_reqs, max_context=max_context), spec
-
-
-def make_pool(c, device, dtype, max_reqs, max_context, num_pages=None) -> KVPool:
-    """A KV pool with room for max_reqs requests of max_context tokens, plus page 0 and a scratch page."""
-    from glmc.runtime.worker.kv_cache import PAGE_SIZE
-    layers = c.num_hidden_layers + c.num_nextn_predict_layers
-    full = {i for i, t in enumerate(c.layer_indexer_types()) if t == "full"}
-    full |= set(range(c.num_hidden_layers, layers))
-    pages = num_pages or max_reqs * -(-max_context // PAGE_SIZE) + 2
-    return KVPool(layers, full, pages, c.kv_lora_rank, c.qk_rope_head_dim, c.index_head_dim, dtype, device)

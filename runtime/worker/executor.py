@@ -1,6 +1,6 @@
 """Run a compiled plan's phase graphs with the torch target, one process per rank.
 
-`PlanExecutor(graphs, config, weights, pool, comm)` binds this rank's weights and KV pool;
+`PlanExecutor(plan, weights, pool, comm)` binds a `glmc.plan.Plan` to this rank's weights and KV pool;
 `forward(phase, batch, ...)` evaluates the phase graph op by op (`codegen.torch_target.IMPLS`)
 and returns {"logits", "hidden", "next_ids"} for the batch's requests. Token counts that must
 split evenly (TP attention with EP: the residual is split over attn_tp; DP gathers) are padded
@@ -22,6 +22,8 @@ from glmc.ir import Graph
 from glmc.runtime.worker.comm import Comm
 from glmc.runtime.worker.forward_batch import ForwardBatch
 from glmc.runtime.worker.kv_cache import KVPool
+
+from glmc.plan import Plan
 
 
 @dataclass
@@ -67,14 +69,14 @@ class Step:
 
 
 class PlanExecutor:
-    def __init__(self, graphs: dict[str, Graph], config, weights: dict, pool: KVPool,
-                 comm: Comm | None = None, impls: dict | None = None, device=None):
-        self.graphs, self.config, self.weights, self.pool = graphs, config, weights, pool
+    def __init__(self, plan: Plan, weights: dict, pool: KVPool, comm: Comm | None = None,
+                 impls: dict | None = None, device=None, stacks: dict | None = None):
+        self.plan, self.weights, self.pool = plan, weights, pool
+        self.graphs, self.config, self.mesh = plan.graphs, plan.config, plan.mesh
         self.impls = IMPLS if impls is None else impls
         self.device = torch.device(device) if device is not None else None
-        self.mesh = next(iter(graphs.values())).meta["mesh"]
-        self.comm = comm or Comm(self.mesh, set())
-        self._stacks: dict = {}
+        self.comm = comm or Comm(self.mesh, plan.groups)
+        self._stacks: dict = dict(stacks or {})  # fused A-projections, expert stacks
 
     def weight(self, name: str) -> torch.Tensor:
         if isinstance(name, tuple):          # fused A-projection: rows of several weights

@@ -45,6 +45,15 @@ class KVPool:
             i: torch.zeros(num_slots, index_head_dim, dtype=dtype, device=device) for i in sorted(full_layers)
         }
 
+    @classmethod
+    def for_plan(cls, plan, num_pages: int, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu") -> KVPool:
+        """The one KV-pool sizer: a layer per decoder layer, plus the MTP layer's exactly when the
+        plan runs MTP phases; indexer caches on the full-indexer layers (and the MTP layer)."""
+        c = plan.config
+        return cls(plan.num_kv_layers(), plan.full_indexer_layers(), num_pages, c.kv_lora_rank,
+                   c.qk_rope_head_dim, c.index_head_dim, dtype, device)
+
     @property
     def num_slots(self) -> int:
         return self.num_pages * PAGE_SIZE

@@ -3,6 +3,9 @@
 `spawn(fn, world, *args)` runs `fn(rank, world, *args)` in `world` processes. If any rank raises
 or dies, the others are stopped and `RankFailed` names the rank; collectives also time out after
 `timeout_s` (so a peer that vanished under torchrun fails them instead of hanging).
+Under `torchrun --nproc-per-node N` (or any launcher that sets RANK / WORLD_SIZE / MASTER_ADDR),
+`from_env()` joins the group through env:// instead, so the same code runs on several nodes.
+With NCCL each process takes the GPU of its local rank (LOCAL_RANK, else rank % GPUs).
 """
 from __future__ import annotations
 
@@ -19,7 +22,29 @@ class RankFailed(RuntimeError):
     """A rank raised or died; the message names it and what it said."""
 
 
+def _use_local_gpu(backend: str, rank: int) -> None:
+    if backend == "nccl":
+        local = int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count()))
+        torch.cuda.set_device(local)
+
+
+def launched_by_env() -> bool:
+    """Whether a launcher (torchrun) made this process one rank of a group."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+
+
+def from_env(backend: str | None = None, timeout_s: float = 120.0) -> tuple[int, int]:
+    """Join the process group a launcher set up (env://); -> (rank, world)."""
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    _use_local_gpu(backend, rank)
+    dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    return rank, world
+
+
 def _entry(rank, fn, world, init_file, backend, timeout_s, args):
+    _use_local_gpu(backend, rank)
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
     try:

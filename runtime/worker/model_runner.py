@@ -2,17 +2,16 @@
 
 `ModelRunner` is the contract; `ReferenceRunner` runs the fp32 torch `ReferenceModel` (the
 numerical oracle); `PlanRunner` runs a compiled plan's executor on the host, `DevicePlanRunner`
-one on an accelerator (`gpu_runner.GpuRunner`).
+one on an accelerator (`cuda_executor.GpuRunner`). Plan runners are made by
+`runtime/worker/loader.py::load_runner`, the one loader.
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
 import torch
-from glmc.runtime.engine.pages import PAGE_SIZE
 from glmc.runtime.worker.forward_batch import ForwardBatch
-from glmc.runtime.worker.kv_cache import PAGE_SIZE as POOL_PAGE_SIZE
-from glmc.runtime.worker.kv_cache import KVPool
+from glmc.runtime.worker.kv_cache import PAGE_SIZE, KVPool
 
 
 class ModelRunner(ABC):
@@ -46,11 +45,6 @@ class ModelRunner(ABC):
         return [self.forward(batches[0])]
 
 
-def check_page_size() -> None:
-    if POOL_PAGE_SIZE != PAGE_SIZE:
-        raise ValueError(f"kv_cache.PAGE_SIZE {POOL_PAGE_SIZE} != pages.PAGE_SIZE {PAGE_SIZE}")
-
-
 def context_limit(max_position_embeddings: int, num_pages: int, max_context: int | None) -> int:
     """The longest sequence a runner serves: the model's positions, the pool, and the caller's cap."""
     limit = min(max_position_embeddings, num_pages * PAGE_SIZE)
@@ -65,7 +59,6 @@ class ReferenceRunner(ModelRunner):
         from glmc.runtime.worker.checkpoint import resolve_config
         from glmc.runtime.worker.reference_model import ReferenceModel
 
-        check_page_size()
         c = resolve_config(config)
         mtp = f"model.layers.{c.num_hidden_layers}.eh_proj.weight" in weights
         num_layers = c.num_hidden_layers + mtp  # the MTP block gets a KV layer of its own
@@ -92,19 +85,9 @@ class PlanRunner(ModelRunner):
     """
 
     def __init__(self, executor, max_context: int | None = None):
-        check_page_size()
         self.executor, c = executor, executor.config
         self.vocab_size, self.num_pages = c.vocab_size, executor.pool.num_pages - 1
         self.max_context = context_limit(c.max_position_embeddings, self.num_pages, max_context)
-
-    @classmethod
-    def on_cpu(cls, graphs: dict, config, weights: dict[str, torch.Tensor], num_pages: int,
-               max_context: int | None = None, comm=None) -> PlanRunner:
-        """The torch target in fp32 over a pool of `num_pages` pages plus the scratch page."""
-        from glmc.runtime.worker.executor import PlanExecutor
-
-        return cls(PlanExecutor(graphs, config, weights, plan_pool(graphs, config, num_pages + 1),
-                                comm), max_context)
 
     @staticmethod
     def phase_of(batches: list[ForwardBatch]) -> str:
@@ -128,13 +111,3 @@ class DevicePlanRunner(PlanRunner):
 
     def run(self, phase: str, batch: ForwardBatch, dp_tokens: list[int] | None = None):
         return super().run(phase, batch, dp_tokens).cpu().float()
-
-
-def plan_pool(graphs: dict, config, num_pages: int, **kwargs) -> KVPool:
-    """A KV pool for a plan: every decoder layer, plus the MTP block's (layer N) when the plan has
-    MTP phases; indexer caches on the full-indexer layers (and the MTP block)."""
-    n = config.num_hidden_layers
-    mtp = any(p.startswith("mtp") for p in graphs)
-    full = {i for i, t in enumerate(config.layer_indexer_types()) if t == "full"}
-    return KVPool(n + mtp, full | ({n} if mtp else set()), num_pages, config.kv_lora_rank,
-                  config.qk_rope_head_dim, config.index_head_dim, **kwargs)

@@ -62,9 +62,46 @@ def rank_shards(graphs, coords: Coords) -> dict:
     return out
 
 
-def load_rank_weights(ckpt_dir, config, graphs, coords: Coords) -> dict[str, torch.Tensor]:
-    """This rank's weights for the given phase graphs, read from a HF checkpoint directory."""
-    shards = rank_shards(graphs, coords)
-    expected = expected_tensors(config.model_dump(), **detect_mtp(ckpt_dir))
+def load_rank_weights(ckpt_dir, plan, coords: Coords, dtype: torch.dtype = torch.float32
+                      ) -> dict[str, torch.Tensor]:
+    """This rank's weights for the plan's phase graphs, read from a HF checkpoint directory in
+    `dtype` (FP8 dequantised on the way)."""
+    shards = rank_shards(plan.graphs.values(), coords)
+    expected = expected_tensors(plan.config.model_dump(), **detect_mtp(ckpt_dir))
     needed = {n for n in shards if n in expected}
-    return load_checkpoint(ckpt_dir, expected, shard=lambda n: shards.get(n), only=needed)
+    return load_checkpoint(ckpt_dir, expected, shard=lambda n: shards.get(n), dtype=dtype,
+                           only=needed)
+
+
+def cut_rank_weights(weights, plan, coords: Coords) -> dict[str, torch.Tensor]:
+    """This rank's slices of full HF-named tensors held in memory (random weights of a benchmark)."""
+    out = {}
+    for name, spec in rank_shards(plan.graphs.values(), coords).items():
+        if name not in weights:
+            continue
+        w = weights[name]
+        if spec is not None:
+            dim, index, parts = spec
+            w = w.chunk(parts, dim=dim)[index]
+        out[name] = w
+    return out
+
+
+def cut_rank_stacks(stacks: dict, plan, coords: Coords) -> dict:
+    """This rank's part of expert stacks {weight prefix: (gate [E, I, H], up [E, I, H], down
+    [E, H, I])} held whole in memory: its experts (ep), each cut on the intermediate dim (moe_tp)."""
+    out = {}
+    for op in (op for g in plan.graphs.values() for op in g.ops if op.kind == "moe.experts"):
+        key = op.attr("weight")
+        if key not in stacks or key in out:
+            continue
+        ep, mtp = int(op.attr("ep", 1)), int(op.attr("moe_tp", 1))
+        per = int(op.attr("experts")) // ep
+        first = coords.of("ep") * per if ep > 1 else 0
+        r = coords.of("moe_tp")
+        gate, up, down = (w[first:first + per] for w in stacks[key])
+        if mtp > 1:
+            gate, up = gate.chunk(mtp, dim=1)[r], up.chunk(mtp, dim=1)[r]
+            down = down.chunk(mtp, dim=2)[r]
+        out[key] = (gate, up, down)
+    return out

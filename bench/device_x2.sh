@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# One device call on nvidia-h200-x2 (2 H200s): the multi-GPU checks, then the one-GPU plan check.
+#   run(command="bash bench/device_x2.sh", carry=[".whl"], kind="nvidia-h200-x2", timeout_s=590)
+# .whl holds the wheels the image lacks (pydantic, pydantic-core, annotated-types,
+# typing-inspection, fastapi, starlette, uvicorn, annotated-doc); glmc itself is installed from
+# this tree. JOBS picks what runs (default: multi plan).
+set -u
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    .whl/*.whl || exit 3
+python3 -m pip install -q --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site . || exit 4
+export PYTHONPATH=/tmp/site:$PWD/tests PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 \
+    TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+OUT=${OUT:-/tmp/device_out}
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+nvidia-smi topo -m | head -4
+git log -1 --format='commit %H' 2>/dev/null || true
+for job in ${JOBS:-multi plan}; do
+  case $job in
+    multi) timeout 420 python3 bench/multi_gpu_check.py --out "$OUT/multi_gpu_check.json" ${MULTI_ARGS:-} \
+             > "$OUT/multi.log" 2>&1; echo "multi rc=$?"; grep -E '^\{|CHECK|Error|error' "$OUT/multi.log" | cut -c1-600 | tail -20 ;;
+    plan)  timeout 300 python3 bench/gpu_plan_check.py --out "$OUT/gpu_plan_check.json" > "$OUT/plan.log" 2>&1
+           echo "plan rc=$?"; grep -E 'PLAN CHECK|Error' "$OUT/plan.log" | tail -5 ;;
+    serve) timeout 400 python3 bench/serve_multi_gpu.py --out "$OUT/serve_multi_gpu.json" > "$OUT/serve.log" 2>&1
+           echo "serve rc=$?"; grep -E '^\{|SERVE' "$OUT/serve.log" | cut -c1-400 | tail -8 ;;
+    decode) timeout 480 python3 bench/decode_bench.py --out-dir "$OUT" > "$OUT/decode.log" 2>&1
+           echo "decode rc=$?"; tail -25 "$OUT/decode.log" ;;
+  esac
+done
