@@ -7,6 +7,8 @@ import torch
 from glmc.codegen import torch_ref as ref
 from glmc.codegen import torch_target
 from glmc.codegen import triton_target as tt
+from glmc.runtime.engine.request import Request
+from glmc.runtime.engine.sampling import SamplingBatch, SamplingParams, sample_batch
 
 IMPLS = {"torch": ref.sample, "triton": tt.sample}
 
@@ -129,6 +131,20 @@ def test_draw_frequencies_follow_the_kept_distribution():
     tokens, kept_mask = ref.sample(logits, *ps, return_kept=True)
     stat, support = chi_square(tokens, kept_distribution(logits[0], 0.9, kept_mask[0]))
     assert 3 <= support <= 12 and stat < support - 1 + 5 * (2 * (support - 1)) ** 0.5
+
+
+def test_sample_batch_runs_both_paths_alike():
+    """The engine's entry point: per-request params, bias and penalties, then either draw."""
+    g = torch.Generator().manual_seed(8)
+    logits = torch.randn(4, 64, generator=g) * 2
+    reqs = [Request([1, 2], SamplingParams(temperature=0.0), seed=1),
+            Request([3], SamplingParams(top_k=5, top_p=0.8, repetition_penalty=1.3), [4, 4], seed=2),
+            Request([5], SamplingParams(logit_bias={t: -100.0 for t in range(64) if t != 9}), seed=3),
+            Request([6], SamplingParams(temperature=1.3, min_p=0.1, presence_penalty=1.0), [7], seed=4)]
+    batch = SamplingBatch.from_requests(reqs, "cpu")
+    got = sample_batch(logits, batch, use_triton=False).token_ids
+    assert torch.equal(got, sample_batch(logits, batch, use_triton=True).token_ids)
+    assert int(got[0]) == int(logits[0].argmax()) and int(got[2]) == 9
 
 
 @pytest.mark.parametrize("greedy", [ref.sample_greedy, tt.sample_greedy,
