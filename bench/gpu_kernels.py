@@ -263,21 +263,17 @@ def bench_sample(b):
                "k50 p.9 minp.02": (0.8, 50 if d.vocab > 100 else 5, 0.9, 0.02)}
     for B in d.batches:
         logits = b.rand(B, d.vocab, dtype=torch.float32, scale=3)
+        seed, step = torch.arange(B, device=dev) * 7919, torch.full((B,), 3, device=dev)
         for cname, (t, k, p, m) in configs.items():
             params = [torch.full((B,), v, device=dev) for v in (t, k, p, m)]
             params[1] = params[1].long()
             with poisoned():
-                tokens, probs = tt.sample(logits, *params, return_probs=True)
-            seen = {}
-            real = torch.multinomial
-            torch.multinomial = lambda pr, n, generator=None: seen.setdefault("p", pr)[:, :n].long() * 0
-            ref.sample(cpu(logits), *[x.cpu() for x in params])
-            torch.multinomial = real
-            order = (cpu(logits) / max(t, 1e-6)).softmax(-1).sort(-1, descending=True).indices
-            want = torch.zeros_like(seen["p"]).scatter(1, order, seen["p"])
-            ok = bool((probs.gather(1, tokens[:, None]) > 0).all())
-            b.add("sample", f"B={B} V={d.vocab} {cname}", probs, want,
-                  lambda: tt.sample(logits, *params), B * d.vocab * 4, f"drawn in support {ok}")
+                tokens, kept = tt.sample(logits, *params, seed, step, return_kept=True)
+            want_tokens, want_kept = ref.sample(cpu(logits), *[x.cpu() for x in params], seed.cpu(), step.cpu(),
+                                                return_kept=True)
+            same = bool(torch.equal(tokens.cpu(), want_tokens))
+            b.add("sample", f"B={B} V={d.vocab} {cname}", kept.float(), want_kept.float(),
+                  lambda: tt.sample(logits, *params, seed, step), B * d.vocab * 4, f"same tokens as torch {same}")
 
 
 def copy_bandwidth(b):

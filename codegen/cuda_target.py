@@ -217,4 +217,6 @@ def _combine(op, args, rt):
 
 @impl("sample.tokens")
 def _sample(op, args, rt):
-    return args[0].argmax(-1)
+    """The sampler at its defaults, greedy (runtime/engine/sampling.py); the engine samples the
+    returned logits with each request's parameters."""
+    return tt.sample_greedy(args[0])

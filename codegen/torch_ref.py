@@ -209,29 +209,77 @@ def moe_experts(x, ids, weights, w_gate, w_up, w_down, expert_offset=0):
     return out
 
 
-def sample(logits, temperature, top_k, top_p, min_p, generator=None):
-    """Per row: greedy if temperature == 0, else draw from softmax(logits / T) after top-k/top-p/min-p.
+# ----------------------------------------------------------------------------- sampling
+# The one sampler; its semantics and their defence are in runtime/engine/sampling.py. The Triton
+# twin (templates/sample.py.j2) computes the same integer hash and the same float steps, so for the
+# same logits, parameters and seed both keep the same tokens and draw the same one.
 
-    Per-row tensors [B]; top_k <= 0 means all tokens, top_p 1 and min_p 0 disable those filters.
-    top-p keeps the smallest prefix of sorted probabilities whose mass reaches p (at least one token);
-    min-p drops tokens with p < min_p * max(p).
+def _mul32(a, c: int):
+    """(a * c) mod 2^32 for int64 a in [0, 2^32): c split in 16-bit halves, so nothing overflows."""
+    return (a * (c & 0xFFFF) + (((a * (c >> 16)) & 0xFFFF) << 16)) & 0xFFFFFFFF
+
+
+def hash32(x):
+    """lowbias32 (C. Wellons): a bijective 32-bit integer mixer, on int64 values in [0, 2^32)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def sample_uniform(seed, step, vocab: int):
+    """[B, vocab] fp32 in (0, 1), a pure function of (seed, step, token id): the sampler's noise.
+
+    The stream key hashes the 64-bit seed's halves and the step (32 bits) in turn; token i gets
+    h = hash32(hash32(key ^ i)) (two rounds: one leaves a hint of correlation between neighbouring
+    ids) and u = (2 * (h >> 9) + 1) / 2^24, exact in fp32 and never 0 or 1.
     """
-    logits = logits.float()
-    B, V = logits.shape
-    greedy = logits.argmax(-1)
-    temp = temperature.float().clamp_min(1e-6)[:, None]
-    probs = torch.softmax(logits / temp, dim=-1)
-    sorted_p, order = probs.sort(dim=-1, descending=True)
-    rank = torch.arange(V, device=logits.device)[None, :]
-    k = torch.where(top_k <= 0, V, top_k.clamp_max(V))[:, None]
-    keep = rank < k
-    keep &= (sorted_p.cumsum(-1) - sorted_p) <= top_p.float()[:, None]  # SGLang: drop if mass before > p
-    keep &= sorted_p >= min_p.float()[:, None] * sorted_p[:, :1]
-    keep[:, 0] = True
-    sorted_p = sorted_p * keep
-    choice = torch.multinomial(sorted_p / sorted_p.sum(-1, keepdim=True), 1, generator=generator)
-    drawn = order.gather(1, choice).squeeze(1)
-    return torch.where(temperature <= 0, greedy, drawn)
+    key = hash32(((seed >> 32) & 0xFFFFFFFF) ^ 0x3C6EF372)
+    key = hash32(key ^ (seed & 0xFFFFFFFF))
+    key = hash32(key ^ (step & 0xFFFFFFFF))
+    h = hash32(hash32(key[:, None] ^ torch.arange(vocab, device=seed.device)))
+    return ((h >> 9) * 2 + 1).float() * 2.0 ** -24
+
+
+def sample(logits, temperature, top_k, top_p, min_p, seed, step, return_kept=False):
+    """Token ids [B] int64 from logits [B, V], every parameter a per-row [B] tensor.
+
+    temperature <= 0: greedy, the lowest id among the maxima. Else, with the tokens in the order
+    (logit descending, id ascending) and e_i = exp((x_i - max x) * (1 / T)) (p_i = e_i / sum e):
+    top-k keeps the first k (k <= 0 or >= V: all); top-p keeps the smallest prefix of those whose
+    mass reaches top_p of their mass (top_p >= 1: all); min-p keeps e_i >= min_p (p_i >= min_p * p_max,
+    unchanged by renormalising). The draw is an exponential race: the kept token with the largest
+    (x_i - max x) / T - log(-log u_i), u = sample_uniform(seed, step), i.e. a draw with probability
+    proportional to e_i. With return_kept, also the kept mask [B, V] bool (greedy rows: the argmax).
+    """
+    x = logits.float()
+    B, V = x.shape
+    greedy = x.argmax(-1)  # first maximum: the lowest id
+    sampled = temperature > 0
+    if not (return_kept or bool(sampled.any())):
+        return greedy
+    inv_t = (1.0 / torch.where(sampled, temperature.float(), 1.0))[:, None]
+    sorted_x, order = x.sort(dim=-1, descending=True, stable=True)  # ties: lower id first
+    e = torch.exp((sorted_x - sorted_x[:, :1]) * inv_t)
+    k = torch.where((top_k > 0) & (top_k < V), top_k, V)
+    in_k = torch.arange(V, device=x.device) < k[:, None]
+    e_k = torch.where(in_k, e, 0.0)
+    mass_before = torch.cat([e_k.new_zeros(B, 1), e_k.cumsum(-1)[:, :-1]], -1)  # exclusive cumsum
+    in_p = (mass_before < top_p.float()[:, None] * e_k.sum(-1, keepdim=True)) | (top_p >= 1)[:, None]
+    kept_sorted = in_k & in_p & (e >= min_p.float()[:, None])
+    kept = torch.zeros_like(kept_sorted).scatter(1, order, kept_sorted)
+    kept = torch.where(sampled[:, None], kept, F.one_hot(greedy, V).bool())
+    noise = torch.log(-torch.log(sample_uniform(seed, step, V)))
+    race = torch.where(kept, (x - sorted_x[:, :1]) * inv_t - noise, float("-inf"))
+    tokens = torch.where(sampled, race.argmax(-1), greedy)
+    return (tokens, kept) if return_kept else tokens
+
+
+def sample_greedy(logits):
+    """The sampler at its defaults (temperature 0: argmax, lowest id on ties): the IR's `sample.tokens`."""
+    zeros = torch.zeros(logits.shape[0], dtype=torch.int64, device=logits.device)
+    return sample(logits, zeros.float(), zeros, zeros + 1.0, zeros.float(), zeros, zeros)
 
 
 def fp8_block_dequant(w_fp8, scale_inv, block=128):

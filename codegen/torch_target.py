@@ -192,7 +192,9 @@ def _swiglu(op, args, rt):
 
 @impl("sample.tokens")
 def _sample(op, args, rt):
-    return args[0].argmax(-1)
+    """The sampler at its defaults, greedy (runtime/engine/sampling.py); the engine samples the
+    returned logits with each request's parameters."""
+    return ref.sample_greedy(args[0])
 
 
 def _axes(op):

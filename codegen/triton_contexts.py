@@ -204,16 +204,17 @@ class MlaCombineCtx:
 
 @dataclass(frozen=True)
 class SampleCtx:
-    """sample.py.j2: one vocab row per program, chunked passes, exponential-race draw."""
+    """sample.py.j2: one vocab row per program in chunks; cuts found by bit search; race draw."""
     template: ClassVar[str] = "sample"
     vocab: int
     chunk: int
-    write_probs: bool
+    search_chunk: int  # the cut searches judge 16 candidate keys per token: [search_chunk, 16] tiles
+    write_kept: bool  # also write the kept mask [B, V] (tests, benchmarks)
     num_warps: int
 
     @classmethod
-    def make(cls, vocab, write_probs=False, chunk=None):
+    def make(cls, vocab, write_kept=False, chunk=None):
         chunk = chunk or min(4096, next_pow2(vocab))
-        return cls(vocab, chunk, bool(write_probs), _warps(chunk, 256, 8))
+        return cls(vocab, chunk, min(chunk, 1024), bool(write_kept), _warps(chunk, 256, 8))
 
 

@@ -232,21 +232,25 @@ def mla_attention_absorbed(q_nope, q_pe, pool, layer, w_kv_b, topk, batch, scale
     return torch.einsum("thr,hvr->thv", out_lat, w[:, dn:].to(out_lat.dtype)).reshape(T, H * dv)
 
 
-def sample(logits, temperature, top_k, top_p, min_p, generator=None, return_probs=False):
-    """torch_ref.sample with per-row [B] parameters: greedy where temperature <= 0, else an exponential-race
-    draw (Philox noise, seeded from `generator`) from the top-k/top-p/min-p filtered softmax.
-
-    With return_probs, also returns the filtered, renormalised [B, V] distribution that was drawn from.
-    """
+def sample(logits, temperature, top_k, top_p, min_p, seed, step, return_kept=False):
+    """torch_ref.sample as one Triton kernel (one program per row): same parameters ([B] tensors or
+    scalars), same kept sets, same noise, so the same token ids [B] int64; with return_kept, also the
+    kept mask [B, V] bool."""
     B, V = logits.shape
     dev = logits.device
-    ctx = SampleCtx.make(V, return_probs)
-    seed = int(torch.randint(0, 2**31 - 1, (1,), generator=generator))
+    ctx = SampleCtx.make(V, return_kept)
     out = torch.empty(B, dtype=torch.int64, device=dev)
-    probs = torch.empty(B, V, dtype=torch.float32, device=dev) if return_probs else None
-    params = [torch.as_tensor(p, device=dev).expand(B).contiguous() for p in (temperature, top_k, top_p, min_p)]
+    kept = torch.empty(B, V, dtype=torch.int8, device=dev) if return_kept else None
+    params = [torch.as_tensor(p, device=dev).expand(B).contiguous()
+              for p in (temperature, top_k, top_p, min_p, seed, step)]
     lg = _rows(logits)
     if B:
-        extra = [probs, probs.stride(0)] if return_probs else []
-        kernel_for(ctx)[(B,)](lg, lg.stride(0), *params, seed, out, *extra, num_warps=ctx.num_warps)
-    return (out, probs) if return_probs else out
+        extra = [kept, kept.stride(0)] if return_kept else []
+        kernel_for(ctx)[(B,)](lg, lg.stride(0), *params, out, *extra, num_warps=ctx.num_warps)
+    return (out, kept.bool()) if return_kept else out
+
+
+def sample_greedy(logits):
+    """The sampler at its defaults (temperature 0: argmax, lowest id on ties): the IR's `sample.tokens`."""
+    zero = torch.zeros((), dtype=torch.int64, device=logits.device)
+    return sample(logits, zero.float(), zero, zero + 1.0, zero.float(), zero, zero)

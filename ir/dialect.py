@@ -224,5 +224,6 @@ def _lm_head(op, ins):
 
 @register("sample.tokens", 1)
 def _sample(op, ins):
-    """Sampler (temperature, top-k/p, min-p; greedy at temperature 0) -> token ids."""
+    """Token ids from logits: the sampler of runtime/engine/sampling.py at its defaults (greedy,
+    temperature 0); the engine samples the plan's logits with each request's parameters."""
     return [T((ins[0].shape[0],), "i64")]

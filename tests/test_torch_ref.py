@@ -143,29 +143,6 @@ def test_mha_is_causal_softmax_attention_over_topk():
     torch.testing.assert_close(out, torch.einsum("hl,lhd->hd", p, kv[..., 8:]), rtol=0, atol=1e-5)
 
 
-def test_sample_filters_and_greedy():
-    logits = randn(4, 50) * 3
-    n = 4
-    zero, one = torch.zeros(n), torch.ones(n)
-    ks = torch.zeros(n, dtype=torch.long)
-    greedy = logits.argmax(-1)
-    assert torch.equal(ref.sample(logits, zero, ks, one, zero), greedy)
-    assert torch.equal(ref.sample(logits, one, torch.ones(n, dtype=torch.long), one, zero), greedy)
-    assert torch.equal(ref.sample(logits, one, ks, torch.full((n,), 1e-6), zero), greedy)
-    assert torch.equal(ref.sample(logits, one, ks, one, one), greedy)
-    gen = torch.Generator().manual_seed(0)
-    top5 = logits.topk(5, -1).indices
-    for _ in range(50):
-        s = ref.sample(logits, torch.full((n,), 2.0), torch.full((n,), 5), one, zero, generator=gen)
-        assert all(int(s[b]) in top5[b].tolist() for b in range(n))
-    # Frequencies follow softmax(logits / T) on a 3-token row.
-    row = torch.tensor([[0.0, 1.0, 2.0]]).expand(4000, 3)
-    draws = ref.sample(row, torch.ones(4000), torch.zeros(4000, dtype=torch.long), torch.ones(4000),
-                       torch.zeros(4000), generator=gen)
-    freq = torch.bincount(draws, minlength=3).float() / 4000
-    torch.testing.assert_close(freq, torch.softmax(row[0], -1), rtol=0, atol=0.03)
-
-
 def test_fp8_block_dequant_uses_per_block_scales():
     w = torch.randint(-8, 8, (200, 300)).float().to(torch.float8_e4m3fn)
     s = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])

@@ -1,8 +1,9 @@
 """The engine loop: scheduler + model runner + sampler, with thread-safe submission.
 
 One engine thread owns all scheduling state and runs `step()` in a loop: take new requests and
-aborts from the inbox, schedule, run the model, sample, detokenize and hand `StreamEvent`s to each
-request's sink. The HTTP server (asyncio) talks to it only through `submit_many` and `abort` (its
+aborts from the inbox, schedule, run the model, sample (one batched sampler call per DP rank, on
+the device holding the logits: `sampling.sample_requests`), detokenize and hand `StreamEvent`s to
+each request's sink. The HTTP server (asyncio) talks to it only through `submit_many` and `abort` (its
 `EventStream` turns sinks into an async queue), so a slow forward never blocks the event loop.
 Tests may instead call `step()`/`generate()` directly with no thread.
 
@@ -27,8 +28,8 @@ from glmc.runtime.engine.request import Request
 from glmc.runtime.engine.sampling import (
     SamplingParams,
     TokenLogprobs,
-    make_generator,
-    sample_row,
+    request_seed,
+    sample_requests,
 )
 from glmc.runtime.engine.scheduler import (
     DataParallelScheduler,
@@ -112,7 +113,7 @@ class Engine:
                 f"prompt, {params.max_tokens} for the completion).", "max_tokens"
                 if room >= 1 else "prompt", "context_length_exceeded")
         req = Request(list(prompt_ids), params, eos_token_ids=self.tokenizer.eos_token_ids,
-                      max_context=self.max_context, generator=make_generator(params.seed))
+                      max_context=self.max_context, seed=request_seed(params.seed))
         if not self.scheduler.fits(req):
             raise InvalidRequest(f"request needs {req.max_total_tokens} tokens of KV, more than the "
                                  f"pool's {self.runner.num_pages * PAGE_SIZE}", "max_tokens",
@@ -193,9 +194,7 @@ class Engine:
             for s, batch, logits in zip(ranks, work, self.runner.forward_dp(fbs)):
                 if batch is not None:
                     s.commit(batch)
-                    for i, req in enumerate(batch.reqs):
-                        if req.num_pending == 0:
-                            self._sample(req, logits[i])
+                    self._sample(batch.reqs, logits)
         self._update_gauges()
         return True
 
@@ -240,8 +239,17 @@ class Engine:
             elif (req := self._live.get(item)) is not None:
                 self._finish(req, "abort")
 
-    def _sample(self, req: Request, logits: torch.Tensor) -> None:
-        token, lp = sample_row(logits, req.params, req.prompt_ids, req.output_ids, req.generator)
+    def _sample(self, reqs: list[Request], logits: torch.Tensor) -> None:
+        """One sampler call for a DP rank's step: row i of logits is reqs[i]'s last token; the
+        requests whose prompt is fully computed get a token (a chunked prefill's rows wait)."""
+        ready = [i for i, r in enumerate(reqs) if r.num_pending == 0]
+        if not ready:
+            return
+        rows = logits if len(ready) == len(reqs) else logits[ready]
+        for i, (token, lp) in zip(ready, sample_requests(rows, [reqs[i] for i in ready])):
+            self._append_token(reqs[i], token, lp)
+
+    def _append_token(self, req: Request, token: int, lp: TokenLogprobs | None) -> None:
         req.output_ids.append(token)
         if lp is not None:
             req.output_logprobs.append(lp)

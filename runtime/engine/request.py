@@ -45,8 +45,10 @@ class Request:
     num_computed: int = 0
     num_cached_tokens: int = 0  # prefix-cache hit of the latest admission
     num_retractions: int = 0
-    # Sampling state (owned by the engine): a torch.Generator, so seeded draws are reproducible
-    generator: object = None
+    # The sampler's RNG seed (int64): the request's own, or one drawn when the engine made it.
+    # With the number of output tokens as counter, a seeded request's draws do not depend on
+    # what else shares its batches.
+    seed: int = 0
     # Timing for metrics
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None

@@ -1,16 +1,60 @@
-"""Sampling: validated per-request parameters and the logits -> token step, in torch.
+"""The sampler: one semantics, batched over requests, on the device that holds the logits.
 
-Order per step (vLLM's): logprobs are taken from the raw model distribution; then repetition,
-presence and frequency penalties; temperature; top-k, top-p and min-p filters; then a draw from the
-request's own generator (seeded requests are reproducible whatever else shares the batch).
-Temperature 0 is greedy: argmax after penalties.
+Per request, in this order (the order of Hugging Face `generate`'s logits processors and warpers,
+with OpenAI's meaning of each field):
+
+1. logprobs, when asked for, come from the raw model distribution, log_softmax(logits), before
+   any of the steps below (as vLLM reports them by default); bias, penalties and filters change
+   which token is drawn, not the reported probabilities.
+2. logit_bias: bias[t] is added to logit t (OpenAI: token id -> value in [-100, 100]).
+3. repetition_penalty r (HF/CTRL) on every token of prompt + output: x > 0 -> x / r, else x * r.
+4. presence and frequency penalties (OpenAI) on output tokens:
+   x -= frequency * count + presence * (count > 0).
+5. temperature 0: greedy, argmax of the result (ties: the lowest token id). Nothing below applies.
+6. temperature T > 0: p_i is proportional to exp((x_i - max x) / T). Tokens are ordered by (logit
+   descending, token id ascending): that total order breaks every tie by the lowest id.
+7. top_k: the first k tokens (top_k <= 0 or >= vocab: off).
+8. top_p: on the distribution top-k left (renormalised), the smallest prefix whose mass reaches
+   top_p; at least one token; top_p = 1: off.
+9. min_p: on the distribution top-p left, tokens with p >= min_p * p_max (renormalising leaves the
+   ratio alone, so this is exp((x_i - max x) / T) >= min_p).
+10. draw from the kept tokens with probability proportional to p_i, by an exponential race: the
+    token with the largest (x_i - max x) / T - log(-log u_i), u_i a counter-based hash of (seed,
+    step, token id) (`torch_ref.sample_uniform`). The seed is the request's (a random one drawn once
+    when the request is made, if it gave none); step is the number of tokens it has generated.
+
+Example: p = [.3, .3, .2, .2], top_k=2, top_p=.5 keeps {0}: top-k leaves [.5, .5], and token 0
+alone reaches .5. (Judging top-p on the unfiltered distribution, as SGLang does, would keep {0, 1}.)
+
+Why this order: it is what HF `generate` applies (processors, then temperature, top-k, top-p,
+min-p), so users get the distribution its documentation describes, and each filter sees the
+distribution the previous one left, so a filter's parameter means the same thing whatever else
+is set. Min-p after top-p changes nothing (it is scale-free); top-p after top-k does. Why the race:
+it needs no sort and no cumulative sum over the vocabulary, and noise that is a pure function of
+(seed, step, token id) makes a seeded request draw the same tokens whatever shares its batch,
+after a retraction, and in both implementations.
+
+Implementations: `sample_batch(logits, SamplingBatch)` runs steps 1-4 as a torch pre-pass on the
+logits' device (scatter of bias entries, token counts), then steps 5-10 with `torch_ref.sample`
+on CPU or the Triton kernel `triton_target.sample` on CUDA; both compute the same integer hash and
+the same float steps, so they keep the same sets and draw the same token (the Triton interpreter
+matches torch exactly; a GPU's fast exp/log can differ only where two candidates are within float
+rounding). Only token ids and the asked-for logprobs leave the device. The IR's `sample.tokens` is
+this sampler at its defaults, greedy (`sample_greedy`); the engine samples the logits the plan
+returns with each request's parameters.
 """
 from __future__ import annotations
 
 import math
+import secrets
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+from glmc.codegen import torch_ref
+
+if TYPE_CHECKING:
+    from glmc.runtime.engine.request import Request
 
 
 class SamplingError(ValueError):
@@ -26,6 +70,10 @@ def _check(ok: bool, param: str, message: str) -> None:
         raise SamplingError(param, f"{param}: {message}")
 
 
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
 @dataclass
 class SamplingParams:
     """Per-request sampling and stopping controls, validated by `validate()`."""
@@ -38,6 +86,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
@@ -51,14 +100,16 @@ class SamplingParams:
         for name, lo, hi in (("temperature", 0.0, 2.0), ("top_p", 0.0, 1.0), ("min_p", 0.0, 1.0),
                              ("presence_penalty", -2.0, 2.0), ("frequency_penalty", -2.0, 2.0)):
             v = getattr(self, name)
-            _check(isinstance(v, (int, float)) and math.isfinite(v) and lo <= v <= hi, name,
-                   f"must be a number in [{lo}, {hi}], got {v!r}")
+            _check(_is_number(v) and lo <= v <= hi, name, f"must be a number in [{lo}, {hi}], got {v!r}")
         _check(self.top_p > 0.0, "top_p", "must be > 0")
-        _check(isinstance(self.repetition_penalty, (int, float))
-               and 0.0 < self.repetition_penalty <= 2.0, "repetition_penalty",
-               f"must be in (0, 2], got {self.repetition_penalty!r}")
+        _check(_is_number(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 2.0,
+               "repetition_penalty", f"must be in (0, 2], got {self.repetition_penalty!r}")
         _check(isinstance(self.top_k, int) and (self.top_k >= -1), "top_k",
                f"must be -1 (off) or a positive integer, got {self.top_k!r}")
+        bad = [(t, b) for t, b in self.logit_bias.items() if not (
+            isinstance(t, int) and 0 <= t < vocab_size and _is_number(b) and -100 <= b <= 100)]
+        _check(not bad, "logit_bias", f"needs token ids in [0, {vocab_size}) mapped to numbers in "
+               f"[-100, 100]; got {bad[:3]}")
         _check(len(self.stop) <= 16 and all(isinstance(s, str) and s for s in self.stop), "stop",
                "must be up to 16 non-empty strings")
         _check(all(isinstance(t, int) and 0 <= t < vocab_size for t in self.stop_token_ids),
@@ -81,64 +132,133 @@ class TokenLogprobs:
     top: list[tuple[int, float]]
 
 
-def make_generator(seed: int | None) -> torch.Generator:
-    g = torch.Generator()
-    g.manual_seed(seed if seed is not None else torch.seed())
-    return g
+def request_seed(seed: int | None) -> int:
+    """A request's RNG seed as an int64: the one it asked for (mod 2^64), else one drawn now."""
+    s = secrets.randbits(64) if seed is None else seed % (1 << 64)
+    return s - (1 << 64) if s >= 1 << 63 else s
 
 
-def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int],
-                    output_ids: list[int]) -> torch.Tensor:
-    """Penalise one row of logits [V] in place; returns it.
+def _ids(rows_ids: list[tuple[int, list[int]]], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, token) index tensors of every (row, ids) pair, for a scatter into [B, V]."""
+    rows = [r for r, ids in rows_ids for _ in ids]
+    return (torch.tensor(rows, dtype=torch.int64, device=device),
+            torch.tensor([t for _, ids in rows_ids for t in ids], dtype=torch.int64, device=device))
 
-    Repetition penalty (HF/CTRL) covers prompt and output tokens; presence and frequency penalties
-    (OpenAI) cover generated tokens only.
+
+@dataclass(frozen=True)
+class SamplingBatch:
+    """The sampling inputs of one step's requests: [B] tensors on the logits' device, plus the
+    sparse entries of bias and penalties (None when no request of the batch uses them)."""
+
+    temperature: torch.Tensor  # fp32
+    top_k: torch.Tensor  # int64; <= 0: off
+    top_p: torch.Tensor  # fp32
+    min_p: torch.Tensor  # fp32
+    seed: torch.Tensor  # int64
+    step: torch.Tensor  # int64: tokens the request has generated, the RNG counter
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # (rows, token ids, values)
+    repetition: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # ([B] r, rows, ids seen)
+    occurrence: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None
+    # ([B] presence, [B] frequency, rows, output ids): one entry per occurrence
+    top_logprobs: tuple[int | None, ...]  # per request: None (no logprobs) or alternatives wanted
+
+    @classmethod
+    def from_requests(cls, reqs: list[Request], device) -> SamplingBatch:
+        ps = [r.params for r in reqs]
+
+        def col(values, dtype):
+            return torch.tensor(values, dtype=dtype, device=device)
+        bias = [(i, p.logit_bias) for i, p in enumerate(ps) if p.logit_bias]
+        rep = [(i, sorted(set(r.prompt_ids) | set(r.output_ids))) for i, r in enumerate(reqs)
+               if r.params.repetition_penalty != 1.0]
+        occ = [(i, r.output_ids) for i, r in enumerate(reqs)
+               if r.params.presence_penalty or r.params.frequency_penalty]
+        return cls(
+            col([p.temperature for p in ps], torch.float32), col([p.top_k for p in ps], torch.int64),
+            col([p.top_p for p in ps], torch.float32), col([p.min_p for p in ps], torch.float32),
+            col([r.seed for r in reqs], torch.int64), col([len(r.output_ids) for r in reqs], torch.int64),
+            bias=(*_ids([(i, list(b)) for i, b in bias], device),
+                  col([v for _, b in bias for v in b.values()], torch.float32)) if bias else None,
+            repetition=(col([p.repetition_penalty for p in ps], torch.float32), *_ids(rep, device))
+            if rep else None,
+            occurrence=(col([p.presence_penalty for p in ps], torch.float32),
+                        col([p.frequency_penalty for p in ps], torch.float32), *_ids(occ, device))
+            if occ else None,
+            top_logprobs=tuple(p.top_logprobs if p.logprobs else None for p in ps))
+
+
+def bias_and_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Steps 2-4 on fp32 logits [B, V] (a new tensor; `logits` is not changed)."""
+    x = logits.float().clone()
+    if batch.bias is not None:
+        rows, ids, values = batch.bias
+        x.index_put_((rows, ids), values, accumulate=True)
+    if batch.repetition is not None:
+        r, rows, ids = batch.repetition
+        seen = torch.zeros_like(x, dtype=torch.bool)
+        seen[rows, ids] = True
+        r = r[:, None]
+        x = torch.where(seen, torch.where(x > 0, x / r, x * r), x)
+    if batch.occurrence is not None:
+        presence, frequency, rows, ids = batch.occurrence
+        counts = torch.zeros_like(x).index_put_((rows, ids), torch.ones_like(ids, dtype=x.dtype),
+                                                accumulate=True)
+        x -= frequency[:, None] * counts + presence[:, None] * (counts > 0)
+    return x
+
+
+@dataclass
+class SampledTokens:
+    """What leaves the device: token ids [B] int64 and, for the requests that asked, the raw
+    logprob of the chosen token and the top alternatives (None where no request asked)."""
+
+    token_ids: torch.Tensor
+    logprob_rows: torch.Tensor | None = None  # [R] int64: the rows that asked
+    chosen_logprobs: torch.Tensor | None = None  # [R] fp32
+    top_logprobs: torch.return_types.topk | None = None  # values/indices [R, max asked]
+
+    def to_host(self, top_logprobs: tuple[int | None, ...]) -> list[tuple[int, TokenLogprobs | None]]:
+        tokens = self.token_ids.tolist()
+        lps: list[TokenLogprobs | None] = [None] * len(tokens)
+        if self.logprob_rows is not None:
+            chosen = self.chosen_logprobs.tolist()
+            top_v, top_i = ((self.top_logprobs.values.tolist(), self.top_logprobs.indices.tolist())
+                            if self.top_logprobs is not None else (None, None))
+            for j, row in enumerate(self.logprob_rows.tolist()):
+                n = top_logprobs[row]
+                top = list(zip(top_i[j][:n], top_v[j][:n])) if top_v is not None else []
+                lps[row] = TokenLogprobs(chosen[j], top)
+        return list(zip(tokens, lps))
+
+
+def sample_batch(logits: torch.Tensor, batch: SamplingBatch, use_triton: bool | None = None
+                 ) -> SampledTokens:
+    """Sample one token per row of logits [B, V] (any device); see the module docstring.
+
+    use_triton: the Triton kernel (default on CUDA) or `torch_ref.sample` (default elsewhere); tests
+    set it to run the kernel in the Triton interpreter on CPU.
     """
-    vocab = logits.shape[-1]
-    if params.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), dtype=torch.long)
-        if seen.numel():
-            vals = logits[seen]
-            logits[seen] = torch.where(vals > 0, vals / params.repetition_penalty,
-                                       vals * params.repetition_penalty)
-    if output_ids and (params.presence_penalty or params.frequency_penalty):
-        counts = torch.bincount(torch.tensor(output_ids), minlength=vocab)[:vocab].to(logits.dtype)
-        logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
-    return logits
-
-
-def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Temperature, then top-k, top-p and min-p: removed tokens get -inf. One row [V]."""
-    logits = logits / params.temperature
-    if 0 < params.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, params.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        cum = torch.softmax(sorted_logits, -1).cumsum(-1)
-        drop = (cum - torch.softmax(sorted_logits, -1)) >= params.top_p  # keeps the first token
-        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
-    if params.min_p > 0.0:
-        probs = torch.softmax(logits, -1)
-        logits = logits.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
-    return logits
-
-
-def sample_row(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int],
-               output_ids: list[int], generator: torch.Generator | None
-               ) -> tuple[int, TokenLogprobs | None]:
-    """Pick the next token from one fp32 row of logits [V]."""
-    lp = None
-    if params.logprobs:
-        raw = torch.log_softmax(logits.float(), -1)
-        top = torch.topk(raw, params.top_logprobs) if params.top_logprobs else None
-        lp = (raw, [] if top is None else list(zip(top.indices.tolist(), top.values.tolist())))
-    logits = apply_penalties(logits.float().clone(), params, prompt_ids, output_ids)
-    if params.greedy:
-        token = int(torch.argmax(logits))
+    x = bias_and_penalties(logits, batch)
+    if use_triton is None:
+        use_triton = logits.is_cuda
+    if use_triton:
+        from glmc.codegen import triton_target
+        draw = triton_target.sample
     else:
-        probs = torch.softmax(filter_logits(logits, params), -1)
-        token = int(torch.multinomial(probs, 1, generator=generator))
-    if lp is not None:
-        lp = TokenLogprobs(float(lp[0][token]), lp[1])
-    return token, lp
+        draw = torch_ref.sample
+    tokens = draw(x, batch.temperature, batch.top_k, batch.top_p, batch.min_p, batch.seed, batch.step)
+    asked = [i for i, n in enumerate(batch.top_logprobs) if n is not None]
+    if not asked:
+        return SampledTokens(tokens)
+    rows = torch.tensor(asked, dtype=torch.int64, device=logits.device)
+    raw = torch.log_softmax(logits[rows].float(), -1)
+    num_top = max(batch.top_logprobs[i] for i in asked)
+    return SampledTokens(tokens, rows, raw.gather(1, tokens[rows, None])[:, 0],
+                         torch.topk(raw, num_top) if num_top else None)
+
+
+def sample_requests(logits: torch.Tensor, reqs: list[Request]) -> list[tuple[int, TokenLogprobs | None]]:
+    """One step's token (and logprobs, if asked) for each request, row i of logits [B, V] being
+    reqs[i]'s: the batch is built once, sampled on the logits' device, and only the results move."""
+    batch = SamplingBatch.from_requests(reqs, logits.device)
+    return sample_batch(logits, batch).to_host(batch.top_logprobs)

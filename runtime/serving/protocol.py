@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import time
 
 from fastapi.responses import JSONResponse
-from glmc.runtime.engine.sampling import SamplingParams
+from glmc.runtime.engine.sampling import SamplingError, SamplingParams
 from glmc.runtime.engine.tokenizer import TemplateError, Tokenizer
 from pydantic import BaseModel, ConfigDict
 
@@ -51,6 +52,7 @@ class _SamplingFields(BaseModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
+    logit_bias: dict | None = None  # OpenAI: {"token id": bias in [-100, 100]}; see logit_bias()
     stop: str | list[str | int] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
@@ -84,7 +86,22 @@ def sampling_params(body: _SamplingFields, max_tokens: int | None, logprobs: boo
             "repetition_penalty")},
         stop=[s for s in stop if isinstance(s, str)],
         stop_token_ids=[s for s in stop if isinstance(s, int)] + list(body.stop_token_ids or []),
-        ignore_eos=body.ignore_eos, seed=seed, logprobs=logprobs, top_logprobs=top)
+        ignore_eos=body.ignore_eos, seed=seed, logprobs=logprobs, top_logprobs=top,
+        logit_bias=logit_bias(body.logit_bias))
+
+
+def logit_bias(raw: dict | None) -> dict[int, float]:
+    """OpenAI's logit_bias, {"token id": number}, as {token id: bias}; raises `SamplingError`
+    (param "logit_bias") on a key that is not a token id or a value that is not a number. The
+    range checks (ids below the vocabulary size, values in [-100, 100]) are SamplingParams.validate's."""
+    out = {}
+    for key, value in (raw or {}).items():
+        if not (isinstance(key, str) and re.fullmatch(r"-?[0-9]+", key)):
+            raise SamplingError("logit_bias", f"logit_bias: keys must be token ids, got {key!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise SamplingError("logit_bias", f"logit_bias[{key!r}]: must be a number, got {value!r}")
+        out[int(key)] = float(value)
+    return out
 
 
 def prompt_ids(body: ChatRequest | CompletionRequest, tok: Tokenizer) -> list[list[int]]:
