@@ -3,7 +3,7 @@ the sampler applies it, and a malformed one is a 400 in OpenAI's shape naming `l
 import httpx
 import openai
 import pytest
-from glmc.runtime.engine.build import build_engine
+from glmc.api import build_engine
 from glmc.runtime.serving.server import create_app
 from test_server import MODEL, Server
 
