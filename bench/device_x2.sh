@@ -21,7 +21,7 @@ for job in ${JOBS:-multi plan}; do
              > "$OUT/multi.log" 2>&1; echo "multi rc=$?"; grep -E '^\{|CHECK|Error|error' "$OUT/multi.log" | cut -c1-600 | tail -20 ;;
     plan)  timeout 300 python3 bench/gpu_plan_check.py --out "$OUT/gpu_plan_check.json" > "$OUT/plan.log" 2>&1
            echo "plan rc=$?"; grep -E 'PLAN CHECK|Error' "$OUT/plan.log" | tail -5 ;;
-    serve) timeout 400 python3 bench/serve_multi_gpu.py --out "$OUT/serve_multi_gpu.json" > "$OUT/serve.log" 2>&1
+    serve) timeout 400 python3 bench/serve_multi_gpu.py --out "$OUT/serve_multi_gpu.json" ${SERVE_ARGS:-} > "$OUT/serve.log" 2>&1
            echo "serve rc=$?"; grep -E '^\{|SERVE' "$OUT/serve.log" | cut -c1-400 | tail -8 ;;
     decode) timeout 480 python3 bench/decode_bench.py --out-dir "$OUT" > "$OUT/decode.log" 2>&1
            echo "decode rc=$?"; tail -25 "$OUT/decode.log" ;;

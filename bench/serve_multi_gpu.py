@@ -72,6 +72,7 @@ def ask_all(client, model) -> list[str]:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
+    ap.add_argument("--only", help="comma list of specs to run after tp1 (default: all)")
     args = ap.parse_args()
     os.environ["PYTHONSAFEPATH"] = "1"   # `-m glmc.cli` from the repo root: the installed glmc
     root = Path(tempfile.mkdtemp(prefix="glmc_serve_mgpu_"))
@@ -79,6 +80,8 @@ def main():
     runs = [("tp1", [], None, signal.SIGTERM), ("tp2", [], None, signal.SIGINT),
             ("dp2ep2", ["--moe-gather"], None, signal.SIGINT),
             ("dp2ep2", ["--moe-a2a"], None, signal.SIGTERM), ("tp2", [], 2, signal.SIGTERM)]
+    if args.only:
+        runs = runs[:1] + [r for r in runs[1:] if r[0] in args.only.split(",")]
     rows, want = [], None
     for parallel, extra, torchrun, sig in runs:
         base = ["--device", "cuda", "--parallel", parallel, "--weights", str(ckpt), "--port", "0",
@@ -104,7 +107,8 @@ def main():
                 want = want or texts
             row["clean_exit"] = True      # exit 0, "stopped serving", no process left behind
         except BaseException as e:  # noqa: BLE001  (reported; the next run still goes)
-            row.update(error=f"{type(e).__name__}: {e}"[-2000:], clean_exit=False)
+            row.update(error=f"{type(e).__name__}: {e}"[-2000:], clean_exit=False,
+                       log_tail=log.read_text()[-2500:] if log.exists() else "")
             row.setdefault("same_as_tp1", False)
         row["seconds"] = round(time.perf_counter() - t0, 1)
         rows.append(row)

@@ -115,3 +115,22 @@ def test_parallel_server_gives_tp1_greedy_output(ckpt, tp1_answers, tmp_path, pa
         metrics = httpx.get(run.url.removesuffix("/v1") + "/metrics").text
         admitted = dict(re.findall(r'requests_admitted_total\{dp_rank="(\d)"\} (\d+)', metrics))
         assert set(admitted) == ({"0", "1"} if parallel.startswith("dp") else {"0"})
+
+
+def test_followers_see_each_request_in_its_own_row():
+    """What rank 0 ships is cut to the batch's rows; a follower puts them back at their real rows,
+    so a request keeps its row on every rank as the batch around it changes (the CUDA target keeps
+    rows on the device between steps)."""
+    from glmc.runtime.engine.distributed import RowMirror, compact
+    from glmc.runtime.worker.forward_batch import ForwardBatch
+    table = torch.arange(8 * 128).view(8, 128)
+    mirror = RowMirror()
+    first = ForwardBatch.build("extend", [[1] * 5, [2] * 7], [3, 6], [0, 0], table)
+    got = mirror.apply(compact(first))
+    assert got.req_pool_indices.tolist() == [3, 6]
+    assert torch.equal(got.req_to_token[3, :5], table[3, :5])
+    assert torch.equal(got.req_to_token[6, :7], table[6, :7])
+    later = ForwardBatch.build("decode", [[9]], [6], [7], table)   # request 3 finished
+    got = mirror.apply(compact(later))
+    assert got.req_pool_indices.tolist() == [6] and torch.equal(got.req_to_token[6, :8], table[6, :8])
+    assert mirror.apply(compact(ForwardBatch.idle(table))).mode == "idle"

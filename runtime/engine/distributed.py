@@ -56,8 +56,11 @@ class DistRunner(ModelRunner):
 def follow(local: PlanRunner, group) -> None:
     """A rank other than 0: run every step rank 0 sends, until it sends None."""
     first_of_dp = local.executor.comm.coords.of("attn_tp") == 0
+    dp_rank = local.executor.comm.coords.of("attn_dp")
+    mirror = RowMirror()
     while (msg := _recv(group)) is not None:
         phase, batches = msg
+        batches[dp_rank] = mirror.apply(batches[dp_rank])
         logits = _run(local, phase, batches)
         if len(batches) > 1:
             mine = logits.cpu() if first_of_dp else None  # gloo moves host objects
@@ -65,13 +68,35 @@ def follow(local: PlanRunner, group) -> None:
 
 
 def compact(batch: ForwardBatch) -> ForwardBatch:
-    """`batch` with req_to_token cut to its own rows and positions: what travels to other ranks."""
+    """What travels to the other ranks: `batch` with req_to_token cut to its own rows, in batch
+    order (row i = request i), up to its longest sequence; `RowMirror.apply` undoes the cut."""
     if batch.batch_size == 0:
         return ForwardBatch.idle()
     width = int(batch.seq_lens.max())
     return dataclasses.replace(
-        batch, req_pool_indices=torch.arange(batch.batch_size),
-        req_to_token=batch.req_to_token[batch.req_pool_indices, :width].clone())
+        batch, req_to_token=batch.req_to_token[batch.req_pool_indices, :width].clone())
+
+
+class RowMirror:
+    """A following rank's copy of rank 0's req_to_token, row for row. Requests keep their real row
+    on every rank, so a runner that keeps rows on the device between steps (the CUDA target's
+    table, written at prefill, extended by each decode step) finds the same request in the same
+    row on every rank, whatever else joins or leaves the batch."""
+
+    def __init__(self):
+        self.table = torch.zeros((0, 0), dtype=torch.int64)
+
+    def apply(self, shipped: ForwardBatch) -> ForwardBatch:
+        if shipped.batch_size == 0:
+            return ForwardBatch.idle(self.table)
+        rows, cut = shipped.req_pool_indices, shipped.req_to_token
+        need = (max(self.table.shape[0], int(rows.max()) + 1), max(self.table.shape[1], cut.shape[1]))
+        if need != tuple(self.table.shape):
+            grown = torch.zeros(need, dtype=torch.int64)
+            grown[: self.table.shape[0], : self.table.shape[1]] = self.table
+            self.table = grown
+        self.table[rows, : cut.shape[1]] = cut
+        return dataclasses.replace(shipped, req_to_token=self.table)
 
 
 def _run(local: PlanRunner, phase: str, batches: list[ForwardBatch]) -> torch.Tensor:

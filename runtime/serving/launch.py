@@ -103,7 +103,10 @@ def _rank_main(rank: int, world: int, cfg: ServeConfig) -> None:
                         num_pages=cfg.num_pages, max_context=cfg.max_context,
                         max_running=cfg.engine_kwargs.get("max_running", 32))
     if rank:
-        follow(local, group)
+        try:
+            follow(local, group)
+        finally:
+            local.close()
         return
     runner = DistRunner(local, group)
     try:
@@ -113,3 +116,4 @@ def _rank_main(rank: int, world: int, cfg: ServeConfig) -> None:
         serve(engine, cfg.model_name, cfg.host, cfg.port, cfg.log_level)
     finally:
         runner.close()
+        local.close()

@@ -145,6 +145,13 @@ class GpuRunner(PlanExecutor):
         self.comm.add(cap.counts)
         return {k: v[:batch.batch_size] for k, v in cap.out.items()}
 
+    def release(self) -> None:
+        """Drop the captured graphs (they hold NCCL work) and wait for the device: NCCL
+        communicators are destroyed only after no graph can launch on them."""
+        self.captured.clear()
+        if self.r2t.is_cuda:
+            torch.cuda.synchronize(self.r2t.device)
+
     # ------------------------------------------------------------------ CUDA graphs
     @torch.no_grad()
     def capture(self, buckets=None, warmup: int = 2, progress=None) -> dict:

@@ -50,6 +50,8 @@ def _entry(rank, fn, world, init_file, backend, timeout_s, args):
     try:
         fn(rank, world, *args)
     finally:
+        if backend == "nccl":
+            torch.cuda.synchronize()
         dist.destroy_process_group()
 
 

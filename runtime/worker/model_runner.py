@@ -100,6 +100,12 @@ class PlanRunner(ModelRunner):
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         return self.run(self.phase_of([batch]), batch)
 
+    def close(self) -> None:
+        """Release device state (captured graphs) before the process group goes away."""
+        release = getattr(self.executor, "release", None)
+        if release is not None:
+            release()
+
 
 class DevicePlanRunner(PlanRunner):
     """`PlanRunner` over an executor whose tensors live on an accelerator (`gpu_runner.GpuRunner`,
