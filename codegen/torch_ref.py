@@ -10,6 +10,9 @@ RoPE output uses HF's layout (see `rope`); top-k indices are POSITIONS within th
 """
 from __future__ import annotations
 
+import functools
+import math
+
 import torch
 import torch.nn.functional as F
 from glmc.runtime.worker.forward_batch import ForwardBatch
@@ -33,20 +36,66 @@ def layer_norm(x, weight, bias, eps):
     return F.layer_norm(x.float(), (x.shape[-1],), weight, bias, eps)
 
 
-def rope(x, positions, theta, interleaved=True):
-    """Rotate x[t, ..., :] by angle positions[t] * theta^(-2j/d) per pair j of the last dim.
+@functools.lru_cache(maxsize=64)
+def rope_inv_freq(theta: float, dim: int, scaling: tuple | None = None) -> torch.Tensor:
+    """Per pair j < dim/2: the angle per position, fp32 on the CPU, with transformers' float ops.
 
-    interleaved=True pairs (x[2j], x[2j+1]) (DeepSeek/GLM) and, like HF, writes the result
-    de-interleaved: [rotated evens | rotated odds]. interleaved=False pairs (x[j], x[j + d/2]) and
-    keeps that layout. A dot product of two vectors rotated the same way is layout-independent, so
-    q and k (and the KV cache) must just use the same call.
+    Plain RoPE: theta^(-2j/dim). Yarn (`scaling`: the IR's (name, value) pairs, see
+    `glmc.config.RopeScaling.ir_attr`): `_compute_yarn_parameters`' blend of interpolated
+    (theta^(2j/dim) * factor)^-1 and extrapolated theta^(-2j/dim) frequencies, with a linear ramp
+    over the correction range [low, high] of pairs that turn beta_fast..beta_slow times in the
+    original context.
+    """
+    pos_freqs = theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)
+    if scaling is None:
+        return 1.0 / pos_freqs
+    s = dict(scaling)
+    if s["type"] != "yarn":
+        raise ValueError(f"rope scaling type {s['type']!r} is not implemented (yarn only)")
+    low, high = _yarn_correction_range(s["beta_fast"], s["beta_slow"], dim, theta,
+                                       s["original_max_position_embeddings"], s["truncate"])
+    if low == high:
+        high += 0.001  # transformers: prevent a singular ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp
+    return (1.0 / (s["factor"] * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+
+
+def _yarn_correction_range(beta_fast, beta_slow, dim, theta, original_max_positions, truncate):
+    """Pairs [low, high] between full extrapolation (>= beta_fast turns in the original context)
+    and full interpolation (<= beta_slow turns), as transformers' `find_correction_range`."""
+    def pair(turns):
+        return (dim * math.log(original_max_positions / (turns * 2 * math.pi))) / (2 * math.log(theta))
+    low, high = pair(beta_fast), pair(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    return max(low, 0), min(high, dim - 1)
+
+
+def rope_attention_factor(scaling: tuple | None) -> float:
+    """The factor on cos and sin: yarn's attention_factor, 1 for plain RoPE."""
+    return 1.0 if scaling is None else float(dict(scaling)["attention_factor"])
+
+
+def rope(x, positions, theta, interleaved=True, scaling=None):
+    """Rotate x[t, ..., :] by angle positions[t] * inv_freq[j] per pair j of the last dim
+    (`rope_inv_freq`: plain theta^(-2j/d), or yarn's with `scaling`, whose attention factor also
+    multiplies cos and sin, as transformers' rotary embedding does).
+
+    interleaved=True pairs (x[2j], x[2j+1]) (DeepSeek/GLM MLA, GLM's indexer) and, like HF, writes
+    the result de-interleaved: [rotated evens | rotated odds]. interleaved=False pairs (x[j], x[j + d/2])
+    (rotate_half: DeepSeek-V3.2's indexer) and keeps that layout. A dot product of two vectors
+    rotated the same way is layout-independent, so q and k (and the KV cache) must just use the same call.
     """
     d = x.shape[-1]
     # Same float ops as HF's rotary embedding so angles match bit for bit.
-    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float) / d))
-    freqs = positions.float()[:, None] * inv_freq.to(positions.device)  # [T, d/2]
+    freqs = positions.float()[:, None] * rope_inv_freq(float(theta), d, scaling).to(positions.device)  # [T, d/2]
     shape = (freqs.shape[0],) + (1,) * (x.dim() - 2) + (d // 2,)
-    cos, sin = freqs.cos().view(shape), freqs.sin().view(shape)
+    cos, sin = freqs.cos(), freqs.sin()
+    factor = rope_attention_factor(scaling)
+    if factor != 1.0:
+        cos, sin = cos * factor, sin * factor
+    cos, sin = cos.view(shape), sin.view(shape)
     if interleaved:
         a, b = x[..., 0::2], x[..., 1::2]
     else:

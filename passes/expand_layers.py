@@ -48,7 +48,10 @@ class _Env:
         self.cfg = ctx.spec.config
         self.names: dict[str, str] = {}     # program name -> current IR value
         self.prev_full: int | None = None
-        self.fields = {**self.cfg.model_dump(), "softmax_scale": self.cfg.softmax_scale}
+        # config fields by HF name, plus what the program needs derived: rope_scaling as the rope
+        # ops' `scaling` attribute (None for a plain RoPE), the yarn-aware softmax scale
+        self.fields = {**self.cfg.model_dump(), "softmax_scale": self.cfg.softmax_scale,
+                       "rope_scaling": self.cfg.rope_scaling_attr}
 
     def layer(self, ops: list[Op], i: int, tags: set[str]) -> None:
         self.emit(ops, self.ctx.spec.program.layer, layer=i, tags=tags, prefix=f"L{i}.")
@@ -73,6 +76,7 @@ class _Env:
         outs = (st.out,) if isinstance(st.out, str) else st.out
         results = [prefix + o for o in outs]
         attrs = {k: self._attr(v, layer) for k, v in st.attrs.items()}
+        attrs = {k: v for k, v in attrs.items() if v is not None}  # an optional attr left unset
         for o, r in zip(outs, results):
             self.names[o] = r
         return Op.make(st.op, results, args, attrs, layer)

@@ -40,6 +40,11 @@ def _index_chain(graph: Graph, a: str):
     return None
 
 
+def _same_angles(a: Op, b: Op) -> bool:
+    """Two rope ops rotate by the same angles (theta, rotated dims, scaling); pairing may differ."""
+    return all(a.attr(k) == b.attr(k) for k in ("theta", "dims", "scaling"))
+
+
 def fuse_qkv(op: Op, graph: Graph):
     # kv_write(rms(slice(a)), rope(slice(a))) + rms(slice(a)) for q -> one fused op
     if op.kind != "mem.kv_write":
@@ -54,21 +59,26 @@ def fuse_qkv(op: Op, graph: Graph):
     if not qs:
         return None
     q_norm = qs[0]
+    rope = kpe[0]
     attrs = {"q_lora": q_norm.types[0].shape[-1].coeff.numerator,
              "kv_lora": ckv[0].types[0].shape[-1].coeff.numerator,
-             "rope_dim": kpe[0].types[0].shape[-1].coeff.numerator, "dtype": op.attr("dtype"),
-             "eps": q_norm.attr("eps"), "theta": kpe[0].attr("theta"), "layer": op.attr("layer"),
+             "rope_dim": rope.types[0].shape[-1].coeff.numerator, "dtype": op.attr("dtype"),
+             "eps": q_norm.attr("eps"), "theta": rope.attr("theta"), "layer": op.attr("layer"),
+             "interleaved": rope.attr("interleaved", True),
              "weight": (q_norm.attr("weight"), ckv[0].attr("weight"))}
+    if rope.attr("scaling") is not None:
+        attrs["scaling"] = rope.attr("scaling")
     chain = [q_norm, graph.producer(q_norm.operands[0]), *ckv, *kpe, op]
     results, types, places = [q_norm.result, op.result], [q_norm.types[0], op.types[0]], \
         [q_norm.placements[0], op.placements[0]]
     kind = "fused.qkv_a_norm_rope_write"
     idx = _index_chain(graph, a)
-    if idx is not None:
-        write, _, ln, _ = idx
+    if idx is not None and _same_angles(idx[1], rope):  # one cos/sin table serves both keys
+        write, index_rope, ln, _ = idx
         kind += "_index"
         attrs.update(index_dim=ln.types[0].shape[-1].coeff.numerator, index_dtype=write.attr("dtype"),
-                     index_weight=(ln.attr("weight"), ln.attr("bias")), index_eps=ln.attr("eps"))
+                     index_weight=(ln.attr("weight"), ln.attr("bias")), index_eps=ln.attr("eps"),
+                     index_interleaved=index_rope.attr("interleaved", True))
         chain += idx
         results.append(write.result)
         types.append(write.types[0])
