@@ -126,13 +126,21 @@ def _on(batch_tensor, device):
     return batch_tensor.to(device)
 
 
+def topk_lowest_first(scores, k):
+    """Indices of the k largest along the last dim, in descending order, exact ties broken by the
+    LOWEST index first (a stable descending sort). Every top-k of glmc (indexer, router; torch and
+    Triton, CPU and GPU) breaks ties this way; torch.topk's choice among ties is unspecified and
+    differs between devices and row lengths."""
+    return scores.sort(dim=-1, descending=True, stable=True).indices[..., :k]
+
+
 def indexer_topk(q_idx, weights, pool: KVPool, layer, batch: ForwardBatch, topk):
     """I(t,s) = sum_h w_h(t) relu(q_h(t).k(s) Di^-0.5) over s <= pos(t); top-k POSITIONS, -1 padded.
 
-    `weights` is weights_proj(x) * Hi^-0.5 (the caller applies HF's head scaling). HF ranks a row over
-    ALL seq_len keys of the request with future keys at -inf and k = min(topk, seq_len); we do the
-    same so torch.topk sees identical rows and breaks exact ties (keys whose every head is ReLU'd to 0)
-    exactly like HF. Positions of future keys that fill a short row are then replaced by -1.
+    `weights` is weights_proj(x) * Hi^-0.5 (the caller applies HF's head scaling). Like HF, a row holds
+    all seq_len keys of the request, future keys at -inf, and k = min(topk, seq_len); exact ties (keys
+    whose every head is ReLU'd to 0) go to the lowest position (`topk_lowest_first`), so a chunked
+    prefill, a whole one and decode pick the same keys. Future positions filling a short row become -1.
     """
     dev = q_idx.device
     out = torch.full((q_idx.shape[0], topk), -1, dtype=torch.int64, device=dev)
@@ -144,7 +152,7 @@ def indexer_topk(q_idx, weights, pool: KVPool, layer, batch: ForwardBatch, topk)
         index = torch.einsum("th,thl->tl", weights[tok].float(), scores)  # [n, L]
         future = torch.arange(k.shape[0], device=dev)[None, :] > qpos[:, None]
         index = index.masked_fill(future, float("-inf"))
-        picked = index.topk(min(topk, k.shape[0]), dim=-1).indices
+        picked = topk_lowest_first(index, min(topk, k.shape[0]))
         picked = picked.masked_fill(picked > qpos[:, None], -1)
         out[tok, : picked.shape[1]] = picked
     return out
@@ -210,7 +218,8 @@ def moe_route(x, gate_w, bias, top_k, n_group, topk_group, norm_topk_prob, route
     """s = sigmoid(x Wg^T); choose top-k of s+bias within the best topk_group groups; w = s / sum * rsf.
 
     A group's score is the sum of its two largest biased scores. Weights use the UNBIASED s.
-    Returns (weights [T, k] fp32, expert ids [T, k] int64); id order is torch.topk's (unsorted), as HF.
+    Returns (weights [T, k] fp32, expert ids [T, k] int64), ids in descending biased score; exact ties
+    (among groups, among experts) go to the lowest index (`topk_lowest_first`), as in the Triton router.
     """
     return moe_route_logits(x.float() @ gate_w.float().T, bias, top_k, n_group, topk_group,
                             norm_topk_prob, routed_scaling_factor)
@@ -222,10 +231,10 @@ def moe_route_logits(logits, bias, top_k, n_group, topk_group, norm_topk_prob, r
     choice = scores + bias.float()
     T, E = choice.shape
     group_scores = choice.view(T, n_group, E // n_group).topk(2, dim=-1).values.sum(-1)
-    group_idx = group_scores.topk(topk_group, dim=-1, sorted=False).indices
+    group_idx = topk_lowest_first(group_scores, topk_group)
     group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1).bool()
     expert_mask = group_mask[:, :, None].expand(T, n_group, E // n_group).reshape(T, E)
-    ids = choice.masked_fill(~expert_mask, float("-inf")).topk(top_k, dim=-1, sorted=False).indices
+    ids = topk_lowest_first(choice.masked_fill(~expert_mask, float("-inf")), top_k)
     weights = scores.gather(1, ids)
     if norm_topk_prob:
         weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)

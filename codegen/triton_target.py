@@ -88,7 +88,7 @@ def add_rms_norm(x, residual, weight, eps):
 def moe_route(x, gate_w, bias, top_k, n_group, topk_group, norm_topk_prob, routed_scaling_factor):
     """torch_ref.moe_route: the fp32 gate GEMM in torch (cuBLAS), everything after it in one kernel.
 
-    Ids come out in descending biased-score order (torch_ref's order is torch.topk's; compare as sets).
+    Ids come out in descending biased-score order, exact ties lowest index first, as torch_ref's.
     """
     logits = x.float() @ gate_w.float().T
     return moe_route_logits(logits, bias, top_k, n_group, topk_group, norm_topk_prob, routed_scaling_factor)
@@ -172,7 +172,8 @@ def indexer_scores(q_idx, weights, k_cache, req_to_token, rows, pos, max_len, bl
 
 
 def topk_select(scores, lens, k, chunk=None):
-    """Per row t: positions of the k largest of scores[t, :lens[t]], ascending, -1 padded. [T, k] int64."""
+    """Per row t: positions of the k largest of scores[t, :lens[t]], ascending, -1 padded. [T, k] int64.
+    Exact ties at the k-th score go to the lowest positions (torch_ref.topk_lowest_first's choice)."""
     T = scores.shape[0]
     ctx = TopkSelectCtx.make(k, scores.shape[1], chunk)
     out = torch.empty(T, k, dtype=torch.int64, device=scores.device)

@@ -142,6 +142,10 @@ class GlmConfig(BaseModel):
         return tuple("full" if max(i - off + 1, 0) % freq == 0 else "shared"
                      for i in range(self.num_hidden_layers))
 
+    def full_indexer_layers(self) -> frozenset[int]:
+        """Decoder layers with their own indexer (weights, key cache, top-k)."""
+        return frozenset(i for i, t in enumerate(self.layer_indexer_types()) if t == "full")
+
     def layer_mlp_types(self) -> tuple[str, ...]:
         if self.mlp_layer_types is not None:
             return self.mlp_layer_types

@@ -73,6 +73,8 @@ def make_tiny_checkpoint(ckpt_dir: str | Path) -> Path:
     from glmc.runtime.worker.checkpoint import expected_tensors
     from safetensors.torch import save_file
 
+    from glmc.spec import config_from_hf
+
     ckpt_dir = Path(ckpt_dir)
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     config = tiny_hf_config()
@@ -85,7 +87,7 @@ def make_tiny_checkpoint(ckpt_dir: str | Path) -> Path:
         return ckpt_dir
     gen, tensors = torch.Generator().manual_seed(TINY_SEED), {}
     mtp = config["num_nextn_predict_layers"] > 0
-    for name, shape in tqdm(sorted(expected_tensors(config, mtp=mtp).items()),
+    for name, shape in tqdm(sorted(expected_tensors(config_from_hf(config), mtp=mtp).items()),
                             desc="creating tiny weights", unit="tensor"):
         tensors[name] = _tiny_init(name, shape, gen)
     tmp = ckpt_dir / f"model.safetensors.tmp{os.getpid()}"
@@ -109,7 +111,7 @@ def _tiny_init(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch
     return scale * torch.randn(shape, generator=gen)
 
 
-def load_weights(ckpt_dir: Path, config: dict) -> dict[str, torch.Tensor]:
+def load_weights(ckpt_dir: Path, config) -> dict[str, torch.Tensor]:
     """Every tensor of the checkpoint (for the reference model, which is not sharded)."""
     from glmc.runtime.worker.checkpoint import (
         detect_mtp,
@@ -211,7 +213,8 @@ def build_engine(ckpt_dir: str | Path, plan_dir: str | Path | None = None,
         model = cuda_plan_runner(cuda_plan_source(ckpt_dir, plan_dir, parallel, max_running),
                                  num_pages, max_context, max_running)
     elif runner == "reference":
-        config = json.loads((ckpt_dir / "config.json").read_text())
+        from glmc.spec import load_spec
+        config = load_spec(ckpt_dir).config
         model = ReferenceRunner(config, load_weights(ckpt_dir, config), num_pages, max_context)
     elif runner == "plan":
         src = plan_source(ckpt_dir, plan_dir, parallel)
@@ -319,7 +322,7 @@ def _rank_weights(src: PlanSource, dtype: torch.dtype) -> dict[str, torch.Tensor
 
     graphs = list(src.graphs.values())
     shards = rank_shards(graphs, Coords(0, graphs[0].meta["mesh"]))
-    expected = expected_tensors(src.config.model_dump(), **detect_mtp(src.ckpt_dir))
+    expected = expected_tensors(src.config, **detect_mtp(src.ckpt_dir))
     return load_checkpoint(src.ckpt_dir, expected, shard=shards.get, dtype=dtype,
                            only={n for n in shards if n in expected})
 

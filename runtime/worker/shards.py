@@ -65,6 +65,6 @@ def rank_shards(graphs, coords: Coords) -> dict:
 def load_rank_weights(ckpt_dir, config, graphs, coords: Coords) -> dict[str, torch.Tensor]:
     """This rank's weights for the given phase graphs, read from a HF checkpoint directory."""
     shards = rank_shards(graphs, coords)
-    expected = expected_tensors(config.model_dump(), **detect_mtp(ckpt_dir))
+    expected = expected_tensors(config, **detect_mtp(ckpt_dir))
     needed = {n for n in shards if n in expected}
     return load_checkpoint(ckpt_dir, expected, shard=lambda n: shards.get(n), only=needed)
