@@ -180,9 +180,10 @@ def _refusals(raw: dict) -> list[str]:
 
 
 def _rope_fields(raw: dict, where: str) -> dict:
-    """rope_theta and rope_scaling as transformers resolves them: the rope dict (`rope_parameters`,
-    or the older `rope_scaling`) first, then top-level keys; a plain RoPE has no scaling."""
-    rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+    """rope_theta and rope_scaling as transformers resolves them: the rope dict (the older
+    `rope_scaling` wins over `rope_parameters`, as in transformers) first, then top-level keys; a
+    plain RoPE has no scaling."""
+    rope = dict(raw.get("rope_scaling") or raw.get("rope_parameters") or {})
     rope_type = rope.pop("rope_type", None) or rope.pop("type", "default")
     rope.pop("type", None)
     out = {}
