@@ -3,10 +3,13 @@
 Assumes: a validated ModelSpec. Guarantees: for prefill / decode / mtp_verify, prologue +
 num_hidden_layers decoder layers + epilogue; for mtp_draft, the MTP prologue + one decoder layer
 (index num_hidden_layers, MoE, full indexer) + MTP epilogue. Each statement is kept where all its
-`when` tags hold; values are named `L<i>.<name>`; types are not inferred yet. Example (layer 1,
-shared indexer):
+`when` tags hold; values are named `L<i>.<name>`; types are not inferred yet. Layer 2 of GLM-5.3
+owns an indexer, layer 3 (shared) reuses its top-k:
 
-    %L1.topk = idx.reuse(%L0.topk) {from_layer=0} : ?  # L1
+Example (GLM-5.3, tp1, decode):
+
+    %L2.topk = idx.topk(%L2.iq, %L2.iw, %L2.icache) {head_dim=128, heads=32, k=2048} : ?  # L2
+    %L3.topk = idx.reuse(%L2.topk) {from_layer=2} : ?  # L3
 """
 from __future__ import annotations
 

@@ -3,11 +3,20 @@
 Assumes: the layer program's A-projection slices. Guarantees: per layer, the q_a / kv_a norms,
 the k_pe RoPE and `mem.kv_write` become `fused.qkv_a_norm_rope_write(a, positions) -> (q_c, kv)`;
 on full layers the indexer key LayerNorm + RoPE + `mem.index_k_write` join it
-(`fused.qkv_a_norm_rope_write_index -> (q_c, kv, icache)`). Example (layer 1, shared):
+(`fused.qkv_a_norm_rope_write_index -> (q_c, kv, icache)`) when both RoPEs turn by the same angles
+(theta, dims, scaling); the fused op keeps each RoPE's pairing (`interleaved`, `index_interleaved`)
+and the yarn `scaling`, if any. GLM-5.3 layer 2 (full) and layer 3 (shared):
 
-    %L1.q_c = norm.rms(%L1.q_a) ...; %L1.c_kv = norm.rms(%L1.kv_a) ...
-    %L1.k_pe = rope.apply(%L1.k_pe_a, %positions) ...; %L1.kv = mem.kv_write(%L1.c_kv, %L1.k_pe) ...
- -> %L1.q_c, %L1.kv = fused.qkv_a_norm_rope_write(%L1.a, %positions) {...} : [T, 2048] bf16, [S, 576] fp8
+Example (GLM-5.3, tp1, decode):
+
+    %L2.ik = rope.apply(%L2.ik_n, %positions) {dims=64, interleaved=true, theta=8000000.0} : ...
+    %L2.icache = mem.index_k_write(%L2.ik) {dtype=fp8, layer=2} : [S, 128] fp8 @ R  # L2
+    %L3.q_c = norm.rms(%L3.q_a) {eps=1e-06, ...} : [T, 2048] bf16 @ R  # L3
+    %L3.c_kv = norm.rms(%L3.kv_a) {eps=1e-06, ...} : [T, 512] bf16 @ R  # L3
+    %L3.k_pe = rope.apply(%L3.k_pe_a, %positions) {dims=64, interleaved=true, theta=8000000.0} : ...
+    %L3.kv = mem.kv_write(%L3.c_kv, %L3.k_pe) {dtype=fp8, layer=3} : [S, 576] fp8 @ R  # L3
+ -> %L2.q_c, %L2.kv, %L2.icache = fused.qkv_a_norm_rope_write_index(%L2.a, %positions) {...
+    %L3.q_c, %L3.kv = fused.qkv_a_norm_rope_write(%L3.a, %positions) {... interleaved=true, ...} : ...
 """
 from __future__ import annotations
 

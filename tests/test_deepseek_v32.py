@@ -14,10 +14,10 @@ from glmc.runtime.worker.checkpoint import expected_tensors, load_checkpoint
 from glmc.runtime.worker.forward_batch import ForwardBatch
 from glmc.runtime.worker.launch import spawn
 from glmc.runtime.worker.reference_model import ReferenceModel
-from glmc.spec import load_spec
 from tiny_hf import save_tiny
 from transformers.models.deepseek_v32 import modeling_deepseek_v32 as hf_ds
 
+from glmc.spec import load_spec
 from tests.plan_run import build, greedy, rank_worker
 from tests.test_reference_model import hf_logits, prompts, reference
 
@@ -56,7 +56,7 @@ def test_reference_model_matches_transformers(dsv32):
     want = torch.cat([hf_logits(model, p) for p in ps])
     assert (ref.forward(batch, return_all_logits=True) - want).abs().max() < ATOL
     # Each of the three matters here: the indexer's layout, yarn, and sparse attention.
-    for wrong in (dict(indexer_rope_interleave=True), dict(rope_scaling=None), dict(index_topk=4096)):
+    for wrong in ({"indexer_rope_interleave": True}, {"rope_scaling": None}, {"index_topk": 4096}):
         other = ReferenceModel(c.model_copy(update=wrong), weights, ref.pool)
         assert (other.forward(batch, return_all_logits=True) - want).abs().max() > 1e-2, wrong
 

@@ -9,15 +9,16 @@ keys are refused; every key transformers' own configs write has a status.
 import json
 
 import pytest
-from glmc.compiler import compile_plan
-from glmc.config import GlmConfig, Options
 from glmc.ir import print_graph
-from glmc.parallel import parse_parallel
 from glmc.runtime.worker.checkpoint import expected_tensors
 from glmc.runtime.worker.model_runner import context_limit
-from glmc.spec import HF_INERT, HF_REQUIRED, SpecError, hf_key_status, load_spec
 from tiny_hf import YARN, make_config
 from transformers import DeepseekV32Config, GlmMoeDsaConfig
+
+from glmc.compiler import compile_plan
+from glmc.config import GlmConfig, Options
+from glmc.parallel import parse_parallel
+from glmc.spec import HF_INERT, HF_REQUIRED, SpecError, hf_key_status, load_spec
 
 # Per GlmConfig field: a change to the base config.json (the field, plus what must move with it).
 CHANGES = {
