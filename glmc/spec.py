@@ -114,14 +114,14 @@ def _from_hf_dir(path: Path) -> ModelSpec:
     raw = json.loads(cfg_path.read_text())
     try:
         return ModelSpec(name=path.name, config=config_from_hf(raw, str(cfg_path)),
-                         dtypes=_hf_dtypes(raw), program=default_program(), source=str(path))
+                         dtypes=_hf_dtypes(raw, str(cfg_path)), program=default_program(), source=str(path))
     except ValidationError as e:
         raise _fail(str(cfg_path), e) from None
 
 
 # config.json keys that do not change a forward pass: metadata, training, generation, caching.
 HF_INERT = frozenset({
-    "architectures", "transformers_version", "_name_or_path", "model_type", "id2label", "label2id",
+    "architectures", "transformers_version", "_name_or_path", "id2label", "label2id",
     "problem_type", "return_dict", "output_hidden_states", "output_attentions", "use_cache",
     "output_router_logits", "initializer_range", "attention_dropout", "router_aux_loss_coef",
     "aux_loss_alpha", "seq_aux", "bos_token_id", "pad_token_id", "tokenizer_class",
@@ -130,9 +130,12 @@ HF_INERT = frozenset({
     "ep_size",                  # DeepSeek's deployment hint; glmc's parallel spec decides
     "head_dim",                 # HF overwrites it with qk_rope_head_dim
     "layer_types",              # HF's cache dispatch ("indexed_attention" on every layer)
-    "dtype", "torch_dtype", "quantization_config",  # storage dtypes: `_hf_dtypes`, the loader
-    "rope_theta", "rope_parameters", "rope_scaling",  # read by `_rope_fields`
-    "original_max_position_embeddings",  # yarn: read by `_rope_fields`; plain RoPE: unused
+})
+# config.json keys honoured besides GlmConfig's fields: the RoPE (`_rope_fields`), the indexer
+# layout's default (model_type), storage dtypes and FP8 blocks (`_hf_dtypes`, the loader).
+HF_HONOURED = frozenset({
+    "rope_theta", "rope_parameters", "rope_scaling", "original_max_position_embeddings", "model_type",
+    "dtype", "torch_dtype", "quantization_config",
 })
 # config.json keys glmc implements for one value only: (does the value fit?, what glmc implements).
 HF_REQUIRED = {
@@ -155,8 +158,7 @@ HF_REQUIRED = {
 
 def hf_key_status(key: str) -> str:
     """How glmc treats a config.json key: honoured, inert, required (one value) or refused."""
-    if key in GlmConfig.model_fields or key in ("rope_theta", "rope_parameters", "rope_scaling", "model_type",
-                                                 "dtype", "torch_dtype", "quantization_config"):
+    if key in GlmConfig.model_fields or key in HF_HONOURED:
         return "honoured"
     if key in HF_INERT:
         return "inert"
@@ -167,7 +169,7 @@ def _refusals(raw: dict) -> list[str]:
     """One line per config.json key glmc would not reproduce exactly."""
     out = []
     for key, value in sorted(raw.items()):
-        if value is None or key in GlmConfig.model_fields or key in HF_INERT:
+        if value is None or key in GlmConfig.model_fields or key in HF_HONOURED or key in HF_INERT:
             continue
         if key in HF_REQUIRED:
             fits, implemented = HF_REQUIRED[key]
@@ -227,10 +229,18 @@ def config_from_hf(raw: dict, where: str = "config.json") -> GlmConfig:
         raise _fail(where, e) from None
 
 
-def _hf_dtypes(raw: dict) -> DTypes:
+def _hf_dtypes(raw: dict, where: str = "config.json") -> DTypes:
+    """Storage dtypes: fp32 checkpoints compute in fp32; block-FP8 ones (128 x 128 blocks, what the
+    loader dequantises) or plain ones in bf16. Other quantisations are refused."""
+    quant = raw.get("quantization_config") or {}
+    method = quant.get("quant_method", "fp8" if quant.get("fmt") == "e4m3" else None)
+    if quant and method != "fp8":
+        raise SpecError(f"{where}: field quantization_config.quant_method: {method!r} is not supported; "
+                        "glmc loads unquantised or block-FP8 (quant_method fp8) checkpoints")
+    if quant and list(quant.get("weight_block_size") or [128, 128]) != [128, 128]:
+        raise SpecError(f"{where}: field quantization_config.weight_block_size: "
+                        f"{quant['weight_block_size']!r} is not supported; glmc's FP8 blocks are [128, 128]")
     if (raw.get("dtype") or raw.get("torch_dtype")) == "float32":
         return DTypes(activation="fp32", weight="fp32", kv_cache="fp32", index_cache="fp32")
-    quant = raw.get("quantization_config") or {}
-    fp8 = quant.get("quant_method") == "fp8" or quant.get("fmt") == "e4m3"
-    return DTypes(activation="bf16", weight="fp8" if fp8 else "bf16", kv_cache="fp8",
+    return DTypes(activation="bf16", weight="fp8" if quant else "bf16", kv_cache="fp8",
                   index_cache="fp8")

@@ -149,6 +149,9 @@ def test_required_values_are_refused_otherwise(key, value, tmp_path):
     ({"rope_parameters": {"rope_type": "default", "factor": 2.0}}, r"field rope_parameters: plain RoPE"),
     ({"rope_scaling": {"type": "llama3", "factor": 8.0}}, r"\(got 'llama3'\)"),
     ({"tie_word_embeddings": True}, r"tie_word_embeddings true is not supported"),
+    ({"quantization_config": {"quant_method": "gptq", "bits": 4}}, r"quantization_config.quant_method: 'gptq'"),
+    ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [64, 64]}},
+     r"quantization_config.weight_block_size: \[64, 64\] is not supported"),
 ])
 def test_rope_types_and_unknown_keys_are_refused_by_name(raw, message, tmp_path):
     with pytest.raises(SpecError, match=message):
