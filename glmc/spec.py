@@ -125,6 +125,7 @@ HF_INERT = frozenset({
     "problem_type", "return_dict", "output_hidden_states", "output_attentions", "use_cache",
     "output_router_logits", "initializer_range", "attention_dropout", "router_aux_loss_coef",
     "aux_loss_alpha", "seq_aux", "bos_token_id", "pad_token_id", "tokenizer_class",
+    "auto_map",                 # remote-code class names
     "chunk_size_feed_forward",  # HF may chunk the FFN over tokens: same values
     "is_encoder_decoder",       # a decoder-only class ignores it
     "ep_size",                  # DeepSeek's deployment hint; glmc's parallel spec decides
@@ -148,6 +149,7 @@ HF_REQUIRED = {
     "rope_interleave": (lambda v, raw: v is True, "true (MLA RoPE on interleaved pairs)"),
     "use_qk_norm": (lambda v, raw: v is False, "false (no per-head q/k norm)"),
     "partial_rotary_factor": (lambda v, raw: v == 1, "1 (RoPE on all qk_rope_head_dim dims)"),
+    "pretraining_tp": (lambda v, raw: v == 1, "1 (unsplit projections)"),
     "num_key_value_heads": (lambda v, raw: v == raw.get("num_attention_heads"),
                             "num_attention_heads (MLA: one latent per token, every head reads it)"),
     "num_experts": (lambda v, raw: v == raw.get("n_routed_experts"), "n_routed_experts"),

@@ -121,6 +121,7 @@ def test_each_field_is_honoured_or_refused(field, base, tmp_path, monkeypatch):
     ("architectures", ["Other"]), ("transformers_version", "0.0"), ("initializer_range", 1.0),
     ("attention_dropout", 0.5), ("use_cache", False), ("head_dim", 99), ("bos_token_id", 7),
     ("output_router_logits", True), ("chunk_size_feed_forward", 4), ("ep_size", 8),
+    ("auto_map", {"AutoConfig": "configuration_deepseek.DeepseekV3Config"}),
 ])
 def test_inert_keys_change_nothing(key, value, base, tmp_path, monkeypatch):
     monkeypatch.setenv("GLMC_VERIFY", "0")
@@ -133,6 +134,7 @@ def test_inert_keys_change_nothing(key, value, base, tmp_path, monkeypatch):
     ("attention_bias", True), ("mlp_bias", True), ("hidden_act", "gelu"), ("scoring_func", "softmax"),
     ("topk_method", "greedy"), ("moe_layer_freq", 2), ("rope_interleave", False), ("use_qk_norm", True),
     ("partial_rotary_factor", 0.5), ("num_key_value_heads", 1), ("num_experts", 4), ("qk_head_dim", 30),
+    ("pretraining_tp", 2),
 ])
 def test_required_values_are_refused_otherwise(key, value, tmp_path):
     assert key in HF_REQUIRED
