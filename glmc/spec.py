@@ -3,6 +3,10 @@
 `load_spec(path)` reads a YAML model file or a Hugging Face checkpoint directory (its
 `config.json`, with the op program of the packaged `glm_moe_dsa.yaml`). Every error names the file,
 the field and the reason (`SpecError`).
+
+`config_from_hf` never guesses: every config.json key is a GlmConfig field or otherwise honoured
+(`HF_HONOURED`: RoPE, model_type, dtypes), known not to change a forward pass (`HF_INERT`), or
+implemented for one value only (`HF_REQUIRED`); other values and unknown keys are refused.
 """
 from __future__ import annotations
 
