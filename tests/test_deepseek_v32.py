@@ -9,7 +9,7 @@ and tp2ep2 as gloo processes), and the CUDA target's Triton kernels run by the i
 """
 import pytest
 import torch
-from glmc.ir import print_graph
+from glmc.ir import parse, print_graph
 from glmc.runtime.worker.checkpoint import expected_tensors, load_checkpoint
 from glmc.runtime.worker.forward_batch import ForwardBatch
 from glmc.runtime.worker.launch import spawn
@@ -44,6 +44,7 @@ def test_config_and_ir_say_yarn_and_the_indexer_layout(dsv32):
     assert f"%L1.q_pe = rope.apply(%L1.q_pe_a, %positions) {{dims=8, interleaved=true, {yarn}" in text
     fused = next(line for line in text.splitlines() if "fused.qkv_a_norm_rope_write_index(%L1.a" in line)
     assert "index_interleaved=false" in fused and " interleaved=true" in fused and yarn in fused
+    assert print_graph(parse(text)) == text  # the scaling attribute round-trips
 
 
 def test_reference_model_matches_transformers(dsv32):
