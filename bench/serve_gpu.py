@@ -78,6 +78,8 @@ def write_checkpoint(d: Path, narrow: bool, device: str) -> dict:
     """config.json, model.safetensors (streamed: one tensor on the host at a time), tokenizer."""
     import torch
     from glmc.runtime.worker.checkpoint import expected_tensors
+
+    from glmc.spec import config_from_hf
     dtype, dname = (torch.float32, "float32") if narrow else (torch.bfloat16, "bfloat16")
     d.mkdir(parents=True, exist_ok=True)
     if (d / "written.json").exists():  # a warm machine's earlier call wrote it
@@ -87,7 +89,7 @@ def write_checkpoint(d: Path, narrow: bool, device: str) -> dict:
     for f in TOKENIZER_FILES:
         (d / f).write_bytes((ROOT / "models" / "tiny" / f).read_bytes())
     printable = len(json.loads((d / "tokenizer.json").read_text())["model"]["vocab"])
-    shapes = sorted(expected_tensors(cfg).items())
+    shapes = sorted(expected_tensors(config_from_hf(cfg)).items())
     code, size = ("F32", 4) if narrow else ("BF16", 2)
     header, off = {"__metadata__": {"format": "pt"}}, 0
     for name, shape in shapes:

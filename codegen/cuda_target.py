@@ -74,7 +74,8 @@ def _ln(op, args, rt):
 @impl("rope.apply")
 def _rope(op, args, rt):
     x, d = args[0], int(op.attr("dims"))
-    return tt.rope(x, args[1], op.attr("theta"), op.attr("interleaved", True), rope_dim=d)
+    return tt.rope(x, args[1], op.attr("theta"), op.attr("interleaved", True), rope_dim=d,
+                   scaling=op.attr("scaling"))
 
 
 @impl("linear", "mla.a_proj", "lm.head")
@@ -104,9 +105,10 @@ def _qkv_fused(op, args, rt):
         di = int(op.attr("index_dim"))
         w, b = (rt.w(n) for n in op.attr("index_weight"))
         kw = dict(index_k=a[:, q + c + r:q + c + r + di], k_norm_w=w, k_norm_b=b,
-                  index_eps=op.attr("index_eps"))
+                  index_eps=op.attr("index_eps"), index_interleaved=op.attr("index_interleaved", True))
     c_q = tt.qkv_norm_rope_write(a[:, :q], a[:, q:q + c + r], pos, rt.loc, rt.pool, layer, wq, wkv,
-                                 op.attr("eps"), op.attr("theta"), **kw)
+                                 op.attr("eps"), op.attr("theta"), op.attr("interleaved", True),
+                                 scaling=op.attr("scaling"), **kw)
     return (c_q, layer, layer) if kw else (c_q, layer)
 
 

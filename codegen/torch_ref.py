@@ -10,6 +10,8 @@ RoPE output uses HF's layout (see `rope`); top-k indices are POSITIONS within th
 """
 from __future__ import annotations
 
+import functools
+import math
 from typing import TYPE_CHECKING
 
 import torch
@@ -37,20 +39,66 @@ def layer_norm(x, weight, bias, eps):
     return F.layer_norm(x.float(), (x.shape[-1],), weight, bias, eps)
 
 
-def rope(x, positions, theta, interleaved=True):
-    """Rotate x[t, ..., :] by angle positions[t] * theta^(-2j/d) per pair j of the last dim.
+@functools.lru_cache(maxsize=64)
+def rope_inv_freq(theta: float, dim: int, scaling: tuple | None = None) -> torch.Tensor:
+    """Per pair j < dim/2: the angle per position, fp32 on the CPU, with transformers' float ops.
 
-    interleaved=True pairs (x[2j], x[2j+1]) (DeepSeek/GLM) and, like HF, writes the result
-    de-interleaved: [rotated evens | rotated odds]. interleaved=False pairs (x[j], x[j + d/2]) and
-    keeps that layout. A dot product of two vectors rotated the same way is layout-independent, so
-    q and k (and the KV cache) must just use the same call.
+    Plain RoPE: theta^(-2j/dim). Yarn (`scaling`: the IR's (name, value) pairs, see
+    `glmc.config.RopeScaling.ir_attr`): `_compute_yarn_parameters`' blend of interpolated
+    (theta^(2j/dim) * factor)^-1 and extrapolated theta^(-2j/dim) frequencies, with a linear ramp
+    over the correction range [low, high] of pairs that turn beta_fast..beta_slow times in the
+    original context.
+    """
+    pos_freqs = theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)
+    if scaling is None:
+        return 1.0 / pos_freqs
+    s = dict(scaling)
+    if s["type"] != "yarn":
+        raise ValueError(f"rope scaling type {s['type']!r} is not implemented (yarn only)")
+    low, high = _yarn_correction_range(s["beta_fast"], s["beta_slow"], dim, theta,
+                                       s["original_max_position_embeddings"], s["truncate"])
+    if low == high:
+        high += 0.001  # transformers: prevent a singular ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp
+    return (1.0 / (s["factor"] * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+
+
+def _yarn_correction_range(beta_fast, beta_slow, dim, theta, original_max_positions, truncate):
+    """Pairs [low, high] between full extrapolation (>= beta_fast turns in the original context)
+    and full interpolation (<= beta_slow turns), as transformers' `find_correction_range`."""
+    def pair(turns):
+        return (dim * math.log(original_max_positions / (turns * 2 * math.pi))) / (2 * math.log(theta))
+    low, high = pair(beta_fast), pair(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    return max(low, 0), min(high, dim - 1)
+
+
+def rope_attention_factor(scaling: tuple | None) -> float:
+    """The factor on cos and sin: yarn's attention_factor, 1 for plain RoPE."""
+    return 1.0 if scaling is None else float(dict(scaling)["attention_factor"])
+
+
+def rope(x, positions, theta, interleaved=True, scaling=None):
+    """Rotate x[t, ..., :] by angle positions[t] * inv_freq[j] per pair j of the last dim
+    (`rope_inv_freq`: plain theta^(-2j/d), or yarn's with `scaling`, whose attention factor also
+    multiplies cos and sin, as transformers' rotary embedding does).
+
+    interleaved=True pairs (x[2j], x[2j+1]) (DeepSeek/GLM MLA, GLM's indexer) and, like HF, writes
+    the result de-interleaved: [rotated evens | rotated odds]. interleaved=False pairs (x[j], x[j + d/2])
+    (rotate_half: DeepSeek-V3.2's indexer) and keeps that layout. A dot product of two vectors
+    rotated the same way is layout-independent, so q and k (and the KV cache) must just use the same call.
     """
     d = x.shape[-1]
     # Same float ops as HF's rotary embedding so angles match bit for bit.
-    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float) / d))
-    freqs = positions.float()[:, None] * inv_freq.to(positions.device)  # [T, d/2]
+    freqs = positions.float()[:, None] * rope_inv_freq(float(theta), d, scaling).to(positions.device)  # [T, d/2]
     shape = (freqs.shape[0],) + (1,) * (x.dim() - 2) + (d // 2,)
-    cos, sin = freqs.cos().view(shape), freqs.sin().view(shape)
+    cos, sin = freqs.cos(), freqs.sin()
+    factor = rope_attention_factor(scaling)
+    if factor != 1.0:
+        cos, sin = cos * factor, sin * factor
+    cos, sin = cos.view(shape), sin.view(shape)
     if interleaved:
         a, b = x[..., 0::2], x[..., 1::2]
     else:
@@ -81,13 +129,21 @@ def _on(batch_tensor, device):
     return batch_tensor.to(device)
 
 
+def topk_lowest_first(scores, k):
+    """Indices of the k largest along the last dim, in descending order, exact ties broken by the
+    LOWEST index first (a stable descending sort). Every top-k of glmc (indexer, router; torch and
+    Triton, CPU and GPU) breaks ties this way; torch.topk's choice among ties is unspecified and
+    differs between devices and row lengths."""
+    return scores.sort(dim=-1, descending=True, stable=True).indices[..., :k]
+
+
 def indexer_topk(q_idx, weights, pool: KVPool, layer, batch: ForwardBatch, topk):
     """I(t,s) = sum_h w_h(t) relu(q_h(t).k(s) Di^-0.5) over s <= pos(t); top-k POSITIONS, -1 padded.
 
-    `weights` is weights_proj(x) * Hi^-0.5 (the caller applies HF's head scaling). HF ranks a row over
-    ALL seq_len keys of the request with future keys at -inf and k = min(topk, seq_len); we do the
-    same so torch.topk sees identical rows and breaks exact ties (keys whose every head is ReLU'd to 0)
-    exactly like HF. Positions of future keys that fill a short row are then replaced by -1.
+    `weights` is weights_proj(x) * Hi^-0.5 (the caller applies HF's head scaling). Like HF, a row holds
+    all seq_len keys of the request, future keys at -inf, and k = min(topk, seq_len); exact ties (keys
+    whose every head is ReLU'd to 0) go to the lowest position (`topk_lowest_first`), so a chunked
+    prefill, a whole one and decode pick the same keys. Future positions filling a short row become -1.
     """
     dev = q_idx.device
     out = torch.full((q_idx.shape[0], topk), -1, dtype=torch.int64, device=dev)
@@ -99,7 +155,7 @@ def indexer_topk(q_idx, weights, pool: KVPool, layer, batch: ForwardBatch, topk)
         index = torch.einsum("th,thl->tl", weights[tok].float(), scores)  # [n, L]
         future = torch.arange(k.shape[0], device=dev)[None, :] > qpos[:, None]
         index = index.masked_fill(future, float("-inf"))
-        picked = index.topk(min(topk, k.shape[0]), dim=-1).indices
+        picked = topk_lowest_first(index, min(topk, k.shape[0]))
         picked = picked.masked_fill(picked > qpos[:, None], -1)
         out[tok, : picked.shape[1]] = picked
     return out
@@ -165,7 +221,8 @@ def moe_route(x, gate_w, bias, top_k, n_group, topk_group, norm_topk_prob, route
     """s = sigmoid(x Wg^T); choose top-k of s+bias within the best topk_group groups; w = s / sum * rsf.
 
     A group's score is the sum of its two largest biased scores. Weights use the UNBIASED s.
-    Returns (weights [T, k] fp32, expert ids [T, k] int64); id order is torch.topk's (unsorted), as HF.
+    Returns (weights [T, k] fp32, expert ids [T, k] int64), ids in descending biased score; exact ties
+    (among groups, among experts) go to the lowest index (`topk_lowest_first`), as in the Triton router.
     """
     return moe_route_logits(x.float() @ gate_w.float().T, bias, top_k, n_group, topk_group,
                             norm_topk_prob, routed_scaling_factor)
@@ -177,10 +234,10 @@ def moe_route_logits(logits, bias, top_k, n_group, topk_group, norm_topk_prob, r
     choice = scores + bias.float()
     T, E = choice.shape
     group_scores = choice.view(T, n_group, E // n_group).topk(2, dim=-1).values.sum(-1)
-    group_idx = group_scores.topk(topk_group, dim=-1, sorted=False).indices
+    group_idx = topk_lowest_first(group_scores, topk_group)
     group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1).bool()
     expert_mask = group_mask[:, :, None].expand(T, n_group, E // n_group).reshape(T, E)
-    ids = choice.masked_fill(~expert_mask, float("-inf")).topk(top_k, dim=-1, sorted=False).indices
+    ids = topk_lowest_first(choice.masked_fill(~expert_mask, float("-inf")), top_k)
     weights = scores.gather(1, ids)
     if norm_topk_prob:
         weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)

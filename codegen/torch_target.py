@@ -53,7 +53,7 @@ def _ln(op, args, rt):
 @impl("rope.apply")
 def _rope(op, args, rt):
     x, d = args[0], int(op.attr("dims"))
-    roped = ref.rope(x[..., :d], args[1], op.attr("theta"), op.attr("interleaved", True))
+    roped = ref.rope(x[..., :d], args[1], op.attr("theta"), op.attr("interleaved", True), op.attr("scaling"))
     return torch.cat([roped, x[..., d:]], dim=-1) if d < x.shape[-1] else roped
 
 
@@ -116,7 +116,8 @@ def _qkv_fused(op, args, rt):
     wq, wkv = (rt.w(n) for n in op.attr("weight"))
     q_c = ref.rms_norm(a[:, :q], wq, op.attr("eps"))
     c_kv = ref.rms_norm(a[:, q:q + c], wkv, op.attr("eps"))
-    k_pe = ref.rope(a[:, q + c:q + c + r], pos, op.attr("theta"))
+    theta, scaling = op.attr("theta"), op.attr("scaling")
+    k_pe = ref.rope(a[:, q + c:q + c + r], pos, theta, op.attr("interleaved", True), scaling)
     layer = int(op.attr("layer"))
     ref.kv_write(rt.pool, layer, rt.loc, c_kv, k_pe)
     if not op.kind.endswith("_index"):
@@ -124,7 +125,7 @@ def _qkv_fused(op, args, rt):
     di = int(op.attr("index_dim"))
     w, b = (rt.w(n) for n in op.attr("index_weight"))
     k = ref.layer_norm(a[:, q + c + r:q + c + r + di], w, b, op.attr("index_eps"))
-    k = torch.cat([ref.rope(k[:, :r], pos, op.attr("theta")), k[:, r:]], dim=-1)
+    k = torch.cat([ref.rope(k[:, :r], pos, theta, op.attr("index_interleaved", True), scaling), k[:, r:]], dim=-1)
     ref.index_k_write(rt.pool, layer, rt.loc, k)
     return q_c, layer, layer
 

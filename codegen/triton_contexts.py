@@ -66,6 +66,8 @@ class RopeCtx:
     rope_dim: int
     half_rope: int
     interleaved: bool
+    attention_factor: float  # yarn's factor on cos/sin
+    scaled: bool             # attention_factor != 1
     has_pass: bool
     block_h: int
     block_half: int
@@ -73,11 +75,12 @@ class RopeCtx:
     num_warps: int
 
     @classmethod
-    def make(cls, num_heads, head_dim, rope_dim, interleaved):
+    def make(cls, num_heads, head_dim, rope_dim, interleaved, attention_factor=1.0):
         half, rest = rope_dim // 2, head_dim - rope_dim
         block_h = min(next_pow2(num_heads), 16)
-        return cls(num_heads, head_dim, rope_dim, half, bool(interleaved), rest > 0, block_h, next_pow2(half),
-                   next_pow2(max(rest, 1)), _warps(block_h * head_dim, 512, 4))
+        return cls(num_heads, head_dim, rope_dim, half, bool(interleaved), float(attention_factor),
+                   attention_factor != 1.0, rest > 0, block_h, next_pow2(half), next_pow2(max(rest, 1)),
+                   _warps(block_h * head_dim, 512, 4))
 
 
 @dataclass(frozen=True)
@@ -95,6 +98,8 @@ class QkvNormRopeWriteCtx:
     index_dim: int
     index_eps: float
     index_interleaved: bool
+    attention_factor: float  # yarn's factor on cos/sin (both RoPEs)
+    scaled: bool             # attention_factor != 1
     block_q: int
     block_kv: int
     block_half: int
@@ -103,11 +108,12 @@ class QkvNormRopeWriteCtx:
 
     @classmethod
     def make(cls, q_lora, kv_lora, rope_dim, eps, interleaved, index_dim=0, index_eps=1e-6,
-             index_interleaved=True):
+             index_interleaved=True, attention_factor=1.0):
         half = rope_dim // 2
         return cls(q_lora, kv_lora, rope_dim, half, kv_lora + half, float(eps), bool(interleaved),
-                   index_dim > 0, index_dim, float(index_eps), bool(index_interleaved), next_pow2(q_lora),
-                   next_pow2(kv_lora), next_pow2(half), next_pow2(max(index_dim, 1)), _warps(q_lora, 512, 4))
+                   index_dim > 0, index_dim, float(index_eps), bool(index_interleaved), float(attention_factor),
+                   attention_factor != 1.0, next_pow2(q_lora), next_pow2(kv_lora), next_pow2(half),
+                   next_pow2(max(index_dim, 1)), _warps(q_lora, 512, 4))
 
 
 @dataclass(frozen=True)

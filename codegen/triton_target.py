@@ -14,6 +14,7 @@ a kernel's natural interface differs (slots instead of positions, split-K partia
 from __future__ import annotations
 
 import torch
+from glmc.codegen import torch_ref as ref
 from glmc.codegen.triton_contexts import (  # noqa: F401  (re-exported)
     IndexerScoresCtx,
     MlaCombineCtx,
@@ -48,11 +49,11 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 _INV_FREQ: dict = {}
 
 
-def _inv_freq(theta: float, dim: int, device) -> torch.Tensor:
-    """theta^(-2j/dim), computed on the CPU with torch_ref.rope's exact float ops, then moved."""
-    key = (float(theta), dim, str(device))
+def _inv_freq(theta: float, dim: int, device, scaling=None) -> torch.Tensor:
+    """torch_ref.rope_inv_freq (plain or yarn), computed once on the CPU with its exact float ops, then moved."""
+    key = (float(theta), dim, scaling, str(device))
     if key not in _INV_FREQ:
-        _INV_FREQ[key] = (1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))).to(device)
+        _INV_FREQ[key] = ref.rope_inv_freq(float(theta), dim, scaling).to(device)
     return _INV_FREQ[key]
 
 
@@ -87,7 +88,7 @@ def add_rms_norm(x, residual, weight, eps):
 def moe_route(x, gate_w, bias, top_k, n_group, topk_group, norm_topk_prob, routed_scaling_factor):
     """torch_ref.moe_route: the fp32 gate GEMM in torch (cuBLAS), everything after it in one kernel.
 
-    Ids come out in descending biased-score order (torch_ref's order is torch.topk's; compare as sets).
+    Ids come out in descending biased-score order, exact ties lowest index first, as torch_ref's.
     """
     logits = x.float() @ gate_w.float().T
     return moe_route_logits(logits, bias, top_k, n_group, topk_group, norm_topk_prob, routed_scaling_factor)
@@ -104,37 +105,39 @@ def moe_route_logits(logits, bias, top_k, n_group, topk_group, norm_topk_prob, r
     return weights, ids
 
 
-def rope(x, positions, theta, interleaved=True, rope_dim=None, out=None):
+def rope(x, positions, theta, interleaved=True, rope_dim=None, out=None, scaling=None):
     """torch_ref.rope on the first rope_dim (default: all) dims of the last axis; the rest is copied.
 
     x is [T, D] or [T, H, D] (strided views such as q[..., dn:] are fine); out may be x (in place).
+    `scaling` (yarn) changes the frequencies (host-computed) and scales cos/sin by its attention factor.
     """
     x3 = x if x.dim() == 3 else x.reshape(x.shape[0], -1, x.shape[-1])
     T, H, D = x3.shape
     out = torch.empty(x3.shape, dtype=x.dtype, device=x.device) if out is None else out.view(T, H, D)
-    ctx = RopeCtx.make(H, D, rope_dim or D, interleaved)
+    ctx = RopeCtx.make(H, D, rope_dim or D, interleaved, ref.rope_attention_factor(scaling))
     if T:
         kernel_for(ctx)[(T, -(-H // ctx.block_h))](
-            x3, x3.stride(0), x3.stride(1), positions, _inv_freq(theta, ctx.rope_dim, x.device),
+            x3, x3.stride(0), x3.stride(1), positions, _inv_freq(theta, ctx.rope_dim, x.device, scaling),
             out, out.stride(0), out.stride(1), num_warps=ctx.num_warps)
     return out.view(x.shape)
 
 
 def qkv_norm_rope_write(q_a, kv_a, positions, out_cache_loc, pool, layer, q_norm_w, kv_norm_w, eps, theta,
                         interleaved=True, index_k=None, k_norm_w=None, k_norm_b=None, index_eps=1e-6,
-                        index_interleaved=True):
+                        index_interleaved=True, scaling=None):
     """After the fused A-projection, one kernel: returns c_q = rms_norm(q_a) and writes, at out_cache_loc,
     pool.kv[layer] = [rms_norm(kv_a[:, :R]) | rope(kv_a[:, R:])] and (full layers, index_k given)
     pool.index_k[layer] = [rope(layer_norm(index_k)[:, :dr]) | layer_norm(index_k)[:, dr:]].
+    Both RoPEs use the same angles (theta, `scaling`); each has its own pairing (interleaved or halves).
     """
     T, R, dr = q_a.shape[0], pool.kv_lora_rank, pool.qk_rope_head_dim
     has_ik = index_k is not None
     ctx = QkvNormRopeWriteCtx.make(q_a.shape[1], R, dr, eps, interleaved, index_k.shape[1] if has_ik else 0,
-                                   index_eps, index_interleaved)
+                                   index_eps, index_interleaved, ref.rope_attention_factor(scaling))
     c_q = torch.empty(q_a.shape, dtype=q_a.dtype, device=q_a.device)
     kv = pool.kv[layer]
     args = [q_a, q_a.stride(0), q_norm_w, c_q, c_q.stride(0), kv_a, kv_a.stride(0), kv_norm_w, positions,
-            out_cache_loc, _inv_freq(theta, dr, q_a.device), kv, kv.stride(0)]
+            out_cache_loc, _inv_freq(theta, dr, q_a.device, scaling), kv, kv.stride(0)]
     if has_ik:
         ik = pool.index_k[layer]
         args += [index_k, index_k.stride(0), k_norm_w, k_norm_b, ik, ik.stride(0)]
@@ -169,7 +172,8 @@ def indexer_scores(q_idx, weights, k_cache, req_to_token, rows, pos, max_len, bl
 
 
 def topk_select(scores, lens, k, chunk=None):
-    """Per row t: positions of the k largest of scores[t, :lens[t]], ascending, -1 padded. [T, k] int64."""
+    """Per row t: positions of the k largest of scores[t, :lens[t]], ascending, -1 padded. [T, k] int64.
+    Exact ties at the k-th score go to the lowest positions (torch_ref.topk_lowest_first's choice)."""
     T = scores.shape[0]
     ctx = TopkSelectCtx.make(k, scores.shape[1], chunk)
     out = torch.empty(T, k, dtype=torch.int64, device=scores.device)

@@ -6,7 +6,8 @@ import json
 import sys
 from pathlib import Path
 
-DEFAULT_MODEL = "glm_moe_dsa_tiny"
+DEFAULT_MODEL = "glm_moe_dsa_tiny"  # small, random weights: what `glmc run` serves by default
+CARD_MODEL = "glm_moe_dsa"          # GLM-5.3: what `glmc compile` and `glmc diff` compile by default
 
 
 def _model_path(arg: str | None) -> str:
@@ -23,7 +24,7 @@ def cmd_compile(a) -> int:
     from glmc.passes import PASS_NAMES
     from glmc.report import render
     from glmc.spec import load_spec
-    spec = load_spec(_model_path(a.model))
+    spec = load_spec(_model_path(a.model or CARD_MODEL))
     par = parse_parallel(a.parallel, spec.config)
     dump = None
     if a.dump_after:
@@ -49,7 +50,7 @@ def cmd_explain(a) -> int:
 
 def cmd_diff(a) -> int:
     from glmc.diff import diff_main
-    return diff_main(a.a, a.b, a.model, a.phase)
+    return diff_main(a.a, a.b, a.model or CARD_MODEL, a.phase)
 
 
 def cmd_export_onnx(a) -> int:
@@ -92,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("compile", help="compile a model for a parallel spec into a plan directory")
     c.add_argument("--model", help="model YAML, HF checkpoint dir, or packaged name "
-                   f"(glm_moe_dsa, {DEFAULT_MODEL}; default {DEFAULT_MODEL})")
+                   f"({CARD_MODEL}, {DEFAULT_MODEL}; default {CARD_MODEL}, GLM-5.3)")
     c.add_argument("--parallel", default="tp1", help="tp{N} | tp{N}ep{M} | dp{N}ep{M} | dp{a}tp{b}ep{c}")
     c.add_argument("-o", "--output", help="plan directory (default build/<model>-<parallel>)")
     c.add_argument("--dump-after", help="comma-separated pass names, or 'all'")
@@ -113,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     d = sub.add_parser("diff", help="IR diff of two plans, or of two parallel specs of one model")
     d.add_argument("a")
     d.add_argument("b")
-    d.add_argument("--model", help="with two parallel specs: the model (default tiny)")
+    d.add_argument("--model", help=f"with two parallel specs: the model (default {CARD_MODEL}, GLM-5.3)")
     d.add_argument("--phase", default="decode")
     d.set_defaults(fn=cmd_diff)
     x = sub.add_parser("export-onnx", help="write the plan's IR as ONNX graphs")

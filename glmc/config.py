@@ -16,6 +16,48 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 Frozen = ConfigDict(frozen=True, extra="forbid")
 
 
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """transformers' yarn `get_mscale`: 0.1 * mscale * ln(factor) + 1, or 1 when factor <= 1."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+class RopeScaling(BaseModel):
+    """A yarn RoPE (HF `rope_scaling` / `rope_parameters`, HF names; DeepSeek-V3.x checkpoints).
+
+    Yarn changes three things, each computed as transformers computes it: the frequencies
+    (`codegen/torch_ref.rope_inv_freq`: interpolation and extrapolation blended over the
+    beta_fast..beta_slow correction range), a factor on cos/sin (`attention_factor`), and the
+    softmax scale (times mscale(factor, mscale_all_dim)^2, `GlmConfig.softmax_scale`). Other rope
+    types are refused (`rope_type` accepts only "yarn"; a plain RoPE is `rope_scaling: null`).
+    """
+    model_config = Frozen
+    rope_type: Literal["yarn"]
+    factor: float = Field(gt=0)
+    original_max_position_embeddings: int = Field(gt=0)
+    beta_fast: float | None = None          # None or 0: 32, as transformers (`or 32`)
+    beta_slow: float | None = None          # None or 0: 1
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None   # None: from factor, mscale, mscale_all_dim
+    truncate: bool = True
+
+    def resolved_attention_factor(self) -> float:
+        """The factor on cos/sin: given, else mscale(factor, mscale) / mscale(factor, mscale_all_dim)
+        when both are set, else mscale(factor) (transformers' `_compute_yarn_parameters`)."""
+        if self.attention_factor is not None:
+            return float(self.attention_factor)
+        if self.mscale and self.mscale_all_dim:
+            return float(yarn_mscale(self.factor, self.mscale) / yarn_mscale(self.factor, self.mscale_all_dim))
+        return yarn_mscale(self.factor)
+
+    def ir_attr(self) -> tuple:
+        """What a rope op needs, as the IR's `scaling` attribute: (name, value) pairs."""
+        return (("type", "yarn"), ("factor", float(self.factor)),
+                ("original_max_position_embeddings", self.original_max_position_embeddings),
+                ("beta_fast", float(self.beta_fast or 32)), ("beta_slow", float(self.beta_slow or 1)),
+                ("truncate", self.truncate), ("attention_factor", self.resolved_attention_factor()))
+
+
 class GlmConfig(BaseModel):
     """Hyperparameters, named as in HF `config.json` (glm_moe_dsa / deepseek_v32)."""
     model_config = Frozen
@@ -45,7 +87,7 @@ class GlmConfig(BaseModel):
     index_skip_topk_offset: int = Field(default=2, ge=0)
     index_topk_pattern: str | None = None
     indexer_types: tuple[Literal["full", "shared"], ...] | None = None
-    indexer_rope_interleave: bool = True
+    indexer_rope_interleave: bool = True  # indexer RoPE pairs: GLM interleaved, DeepSeek-V3.2 half-split
     mlp_layer_types: tuple[Literal["dense", "sparse"], ...] | None = None
     rms_norm_eps: float = Field(default=1e-5, gt=0)
     rope_theta: float = Field(default=10000.0, gt=0)
@@ -53,7 +95,7 @@ class GlmConfig(BaseModel):
     tie_word_embeddings: bool = False
     num_nextn_predict_layers: int = Field(default=0, ge=0)
     eos_token_id: int | tuple[int, ...] | None = None
-    rope_scaling: dict | None = None      # HF rope_scaling / rope_parameters (yarn for DeepSeek-V3.2)
+    rope_scaling: RopeScaling | None = None  # yarn (DeepSeek-V3.2); None: plain RoPE
 
     @model_validator(mode="after")
     def _cross_check(self):
@@ -100,6 +142,10 @@ class GlmConfig(BaseModel):
         return tuple("full" if max(i - off + 1, 0) % freq == 0 else "shared"
                      for i in range(self.num_hidden_layers))
 
+    def full_indexer_layers(self) -> frozenset[int]:
+        """Decoder layers with their own indexer (weights, key cache, top-k)."""
+        return frozenset(i for i, t in enumerate(self.layer_indexer_types()) if t == "full")
+
     def layer_mlp_types(self) -> tuple[str, ...]:
         if self.mlp_layer_types is not None:
             return self.mlp_layer_types
@@ -112,13 +158,19 @@ class GlmConfig(BaseModel):
 
     @property
     def softmax_scale(self) -> float:
-        """(dn + dr)^-0.5, times mscale^2 for yarn RoPE (DeepSeek-V3.x); GLM-5: 1/16."""
+        """(dn + dr)^-0.5, times mscale(factor, mscale_all_dim)^2 for yarn RoPE with mscale_all_dim
+        (DeepSeek-V3.x), in transformers' order of float operations; GLM-5: 1/16."""
         scale = self.qk_head_dim ** -0.5
-        rs = self.rope_scaling or {}
-        if rs.get("rope_type", rs.get("type")) == "yarn" and rs.get("mscale_all_dim"):
-            m = 0.1 * rs["mscale_all_dim"] * math.log(rs["factor"]) + 1.0
-            scale *= m * m
+        rs = self.rope_scaling
+        if rs is not None and rs.mscale_all_dim:
+            m = yarn_mscale(rs.factor, rs.mscale_all_dim)
+            scale = scale * m * m
         return scale
+
+    @property
+    def rope_scaling_attr(self) -> tuple | None:
+        """The rope ops' `scaling` attribute (None: plain RoPE, no attribute)."""
+        return None if self.rope_scaling is None else self.rope_scaling.ir_attr()
 
 
 DType = Literal["fp32", "bf16", "fp16", "fp8"]

@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 
 from glmc.runtime.worker.checkpoint import expected_tensors
 from glmc.runtime.worker.loader import progress
-from glmc.spec import load_spec, model_path
+from glmc.spec import config_from_hf, load_spec, model_path
 
 TINY_DIR = Path(str(resources.files("glmc.models") / "tiny"))
 TINY_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -64,7 +64,7 @@ def make_tiny_checkpoint(ckpt_dir: str | Path) -> Path:
         return ckpt_dir
     gen, tensors = torch.Generator().manual_seed(TINY_SEED), {}
     mtp = config["num_nextn_predict_layers"] > 0
-    for name, shape in progress(sorted(expected_tensors(config, mtp=mtp).items()),
+    for name, shape in progress(sorted(expected_tensors(config_from_hf(config), mtp=mtp).items()),
                             desc="creating tiny weights", unit="tensor"):
         tensors[name] = _tiny_init(name, shape, gen)
     tmp = ckpt_dir / f"model.safetensors.tmp{os.getpid()}"

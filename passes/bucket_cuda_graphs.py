@@ -2,8 +2,15 @@
 
 Assumes: a phase. Guarantees: `meta.cuda_graph_buckets` (per DP rank) — decode and mtp_draft:
 powers of two and their midpoints up to max_batch; mtp_verify: each decode bucket x the verify
-tokens per request (draft tokens); prefill: none (eager or piecewise). Example (decode, max 32):
-`#! cuda_graph_buckets = [1, 2, 4, 8, 12, 16, 24, 32]`.
+tokens per request (draft tokens); prefill: none (eager or piecewise).
+
+Example (GLM-5.3, tp1, decode, max_batch=32):
+
+ -> #! cuda_graph_buckets = [1, 2, 4, 8, 12, 16, 24, 32]
+
+Example (GLM-5.3, dp8ep8, decode):
+
+ -> #! cuda_graph_buckets = [1, 2, 4, 8, 12, 16]
 """
 from __future__ import annotations
 

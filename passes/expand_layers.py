@@ -3,10 +3,13 @@
 Assumes: a validated ModelSpec. Guarantees: for prefill / decode / mtp_verify, prologue +
 num_hidden_layers decoder layers + epilogue; for mtp_draft, the MTP prologue + one decoder layer
 (index num_hidden_layers, MoE, full indexer) + MTP epilogue. Each statement is kept where all its
-`when` tags hold; values are named `L<i>.<name>`; types are not inferred yet. Example (layer 1,
-shared indexer):
+`when` tags hold; values are named `L<i>.<name>`; types are not inferred yet. Layer 2 of GLM-5.3
+owns an indexer, layer 3 (shared) reuses its top-k:
 
-    %L1.topk = idx.reuse(%L0.topk) {from_layer=0} : ?  # L1
+Example (GLM-5.3, tp1, decode):
+
+    %L2.topk = idx.topk(%L2.iq, %L2.iw, %L2.icache) {head_dim=128, heads=32, k=2048} : ?  # L2
+    %L3.topk = idx.reuse(%L2.topk) {from_layer=2} : ?  # L3
 """
 from __future__ import annotations
 
@@ -48,7 +51,10 @@ class _Env:
         self.cfg = ctx.spec.config
         self.names: dict[str, str] = {}     # program name -> current IR value
         self.prev_full: int | None = None
-        self.fields = {**self.cfg.model_dump(), "softmax_scale": self.cfg.softmax_scale}
+        # config fields by HF name, plus what the program needs derived: rope_scaling as the rope
+        # ops' `scaling` attribute (None for a plain RoPE), the yarn-aware softmax scale
+        self.fields = {**self.cfg.model_dump(), "softmax_scale": self.cfg.softmax_scale,
+                       "rope_scaling": self.cfg.rope_scaling_attr}
 
     def layer(self, ops: list[Op], i: int, tags: set[str]) -> None:
         self.emit(ops, self.ctx.spec.program.layer, layer=i, tags=tags, prefix=f"L{i}.")
@@ -73,6 +79,7 @@ class _Env:
         outs = (st.out,) if isinstance(st.out, str) else st.out
         results = [prefix + o for o in outs]
         attrs = {k: self._attr(v, layer) for k, v in st.attrs.items()}
+        attrs = {k: v for k, v in attrs.items() if v is not None}  # an optional attr left unset
         for o, r in zip(outs, results):
             self.names[o] = r
         return Op.make(st.op, results, args, attrs, layer)

@@ -3,12 +3,14 @@
 Assumes: collectives are explicit. Guarantees: every `norm.rms(elt.add(a, b))` whose add feeds the
 residual becomes one fused op keeping both names (normed, sum); a single-use all-reduce or
 reduce-scatter of `a` moves inside it (the deferred reduction of o_proj / MoE partial sums, done
-where the residual needs it). Example (tp8):
+where the residual needs it).
 
-    %L0.o.ar = comm.all_reduce(%L0.o) {group=[attn_tp], size=8} : [T, 6144] bf16 @ R
-    %L0.h = elt.add(%L0.o.ar, %x.ar) : [T, 6144] bf16 @ R
-    %L0.hn = norm.rms(%L0.h) {eps=1e-05, weight=...} : [T, 6144] bf16 @ R
- -> %L0.hn, %L0.h = fused.allreduce_add_rms(%L0.o, %x.ar) {eps=1e-05, group=[attn_tp], size=8, weight=...}
+Example (GLM-5.3, tp8, decode):
+
+    %L0.o.ar = comm.all_reduce(%L0.o) {group=[attn_tp], size=8} : [T, 6144] bf16 @ R  # L0
+    %L0.h = elt.add(%L0.o.ar, %x.ar) {residual=true} : [T, 6144] bf16 @ R  # L0
+    %L0.hn = norm.rms(%L0.h) {eps=1e-05, weight=...} : [T, 6144] bf16 @ R  # L0
+ -> %L0.hn, %L0.h = fused.allreduce_add_rms(%L0.o, %x.ar) {eps=1e-05, group=[attn_tp], size=8, weight=...
 """
 from __future__ import annotations
 

@@ -1,10 +1,14 @@
 """infer-shapes: give every result its type from the op registry.
 
 Assumes: ops in topological order, types unknown or stale. Guarantees: every result has a type;
-a shape mismatch fails naming the layer and op. Example:
+a shape mismatch fails naming the layer and op.
 
-    %L0.q = linear(%L0.q_c) {in_features=2048, out_features=16384, parallel=column} : ?
- -> %L0.q = linear(%L0.q_c) {...} : [T, 16384] bf16
+Example (GLM-5.3, tp1, decode):
+
+    %L0.kv = mem.kv_write(%L0.c_kv, %L0.k_pe) {dtype=fp8, layer=0} : ?  # L0
+    %L0.q = linear(%L0.q_c) {in_features=2048, out_features=16384, parallel=column, ...} : ?  # L0
+ -> %L0.kv = mem.kv_write(%L0.c_kv, %L0.k_pe) {dtype=fp8, layer=0} : [S, 576] fp8  # L0
+    %L0.q = linear(%L0.q_c) {...} : [T, 16384] bf16  # L0
 """
 from __future__ import annotations
 

@@ -3,10 +3,12 @@
 Assumes: propagate-sharding ran. Guarantees: no `comm.reshard` remains; P->R is `comm.all_reduce`,
 P->S is `comm.reduce_scatter`, S->R is `comm.all_gather`, R->S is `tensor.shard` (no traffic);
 with `--topk-broadcast` and attn_tp > 1, full layers' top-k is broadcast from attn_tp rank 0.
-At tp1 the graph is unchanged. Example (tp8):
+At tp1 the graph is unchanged.
 
-    %L0.o.ar = comm.reshard(%L0.o) {kind=all_reduce, group=[attn_tp], size=8, ...}
- -> %L0.o.ar = comm.all_reduce(%L0.o) {group=[attn_tp], size=8} : [T, 6144] bf16 @ R
+Example (GLM-5.3, tp8, decode):
+
+    %L0.o.ar = comm.reshard(%L0.o) {dim=0, dst=R, group=[attn_tp], kind=all_reduce, size=8, ...} : ...
+ -> %L0.o.ar = comm.all_reduce(%L0.o) {group=[attn_tp], size=8} : [T, 6144] bf16 @ R  # L0
 """
 from __future__ import annotations
 

@@ -6,15 +6,19 @@ Assumes: insert-collectives ran. Two lowerings of `moe.experts` on tokens split 
 The cost model compares bytes on the wire per rank plus a per-collective latency at the phase's
 token count (`phase_tokens`) and records the decision in `meta.moe_lowering`; small decode
 batches favour the gather (fewer, cheaper-to-start collectives), prefill chunks the all-to-all
-(k/W of the bytes). a2a needs moe_tp == 1.
-Example (dp8ep8, a2a):
+(k/W of the bytes). a2a needs moe_tp == 1. The gather form (from insert-collectives) lowered to
+the all-to-all (forced here; a decode batch of 32 would keep the gather):
 
-    %L3.hn.ag = comm.all_gather(%L3.hn) ...  (x3: hn, route_w, route_ids)
-    %L3.routed = moe.experts(%L3.hn.ag, %L3.route_w.ag, %L3.route_ids.ag) ... @ {ep=P}
-    %L3.routed.rs = comm.reduce_scatter(%L3.routed) {group=world, size=8} ...
- -> %L3.routed.dx, %L3.routed.dw, %L3.routed.di = moe.dispatch(%L3.hn, %L3.route_w, %L3.route_ids) {...}
-    %L3.routed = moe.experts(%L3.routed.dx, %L3.routed.dw, %L3.routed.di) ... @ {ep=S(0)}
-    %L3.routed.cb = moe.combine(%L3.routed, %L3.hn) ... @ {attn_dp=S(0)}
+Example (GLM-5.3, dp8ep8, decode, moe_a2a=true):
+
+    %L3.hn.ag = comm.all_gather(%L3.hn) {group=[attn_dp], size=8} : [T*8, 6144] bf16 @ R  # L3
+    %L3.route_w.ag = comm.all_gather(%L3.route_w) {group=[attn_dp], size=8} : ...
+    %L3.route_ids.ag = comm.all_gather(%L3.route_ids) {group=[attn_dp], size=8} : ...
+    %L3.routed = moe.experts(%L3.hn.ag, %L3.route_w.ag, %L3.route_ids.ag) {...} : ... @ {ep=P}  # L3
+    %L3.routed.rs = comm.reduce_scatter(%L3.routed) {group=world, size=8} : [T, 6144] bf16 @ ...
+ -> %L3.routed.dx, %L3.routed.dw, %L3.routed.di = moe.dispatch(%L3.hn, %L3.route_w, %L3.route_ids) {...
+    %L3.routed = moe.experts(%L3.routed.dx, %L3.routed.dw, %L3.routed.di) {...} : ... @ {ep=S(0)}  # L3
+    %L3.routed.cb = moe.combine(%L3.routed, %L3.hn) {group=[ep], size=8, top_k=8} : ... @ {attn_dp=S(0)}
 """
 from __future__ import annotations
 

@@ -5,6 +5,12 @@ Assumes: a lowered, sharded graph with buckets. Guarantees: `meta.memory` with
 layers), `index_bytes_per_token` (indexer keys + fp8 scale, full layers only), the layer counts,
 `indexer_workspace_bytes` (fp32 score tiles + running top-k for the largest step) and
 `graph_bytes` per bucket (the largest per-layer activation set at that batch, plus logits).
+GLM-5.3: 576 fp8 bytes of KV per token on each of 78 layers, 128 + 4 on each of 21 indexer layers:
+
+Example (GLM-5.3, tp1, decode):
+
+ -> #! memory = {"graph_bytes": {...}, "index_bytes_per_token": 2772, "index_layers": 21, ...
+    ... "kv_bytes_per_token": 44928, "kv_layers": 78, "weights_bytes": ...
 """
 from __future__ import annotations
 

@@ -3,13 +3,17 @@
 Assumes: inferred (logical) types. Guarantees: every result has a placement over the mesh axes of
 size > 1 and a per-rank type; weight-sharded ops carry `tp` (or `ep`/`moe_tp` for experts); where an
 operand's placement differs from what its op needs, a `comm.reshard {kind, group, size, src, dst}`
-sits between them (lowered by insert-collectives). Nothing changes at tp1. Example (tp8):
+sits between them (lowered by insert-collectives). At tp1 every value is R and no reshard is
+inserted. Under tp8, o_proj is row-parallel: its partial sums (P) are all-reduced before the
+residual add, whose other operand (the vocab-parallel embedding's sum) is reduced too:
 
-    %L0.o = linear(%L0.attn) {parallel=row} : [T, 6144] bf16
-    %L0.h = elt.add(%L0.o, %x) : [T, 6144] bf16
- -> %L0.o = linear(%L0.attn) {parallel=row, tp=8} : [T, 6144] bf16 @ {attn_tp=P}
-    %L0.o.ar = comm.reshard(%L0.o) {dst=R, group=[attn_tp], kind=all_reduce, size=8, src="{attn_tp=P}"} : [T, 6144] bf16 @ R
-    %L0.h = elt.add(%L0.o.ar, %x) : [T, 6144] bf16 @ R
+Example (GLM-5.3, tp8, decode):
+
+    %L0.o = linear(%L0.attn) {... parallel=row, ...} : [T, 6144] bf16  # L0
+    %L0.h = elt.add(%L0.o, %x) {residual=true} : [T, 6144] bf16  # L0
+ -> %L0.o = linear(%L0.attn) {... parallel=row, tp=8, ...} : [T, 6144] bf16 @ {attn_tp=P}  # L0
+    %L0.o.ar = comm.reshard(%L0.o) {dim=0, dst=R, group=[attn_tp], kind=all_reduce, size=8, ...} : ... @ R
+    %L0.h = elt.add(%L0.o.ar, %x.ar) {residual=true} : [T, 6144] bf16 @ R  # L0
 """
 from __future__ import annotations
 

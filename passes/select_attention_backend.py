@@ -2,9 +2,19 @@
 
 Assumes: MLA form chosen. Guarantees: `attn.*` and `idx.topk` ops carry `backend`: on cuda,
 `triton_sparse_mla_decode` (absorbed), `triton_sparse_prefill` (MHA), `triton_indexer_topk`;
-on cpu, `torch`. Example (decode, cuda):
+on cpu, `torch`.
 
-    %L0.attn = attn.mla_absorbed(...) {dn=192, ...} -> {backend=triton_sparse_mla_decode, dn=192, ...}
+Example (GLM-5.3, tp1, decode):
+
+    %L0.topk = idx.topk(%L0.iq, %L0.iw, %L0.icache) {head_dim=128, heads=32, k=2048} : ...
+    %L0.attn = attn.mla_absorbed(%L0.q_nope, %L0.q_pe, %L0.kv, %L0.topk) {dn=192, ...} : ...
+ -> %L0.topk = idx.topk(%L0.iq, %L0.iw, %L0.icache) {backend=triton_indexer_topk, head_dim=128, ...} : ...
+    %L0.attn = attn.mla_absorbed(%L0.q_nope, ...) {backend=triton_sparse_mla_decode, dn=192, ...} : ...
+
+Example (tiny, tp1, decode, device=cpu):
+
+    %L0.attn = attn.mla_absorbed(%L0.q_nope, %L0.q_pe, %L0.kv, %L0.topk) {dn=16, ...} : ...
+ -> %L0.attn = attn.mla_absorbed(%L0.q_nope, %L0.q_pe, %L0.kv, %L0.topk) {backend=torch, dn=16, ...} : ...
 """
 from __future__ import annotations
 

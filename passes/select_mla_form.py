@@ -3,9 +3,17 @@
 Assumes: `attn.sparse_mla` ops. Guarantees: prefill uses `attn.mla_mha` (kv_b_proj expands the
 selected latents into per-head K/V; compute-dense); decode, mtp_draft and mtp_verify use
 `attn.mla_absorbed` (q_nope @ W_UK, attention over the 576-wide latent cache, @ W_UV), which
-never expands the cache. Same function, other cost. Example (decode):
+never expands the cache. Same function, other cost.
 
-    %L0.attn = attn.sparse_mla(...) -> %L0.attn = attn.mla_absorbed(...)
+Example (GLM-5.3, tp1, decode):
+
+    %L0.attn = attn.sparse_mla(%L0.q_nope, %L0.q_pe, %L0.kv, %L0.topk) {...} : [T, 16384] bf16 @ R  # L0
+ -> %L0.attn = attn.mla_absorbed(%L0.q_nope, %L0.q_pe, %L0.kv, %L0.topk) {...} : [T, 16384] bf16 @ R  # L0
+
+Example (GLM-5.3, tp1, prefill):
+
+    %L0.attn = attn.sparse_mla(%L0.q_nope, %L0.q_pe, %L0.kv, %L0.topk) {...} : [T, 16384] bf16 @ R  # L0
+ -> %L0.attn = attn.mla_mha(%L0.q_nope, %L0.q_pe, %L0.kv, %L0.topk) {...} : [T, 16384] bf16 @ R  # L0
 """
 from __future__ import annotations
 

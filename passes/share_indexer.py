@@ -3,11 +3,14 @@
 Assumes: `idx.reuse` marks shared layers (expand-layers). Guarantees: no `idx.reuse` remains; the
 attention of a shared layer reads the full layer's top-k value; only full layers own indexer
 weights, an indexer cache or an indexer workspace (checked); `meta.indexer` lists full layers and
-the full layer each shared layer reads. Example (GLM-5.3, layer 3):
+the full layer each shared layer reads. GLM-5.3, layer 3:
 
-    %L3.topk = idx.reuse(%L2.topk) {from_layer=2} : [T, 2048] i32
-    %L3.attn = attn.sparse_mla(%L3.q_nope, %L3.q_pe, %L3.kv, %L3.topk) ...
- -> %L3.attn = attn.sparse_mla(%L3.q_nope, %L3.q_pe, %L3.kv, %L2.topk) ...
+Example (GLM-5.3, tp1, decode):
+
+    %L3.topk = idx.reuse(%L2.topk) {from_layer=2} : [T, 2048] i32 @ R  # L3
+    %L3.attn = attn.sparse_mla(%L3.q_nope, %L3.q_pe, %L3.kv, %L3.topk) {...} : [T, 16384] bf16 @ R  # L3
+ -> #! indexer = {"full_layers": [0, 1, 2, 6, 10, ...], "shared_from": {"11": 10, ...
+    %L3.attn = attn.sparse_mla(%L3.q_nope, %L3.q_pe, %L3.kv, %L2.topk) {...} : [T, 16384] bf16 @ R  # L3
 """
 from __future__ import annotations
 

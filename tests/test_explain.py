@@ -61,8 +61,8 @@ def test_dp8ep8_decode_bill_at_batch_32(bills):
 
 def test_cli_compile_explain_diff_onnx(tmp_path, capsys):
     out = tmp_path / "plan"
-    assert main(["compile", "--parallel", "tp8ep8", "-o", str(out), "--dump-after",
-                 "propagate-sharding,fuse-add-norm"]) == 0
+    assert main(["compile", "--model", "glm_moe_dsa_tiny", "--parallel", "tp8ep8", "-o", str(out),
+                 "--dump-after", "propagate-sharding,fuse-add-norm"]) == 0
     for name in ("prefill.ir", "decode.ir", "mtp_draft.ir", "mtp_verify.ir", "plan.json", "report.md"):
         assert (out / name).exists(), name
     assert (out / "after" / "02-propagate-sharding" / "decode.ir").exists()
@@ -73,7 +73,7 @@ def test_cli_compile_explain_diff_onnx(tmp_path, capsys):
     assert d["comm"]["decode"]["point"]["T"] == 8 and d["parallel"]["spec"] == "tp8ep8"
     assert main(["explain", str(out)]) == 0
     assert "## Communication: decode" in capsys.readouterr().out
-    assert main(["diff", "tp8", "tp8ep8", "--phase", "prefill"]) == 0
+    assert main(["diff", "tp8", "tp8ep8", "--phase", "prefill", "--model", "glm_moe_dsa_tiny"]) == 0
     text = capsys.readouterr().out
     assert "-1 comm.all_reduce (1 -> 0)" in text and "+4 fused.reduce_scatter_add_rms (0 -> 4)" in text
     assert "--- glm-tiny tp8" in text and "+++ glm-tiny tp8ep8" in text
@@ -81,6 +81,19 @@ def test_cli_compile_explain_diff_onnx(tmp_path, capsys):
     model = onnx.load(str(out / "decode.onnx"))
     onnx.checker.check_model(model)
     assert any(n.op_type == "attn.mla_absorbed" and n.domain == "ai.glmc" for n in model.graph.node)
+
+
+def test_the_cards_command_compiles_glm53(tmp_path, monkeypatch, capsys):
+    """`glmc compile --parallel dp8ep8` (the design card's usage line, no --model) compiles GLM-5.3;
+    `glmc diff` of two specs defaults to it too."""
+    monkeypatch.setenv("GLMC_VERIFY", "0")
+    monkeypatch.chdir(tmp_path)
+    assert main(["compile", "--parallel", "dp8ep8"]) == 0
+    plan = json.loads((tmp_path / "build" / "glm-5.3-dp8ep8" / "plan.json").read_text())
+    assert plan["config"]["num_hidden_layers"] == 78 and plan["config"]["hidden_size"] == 6144
+    capsys.readouterr()
+    assert main(["diff", "tp8", "dp8ep8"]) == 0
+    assert "--- glm-5.3 tp8" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("argv,msg", [

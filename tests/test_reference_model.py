@@ -4,7 +4,6 @@ import torch
 from glmc.runtime.worker.checkpoint import (
     expected_tensors,
     load_checkpoint,
-    resolve_config,
 )
 from glmc.runtime.worker.forward_batch import ForwardBatch
 from glmc.runtime.worker.kv_cache import PAGE_SIZE, KVPool
@@ -15,12 +14,15 @@ from glmc.runtime.worker.reference_model import (
 )
 from tiny_hf import (
     checkpoint_names,
+    glm_config,
     make_config,
     randomize_,
     save_tiny,
     shrink_latents_,
 )
 from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as hf
+
+from tests.compile_util import spec
 
 ATOL = 1e-4
 # "fsfs": FSSF pattern string, 2 groups / top-1 group routing with norm_topk_prob off, and latents
@@ -36,18 +38,7 @@ def tiny(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
     base = "grouped" if request.param == "fsfs" else request.param
     model = save_tiny(path, base, seed=7, **EXTRA.get(request.param, {}))
-    return model, load_checkpoint(path, expected_tensors(model.config))
-
-
-@pytest.fixture(scope="module", params=["grouped", "wide"])
-def tie_free(request, tmp_path_factory):
-    """Like `tiny` with 16 indexer heads, so no index score is an exact-zero tie (every head ReLU'd
-    to 0 has probability 2^-16 per key). torch.topk breaks such ties depending on the row length (HF's
-    own prefill and decode differ there too), so chunk invariance only holds without them; the tie-prone
-    `tiny` configs still check that ties break exactly like HF on the same rows."""
-    path = tmp_path_factory.mktemp(request.param + "_tie_free")
-    model = save_tiny(path, request.param, seed=7, index_n_heads=16)
-    return model, load_checkpoint(path, expected_tensors(model.config))
+    return model, load_checkpoint(path, expected_tensors(glm_config(model.config)))
 
 
 def table(num_rows, pages_per_row=2, seed=0):
@@ -59,12 +50,13 @@ def table(num_rows, pages_per_row=2, seed=0):
 
 
 def reference(model, weights, num_rows, extra_layers=0, config=None):
-    """A ReferenceModel over a fresh pool big enough for `num_rows` rows of table()."""
-    c = resolve_config(config or model.config)
-    full = c.full_layers | ({c.num_hidden_layers} if extra_layers else set())
+    """A ReferenceModel (of the HF `config`, default the model's) over a fresh pool big enough for
+    `num_rows` rows of table()."""
+    c = glm_config(config or model.config)
+    full = c.full_indexer_layers() | ({c.num_hidden_layers} if extra_layers else set())
     pool = KVPool(c.num_hidden_layers + extra_layers, full, num_rows * 2 + 3, c.kv_lora_rank,
                   c.qk_rope_head_dim, c.index_head_dim)
-    return ReferenceModel(config or model.config, weights, pool), table(num_rows)
+    return ReferenceModel(c, weights, pool), table(num_rows)
 
 
 def prompts(vocab, lengths, seed=0):
@@ -110,8 +102,8 @@ def test_greedy_decode_matches_hf_generate(tiny):
     assert any(n > 2 * model.config.index_topk for n in lens)
 
 
-def test_chunked_prefill_prefix_hit_and_mixed_batch(tie_free):
-    model, weights = tie_free
+def test_chunked_prefill_prefix_hit_and_mixed_batch(tiny):
+    model, weights = tiny
     a, b = prompts(model.config.vocab_size, [40, 14], seed=2)
     b = a[:22] + b  # shares a 22-token prefix with a
     ref, r2t = reference(model, weights, 4)
@@ -131,6 +123,21 @@ def test_chunked_prefill_prefix_hit_and_mixed_batch(tie_free):
     hit = ref.forward(ForwardBatch.build("extend", [b[22:]], [3], [22], r2t), return_all_logits=True)
     assert (hit - one_b[22:]).abs().max() < ATOL
     assert (hit - hf_logits(model, b)[22:]).abs().max() < ATOL
+
+
+def test_exact_index_ties_break_alike_in_chunks_decode_and_one_prefill(tmp_path):
+    """One indexer head: half the index scores are exact-zero ties. Ties go to the lowest position
+    whatever the row length, so chunked prefill, decode and one prefill keep the same keys."""
+    model = save_tiny(tmp_path, "grouped", seed=3, index_n_heads=1)
+    c = glm_config(model.config)
+    weights = load_checkpoint(tmp_path, expected_tensors(c))
+    (p,) = prompts(c.vocab_size, [40], seed=6)
+    ref, r2t = reference(model, weights, 2)
+    one = ref.forward(ForwardBatch.build("extend", [p], [0], [0], r2t), return_all_logits=True)
+    pieces = [ref.forward(ForwardBatch.build("extend", [p[lo:hi]], [1], [lo], r2t), return_all_logits=True)
+              for lo, hi in ((0, 13), (13, 29))]
+    pieces += [ref.forward(ForwardBatch.build("decode", [[t]], [1], [n], r2t)) for n, t in enumerate(p[29:], 29)]
+    assert (torch.cat(pieces) - one).abs().max() < 1e-5
 
 
 def _mtp_oracle(model, seed):
@@ -155,7 +162,7 @@ def _mtp_oracle(model, seed):
 def test_mtp_block_matches_hf_modules(tiny):
     model, weights = tiny
     mods, ext, mtp_names = _mtp_oracle(model, seed=3)
-    assert set(mtp_names) == set(expected_tensors(model.config, mtp=True)) - set(weights)
+    assert set(mtp_names) == set(expected_tensors(glm_config(model.config), mtp=True)) - set(weights)
     (ids,) = prompts(model.config.vocab_size, [26], seed=4)
     nxt = ids[1:] + [5]
     # Oracle: main-model post-norm hidden -> eh_proj -> HF decoder block (causal) -> norm -> lm_head.
@@ -183,13 +190,13 @@ def test_idle_batch_and_pool_accounting(tiny):
     model, weights = tiny
     ref, _ = reference(model, weights, 1)
     assert ref.forward(ForwardBatch.idle()).shape == (0, model.config.vocab_size)
-    c = resolve_config(model.config)
-    pool = ref.pool
-    assert set(pool.index_k) == c.full_layers and len(pool.kv) == c.num_hidden_layers
-    per_token = (c.kv_lora_rank + c.qk_rope_head_dim) * c.num_hidden_layers + c.index_head_dim * len(c.full_layers)
+    c = glm_config(model.config)
+    pool, full = ref.pool, c.full_indexer_layers()
+    assert set(pool.index_k) == full and len(pool.kv) == c.num_hidden_layers
+    per_token = (c.kv_lora_rank + c.qk_rope_head_dim) * c.num_hidden_layers + c.index_head_dim * len(full)
     assert pool.bytes_per_token() == 4 * per_token
-    glm5 = KVPool(78, set(resolve_config({"index_topk_freq": 4, "index_skip_topk_offset": 3}).full_layers), 1,
-                  dtype=torch.bfloat16, device="meta")
+    glm53 = spec("glm_moe_dsa").config
+    glm5 = KVPool(78, set(glm53.full_indexer_layers()), 1, dtype=torch.bfloat16, device="meta")
     assert glm5.bytes_per_token() == 2 * (576 * 78 + 128 * 21)
 
 

@@ -1,8 +1,6 @@
 """Scheduler policy (pure Python, a fake model) and the engine loop over the real tiny model (its
 compiled plan, the default runner): chunked prefill, retraction, prefix cache and abort never change
 greedy output, pages come back, and the plan serves exactly what the reference model does."""
-import json
-
 import pytest
 import torch
 from glmc.runtime.engine.pages import PageAllocator, ReqToTokenPool, slots_for
@@ -14,7 +12,6 @@ from glmc.runtime.worker.checkpoint import (
     detect_mtp,
     expected_tensors,
     load_checkpoint,
-    resolve_config,
 )
 from glmc.runtime.worker.forward_batch import ForwardBatch
 from glmc.runtime.worker.kv_cache import KVPool
@@ -22,6 +19,7 @@ from glmc.runtime.worker.model_runner import PlanRunner, ReferenceRunner
 from glmc.runtime.worker.reference_model import ReferenceModel
 
 from glmc.api import build_engine
+from glmc.spec import load_spec
 
 # -- the policy, with a fake model ----------------------------------------------------------------
 
@@ -140,13 +138,12 @@ def engine(ckpt, **kw):
 
 def reference_greedy(ckpt, prompt, max_tokens):
     """Greedy decoding with the bare ReferenceModel: one request, positions mapped to slots 1:1."""
-    config = json.loads((ckpt / "config.json").read_text())
-    c = resolve_config(config)
+    c = load_spec(ckpt).config
     mtp = detect_mtp(ckpt)
     extra = {c.num_hidden_layers} if mtp["mtp"] else set()   # the MTP layer's KV lives in the pool too
-    pool = KVPool(c.num_hidden_layers + len(extra), c.full_layers | extra, 8, c.kv_lora_rank,
+    pool = KVPool(c.num_hidden_layers + len(extra), c.full_indexer_layers() | extra, 8, c.kv_lora_rank,
                   c.qk_rope_head_dim, c.index_head_dim)
-    model = ReferenceModel(config, load_checkpoint(ckpt, expected_tensors(config, **mtp)), pool)
+    model = ReferenceModel(c, load_checkpoint(ckpt, expected_tensors(c, **mtp)), pool)
     table = torch.arange(8 * 64).view(1, -1)
     logits, out = model.forward(ForwardBatch.build("extend", [prompt], [0], [0], table)), []
     for _ in range(max_tokens):

@@ -1,10 +1,12 @@
-"""torch_ref ops against the HF modules they mirror (GlmMoeDsa*), and against each other."""
+"""torch_ref ops against the HF modules they mirror (GlmMoeDsa*, DeepseekV32*), and against each other."""
+import pytest
 import torch
 import torch.nn.functional as F
 from glmc.codegen import torch_ref as ref
 from glmc.runtime.worker.forward_batch import ForwardBatch
 from glmc.runtime.worker.kv_cache import PAGE_SIZE, KVPool
-from tiny_hf import make_config, randomize_
+from tiny_hf import YARN, glm_config, make_config, randomize_
+from transformers.models.deepseek_v32 import modeling_deepseek_v32 as hf_ds
 from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as hf
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
@@ -51,6 +53,26 @@ def test_rope_matches_hf_both_layouts():
     torch.testing.assert_close(a, b)
 
 
+@pytest.mark.parametrize("yarn", [YARN, {**YARN, "mscale": None, "truncate": False, "beta_fast": 8, "beta_slow": 2},
+                                  {**YARN, "attention_factor": 1.25, "factor": 2.0}])
+def test_yarn_rope_matches_hf(yarn):
+    """Yarn frequencies (bit for bit) and cos/sin attention factor, both pair layouts, as DeepSeek-V3.2."""
+    cfg = make_config("dsv32", qk_rope_head_dim=16, rope_parameters=yarn)
+    scaling = glm_config(cfg).rope_scaling_attr
+    rotary = hf_ds.DeepseekV32RotaryEmbedding(cfg)
+    assert torch.equal(ref.rope_inv_freq(10000.0, 16, scaling), rotary.inv_freq)
+    assert ref.rope_attention_factor(scaling) == rotary.attention_scaling
+    pos = torch.tensor([0, 3, 17, 200, 511])
+    q, k = randn(5, 3, 16), randn(5, 1, 16)
+    cos, sin = rotary(q, pos[None])
+    hq, hk = hf_ds.apply_rotary_pos_emb_interleave(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
+    torch.testing.assert_close(ref.rope(q, pos, 10000.0, True, scaling), hq[0].transpose(0, 1), rtol=0, atol=1e-6)
+    torch.testing.assert_close(ref.rope(k, pos, 10000.0, True, scaling), hk[0].transpose(0, 1), rtol=0, atol=1e-6)
+    half, _ = hf_ds.apply_rotary_pos_emb(q[None], k[None], cos, sin, unsqueeze_dim=2)  # the indexer's form
+    torch.testing.assert_close(ref.rope(q, pos, 10000.0, False, scaling), half[0], rtol=0, atol=1e-6)
+    assert not torch.allclose(ref.rope(q, pos, 10000.0, True, scaling), ref.rope(q, pos, 10000.0), atol=1e-3)
+
+
 def test_moe_route_matches_hf_router_grouped():
     cfg = make_config(n_routed_experts=16, num_experts_per_tok=3, n_group=4, topk_group=2)
     router = randomize_(hf.GlmMoeDsaTopkRouter(cfg), seed=3)
@@ -83,23 +105,29 @@ def test_moe_experts_match_hf_and_split_over_ranks():
     torch.testing.assert_close(tp, full, rtol=0, atol=1e-5)
 
 
-def test_indexer_topk_matches_hf_indexer():
-    cfg = make_config(index_topk=6, index_n_heads=4)
-    indexer = randomize_(hf.GlmMoeDsaIndexer(cfg, 0), seed=5)
-    L, dr = 20, cfg.qk_rope_head_dim
+@pytest.mark.parametrize("model", ["glm", "dsv32"])
+def test_indexer_topk_matches_hf_indexer(model):
+    """GLM's indexer (interleaved RoPE) and DeepSeek-V3.2's (halves, yarn angles); 16 heads: no ties."""
+    cfg = make_config(index_topk=6) if model == "glm" else make_config("dsv32", index_topk=6)
+    c, module = glm_config(cfg), (hf.GlmMoeDsaIndexer if model == "glm" else hf_ds.DeepseekV32Indexer)
+    rotary = (hf.GlmMoeDsaRotaryEmbedding if model == "glm" else hf_ds.DeepseekV32RotaryEmbedding)(cfg)
+    indexer = randomize_(module(cfg, 0), seed=5)
+    L, dr, heads = 20, cfg.qk_rope_head_dim, cfg.index_n_heads
     x, q_lat, pos = randn(1, L, cfg.hidden_size), randn(1, L, cfg.q_lora_rank), torch.arange(L)
-    cos, sin = hf.GlmMoeDsaRotaryEmbedding(cfg)(x, pos[None])
     mask = torch.full((L, L), float("-inf")).triu(1)[None]
-    want = indexer(x, q_lat, (cos, sin), mask, pos[None])[0]
+    want = indexer(x, q_lat, rotary(x, pos[None]), mask, pos[None])[0]
     # Same math through the pool: keys written at scattered slots, then ranked.
     table = shuffled_table(1, 4, 1)
     batch = ForwardBatch.build("extend", [list(range(L))], [0], [0], table)
     pool = KVPool(1, {0}, 4, 8, dr, cfg.index_head_dim)
-    rot = lambda t: torch.cat([ref.rope(t[..., :dr], pos, 10000.0), t[..., dr:]], -1)  # noqa: E731
+
+    def rot(t):
+        roped = ref.rope(t[..., :dr], pos, c.rope_theta, c.indexer_rope_interleave, c.rope_scaling_attr)
+        return torch.cat([roped, t[..., dr:]], -1)
     k = ref.layer_norm(x[0] @ indexer.wk.weight.T, indexer.k_norm.weight, indexer.k_norm.bias, 1e-6)
     ref.index_k_write(pool, 0, batch.out_cache_loc, rot(k))
-    q = rot((q_lat[0] @ indexer.wq_b.weight.T).view(L, 4, -1))
-    got = ref.indexer_topk(q, (x[0] @ indexer.weights_proj.weight.T) * 4**-0.5, pool, 0, batch, 6)
+    q = rot((q_lat[0] @ indexer.wq_b.weight.T).view(L, heads, -1))
+    got = ref.indexer_topk(q, (x[0] @ indexer.weights_proj.weight.T) * heads**-0.5, pool, 0, batch, 6)
     for t in range(L):
         hf_row = {int(i) for i in want[t] if i <= t}
         assert {int(i) for i in got[t] if i >= 0} == hf_row, t

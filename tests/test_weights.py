@@ -9,10 +9,11 @@ from glmc.runtime.worker.checkpoint import (
     detect_mtp,
     expected_tensors,
     load_checkpoint,
-    resolve_config,
 )
 from safetensors.torch import save_file
-from tiny_hf import fp8_quantize, make_config, save_tiny
+from tiny_hf import fp8_quantize, glm_config, make_config, save_tiny
+
+from glmc.spec import config_from_hf
 
 
 @pytest.fixture(scope="module")
@@ -28,31 +29,33 @@ def test_expected_tensors_is_exactly_what_hf_saves(tiny):
 
     with safe_open(path / "model.safetensors", "pt") as f:
         saved = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
-    assert expected_tensors(model.config) == saved
+    assert expected_tensors(glm_config(model.config)) == saved
     # The same from the config.json dict (HF keys), as a server would read it.
-    assert expected_tensors(json.loads((path / "config.json").read_text())) == saved
+    assert expected_tensors(config_from_hf(json.loads((path / "config.json").read_text()))) == saved
     names = set(saved)
     assert "model.layers.1.self_attn.indexer.wk.weight" not in names  # shared layer: no indexer
     assert "model.layers.0.mlp.gate_proj.weight" in names and "model.layers.1.mlp.experts.7.up_proj.weight" in names
 
 
-def test_resolve_config_derives_hf_fields():
-    c = resolve_config({"num_hidden_layers": 78, "index_topk_freq": 4, "index_skip_topk_offset": 3,
-                        "first_k_dense_replace": 3, "qk_rope_head_dim": 64, "qk_nope_head_dim": 192,
-                        "head_dim": 192, "rope_theta": 8e6})
-    assert sorted(c.full_layers) == [0, 1, 2] + list(range(6, 78, 4))
-    assert len(c.full_layers) == 21 and c.mlp_layer_types[:4] == ["dense"] * 3 + ["sparse"]
-    assert c.head_dim == 64 and c.qk_head_dim == 256 and c.rope_theta == 8e6
-    pattern = resolve_config({"num_hidden_layers": 3, "index_topk_pattern": "FSF"})
-    assert pattern.indexer_types == ["full", "shared", "full"]
+def test_config_from_hf_derives_hf_fields():
+    """GlmConfig reproduces HF's derived per-layer fields from the config.json keys."""
+    base = glm_config(make_config("grouped")).model_dump(exclude_none=True)
+    base.update(model_type="glm_moe_dsa", indexer_types=None, mlp_layer_types=None, num_hidden_layers=78,
+                first_k_dense_replace=3, index_topk_freq=4, index_skip_topk_offset=3)
+    c = config_from_hf(base)
+    assert sorted(c.full_indexer_layers()) == [0, 1, 2] + list(range(6, 78, 4))
+    assert len(c.full_indexer_layers()) == 21 and c.layer_mlp_types()[:4] == ("dense",) * 3 + ("sparse",)
+    pattern = config_from_hf({**base, "num_hidden_layers": 3, "index_topk_pattern": "FSF"})
+    assert pattern.layer_indexer_types() == ("full", "shared", "full")
     for cfg in (make_config("grouped"), make_config("wide")):
-        assert resolve_config(cfg).indexer_types == cfg.indexer_types
+        assert list(glm_config(cfg).layer_indexer_types()) == cfg.indexer_types
+        assert list(glm_config(cfg).layer_mlp_types()) == cfg.mlp_layer_types
 
 
 def test_round_trip_and_sharded_index(tiny, tmp_path):
     path, model = tiny
     state = {k: v for k, v in model.state_dict().items()}
-    w = load_checkpoint(path, expected_tensors(model.config))
+    w = load_checkpoint(path, expected_tensors(glm_config(model.config)))
     kv_b = "model.layers.2.self_attn.kv_b_proj.weight"
     assert torch.equal(w[kv_b], state[kv_b])
     inter = model.config.moe_intermediate_size
@@ -61,13 +64,13 @@ def test_round_trip_and_sharded_index(tiny, tmp_path):
     model.save_pretrained(tmp_path, max_shard_size="40KB")
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 3
-    sharded = load_checkpoint(tmp_path, expected_tensors(model.config))
+    sharded = load_checkpoint(tmp_path, expected_tensors(glm_config(model.config)))
     assert sharded.keys() == w.keys() and all(torch.equal(sharded[k], w[k]) for k in w)
 
 
 def test_mismatches_raise_with_names_and_shapes(tiny):
     path, model = tiny
-    exp = expected_tensors(model.config)
+    exp = expected_tensors(glm_config(model.config))
     missing = dict(exp, **{"model.layers.9.mlp.gate.weight": (8, 64)})
     msg = r"missing tensor model\.layers\.9\.mlp\.gate\.weight: expected shape \(8, 64\), found none"
     with pytest.raises(WeightError, match=msg):
@@ -82,13 +85,13 @@ def test_mismatches_raise_with_names_and_shapes(tiny):
     assert "unexpected tensor lm_head.weight" in str(err.value)
     # The MTP block is not in an HF checkpoint: asking for it names its tensors.
     with pytest.raises(WeightError, match=r"missing tensor model\.layers\.4\.eh_proj\.weight"):
-        load_checkpoint(path, expected_tensors(model.config, mtp=True))
+        load_checkpoint(path, expected_tensors(glm_config(model.config), mtp=True))
     assert detect_mtp(path) == {"mtp": False, "mtp_head": False, "mtp_embed": False}
 
 
 def test_shard_reads_the_right_slice(tiny):
     path, model = tiny
-    exp = expected_tensors(model.config)
+    exp = expected_tensors(glm_config(model.config))
     full = load_checkpoint(path, exp)
     cols = {"model.layers.0.self_attn.q_b_proj.weight": 0, "model.layers.0.self_attn.o_proj.weight": 1}
     for rank in range(2):
@@ -103,7 +106,7 @@ def test_shard_reads_the_right_slice(tiny):
 
 def test_fp8_checkpoint_dequantises(tiny, tmp_path):
     path, model = tiny
-    w = load_checkpoint(path, expected_tensors(model.config))
+    w = load_checkpoint(path, expected_tensors(glm_config(model.config)))
     keep = ("mlp.gate.weight", "weights_proj.weight", "lm_head.weight", "embed_tokens.weight")
     quant, want = {}, {}
     for name, t in w.items():
@@ -114,7 +117,7 @@ def test_fp8_checkpoint_dequantises(tiny, tmp_path):
         else:
             quant[name], want[name] = t, t
     save_file(quant, tmp_path / "model.safetensors")
-    got = load_checkpoint(tmp_path, expected_tensors(model.config))
+    got = load_checkpoint(tmp_path, expected_tensors(glm_config(model.config)))
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
     name = "model.layers.1.self_attn.q_b_proj.weight"
     assert not torch.equal(got[name], w[name]) and torch.allclose(got[name], w[name], rtol=0.07, atol=1e-2)
@@ -122,7 +125,7 @@ def test_fp8_checkpoint_dequantises(tiny, tmp_path):
     del quant[name + "_scale_inv"]
     save_file(quant, tmp_path / "model.safetensors")
     with pytest.raises(WeightError, match=r"q_b_proj\.weight_scale_inv: expected shape \(1, 1\), found None"):
-        load_checkpoint(tmp_path, expected_tensors(model.config))
+        load_checkpoint(tmp_path, expected_tensors(glm_config(model.config)))
 
 
 def test_fp8_shard_slices_across_block_boundaries(tmp_path):
@@ -143,8 +146,8 @@ def test_fp8_shard_slices_across_block_boundaries(tmp_path):
 
 def test_mtp_checkpoint_detected_and_loaded(tiny, tmp_path):
     path, model = tiny
-    w = load_checkpoint(path, expected_tensors(model.config))
-    full = expected_tensors(model.config, mtp=True, mtp_head=True)
+    w = load_checkpoint(path, expected_tensors(glm_config(model.config)))
+    full = expected_tensors(glm_config(model.config), mtp=True, mtp_head=True)
     extra = {k: torch.randn(s) for k, s in full.items() if k not in w}
     assert "model.layers.4.shared_head.head.weight" in extra and "model.layers.4.self_attn.indexer.wk.weight" in extra
     assert "model.layers.4.mlp.experts.7.down_proj.weight" in extra and "model.layers.4.embed_tokens.weight" not in extra
@@ -152,5 +155,5 @@ def test_mtp_checkpoint_detected_and_loaded(tiny, tmp_path):
     (tmp_path / "config.json").write_text((path / "config.json").read_text())
     flags = detect_mtp(tmp_path)
     assert flags == {"mtp": True, "mtp_head": True, "mtp_embed": False}
-    got = load_checkpoint(tmp_path, expected_tensors(model.config, **flags))
+    got = load_checkpoint(tmp_path, expected_tensors(glm_config(model.config), **flags))
     assert torch.equal(got["model.layers.4.eh_proj.weight"], extra["model.layers.4.eh_proj.weight"])

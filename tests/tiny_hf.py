@@ -1,9 +1,14 @@
-"""Tiny random glm_moe_dsa checkpoints for tests; the HF model built here is the numerical oracle.
+"""Tiny random glm_moe_dsa and deepseek_v32 checkpoints for tests; the HF model built here is the
+numerical oracle.
 
 HF initialises weights with std 0.02, which leaves logits nearly tied and attention nearly uniform, so
 top-k and routing bugs would hide. `randomize_` re-draws every weight at unit-variance scale (norm
 weights around 1, non-zero LayerNorm bias and router bias) so sparse attention, group-limited routing
 and greedy decoding are all decisive. Everything is deterministic given the seed.
+
+16 indexer heads: an index score is an exact tie (every head ReLU'd to 0) with probability ~2^-16 per
+key. glmc breaks exact top-k ties by the lowest position; HF's torch.topk breaks them arbitrarily, so
+HF parity tests need configs without ties (tests that force ties compare glmc's implementations).
 """
 from __future__ import annotations
 
@@ -11,14 +16,19 @@ import math
 from pathlib import Path
 
 import torch
-from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
+from transformers import (
+    DeepseekV32Config,
+    DeepseekV32ForCausalLM,
+    GlmMoeDsaConfig,
+    GlmMoeDsaForCausalLM,
+)
 
 # Shapes small enough for 2 CPU cores; index_topk below the prompt lengths used in tests so DSA is active.
 BASE = dict(
     vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
     num_attention_heads=2, num_key_value_heads=2, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
     qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
-    n_group=4, topk_group=2, first_k_dense_replace=1, index_topk=8, index_n_heads=4, index_head_dim=16,
+    n_group=4, topk_group=2, first_k_dense_replace=1, index_topk=8, index_n_heads=16, index_head_dim=16,
     indexer_types=["full", "shared", "full", "shared"], routed_scaling_factor=2.5, rms_norm_eps=1e-5,
     max_position_embeddings=512, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
     eos_token_id=None, bos_token_id=None, pad_token_id=None, tie_word_embeddings=False,
@@ -28,18 +38,33 @@ BASE = dict(
 CONFIGS = {
     "grouped": {},
     "wide": dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=3,
-                 n_group=1, topk_group=1, index_topk=16, index_n_heads=2, indexer_types=None,
+                 n_group=1, topk_group=1, index_topk=16, indexer_types=None,
                  index_topk_freq=2, index_skip_topk_offset=2, first_k_dense_replace=2, vocab_size=320,
                  rope_parameters={"rope_type": "default", "rope_theta": 500.0}),
 }
 
 
-def make_config(name: str = "grouped", **overrides) -> GlmMoeDsaConfig:
-    """A GlmMoeDsaConfig from BASE + CONFIGS[name] + overrides (HF derives the rest)."""
-    kw = {**BASE, **CONFIGS[name], **overrides}
+def glm_config(hf_config):
+    """The `glmc.config.GlmConfig` glmc reads from this HF config (as its config.json dict)."""
+    from glmc.spec import config_from_hf
+    return config_from_hf(hf_config.to_dict())
+
+
+# DeepSeek-V3.2 (`deepseek_v32`): every layer has an indexer, whose RoPE rotates halves (rotate_half),
+# and yarn RoPE as its checkpoints ship it (factor 8 over 64 original positions; mscale_all_dim 0.8
+# makes the cos/sin attention factor and the softmax mscale both differ from 1).
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "original_max_position_embeddings": 64,
+        "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.8}
+DSV32 = dict(indexer_types=None, rope_parameters=YARN, index_topk=12)
+
+
+def make_config(name: str = "grouped", **overrides):
+    """A GlmMoeDsaConfig from BASE + CONFIGS[name] + overrides (HF derives the rest); name "dsv32"
+    (BASE + DSV32 + overrides) gives a DeepseekV32Config."""
+    kw = {**BASE, **(DSV32 if name == "dsv32" else CONFIGS[name]), **overrides}
     if kw.get("indexer_types") is None:
         kw.pop("indexer_types", None)
-    return GlmMoeDsaConfig(**kw)
+    return DeepseekV32Config(**kw) if name == "dsv32" else GlmMoeDsaConfig(**kw)
 
 
 @torch.no_grad()
@@ -61,10 +86,11 @@ def randomize_(module: torch.nn.Module, seed: int) -> torch.nn.Module:
     return module
 
 
-def build_hf(config: GlmMoeDsaConfig, seed: int = 0) -> GlmMoeDsaForCausalLM:
-    """A randomised fp32 HF model in eval mode."""
+def build_hf(config, seed: int = 0):
+    """A randomised fp32 HF model (GlmMoeDsa or DeepseekV32 ForCausalLM, by the config) in eval mode."""
     torch.manual_seed(seed)
-    return randomize_(GlmMoeDsaForCausalLM(config), seed).float().eval()
+    cls = DeepseekV32ForCausalLM if isinstance(config, DeepseekV32Config) else GlmMoeDsaForCausalLM
+    return randomize_(cls(config), seed).float().eval()
 
 
 @torch.no_grad()

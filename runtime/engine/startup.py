@@ -7,7 +7,6 @@ every phase. Plans over several ranks need one process each (`engine.distributed
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -40,8 +39,8 @@ def build_engine(plan: Plan, ckpt_dir: str | Path, *, runner: str = "plan", devi
         raise ValueError(f"{plan.parallel} runs {plan.world} ranks, one process each: serve it "
                          "with `glmc run --parallel` (glmc.runtime.engine.distributed)")
     if runner == "reference":
-        model = ReferenceRunner(json.loads((ckpt_dir / "config.json").read_text()),
-                                load_weights(ckpt_dir), num_pages, max_context)
+        model = ReferenceRunner(plan.config, load_weights(ckpt_dir, plan.config), num_pages,
+                                max_context)
     elif runner == "plan":
         if device == "cuda":
             require_cuda()
@@ -56,7 +55,7 @@ def build_engine(plan: Plan, ckpt_dir: str | Path, *, runner: str = "plan", devi
     return engine
 
 
-def load_weights(ckpt_dir: Path) -> dict[str, torch.Tensor]:
+def load_weights(ckpt_dir: Path, config) -> dict[str, torch.Tensor]:
     """Every tensor of the checkpoint (for the reference model, which is not sharded)."""
     from glmc.runtime.worker.checkpoint import (
         detect_mtp,
@@ -64,7 +63,6 @@ def load_weights(ckpt_dir: Path) -> dict[str, torch.Tensor]:
         load_checkpoint,
     )
 
-    config = json.loads((ckpt_dir / "config.json").read_text())
     expected = expected_tensors(config, **detect_mtp(ckpt_dir))
     with progress(total=len(expected), desc="loading weights", unit="tensor") as bar:
         weights = load_checkpoint(ckpt_dir, expected)  # no per-tensor hook: one jump at the end

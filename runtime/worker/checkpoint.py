@@ -1,37 +1,26 @@
 """Checkpoint loading: HF glm_moe_dsa safetensors (bf16/fp32 or block-FP8) into a name -> tensor dict.
 
 `expected_tensors(config)` is the single statement of what a GLM-5 checkpoint contains (names as HF
-saves them, full shapes). `load_checkpoint` checks a checkpoint against it BEFORE reading any data -
-every missing, unexpected or mis-shaped tensor is reported at once in a `WeightError` - then reads only
+saves them, full shapes) for a `glmc.config.GlmConfig` (the one config type; `glmc.spec` fills it
+from config.json). `load_checkpoint` checks a checkpoint against it BEFORE reading any data - every
+missing, unexpected or mis-shaped tensor is reported at once in a `WeightError` - then reads only
 this rank's slice of each tensor (`safe_open(...).get_slice`) and dequantises FP8 blocks on the way.
-`resolve_config` turns an HF config (object or config.json dict) into plain attributes with HF's
-derived fields (indexer_types, mlp_layer_types, rope_theta) applied, so every consumer agrees.
 """
 from __future__ import annotations
 
 import json
 import math
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Callable
 
 import torch
 from glmc.codegen.torch_ref import fp8_block_dequant
 from safetensors import safe_open
 
+from glmc.config import GlmConfig
+
 FP8_BLOCK = 128
 SCALE_SUFFIX = "_scale_inv"
-# HF GlmMoeDsaConfig defaults for the keys a config.json may omit (num_nextn_predict_layers and
-# indexer_rope_interleave are GLM config.json keys HF ignores; HF hard-codes interleaved indexer RoPE).
-_DEFAULTS = dict(
-    vocab_size=154880, hidden_size=6144, intermediate_size=12288, moe_intermediate_size=2048,
-    num_hidden_layers=78, num_attention_heads=64, n_routed_experts=256, num_experts_per_tok=8,
-    kv_lora_rank=512, q_lora_rank=2048, qk_rope_head_dim=64, v_head_dim=256, qk_nope_head_dim=192,
-    n_shared_experts=1, n_group=1, topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5,
-    first_k_dense_replace=3, index_topk=2048, index_head_dim=128, index_n_heads=32, rms_norm_eps=1e-5,
-    tie_word_embeddings=False, max_position_embeddings=202752, num_nextn_predict_layers=0,
-    indexer_rope_interleave=True,
-)
 ShardFn = Callable[[str], "tuple[int, int, int] | None"]
 
 
@@ -39,43 +28,7 @@ class WeightError(ValueError):
     """A checkpoint does not match the tensors the model expects; the message names each tensor."""
 
 
-def _indexer_types(get, num_layers) -> list[str]:
-    """HF rule: explicit list, else the F/S pattern string, else the freq/offset schedule."""
-    if get("indexer_types") is not None:
-        return list(get("indexer_types"))
-    pattern = get("index_topk_pattern")
-    if pattern is not None:
-        return [{"F": "full", "S": "shared"}[c] for c in pattern] if isinstance(pattern, str) else list(pattern)
-    freq, offset = max(get("index_topk_freq") or 1, 1), get("index_skip_topk_offset")
-    offset = 2 if offset is None else offset
-    return ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(num_layers)]
-
-
-def resolve_config(config) -> SimpleNamespace:
-    """HF config (GlmMoeDsaConfig or config.json dict) -> namespace with derived fields resolved."""
-    if isinstance(config, SimpleNamespace) and hasattr(config, "full_layers"):
-        return config
-    raw = config if isinstance(config, dict) else config.to_dict() if hasattr(config, "to_dict") else vars(config)
-    get = lambda k: raw.get(k, _DEFAULTS.get(k))  # noqa: E731
-    c = SimpleNamespace(**{**_DEFAULTS, **raw})
-    n = c.num_hidden_layers
-    c.indexer_types = _indexer_types(get, n)
-    if get("mlp_layer_types") is None:
-        dense = min(c.first_k_dense_replace, n)
-        c.mlp_layer_types = ["dense"] * dense + ["sparse"] * (n - dense)
-    rope = get("rope_parameters") or {}
-    c.rope_theta = rope.get("rope_theta", raw.get("rope_theta", 10000.0))
-    c.rope_type = rope.get("rope_type", (raw.get("rope_scaling") or {}).get("type", "default"))
-    c.head_dim = c.qk_rope_head_dim  # HF overwrites head_dim with the rope slice width
-    c.qk_head_dim = c.qk_nope_head_dim + c.qk_rope_head_dim
-    c.full_layers = {i for i, t in enumerate(c.indexer_types) if t == "full"}
-    if 0 not in c.full_layers:
-        raise ValueError(f"indexer_types[0] must be 'full' (shared layers reuse an earlier top-k), "
-                         f"got {c.indexer_types}")
-    return c
-
-
-def _layer_tensors(c, p: str, full: bool, sparse: bool) -> dict[str, tuple[int, ...]]:
+def _layer_tensors(c: GlmConfig, p: str, full: bool, sparse: bool) -> dict[str, tuple[int, ...]]:
     """Tensors of one decoder block under prefix p ('model.layers.L.')."""
     h, nh = c.hidden_size, c.num_attention_heads
     t = {
@@ -105,17 +58,17 @@ def _mlp(p, h, inter):
     return {f"{p}gate_proj.weight": (inter, h), f"{p}up_proj.weight": (inter, h), f"{p}down_proj.weight": (h, inter)}
 
 
-def expected_tensors(config, mtp=False, mtp_head=False, mtp_embed=False) -> dict[str, tuple[int, ...]]:
+def expected_tensors(c: GlmConfig, mtp=False, mtp_head=False, mtp_embed=False) -> dict[str, tuple[int, ...]]:
     """Every HF tensor name -> full shape. mtp adds the MTP block at layer num_hidden_layers (full
     indexer, MoE, enorm/hnorm/eh_proj/shared_head.norm); mtp_head / mtp_embed add its own
     shared_head.head / embed_tokens copies, which some checkpoints ship (see `detect_mtp`)."""
-    c = resolve_config(config)
     h, n = c.hidden_size, c.num_hidden_layers
     t = {"model.embed_tokens.weight": (c.vocab_size, h), "model.norm.weight": (h,)}
     if not c.tie_word_embeddings:
         t["lm_head.weight"] = (c.vocab_size, h)
-    for i in range(n):
-        t |= _layer_tensors(c, f"model.layers.{i}.", i in c.full_layers, c.mlp_layer_types[i] == "sparse")
+    kinds = zip(c.layer_indexer_types(), c.layer_mlp_types())
+    for i, (indexer, mlp) in enumerate(kinds):
+        t |= _layer_tensors(c, f"model.layers.{i}.", indexer == "full", mlp == "sparse")
     if mtp:
         p = f"model.layers.{n}."
         t |= _layer_tensors(c, p, True, True)
@@ -228,4 +181,4 @@ def load_checkpoint(ckpt_dir, expected: dict[str, tuple[int, ...]], shard: Shard
     return out
 
 
-__all__ = ["WeightError", "resolve_config", "expected_tensors", "detect_mtp", "load_checkpoint", "fp8_block_dequant"]
+__all__ = ["WeightError", "expected_tensors", "detect_mtp", "load_checkpoint", "fp8_block_dequant"]

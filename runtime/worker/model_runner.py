@@ -54,15 +54,15 @@ def context_limit(max_position_embeddings: int, num_pages: int, max_context: int
 class ReferenceRunner(ModelRunner):
     """`ModelRunner` over the fp32 torch `ReferenceModel` and its own `KVPool`."""
 
-    def __init__(self, config: dict, weights: dict[str, torch.Tensor], num_pages: int,
+    def __init__(self, config, weights: dict[str, torch.Tensor], num_pages: int,
                  max_context: int | None = None):
-        from glmc.runtime.worker.checkpoint import resolve_config
+        """`config` is the model's `glmc.config.GlmConfig`."""
         from glmc.runtime.worker.reference_model import ReferenceModel
 
-        c = resolve_config(config)
+        c = config
         mtp = f"model.layers.{c.num_hidden_layers}.eh_proj.weight" in weights
         num_layers = c.num_hidden_layers + mtp  # the MTP block gets a KV layer of its own
-        full = set(c.full_layers) | ({c.num_hidden_layers} if mtp else set())
+        full = c.full_indexer_layers() | ({c.num_hidden_layers} if mtp else set())
         self.pool = KVPool(num_layers, full, num_pages, c.kv_lora_rank, c.qk_rope_head_dim,
                            c.index_head_dim)
         self.model = ReferenceModel(config, weights, self.pool)

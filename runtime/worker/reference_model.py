@@ -1,17 +1,19 @@
-"""`ReferenceModel`: GLM-5 (glm_moe_dsa) written directly as a composition of `codegen/torch_ref` ops.
+"""`ReferenceModel`: GLM-5 (glm_moe_dsa) and DeepSeek-V3.2 (deepseek_v32) written directly as a
+composition of `codegen/torch_ref` ops, for a `glmc.config.GlmConfig`.
 
 It runs `ForwardBatch`es over the paged `KVPool` exactly as a serving engine would (extend with MHA-form
 MLA, decode with the absorbed form, shared indexer layers reusing the previous full layer's top-k), in
-fp32, with no compiler in between. Tests hold it to Hugging Face's `GlmMoeDsaForCausalLM`; compiled
-plans are then held to it.
+fp32, with no compiler in between. Tests hold it to Hugging Face's `GlmMoeDsaForCausalLM` and
+`DeepseekV32ForCausalLM`; compiled plans are then held to it.
 
 HF quirks reproduced on purpose (transformers 5.24):
 - q_a_layernorm / kv_a_layernorm use eps 1e-6 (HF constructs them without rms_norm_eps); the indexer
   k_norm is a LayerNorm with eps 1e-6; decoder norms use rms_norm_eps.
-- RoPE is interleaved for MLA and the indexer, written back de-interleaved (see torch_ref.rope).
-- Indexer top-k ranks a row of all seq_len keys with future keys at -inf, like HF, so exact ties
-  (keys every indexer head ReLUs to 0) break as in HF on the same row. Chunked prefill ranks shorter
-  rows and may keep another member of a tie; HF's own prefill and decode differ the same way.
+- MLA RoPE is interleaved, written back de-interleaved (see torch_ref.rope); the indexer's pairs are
+  interleaved for GLM and the two halves for DeepSeek-V3.2 (`indexer_rope_interleave`). Yarn RoPE
+  changes the frequencies, scales cos/sin and the softmax scale (`GlmConfig.rope_scaling`).
+- Indexer and router top-k break exact ties by the lowest index (torch_ref.indexer_topk /
+  moe_route_logits), in every implementation; HF's torch.topk breaks them arbitrarily.
 - MoE routing masks dropped groups with -inf (HF 5.24 GlmMoeDsa; DeepSeek-V3's HF code uses 0.0).
 - The MTP block (absent from HF) follows SGLang/vLLM: h = post-final-norm hidden of the main model.
 """
@@ -19,9 +21,10 @@ from __future__ import annotations
 
 import torch
 from glmc.codegen import torch_ref as ref
-from glmc.runtime.worker.checkpoint import resolve_config
 from glmc.runtime.worker.forward_batch import ForwardBatch
 from glmc.runtime.worker.kv_cache import KVPool
+
+from glmc.config import GlmConfig
 
 HF_LATENT_NORM_EPS = 1e-6  # GlmMoeDsaRMSNorm default, used by q_a/kv_a layernorms in HF
 HF_INDEXER_NORM_EPS = 1e-6  # GlmMoeDsaIndexer.k_norm = nn.LayerNorm(eps=1e-6)
@@ -30,14 +33,14 @@ HF_INDEXER_NORM_EPS = 1e-6  # GlmMoeDsaIndexer.k_norm = nn.LayerNorm(eps=1e-6)
 class ReferenceModel:
     """Whole-model fp32 forward over a paged KV pool; weights are a dict of HF-named tensors."""
 
-    def __init__(self, config, weights: dict[str, torch.Tensor], pool: KVPool):
-        self.c = c = resolve_config(config)
-        if c.rope_type != "default":
-            raise NotImplementedError(f"ReferenceModel supports rope_type 'default' only, got {c.rope_type!r}")
+    def __init__(self, config: GlmConfig, weights: dict[str, torch.Tensor], pool: KVPool):
+        self.c = c = config
         self.w, self.pool = weights, pool
         self.mtp_layer = c.num_hidden_layers
         self.has_mtp = f"model.layers.{self.mtp_layer}.eh_proj.weight" in weights
-        self.scale = c.qk_head_dim**-0.5
+        self.scale = c.softmax_scale
+        self.full_layers = c.full_indexer_layers()
+        self.mlp_layer_types = c.layer_mlp_types()
         self.experts = {}  # layer -> stacked (gate [E,I,H], up [E,I,H], down [E,H,I]), built once
         num_layers = c.num_hidden_layers + (1 if self.has_mtp else 0)
         for i in range(num_layers):
@@ -52,10 +55,10 @@ class ReferenceModel:
             raise ValueError(f"{pool} cannot hold {num_layers} layers with full indexer layers {sorted(full)}")
 
     def _is_full(self, i: int) -> bool:
-        return i == self.mtp_layer or i in self.c.full_layers
+        return i == self.mtp_layer or i in self.full_layers
 
     def _is_sparse(self, i: int) -> bool:
-        return i == self.mtp_layer or self.c.mlp_layer_types[i] == "sparse"
+        return i == self.mtp_layer or self.mlp_layer_types[i] == "sparse"
 
     def _p(self, i: int, name: str) -> torch.Tensor:
         return self.w[f"model.layers.{i}.{name}"]
@@ -72,10 +75,14 @@ class ReferenceModel:
         w = (x @ self._p(i, p + "weights_proj.weight").float().T) * c.index_n_heads**-0.5
         return ref.indexer_topk(q, w, self.pool, i, batch, c.index_topk)
 
+    def _rope(self, x, batch, interleaved=True):
+        """RoPE with the model's angles (rope_theta, yarn scaling) and the given pair layout."""
+        return ref.rope(x, batch.positions, self.c.rope_theta, interleaved, self.c.rope_scaling_attr)
+
     def _rope_prefix(self, x, batch):
         """RoPE on the first qk_rope_head_dim dims (the indexer's rotated part), rest untouched."""
         r = self.c.qk_rope_head_dim
-        roped = ref.rope(x[..., :r], batch.positions, self.c.rope_theta, self.c.indexer_rope_interleave)
+        roped = self._rope(x[..., :r], batch, self.c.indexer_rope_interleave)
         return torch.cat([roped, x[..., r:]], dim=-1)
 
     def _attention(self, i, x, batch, topk):
@@ -87,8 +94,7 @@ class ReferenceModel:
         q = (q_lat @ self._p(i, a + "q_b_proj.weight").T).view(-1, c.num_attention_heads, dn + dr)
         kv = x @ self._p(i, a + "kv_a_proj_with_mqa.weight").T
         c_kv = ref.rms_norm(kv[:, :R], self._p(i, a + "kv_a_layernorm.weight"), HF_LATENT_NORM_EPS)
-        q_pe = ref.rope(q[..., dn:], batch.positions, c.rope_theta)
-        k_pe = ref.rope(kv[:, R:], batch.positions, c.rope_theta)
+        q_pe, k_pe = self._rope(q[..., dn:], batch), self._rope(kv[:, R:], batch)
         ref.kv_write(self.pool, i, batch.out_cache_loc, c_kv, k_pe)
         if self._is_full(i):
             topk = self._indexer(i, x, q_lat, batch)

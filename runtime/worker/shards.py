@@ -67,7 +67,7 @@ def load_rank_weights(ckpt_dir, plan, coords: Coords, dtype: torch.dtype = torch
     """This rank's weights for the plan's phase graphs, read from a HF checkpoint directory in
     `dtype` (FP8 dequantised on the way)."""
     shards = rank_shards(plan.graphs.values(), coords)
-    expected = expected_tensors(plan.config.model_dump(), **detect_mtp(ckpt_dir))
+    expected = expected_tensors(plan.config, **detect_mtp(ckpt_dir))
     needed = {n for n in shards if n in expected}
     return load_checkpoint(ckpt_dir, expected, shard=lambda n: shards.get(n), dtype=dtype,
                            only=needed)
