@@ -87,10 +87,12 @@ def test_plan_tp2ep2_as_gloo_processes_equals_tp1(dsv32, tmp_path):
 def test_triton_kernels_match_transformers(dsv32):
     """The CUDA target's op table (Triton RoPE with yarn, the fused q/kv norm + RoPE + cache write with
     the indexer's half-split keys, indexer scores and top-k, sparse MLA) on the CPU interpreter."""
-    from glmc.runtime.worker.cuda_executor import build_runner
+    from glmc.api import plan_for
+    from glmc.runtime.worker.loader import load_runner
     path, model = dsv32
-    runner, spec = build_runner(path, device="cpu", dtype=torch.float32, max_reqs=1, max_context=64)
-    (p,) = prompts(spec.config.vocab_size, [17], seed=2)
+    plan = plan_for(path, device="cuda", max_running=1)      # the CUDA target, run on the CPU
+    runner = load_runner(plan, path, device="cpu", num_pages=2, max_context=64, max_running=1).executor
+    (p,) = prompts(plan.config.vocab_size, [17], seed=2)
     r2t = torch.arange(64, 128).view(1, 64)
     out = runner.forward("prefill", ForwardBatch.build("extend", [p], [0], [0], r2t))["logits"]
     want = hf_logits(model, p + [int(out[0].argmax())])
