@@ -1,15 +1,12 @@
 """The CUDA target: `torch_target.IMPLS` with the hot ops replaced by Triton kernels and cuBLAS GEMMs.
 
-`IMPLS[kind](op, args, rt)` as in torch_target, but values stay in the plan's compute dtype (bf16
+`IMPLS[kind](op, args, ctx)` as in torch_target, but values stay in the plan's compute dtype (bf16
 for real checkpoints, fp32 for fp32 ones) on the weights' device, and every op here is capture-safe:
 no host sync (.item(), .tolist(), int(tensor)), no allocation-size that depends on data, no host
 loop over requests. That lets `runtime/worker/cuda_executor.py` capture a decode step as one CUDA graph.
-
-`rt` is the runner's step state (`runtime.worker.cuda_executor.GpuStep`); beyond torch_target's it provides
-device tensors `rows` (req_to_token row per token), `pos` (position per token), `r2t` (the device
-req_to_token table), `loc` (KV slot per token), the static workspace width `max_len` (>= every
-seq_len), `last_rows` (prefill: each request's last token), `moe_tiles` (tile overrides) and
-`derived(key, fn)` (per-runner cache of weights re-laid out once: absorbed W_UK/W_UV, fused gate_up).
+`ctx` is a `codegen.context.CudaStepContext`: the torch target's context plus device index tensors
+(rows, positions, the device req_to_token table), a static workspace width and a cache of weights
+re-laid out once.
 
 Ops not listed here (views, slices, concat, elt.add, io.input, collectives) use torch_target's.
 Dense GEMMs go to cuBLAS (torch.matmul) in the weights' dtype; the router GEMM stays fp32.
@@ -22,6 +19,7 @@ from glmc.codegen import torch_ref as ref
 from glmc.codegen import torch_target
 from glmc.codegen import triton_moe as tm
 from glmc.codegen import triton_target as tt
+from glmc.codegen.context import CudaStepContext
 from glmc.ir.types import DTYPE_BYTES
 
 IMPLS: dict = dict(torch_target.IMPLS)
@@ -49,137 +47,137 @@ def _mm(x, w):
 
 
 @impl("embed.lookup")
-def _embed(op, args, rt):
+def _embed(op, args, ctx: CudaStepContext):
     """Row lookup; vocab-parallel (tp > 1): this rank's rows, zeros elsewhere (a partial sum)."""
-    w, ids = rt.w(op.attr("weight")), args[0]
+    w, ids = ctx.w(op.attr("weight")), args[0]
     if int(op.attr("tp", 1)) == 1:
         return w[ids]
-    local = ids - rt.tp_rank(op) * w.shape[0]
+    local = ids - ctx.tp_rank(op) * w.shape[0]
     hit = (local >= 0) & (local < w.shape[0])
     return w[local.clamp(0, w.shape[0] - 1)] * hit[:, None].to(w.dtype)
 
 
 @impl("norm.rms")
-def _rms(op, args, rt):
-    return tt.rms_norm(args[0], rt.w(op.attr("weight")), op.attr("eps"))
+def _rms(op, args, ctx: CudaStepContext):
+    return tt.rms_norm(args[0], ctx.w(op.attr("weight")), op.attr("eps"))
 
 
 @impl("norm.layer")
-def _ln(op, args, rt):
+def _ln(op, args, ctx: CudaStepContext):
     x = args[0]
-    return ref.layer_norm(x, rt.w(op.attr("weight")).float(), rt.w(op.attr("bias")).float(),
+    return ref.layer_norm(x, ctx.w(op.attr("weight")).float(), ctx.w(op.attr("bias")).float(),
                           op.attr("eps")).to(x.dtype)
 
 
 @impl("rope.apply")
-def _rope(op, args, rt):
+def _rope(op, args, ctx: CudaStepContext):
     x, d = args[0], int(op.attr("dims"))
     return tt.rope(x, args[1], op.attr("theta"), op.attr("interleaved", True), rope_dim=d,
                    scaling=op.attr("scaling"))
 
 
 @impl("linear", "mla.a_proj", "lm.head")
-def _linear(op, args, rt):
-    return _mm(args[0], rt.w(op.attr("weight")))
+def _linear(op, args, ctx: CudaStepContext):
+    return _mm(args[0], ctx.w(op.attr("weight")))
 
 
 @impl("tensor.select_last")
-def _select_last(op, args, rt):
-    return args[0][rt.last_rows]
+def _select_last(op, args, ctx: CudaStepContext):
+    return args[0][ctx.last_rows]
 
 
 @impl("fused.add_rms")
-def _fused_add_rms(op, args, rt):
-    return tt.add_rms_norm(args[0], args[1], rt.w(op.attr("weight")), op.attr("eps"))
+def _fused_add_rms(op, args, ctx: CudaStepContext):
+    return tt.add_rms_norm(args[0], args[1], ctx.w(op.attr("weight")), op.attr("eps"))
 
 
 @impl("fused.qkv_a_norm_rope_write", "fused.qkv_a_norm_rope_write_index")
-def _qkv_fused(op, args, rt):
-    """Slices of the A-projection -> one kernel: c_q out; KV (and indexer K) rows written at rt.loc."""
+def _qkv_fused(op, args, ctx: CudaStepContext):
+    """Slices of the A-projection -> one kernel: c_q out; KV (and indexer K) rows written at ctx.loc."""
     a, pos = args
     q, c, r = int(op.attr("q_lora")), int(op.attr("kv_lora")), int(op.attr("rope_dim"))
-    wq, wkv = (rt.w(n) for n in op.attr("weight"))
+    wq, wkv = (ctx.w(n) for n in op.attr("weight"))
     layer = int(op.attr("layer"))
     kw = {}
     if op.kind.endswith("_index"):
         di = int(op.attr("index_dim"))
-        w, b = (rt.w(n) for n in op.attr("index_weight"))
+        w, b = (ctx.w(n) for n in op.attr("index_weight"))
         kw = dict(index_k=a[:, q + c + r:q + c + r + di], k_norm_w=w, k_norm_b=b,
                   index_eps=op.attr("index_eps"), index_interleaved=op.attr("index_interleaved", True))
-    c_q = tt.qkv_norm_rope_write(a[:, :q], a[:, q:q + c + r], pos, rt.loc, rt.pool, layer, wq, wkv,
+    c_q = tt.qkv_norm_rope_write(a[:, :q], a[:, q:q + c + r], pos, ctx.loc, ctx.pool, layer, wq, wkv,
                                  op.attr("eps"), op.attr("theta"), op.attr("interleaved", True),
                                  scaling=op.attr("scaling"), **kw)
     return (c_q, layer, layer) if kw else (c_q, layer)
 
 
 @impl("idx.topk")
-def _topk(op, args, rt):
+def _topk(op, args, ctx: CudaStepContext):
     """Indexer scores over the paged K cache into a [T, max_len] workspace, then exact top-k."""
     q, w, layer = args
     heads = int(op.attr("heads"))
-    scores = tt.indexer_scores(q, w.float() * heads ** -0.5, rt.pool.index_k[layer], rt.r2t, rt.rows,
-                               rt.pos, rt.max_len)
-    return tt.topk_select(scores, rt.pos + 1, int(op.attr("k")))
+    scores = tt.indexer_scores(q, w.float() * heads ** -0.5, ctx.pool.index_k[layer], ctx.r2t, ctx.rows,
+                               ctx.pos, ctx.max_len)
+    return tt.topk_select(scores, ctx.pos + 1, int(op.attr("k")))
 
 
-def _absorbed_weights(rt, name, heads, dn, dv):
+def _absorbed_weights(ctx: CudaStepContext, name, heads, dn, dv):
     """W_UK [H, dn, R] and W_UV^T [H, R, dv] of kv_b_proj, contiguous, made once per runner."""
     def make():
-        w = rt.w(name).view(heads, dn + dv, -1)
+        w = ctx.w(name).view(heads, dn + dv, -1)
         return w[:, :dn].contiguous(), w[:, dn:].transpose(1, 2).contiguous()
-    return rt.derived(("absorbed", name), make)
+    return ctx.derived(("absorbed", name), make)
 
 
 @impl("attn.mla_absorbed", "attn.sparse_mla", "attn.mla_mha")
-def _attn(op, args, rt):
+def _attn(op, args, ctx: CudaStepContext):
     """Absorbed MLA for every phase: q_lat = q_nope W_UK (batched GEMM), the sparse latent kernel
     over top-k (or causal) keys, o = out_lat W_UV. The MHA form of prefill is the same function."""
     q_nope, q_pe, layer, topk = args
     H, dn, dv = q_nope.shape[1], int(op.attr("dn")), int(op.attr("dv"))   # this rank's heads
-    w_uk, w_uv = _absorbed_weights(rt, op.attr("weight"), H, dn, dv)
+    w_uk, w_uv = _absorbed_weights(ctx, op.attr("weight"), H, dn, dv)
     T = q_nope.shape[0]
     q_lat = torch.bmm(q_nope.transpose(0, 1).to(w_uk.dtype), w_uk).transpose(0, 1)   # [T, H, R] view
-    out_lat = tt.sparse_mla_latent(q_lat, q_pe.to(q_lat.dtype), rt.pool.kv[layer], rt.r2t, rt.rows, rt.pos,
-                                   topk, op.attr("scale"), num_keys=None if topk is not None else rt.max_len)
+    out_lat = tt.sparse_mla_latent(q_lat, q_pe.to(q_lat.dtype), ctx.pool.kv[layer], ctx.r2t, ctx.rows, ctx.pos,
+                                   topk, op.attr("scale"), num_keys=None if topk is not None else ctx.max_len)
     return torch.bmm(out_lat.transpose(0, 1), w_uv).transpose(0, 1).reshape(T, H * dv)
 
 
 @impl("moe.gate")
-def _gate(op, args, rt):
+def _gate(op, args, ctx: CudaStepContext):
     name = op.attr("weight")
-    w = rt.derived(("fp32", name), lambda: rt.w(name).float().contiguous())
+    w = ctx.derived(("fp32", name), lambda: ctx.w(name).float().contiguous())
     return args[0].float() @ w.T
 
 
 @impl("moe.topk")
-def _moe_topk(op, args, rt):
-    name = rt.gate_bias(op)
-    bias = rt.derived(("fp32", name), lambda: rt.w(name).float().contiguous())
+def _moe_topk(op, args, ctx: CudaStepContext):
+    name = ctx.gate_bias(op)
+    bias = ctx.derived(("fp32", name), lambda: ctx.w(name).float().contiguous())
     return tt.moe_route_logits(args[0], bias, int(op.attr("top_k")), int(op.attr("n_group")),
                                int(op.attr("topk_group")), op.attr("norm_topk_prob"), op.attr("scale"))
 
 
 @impl("moe.experts")
-def _experts(op, args, rt):
+def _experts(op, args, ctx: CudaStepContext):
     x, w, ids = args
-    gate, up, down = rt.experts(op)
-    return tm.moe_experts(x, ids, w, gate, up, down, expert_offset=rt.expert_offset(op),
-                          tiles=rt.moe_tiles).to(x.dtype)
+    gate, up, down = ctx.experts(op)
+    return tm.moe_experts(x, ids, w, gate, up, down, expert_offset=ctx.expert_offset(op),
+                          tiles=ctx.moe_tiles).to(x.dtype)
 
 
 @impl("mlp.swiglu")
-def _swiglu(op, args, rt):
+def _swiglu(op, args, ctx: CudaStepContext):
     """down(silu(gate x) * up x) with gate and up as one GEMM over a fused [2I, H] weight."""
     p = op.attr("weight")
-    gate_up = rt.derived(("gate_up", p), lambda: torch.cat([rt.w(f"{p}.gate_proj.weight"),
-                                                            rt.w(f"{p}.up_proj.weight")]))
+    gate_up = ctx.derived(("gate_up", p), lambda: torch.cat([ctx.w(f"{p}.gate_proj.weight"),
+                                                            ctx.w(f"{p}.up_proj.weight")]))
     gu = _mm(args[0], gate_up)
     inter = gu.shape[1] // 2
-    return _mm(F.silu(gu[:, :inter]) * gu[:, inter:], rt.w(f"{p}.down_proj.weight"))
+    return _mm(F.silu(gu[:, :inter]) * gu[:, inter:], ctx.w(f"{p}.down_proj.weight"))
 
 
 @impl("moe.dispatch")
-def _dispatch(op, args, rt):
+def _dispatch(op, args, ctx: CudaStepContext):
     """The a2a MoE lowering, capture-safe: every rank sends each peer a fixed buffer of T*k slots
     (no counts exchanged, no host sync); row (t, j) takes the next free slot of the buffer of the
     rank holding its expert, unused slots carry expert id -1 (the experts kernel drops them). The
@@ -189,7 +187,7 @@ def _dispatch(op, args, rt):
     x, w, ids = args
     n, k = int(op.attr("size")), ids.shape[1]
     cap = x.shape[0] * k
-    dest = (ids // (rt.num_experts // n)).reshape(-1)
+    dest = (ids // (ctx.num_experts // n)).reshape(-1)
     slot = (F.one_hot(dest, n).cumsum(0) - 1).gather(1, dest[:, None]).squeeze(1)
     pos = dest * cap + slot                                   # row of the [n * cap] send buffer
     x_bits = x.repeat_interleave(k, 0).view(torch.uint8)     # element bytes of x
@@ -200,25 +198,25 @@ def _dispatch(op, args, rt):
     send[:, -4:] = 255                                         # expert id -1: an empty slot
     send[pos] = bits
     nbytes = sum(t.nbytes({"T": x.shape[0]}) for t in op.types) * n
-    got = rt.comm.all_to_all_equal(send, torch_target._axes(op), "dispatch", nbytes)
-    rt.routes[op.results[0]] = pos
+    got = ctx.comm.all_to_all_equal(send, torch_target._axes(op), "dispatch", nbytes)
+    ctx.routes[op.results[0]] = pos
     return (got[:, :hx].contiguous().view(x.dtype), got[:, hx:hx + 4].contiguous().view(torch.float32),
             got[:, hx + 4:].contiguous().view(torch.int32).long())
 
 
 @impl("moe.combine")
-def _combine(op, args, rt):
+def _combine(op, args, ctx: CudaStepContext):
     """Expert outputs back to their tokens' ranks (the same fixed buffers), each token's k summed."""
     y, like = args
-    pos = rt.routes[op.operands[0] + ".dx"]
+    pos = ctx.routes[op.operands[0] + ".dx"]
     n, k = int(op.attr("size")), int(op.attr("top_k"))
-    nbytes = like.shape[0] * k * y.shape[1] * DTYPE_BYTES[rt.type_of(op.operands[0]).dtype] * n
-    back = rt.comm.all_to_all_equal(y, torch_target._axes(op), "combine", nbytes)
+    nbytes = like.shape[0] * k * y.shape[1] * DTYPE_BYTES[ctx.type_of(op.operands[0]).dtype] * n
+    back = ctx.comm.all_to_all_equal(y, torch_target._axes(op), "combine", nbytes)
     return back[pos].view(like.shape[0], k, -1).float().sum(1).to(y.dtype)
 
 
 @impl("sample.tokens")
-def _sample(op, args, rt):
+def _sample(op, args, ctx: CudaStepContext):
     """The sampler at its defaults, greedy (runtime/engine/sampling.py); the engine samples the
     returned logits with each request's parameters."""
     return tt.sample_greedy(args[0])

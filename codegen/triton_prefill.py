@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
+from glmc.codegen.context import CudaStepContext
 from glmc.codegen.triton_target import _DOT, kernel_for, next_pow2
 
 LOG2E = 1.4426950408889634
@@ -204,9 +205,9 @@ def mla_attention_mha(q_nope, q_pe, pool, layer, w_kv_b, topk, batch, scale, dn,
     return sparse_mla_prefill(q_nope, q_pe, kv, k_pe, keys, batch.positions.to(dev), scale, dv, **tiles)
 
 
-def attn_mla_mha(op, args, rt):
-    """`cuda_target.IMPLS["attn.mla_mha"]` (prefill step: rt.batch is the host ForwardBatch, rt.r2t the
+def attn_mla_mha(op, args, ctx: CudaStepContext):
+    """`cuda_target.IMPLS["attn.mla_mha"]` (prefill step: ctx.batch is the host ForwardBatch, ctx.r2t the
     device table)."""
     q_nope, q_pe, layer, topk = args
-    return mla_attention_mha(q_nope, q_pe, rt.pool, layer, rt.w(op.attr("weight")), topk, rt.batch,
-                             op.attr("scale"), int(op.attr("dn")), int(op.attr("dv")), req_to_token=rt.r2t)
+    return mla_attention_mha(q_nope, q_pe, ctx.pool, layer, ctx.w(op.attr("weight")), topk, ctx.batch,
+                             op.attr("scale"), int(op.attr("dn")), int(op.attr("dv")), req_to_token=ctx.r2t)

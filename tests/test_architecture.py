@@ -227,3 +227,27 @@ def test_every_executed_op_exports_to_onnx(final_kinds):
             model = to_onnx(g, f"{par}_{phase}")     # checked by onnx.checker inside
             kinds |= {(n.domain, n.op_type) for n in model.graph.node}
     assert {k for d, k in kinds if d == DOMAIN} == final_kinds - {"io.input"}
+
+
+def test_the_executors_step_fulfils_the_codegen_contract():
+    """Every member an op implementation may use (codegen/context.py) exists on the runtime's
+    step objects: the torch target's `Step`, the CUDA target's `GpuStep`."""
+    import dataclasses
+    import typing
+
+    from glmc.codegen.context import CudaStepContext, StepContext
+    from glmc.runtime.worker.cuda_executor import GpuStep
+    from glmc.runtime.worker.executor import Step
+
+    def members(proto):
+        names = set(typing.get_type_hints(proto)) if hasattr(proto, "__annotations__") else set()
+        names |= {n for n, v in vars(proto).items() if callable(v) and not n.startswith("_")}
+        for base in proto.__mro__[1:]:
+            if base not in (typing.Protocol, typing.Generic, object):
+                names |= members(base)
+        return names
+
+    for step, proto in ((Step, StepContext), (GpuStep, CudaStepContext)):
+        have = {f.name for f in dataclasses.fields(step)} | set(dir(step))
+        missing = members(proto) - have
+        assert not missing, f"{step.__name__} lacks {sorted(missing)} of {proto.__name__}"

@@ -33,7 +33,8 @@ FP32_WEIGHTS = ("mlp.gate.weight", "e_score_correction_bias")  # the router stay
 
 @dataclass
 class GpuStep(Step):
-    """Step state on the device: per-token rows/positions, the device table, workspace width."""
+    """Step state on the device (fulfils `codegen.context.CudaStepContext`): per-token
+    rows/positions, the device table, workspace width."""
     rows: torch.Tensor = None
     pos: torch.Tensor = None
     r2t: torch.Tensor = None

@@ -28,7 +28,8 @@ from glmc.plan import Plan
 
 @dataclass
 class Step:
-    """What ops see during one forward: feeds, batch, pool, comm, padded KV locations."""
+    """What ops see during one forward (fulfils `codegen.context.StepContext`): feeds, batch,
+    pool, comm, padded KV locations."""
     ex: "PlanExecutor"
     graph: Graph
     batch: ForwardBatch
