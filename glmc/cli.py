@@ -72,6 +72,7 @@ def cmd_run(a) -> int:
         make_tiny_checkpoint,
     )
     from glmc.runtime.engine.distributed import ServeConfig, serve_model
+    from glmc.runtime.serving.server import ServerOptions
     from glmc.runtime.worker.launch import RankFailed
     if a.device == "cuda":  # before anything slow: one GPU, tp1, and a GPU torch can see
         from glmc.runtime.engine.build import require_cuda, require_tp1
@@ -86,16 +87,19 @@ def cmd_run(a) -> int:
     engine_kwargs = dict(max_running=a.max_running, max_batch_tokens=a.max_batch_tokens,
                          max_waiting=a.max_waiting, enable_prefix_cache=not a.no_prefix_cache)
     name = a.served_model_name or (ckpt.name if a.weights else TINY_NAME)
+    server = ServerOptions(max_body_bytes=int(a.max_body_mb * 2**20),
+                           shutdown_timeout_s=a.shutdown_timeout)
     if a.device == "cuda":
         from glmc.runtime.engine.build import build_engine
         from glmc.runtime.serving.server import serve
         engine = build_engine(ckpt, a.plan, a.parallel, device="cuda", num_pages=a.num_pages,
                               max_context=a.max_context, warmup=not a.no_warmup, **engine_kwargs)
-        serve(engine, name, a.host, a.port, a.log_level)
+        serve(engine, name, a.host, a.port, a.log_level, server)
         return 0
     try:
         serve_model(ServeConfig(str(ckpt), a.plan, a.parallel, name, a.host, a.port, a.num_pages,
-                                a.max_context, engine_kwargs, not a.no_warmup, a.log_level))
+                                a.max_context, engine_kwargs, not a.no_warmup, a.log_level,
+                                server=server))
     except RankFailed as e:
         print(f"glmc run: error: {e}", file=sys.stderr)
         return 1
@@ -156,6 +160,11 @@ def main(argv: list[str] | None = None) -> int:
                    "capped by the KV pool)")
     r.add_argument("--served-model-name", help="the API's model id (default glmc-tiny or the "
                    "checkpoint directory's name)")
+    r.add_argument("--max-body-mb", type=float, default=8.0, help="largest request body in MiB; "
+                   "larger ones get 413")
+    r.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds in-flight "
+                   "requests get to finish after SIGINT/SIGTERM before they are aborted (a second "
+                   "signal exits at once)")
     r.add_argument("--no-prefix-cache", action="store_true")
     r.add_argument("--no-warmup", action="store_true")
     r.add_argument("--cache-dir", help="where the tiny model's weights are made (default "
@@ -168,6 +177,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as err:
         print(f"glmc {a.cmd}: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C (or, while `glmc run` starts up, SIGTERM)
+        print(f"glmc {a.cmd}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -13,20 +13,27 @@ req_to_token cut to its own rows. Every rank runs the same phase graph on its DP
 `dp_tokens` = every DP rank's token count, so padding and collectives line up; rank 1 sends its
 logits back for rank 0 to sample. A `None` message ends the loop.
 
-Shutdown: SIGINT/SIGTERM to the launcher is passed on to the ranks; rank 0 stops serving
-gracefully and sends `None`; the other ranks ignore the signals and exit when told to.
+Shutdown (`_StopRanks`): a terminal's Ctrl-C reaches every process of the group, so the ranks
+leave SIGINT to the launcher (they are born with it blocked, then only exit on it if the launcher
+died: torch's parent-death signal). The launcher's first SIGINT/SIGTERM sends SIGTERM to every
+rank: rank 0, serving, shuts the server down gracefully (in-flight requests get
+`ServerOptions.shutdown_timeout_s`, then are aborted) and sends `None`; the other ranks ignore
+SIGTERM while they follow and exit when told to. A rank still starting up simply exits, and the
+launcher stops the rest at once. A second signal kills every rank.
 """
 from __future__ import annotations
 
 import dataclasses
 import datetime
-import multiprocessing
 import os
 import signal
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from glmc.runtime.serving.server import ServerOptions
 from glmc.runtime.worker.forward_batch import ForwardBatch
 from glmc.runtime.worker.model_runner import ModelRunner, PlanRunner
 
@@ -51,6 +58,7 @@ class ServeConfig:
     warmup: bool = True
     log_level: str = "info"
     timeout_s: float = 600.0  # collectives of one step (and start-up) fail after this long
+    server: ServerOptions = field(default_factory=ServerOptions)  # body limit, shutdown grace
 
 
 class DistRunner(ModelRunner):
@@ -133,23 +141,110 @@ def groups_used(graphs: dict) -> set:
 
 def serve_model(cfg: ServeConfig) -> None:
     """Serve in the foreground until SIGINT/SIGTERM: in this process for a one-rank plan, else one
-    process per rank (then a failing rank raises `launch.RankFailed`)."""
+    process per rank (then a failing rank raises `launch.RankFailed`). A signal during start-up
+    raises KeyboardInterrupt once every rank is gone."""
     from glmc.runtime.engine.build import build_engine
     from glmc.runtime.serving.server import serve
-    from glmc.runtime.worker.launch import spawn
+    from glmc.runtime.worker.launch import RankFailed, spawn
 
     world = _world(cfg)
     if world == 1:
-        engine = build_engine(cfg.ckpt_dir, cfg.plan_dir, cfg.parallel, num_pages=cfg.num_pages,
-                              max_context=cfg.max_context, warmup=cfg.warmup, **cfg.engine_kwargs)
-        serve(engine, cfg.model_name, cfg.host, cfg.port, cfg.log_level)
+        with _sigterm_interrupts():  # start-up ends with KeyboardInterrupt on either signal
+            engine = build_engine(cfg.ckpt_dir, cfg.plan_dir, cfg.parallel,
+                                  num_pages=cfg.num_pages, max_context=cfg.max_context,
+                                  warmup=cfg.warmup, **cfg.engine_kwargs)
+        serve(engine, cfg.model_name, cfg.host, cfg.port, cfg.log_level, cfg.server)
         return
-    previous = {s: signal.signal(s, _pass_on) for s in (signal.SIGINT, signal.SIGTERM)}
+    stop = _StopRanks()
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})  # the ranks inherit the mask
     try:
-        spawn(_rank_main, world, cfg, timeout_s=cfg.timeout_s)
+        spawn(_rank_main, world, cfg, timeout_s=cfg.timeout_s, on_started=stop.started)
+    except RankFailed:
+        if not stop.requested:
+            raise
+        print(f"glmc: {stop.outcome()}", flush=True)
+        if stop.during_start_up:
+            raise KeyboardInterrupt from None
     finally:
-        for s, handler in previous.items():
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+        stop.uninstall()
+
+
+@contextmanager
+def _sigterm_interrupts():
+    """SIGTERM raises KeyboardInterrupt inside the block, as SIGINT does (start-up is then left
+    cleanly either way)."""
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler) if main else None
+    try:
+        yield
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, previous)
+
+
+class _StopRanks:
+    """The launcher's SIGINT/SIGTERM handler (see the module docstring)."""
+
+    FOLLOWER_GRACE_S = 5.0  # after rank 0 exits, the others get this long before SIGKILL
+
+    def __init__(self):
+        self.processes: list = []
+        self.requested = 0
+        self.previous = {s: signal.signal(s, self) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def started(self, processes: list) -> None:
+        """Every rank was started (SIGINT still blocked here): from now on signals reach them."""
+        self.processes = processes
+        if self.requested:
+            self._stop()
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+    def uninstall(self) -> None:
+        for s, handler in self.previous.items():
             signal.signal(s, handler)
+
+    def __call__(self, signum, frame) -> None:
+        self.requested += 1
+        if not self.processes:  # SIGTERM while the ranks are being started: `started` stops them
+            return
+        if self.requested == 1:
+            self._stop()
+        else:
+            print("glmc: second signal: stopping every rank now", flush=True)
+            self._signal_all(signal.SIGKILL)
+
+    def _stop(self) -> None:
+        self._signal_all(signal.SIGTERM)
+        threading.Thread(target=self._reap_followers, daemon=True).start()
+
+    def _signal_all(self, sig: int) -> None:
+        for p in self.processes:
+            try:
+                os.kill(p.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def _reap_followers(self) -> None:
+        """Ranks that follow rank 0 cannot finish without it: once it is gone, stop them (at once
+        if it did not shut down cleanly, before the launcher's own clean-up reports them)."""
+        self.processes[0].join()
+        grace = self.FOLLOWER_GRACE_S if self.processes[0].exitcode == 0 else 0.0
+        for p in self.processes[1:]:
+            p.join(grace)
+            if p.is_alive():
+                p.kill()
+
+    @property
+    def during_start_up(self) -> bool:
+        """Rank 0 died of the first SIGTERM: it came before the server took the signal over."""
+        return self.requested == 1 and self.processes[0].exitcode == -signal.SIGTERM
+
+    def outcome(self) -> str:
+        if self.requested > 1:
+            return "stopped every rank (forced)"
+        return "interrupted during start-up; every rank stopped" if self.during_start_up \
+            else "stopped every rank"
 
 
 def _world(cfg: ServeConfig) -> int:
@@ -162,21 +257,21 @@ def _world(cfg: ServeConfig) -> int:
     return parse_parallel(cfg.parallel or "tp1", load_spec(cfg.ckpt_dir).config).world
 
 
-def _pass_on(signum, frame) -> None:
-    """The launcher's handler: rank 0 shuts the server down, the other ranks ignore signals."""
-    for p in multiprocessing.active_children():
-        try:
-            os.kill(p.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
+def _exit_if_orphaned(launcher: int):
+    """A rank's SIGINT handler: Ctrl-C is the launcher's to handle, but torch makes a rank's
+    parent-death signal SIGINT too; a rank whose launcher is gone exits."""
+    def handler(signum, frame):
+        if os.getppid() != launcher:
+            os._exit(1)
+    return handler
 
 
 def _rank_main(rank: int, world: int, cfg: ServeConfig) -> None:
+    signal.signal(signal.SIGINT, _exit_if_orphaned(os.getppid()))
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # blocked from birth
     if "OMP_NUM_THREADS" not in os.environ:  # ranks share the host's cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    if rank:
-        for s in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(s, signal.SIG_IGN)
+    if rank:  # until it follows, SIGTERM ends a rank at once
         os.environ["TQDM_DISABLE"] = "1"  # rank 0 shows the progress; tqdm reads it on import
     from glmc.runtime.engine.build import plan_runner, plan_source, warm_up
     from glmc.runtime.engine.engine import Engine
@@ -189,6 +284,7 @@ def _rank_main(rank: int, world: int, cfg: ServeConfig) -> None:
     group = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)  # after Comm's, on all ranks
     local = plan_runner(src, cfg.num_pages, cfg.max_context, comm)
     if rank:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # from now on, rank 0 says when to stop
         follow(local, group)
         return
     runner = DistRunner(local, group)
@@ -196,6 +292,7 @@ def _rank_main(rank: int, world: int, cfg: ServeConfig) -> None:
         engine = Engine(runner, Tokenizer.from_dir(cfg.ckpt_dir), **cfg.engine_kwargs)
         if cfg.warmup:
             warm_up(engine)
-        serve(engine, cfg.model_name, cfg.host, cfg.port, cfg.log_level)
+        serve(engine, cfg.model_name, cfg.host, cfg.port, cfg.log_level, cfg.server,
+              signals=(signal.SIGTERM,))
     finally:
         runner.close()
