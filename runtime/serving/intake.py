@@ -102,8 +102,8 @@ class JsonParser:
 
 def scan(body, max_long_items: int) -> None:
     """Refuse what would make later steps slow or fail: lone surrogates (not encodable text),
-    nesting deeper than MAX_DEPTH, arrays longer than MAX_ITEMS (`prompt` and `messages`:
-    `max_long_items`). Iterative, so any depth is safe; errors name the path."""
+    nesting deeper than MAX_DEPTH, arrays longer than MAX_ITEMS (`prompt`, `messages` and their
+    items: `max_long_items`). Iterative, so any depth is safe; errors name the path."""
     if not isinstance(body, dict):
         raise APIError(400, "the body must be a JSON object", None, "invalid_json")
     stack = [(v, (k,), 1) for k, v in body.items()]
@@ -116,7 +116,8 @@ def scan(body, max_long_items: int) -> None:
                 raise APIError(400, f"{_dotted(path)}: nested deeper than {MAX_DEPTH} levels",
                                _dotted(path))
             if isinstance(value, list):
-                limit = max_long_items if path in (("prompt",), ("messages",)) else MAX_ITEMS
+                long = path[0] in ("prompt", "messages") and len(path) <= 2  # [[ids]] too
+                limit = max_long_items if long else MAX_ITEMS
                 if len(value) > limit:
                     raise APIError(400, f"{_dotted(path)}: {len(value)} items, more than "
                                    f"{limit}", _dotted(path))
