@@ -14,8 +14,8 @@ req_to_token cut to its own rows. Every rank runs the same phase graph on its DP
 logits back for rank 0 to sample. A `None` message ends the loop.
 
 Shutdown (`_StopRanks`): a terminal's Ctrl-C reaches every process of the group, so the ranks
-leave SIGINT to the launcher (they are born with it blocked, then only exit on it if the launcher
-died: torch's parent-death signal). The launcher's first SIGINT/SIGTERM sends SIGTERM to every
+leave SIGINT to the launcher (they are born ignoring it, then only exit on it if the launcher died:
+torch's parent-death signal). The launcher's first SIGINT/SIGTERM sends SIGTERM to every
 rank: rank 0, serving, shuts the server down gracefully (in-flight requests get
 `ServerOptions.shutdown_timeout_s`, then are aborted) and sends `None`; the other ranks ignore
 SIGTERM while they follow and exit when told to. A rank still starting up simply exits, and the
@@ -30,6 +30,7 @@ import signal
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from multiprocessing.connection import wait
 
 import torch
 import torch.distributed as dist
@@ -156,7 +157,9 @@ def serve_model(cfg: ServeConfig) -> None:
         serve(engine, cfg.model_name, cfg.host, cfg.port, cfg.log_level, cfg.server)
         return
     stop = _StopRanks()
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})  # the ranks inherit the mask
+    # Ignored signals survive exec: the ranks start ignoring SIGINT (a signal mask would not: the
+    # spawn start method clears it). The launcher's own handler is back once they are started.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         spawn(_rank_main, world, cfg, timeout_s=cfg.timeout_s, on_started=stop.started)
     except RankFailed:
@@ -166,7 +169,6 @@ def serve_model(cfg: ServeConfig) -> None:
         if stop.during_start_up:
             raise KeyboardInterrupt from None
     finally:
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
         stop.uninstall()
 
 
@@ -194,11 +196,11 @@ class _StopRanks:
         self.previous = {s: signal.signal(s, self) for s in (signal.SIGINT, signal.SIGTERM)}
 
     def started(self, processes: list) -> None:
-        """Every rank was started (SIGINT still blocked here): from now on signals reach them."""
+        """Every rank was started: from now on signals reach them."""
         self.processes = processes
+        signal.signal(signal.SIGINT, self)
         if self.requested:
             self._stop()
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
     def uninstall(self) -> None:
         for s, handler in self.previous.items():
@@ -227,13 +229,17 @@ class _StopRanks:
 
     def _reap_followers(self) -> None:
         """Ranks that follow rank 0 cannot finish without it: once it is gone, stop them (at once
-        if it did not shut down cleanly, before the launcher's own clean-up reports them)."""
-        self.processes[0].join()
-        grace = self.FOLLOWER_GRACE_S if self.processes[0].exitcode == 0 else 0.0
-        for p in self.processes[1:]:
-            p.join(grace)
-            if p.is_alive():
-                p.kill()
+        if it did not shut down cleanly, before the launcher's own clean-up reports them). Runs
+        beside the launcher's join, so it only watches: it never reaps a rank."""
+        rank0, followers = self.processes[0], self.processes[1:]
+        clean = _exited_cleanly(rank0.pid)
+        wait([p.sentinel for p in followers], self.FOLLOWER_GRACE_S if clean else 0.0)
+        for p in followers:
+            if not wait([p.sentinel], 0):
+                try:
+                    os.kill(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
 
     @property
     def during_start_up(self) -> bool:
@@ -257,6 +263,16 @@ def _world(cfg: ServeConfig) -> int:
     return parse_parallel(cfg.parallel or "tp1", load_spec(cfg.ckpt_dir).config).world
 
 
+def _exited_cleanly(pid: int) -> bool:
+    """Wait for process `pid` to exit; whether its status was 0. Leaves it for its parent's own
+    wait (WNOWAIT); False if that wait came first and took the status."""
+    try:
+        info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+    except ChildProcessError:
+        return False
+    return info.si_code == os.CLD_EXITED and info.si_status == 0
+
+
 def _exit_if_orphaned(launcher: int):
     """A rank's SIGINT handler: Ctrl-C is the launcher's to handle, but torch makes a rank's
     parent-death signal SIGINT too; a rank whose launcher is gone exits."""
@@ -267,8 +283,7 @@ def _exit_if_orphaned(launcher: int):
 
 
 def _rank_main(rank: int, world: int, cfg: ServeConfig) -> None:
-    signal.signal(signal.SIGINT, _exit_if_orphaned(os.getppid()))
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # blocked from birth
+    signal.signal(signal.SIGINT, _exit_if_orphaned(os.getppid()))  # ignored until now
     if "OMP_NUM_THREADS" not in os.environ:  # ranks share the host's cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     if rank:  # until it follows, SIGTERM ends a rank at once
