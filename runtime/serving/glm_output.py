@@ -155,19 +155,16 @@ class ChatOutput:
         return self._delta(*self.reasoning.finish(), final=True)
 
     def _delta(self, reasoning: str, content: str, final: bool) -> dict:
-        calls: list[ToolCall] = []
+        calls: list[dict] = []
         if self.tools is not None:
             first = self.tools.num_calls
-            content, calls = self.tools.feed(content)
+            content, found = self.tools.feed(content)
             if final:
                 rest, more = self.tools.finish()
-                content, calls = content + rest, calls + more
-            calls_out = [c.to_openai(first + k) for k, c in enumerate(calls)]
-        delta = {"reasoning_content": reasoning, "content": content}
-        delta = {k: v for k, v in delta.items() if v}
-        if calls:
-            delta["tool_calls"] = calls_out
-        return delta
+                content, found = content + rest, found + more
+            calls = [c.to_openai(first + k) for k, c in enumerate(found)]
+        delta = {"reasoning_content": reasoning, "content": content, "tool_calls": calls}
+        return {k: v for k, v in delta.items() if v}
 
     @property
     def called_tools(self) -> bool:

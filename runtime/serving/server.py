@@ -95,6 +95,8 @@ class _Api:
         check_content_type(http)
         call = await asyncio.get_running_loop().run_in_executor(
             self.pool, self.intake.prepare, raw, chat)
+        if self.shut_down:  # its grace period ran out while it was being taken in
+            raise SHUT_DOWN
         try:
             stream = EventStream.open(self.engine, call.reqs)
         except Overloaded as e:
