@@ -30,9 +30,11 @@ from starlette.requests import ClientDisconnect
 MAX_DEPTH = 64
 MAX_ITEMS = 4096  # longest array besides `prompt` and `messages`, whose bound is the context
 DRAIN_FACTOR = 4
-# Logits are divided by these: tinier values overflow fp32 and the draw fails for the whole batch.
+# The sampler works in fp32: logits are divided by the first two, and a top_p below fp32's range
+# reads as 0, which drops every token. Past these, one request's draw failed its whole batch.
 MIN_TEMPERATURE = 1e-5  # below it, greedy (vLLM's rule)
-MIN_REPETITION_PENALTY = 1e-5  # read (and drop) up to this many times the limit of a too-large body
+MIN_REPETITION_PENALTY = 1e-5
+MIN_TOP_P = 1e-6  # keeps only the most likely token, as any smaller top_p does  # read (and drop) up to this many times the limit of a too-large body
 
 
 def _no_constant(name: str):
@@ -218,7 +220,7 @@ class Intake:
                 try:
                     params = sampling_params(body, limit, logprobs, top,
                                              choice_seed(body, len(reqs)))
-                    reqs.append(self.engine.make_request(prompt, _no_overflow(params)))
+                    reqs.append(self.engine.make_request(prompt, _fp32_safe(params)))
                 except SamplingError as e:
                     raise APIError(400, str(e), _api_name(body, e.param)) from e
                 except InvalidRequest as e:
@@ -226,11 +228,13 @@ class Intake:
         return reqs
 
 
-def _no_overflow(params):
-    """`params` with a temperature too small to divide by made greedy; a repetition penalty that
-    small is refused (400)."""
+def _fp32_safe(params):
+    """`params` with a temperature too small to divide by made greedy and a tiny top_p raised to
+    one with the same effect; a repetition penalty that small is refused (400)."""
     if 0.0 < params.temperature < MIN_TEMPERATURE:
         params.temperature = 0.0
+    if 0.0 < params.top_p < MIN_TOP_P:
+        params.top_p = MIN_TOP_P
     if 0.0 < params.repetition_penalty < MIN_REPETITION_PENALTY:
         raise APIError(400, f"repetition_penalty: must be >= {MIN_REPETITION_PENALTY} (logits are "
                        f"divided by it), got {params.repetition_penalty}", "repetition_penalty")
