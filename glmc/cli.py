@@ -64,6 +64,7 @@ def cmd_run(a) -> int:
     """Serve a model over the OpenAI API: the tiny default, a checkpoint, or a compiled plan."""
     from glmc.api import plan_for
     from glmc.runtime.serving.launch import ServeConfig, serve_model
+    from glmc.runtime.serving.server import ServerOptions
     from glmc.runtime.worker.launch import RankFailed
     from glmc.tiny import TINY_NAME, default_cache_dir, make_tiny_checkpoint
     if a.device == "cuda":  # before anything slow: a GPU torch can see
@@ -79,9 +80,12 @@ def cmd_run(a) -> int:
     engine_kwargs = dict(max_running=a.max_running, max_batch_tokens=a.max_batch_tokens,
                          max_waiting=a.max_waiting, enable_prefix_cache=not a.no_prefix_cache)
     name = a.served_model_name or (ckpt.name if a.weights else TINY_NAME)
+    server = ServerOptions(max_body_bytes=int(a.max_body_mb * 2**20),
+                           shutdown_timeout_s=a.shutdown_timeout)
     try:
         serve_model(ServeConfig(plan, str(ckpt), a.device, name, a.host, a.port, a.num_pages,
-                                a.max_context, engine_kwargs, not a.no_warmup, a.log_level))
+                                a.max_context, engine_kwargs, not a.no_warmup, a.log_level,
+                                server=server))
     except RankFailed as e:
         print(f"glmc run: error: {e}", file=sys.stderr)
         return 1
@@ -143,6 +147,11 @@ def main(argv: list[str] | None = None) -> int:
                    "capped by the KV pool)")
     r.add_argument("--served-model-name", help="the API's model id (default glmc-tiny or the "
                    "checkpoint directory's name)")
+    r.add_argument("--max-body-mb", type=float, default=8.0, help="largest request body in MiB; "
+                   "larger ones get 413")
+    r.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds in-flight "
+                   "requests get to finish after SIGINT/SIGTERM before they are aborted (a second "
+                   "signal exits at once)")
     r.add_argument("--no-prefix-cache", action="store_true")
     r.add_argument("--no-warmup", action="store_true")
     r.add_argument("--cache-dir", help="where the tiny model's weights are made (default "
@@ -155,6 +164,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as err:
         print(f"glmc {a.cmd}: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C (or, while `glmc run` starts up, SIGTERM)
+        print(f"glmc {a.cmd}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

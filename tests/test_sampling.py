@@ -93,10 +93,10 @@ def test_tiny_tokenizer_and_chat_template(tok):
     assert tok.vocab_size <= 512 and len(tok.eos_token_ids) == 3
     text = tok.apply_chat_template([{"role": "system", "content": "Be brief."},
                                     {"role": "user", "content": "Hello, world!"}])
-    assert text == "[gMASK]<sop><|system|>\nBe brief.<|user|>\nHello, world!<|assistant|>"
+    assert text == "[gMASK]<sop><|system|>Be brief.<|user|>Hello, world!<|assistant|><think></think>"
     ids = tok.encode(text)
     assert ids[:2] == [tok.tok.token_to_id("[gMASK]"), tok.tok.token_to_id("<sop>")]
-    assert tok.decode(ids) == "\nBe brief.\nHello, world!"
+    assert tok.decode(ids) == "Be brief.Hello, world!<think></think>"  # markers stay, roles go
     # logprobs report each token's raw bytes; byte-level pieces of one character join back up
     assert b"".join(tok.token_bytes(t) for t in tok.encode("Hi 你好")).decode() == "Hi 你好"
     with pytest.raises(ValueError, match="unknown role: wizard"):

@@ -2,7 +2,6 @@
 (sync, streaming, async), httpx for malformed requests, the tiny model behind it."""
 import asyncio
 import json
-import socket
 import threading
 import time
 
@@ -11,7 +10,7 @@ import openai
 import pytest
 import uvicorn
 from glmc.runtime.engine.sampling import SamplingParams
-from glmc.runtime.serving.server import create_app
+from glmc.runtime.serving.server import create_app, listen
 
 from glmc.api import build_engine
 
@@ -23,8 +22,7 @@ class Server:
     """uvicorn serving `app` from a background thread on a free loopback port."""
 
     def __init__(self, app):
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
+        self.sock = listen("127.0.0.1", 0)
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
         self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},

@@ -1,4 +1,4 @@
-"""Build the tiny model's tokenizer: a 512-token byte-level BPE and a GLM-style chat template.
+"""Build the tiny model's tokenizer: a 512-token byte-level BPE and a GLM-5-style chat template.
 
 Run `python models/tiny/make_tokenizer.py` to regenerate `tokenizer.json` and
 `tokenizer_config.json` next to this file. Training is deterministic (fixed corpus below, single
@@ -12,24 +12,74 @@ import os
 from pathlib import Path
 
 VOCAB_SIZE = 512
-# GLM's special tokens; eos for generation = <|endoftext|>, <|user|>, <|observation|> (as GLM-5).
+# GLM's control tokens; eos for generation = <|endoftext|>, <|user|>, <|observation|> (as GLM-5).
 SPECIAL_TOKENS = ["<|endoftext|>", "[MASK]", "[gMASK]", "[sMASK]", "<sop>", "<eop>", "<|system|>",
-                  "<|user|>", "<|assistant|>", "<|observation|>", "<think>", "</think>"]
+                  "<|user|>", "<|assistant|>", "<|observation|>"]
+# GLM's markers of reasoning and tool calls: added tokens that are *not* special, as in GLM-4.5/5
+# checkpoints, so they survive decoding and the server's parsers can see them in the text.
+MARKER_TOKENS = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>",
+                 "<arg_value>", "</arg_value>", "<tool_response>", "</tool_response>"]
 EOS_TOKENS = ["<|endoftext|>", "<|user|>", "<|observation|>"]
 
-# GLM layout: [gMASK]<sop>, one <|role|> header per message with its content on the next line, and a
-# bare <|assistant|> as the generation prompt (as GLM-4.5/5 with thinking off).
-CHAT_TEMPLATE = (
-    "[gMASK]<sop>"
-    "{%- for message in messages %}"
-    "{%- if message['role'] not in ['system', 'user', 'assistant', 'observation', 'tool'] %}"
-    "{{- raise_exception('unknown role: ' ~ message['role']) }}"
-    "{%- endif %}"
-    "{%- set role = 'observation' if message['role'] == 'tool' else message['role'] %}"
-    "<|{{ role }}|>\n{{ message['content'] }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}<|assistant|>{%- endif %}"
-)
+# GLM-5's chat format (zai-org's chat_template.jinja, simplified: no multimodal parts, no tool
+# references): [gMASK]<sop>, a <|system|> block listing the tools as JSON, one <|role|> header per
+# message with no newline after it, assistant turns as <think>reasoning</think>content followed by
+# <tool_call>name<arg_key>k</arg_key><arg_value>v</arg_value></tool_call>, tool results as
+# <tool_response> under one <|observation|>. Reasoning is kept only for turns after the last user
+# message. The generation prompt is <|assistant|><think> with thinking on; unlike GLM-5, thinking
+# is off unless `enable_thinking` is passed: the random-weight tiny model never closes </think>.
+CHAT_TEMPLATE = """[gMASK]<sop>
+{%- if tools -%}
+<|system|>
+# Tools
+
+You may call one or more functions to assist with the user query.
+
+You are provided with function signatures within <tools></tools> XML tags:
+<tools>
+{% for tool in tools %}
+{{ (tool.function if tool.function is defined else tool) | tojson(ensure_ascii=False) }}
+{% endfor %}
+</tools>
+
+For each function call, output the function name and arguments within the following XML format:
+<tool_call>{function-name}<arg_key>{arg-key-1}</arg_key><arg_value>{arg-value-1}</arg_value><arg_key>{arg-key-2}</arg_key><arg_value>{arg-value-2}</arg_value>...</tool_call>
+{%- endif -%}
+{%- set ns = namespace(last_user=-1) -%}
+{%- for m in messages -%}
+{%- if m.role == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}
+{%- endfor -%}
+{%- for m in messages -%}
+{%- if m.role == 'system' -%}
+<|system|>{{ m.content }}
+{%- elif m.role == 'user' -%}
+<|user|>{{ m.content }}
+{%- elif m.role == 'assistant' -%}
+<|assistant|>
+{%- if m.reasoning_content is string and loop.index0 > ns.last_user -%}
+{{ '<think>' + m.reasoning_content + '</think>' }}
+{%- else -%}
+{{ '<think></think>' }}
+{%- endif -%}
+{%- if m.content and m.content.strip() -%}{{ m.content.strip() }}{%- endif -%}
+{%- for tc in m.tool_calls or [] -%}
+{%- set fn = tc.function if tc.function is defined else tc -%}
+<tool_call>{{ fn.name }}
+{%- for k, v in fn.arguments.items() -%}
+<arg_key>{{ k }}</arg_key><arg_value>{{ v if v is string else v | tojson(ensure_ascii=False) }}</arg_value>
+{%- endfor -%}
+</tool_call>
+{%- endfor -%}
+{%- elif m.role == 'tool' -%}
+{%- if loop.first or messages[loop.index0 - 1].role != 'tool' -%}<|observation|>{%- endif -%}
+<tool_response>{{ m.content }}</tool_response>
+{%- else -%}
+{{ raise_exception('unknown role: ' ~ m.role) }}
+{%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+<|assistant|>{{ '<think>' if enable_thinking is defined and enable_thinking else '<think></think>' }}
+{%- endif -%}"""
 
 CORPUS = """
 The quick brown fox jumps over the lazy dog. A serving engine turns prompts into tokens, tokens
@@ -64,12 +114,16 @@ def build(out_dir: Path) -> None:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=SPECIAL_TOKENS,
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE,
+                                  special_tokens=SPECIAL_TOKENS + MARKER_TOKENS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
     tok.train_from_iterator([line for line in CORPUS.splitlines() if line] * 4, trainer)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tok.save(str(out_dir / "tokenizer.json"))
+    data = json.loads(tok.to_str())
+    for added in data["added_tokens"]:  # the trainer makes every added token special
+        added["special"] = added["content"] not in MARKER_TOKENS
+    (out_dir / "tokenizer.json").write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "model_max_length": 4096,

@@ -1,39 +1,24 @@
-"""Serving metrics in Prometheus text format (no client library: a few counters and histograms).
+"""Serving metrics, exported with `prometheus-client` (one registry per engine).
 
-The engine thread records events; the server renders `Metrics.render()` for `GET /metrics`. A lock
-keeps a render from seeing half an update.
+The engine thread records events (`step`, `token`, `finish`, gauges); `GET /metrics` serves
+`exposition()`, the Prometheus text format every scraper reads. Derived gauges (throughput over
+the last 10 s, prefix-cache hit rate) are computed when scraped. `counters`, `finished` and
+`admitted_by_dp_rank` read the current values back (tests, benchmarks).
 """
 from __future__ import annotations
 
-import bisect
 import threading
 import time
 from collections import deque
 
+import prometheus_client
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+prometheus_client.disable_created_metrics()  # no `*_created` series: nobody graphs them
+
 PREFIX = "glmc_"
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
                    30.0, 60.0)
-
-
-class Histogram:
-    """Cumulative-bucket histogram, rendered the way Prometheus expects."""
-
-    def __init__(self, buckets=LATENCY_BUCKETS):
-        self.buckets = tuple(buckets)
-        self.counts = [0] * (len(self.buckets) + 1)  # last one is +Inf
-        self.sum, self.count = 0.0, 0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.buckets, value)] += 1
-        self.sum += value
-        self.count += 1
-
-    def render(self, name: str) -> list[str]:
-        lines, total = [], 0
-        for le, c in zip([*map(str, self.buckets), "+Inf"], self.counts):
-            total += c
-            lines.append(f'{name}_bucket{{le="{le}"}} {total}')
-        return lines + [f"{name}_sum {self.sum:.6f}", f"{name}_count {self.count}"]
 
 
 class Metrics:
@@ -55,6 +40,8 @@ class Metrics:
         "kv_pages_used": "Pages held by requests.",
         "kv_pages_cached": "Pages held by the prefix cache.",
         "kv_usage_ratio": "Fraction of KV pages in use (held by requests or the prefix cache).",
+    }
+    DERIVED = {
         "prefix_cache_hit_rate": "Prefix-cache hit tokens / prompt tokens, since start.",
         "generation_tokens_per_second": "Generated tokens per second over the last 10 seconds.",
     }
@@ -66,21 +53,32 @@ class Metrics:
     WINDOW_S = 10.0
 
     def __init__(self):
-        self._lock = threading.Lock()
-        self.counters = dict.fromkeys(self.COUNTERS, 0)
-        self.gauges = dict.fromkeys(self.GAUGES, 0.0)
-        self.histograms = {name: Histogram() for name in self.HISTOGRAMS}
-        self.finished: dict[str, int] = {}
-        self.admitted_by_dp_rank: dict[int, int] = {}  # attention-DP balance
-        self._recent: deque[tuple[float, int]] = deque()
+        self.registry = r = CollectorRegistry()
+        self._counters = {n: Counter(PREFIX + n, h, registry=r) for n, h in self.COUNTERS.items()}
+        self._gauges = {n: Gauge(PREFIX + n, h, registry=r) for n, h in self.GAUGES.items()}
+        self._histograms = {n: Histogram(PREFIX + n, h, buckets=LATENCY_BUCKETS, registry=r)
+                            for n, h in self.HISTOGRAMS.items()}
+        self._finished = Counter(PREFIX + "requests_finished_total",
+                                 "Finished requests by finish_reason.", ["finish_reason"],
+                                 registry=r)
+        self._admitted = Counter(PREFIX + "requests_admitted_total", "Admissions (first and after "
+                                 "retraction) by attention-DP rank.", ["dp_rank"], registry=r)
+        Gauge(PREFIX + "prefix_cache_hit_rate", self.DERIVED["prefix_cache_hit_rate"],
+              registry=r).set_function(self._hit_rate)
+        Gauge(PREFIX + "generation_tokens_per_second", self.DERIVED[
+            "generation_tokens_per_second"], registry=r).set_function(self._throughput)
+        self._lock = threading.Lock()  # guards the throughput window
+        self._recent: deque[float] = deque()
 
     def inc(self, name: str, value: int = 1) -> None:
-        with self._lock:
-            self.counters[name] += value
+        self._counters[name].inc(value)
 
     def observe(self, name: str, value: float) -> None:
-        with self._lock:
-            self.histograms[name].observe(value)
+        self._histograms[name].observe(value)
+
+    def set_gauges(self, **values: float) -> None:
+        for name, value in values.items():
+            self._gauges[name].set(value)
 
     # -- engine events (duck-typed `Request`s and `ScheduledBatch`es) ------------------------------
 
@@ -90,7 +88,7 @@ class Metrics:
         for batch in batches:
             self.inc("requests_retracted_total", len(batch.retracted))
             for req in batch.admitted:
-                self._admit(req.dp_rank)
+                self._admitted.labels(dp_rank=str(req.dp_rank)).inc()
                 self.inc("prompt_tokens_total", req.num_tokens)
                 self.inc("prefix_cache_hit_tokens_total", req.num_cached_tokens)
             self.inc("prefill_tokens_total", sum(n for r, n in zip(batch.reqs, batch.extend_lens)
@@ -105,51 +103,53 @@ class Metrics:
         else:
             self.observe("inter_token_latency_seconds", now - req.last_token_time)
         req.last_token_time = now
+        self.inc("generation_tokens_total")
         with self._lock:
-            self.counters["generation_tokens_total"] += 1
-            self._recent.append((now, 1))
+            self._recent.append(now)
 
     def finish(self, req, reason: str) -> None:
-        with self._lock:
-            self.finished[reason] = self.finished.get(reason, 0) + 1
+        self._finished.labels(finish_reason=reason).inc()
         if req.first_token_time is not None:
             self.observe("e2e_request_latency_seconds", time.monotonic() - req.arrival_time)
 
-    def _admit(self, dp_rank: int) -> None:
-        with self._lock:
-            self.admitted_by_dp_rank[dp_rank] = self.admitted_by_dp_rank.get(dp_rank, 0) + 1
+    # -- reading -----------------------------------------------------------------------------------
 
-    def set_gauges(self, **values: float) -> None:
-        with self._lock:
-            self.gauges.update(values)
+    def exposition(self) -> tuple[bytes, str]:
+        """The body and content type of a `/metrics` answer."""
+        return prometheus_client.generate_latest(self.registry), prometheus_client.CONTENT_TYPE_LATEST
 
     def render(self) -> str:
-        with self._lock:
-            self._update_derived()
-            out = []
-            for kind, table, values in (("counter", self.COUNTERS, self.counters),
-                                        ("gauge", self.GAUGES, self.gauges)):
-                for name, help_ in table.items():
-                    out += [f"# HELP {PREFIX}{name} {help_}", f"# TYPE {PREFIX}{name} {kind}",
-                            f"{PREFIX}{name} {values[name]:g}"]
-            out += [f"# HELP {PREFIX}requests_finished_total Finished requests by finish_reason.",
-                    f"# TYPE {PREFIX}requests_finished_total counter"]
-            out += [f'{PREFIX}requests_finished_total{{finish_reason="{r}"}} {n}'
-                    for r, n in sorted(self.finished.items())]
-            out += [f"# HELP {PREFIX}requests_admitted_total Admissions (first and after "
-                    "retraction) by attention-DP rank.", f"# TYPE {PREFIX}requests_admitted_total counter"]
-            out += [f'{PREFIX}requests_admitted_total{{dp_rank="{r}"}} {n}'
-                    for r, n in sorted(self.admitted_by_dp_rank.items())]
-            for name, help_ in self.HISTOGRAMS.items():
-                out += [f"# HELP {PREFIX}{name} {help_}", f"# TYPE {PREFIX}{name} histogram"]
-                out += self.histograms[name].render(PREFIX + name)
-            return "\n".join(out) + "\n"
+        return self.exposition()[0].decode()
 
-    def _update_derived(self) -> None:
-        c, now = self.counters, time.monotonic()
-        while self._recent and self._recent[0][0] < now - self.WINDOW_S:
-            self._recent.popleft()
-        self.gauges["generation_tokens_per_second"] = sum(n for _, n in self._recent) / self.WINDOW_S
-        self.gauges["prefix_cache_hit_rate"] = (
-            c["prefix_cache_hit_tokens_total"] / c["prompt_tokens_total"]
-            if c["prompt_tokens_total"] else 0.0)
+    def value(self, name: str, **labels: str) -> float:
+        """A sample's current value by its exported name without the prefix (0 if absent)."""
+        v = self.registry.get_sample_value(PREFIX + name, labels)
+        return 0.0 if v is None else v
+
+    @property
+    def counters(self) -> dict[str, int]:
+        return {n: int(self.value(n)) for n in self.COUNTERS}
+
+    @property
+    def finished(self) -> dict[str, int]:
+        return self._by_label(self._finished, "finish_reason", str)
+
+    @property
+    def admitted_by_dp_rank(self) -> dict[int, int]:
+        return self._by_label(self._admitted, "dp_rank", int)
+
+    @staticmethod
+    def _by_label(counter: Counter, label: str, key) -> dict:
+        return {key(s.labels[label]): int(s.value) for metric in counter.collect()
+                for s in metric.samples if s.name.endswith("_total")}
+
+    def _hit_rate(self) -> float:
+        prompt = self.value("prompt_tokens_total")
+        return self.value("prefix_cache_hit_tokens_total") / prompt if prompt else 0.0
+
+    def _throughput(self) -> float:
+        cutoff = time.monotonic() - self.WINDOW_S
+        with self._lock:
+            while self._recent and self._recent[0] < cutoff:
+                self._recent.popleft()
+            return len(self._recent) / self.WINDOW_S

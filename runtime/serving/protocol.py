@@ -1,20 +1,21 @@
-"""The OpenAI wire format: request bodies in, responses, SSE chunks and errors out.
+"""The OpenAI wire format of requests: bodies in, errors out.
 
 Pydantic models for `/v1/chat/completions` and `/v1/completions` bodies (unknown fields ignored,
-as OpenAI does), their translation to `SamplingParams` and prompt token ids, and `Formatter`, which
-renders engine output (choices, logprobs, usage) in OpenAI's shapes. No engine, no HTTP here.
+as OpenAI does; types strict, so `"stream": "yes"` or `"n": "2"` is a 400, not a guess), their
+translation to `SamplingParams`, and `APIError`, every error in OpenAI's shape. `messages` and
+`prompt` are shape-checked by `runtime/serving/prompts.py` (fail-fast, with the offending index),
+responses and SSE chunks are `runtime/serving/responses.py`. No engine, no HTTP here.
 """
 from __future__ import annotations
 
-import itertools
-import json
 import re
-import time
+from typing import Any, Literal
 
 from fastapi.responses import JSONResponse
 from glmc.runtime.engine.sampling import SamplingError, SamplingParams
-from glmc.runtime.engine.tokenizer import TemplateError, Tokenizer
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed takes: [lo, hi)
 
 
 class APIError(Exception):
@@ -27,21 +28,40 @@ class APIError(Exception):
         self.type, self.headers = type, headers
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
+        return {"error": {"message": _printable(self.message), "type": self.type,
+                          "param": _printable(self.param), "code": self.code}}
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+    @classmethod
+    def invalid(cls, e: ValidationError) -> APIError:
+        """The first problem pydantic found, naming the field as a dotted path."""
+        err = (e.errors() or [{}])[0]
+        param = ".".join(str(x) for x in err.get("loc", ())) or None
+        return cls(400, f"{param or 'body'}: {err.get('msg', 'invalid value')}", param)
+
+
+def _printable(text: str | None) -> str | None:
+    """`text` as valid UTF-8: a lone surrogate echoed from a request is written as `\\udfff`."""
+    return None if text is None else text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 ENGINE_FAILED = APIError(500, "the engine failed while running this request (see server log)",
                          None, "engine_error", "server_error")
 
 
-class _SamplingFields(BaseModel):
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Strict):
     """Fields common to both generation endpoints; unknown fields are ignored, as OpenAI does."""
 
-    model_config = ConfigDict(extra="ignore")
     model: str
     n: int | None = 1
     max_tokens: int | None = None
@@ -58,20 +78,42 @@ class _SamplingFields(BaseModel):
     ignore_eos: bool = False
     seed: int | None = None
     stream: bool = False
-    stream_options: dict | None = None
+    stream_options: StreamOptions | None = None
+
+
+class FunctionDef(_Strict):
+    name: str
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema (an object's `properties` type the arguments)
+    strict: bool | None = None
+
+
+class ToolDef(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: dict
 
 
 class ChatRequest(_SamplingFields):
-    messages: list[dict]
+    messages: Any  # a list of message objects, checked by prompts.chat_messages
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    chat_template_kwargs: dict | None = None  # e.g. {"enable_thinking": true} (vLLM, SGLang)
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: Any  # str | list[int] | list[str] | list[list[int]], checked by prompts.completion_ids
     logprobs: int | None = None
     echo: bool | None = False
+    # Read special-token text in the prompt (`<|user|>`) as those tokens; off: it is plain text.
+    parse_special_tokens: bool = False
 
 
 def sampling_params(body: _SamplingFields, max_tokens: int | None, logprobs: bool, top: int,
@@ -104,92 +146,13 @@ def logit_bias(raw: dict | None) -> dict[int, float]:
     return out
 
 
-def prompt_ids(body: ChatRequest | CompletionRequest, tok: Tokenizer) -> list[list[int]]:
-    """Token ids of each prompt: the chat template over the messages, or the completion prompts."""
-    if isinstance(body, ChatRequest):
-        if not body.messages:
-            raise APIError(400, "messages must be a non-empty list", "messages")
-        messages = [_message(m, i) for i, m in enumerate(body.messages)]
-        try:
-            return [tok.encode(tok.apply_chat_template(messages))]
-        except TemplateError as e:
-            raise APIError(400, str(e), "messages") from e
-    p = body.prompt
-    if isinstance(p, str) or (p and isinstance(p[0], int)) or not p:
-        p = [p]
-    return [tok.encode(x) if isinstance(x, str) else list(x) for x in p]
-
-
-def _message(m: dict, i: int) -> dict:
-    content = m.get("content")
-    if isinstance(content, list):  # OpenAI content parts: only text is understood here
-        if any(not isinstance(c, dict) or c.get("type") != "text" for c in content):
-            raise APIError(400, f"messages[{i}].content: only text parts are supported",
-                           f"messages[{i}].content")
-        content = "".join(c.get("text", "") for c in content)
-    if not isinstance(m.get("role"), str) or not isinstance(content, (str, type(None))):
-        raise APIError(400, f"messages[{i}] needs a string role and string content",
-                       f"messages[{i}]")
-    return {**m, "content": content or ""}
-
-
-class Formatter:
-    """Responses and SSE chunks of one model, in OpenAI's chat or legacy completions layout."""
-
-    def __init__(self, model_name: str, tokenizer: Tokenizer):
-        self.model_name, self.tokenizer = model_name, tokenizer
-
-    def head(self, rid: str, chat: bool, chunk: bool) -> dict:
-        obj = ("chat.completion.chunk" if chunk else "chat.completion") if chat else \
-            "text_completion"
-        return {"id": rid, "object": obj, "created": int(time.time()), "model": self.model_name}
-
-    def chunk(self, rid, chat, index, delta, finish_reason, lp) -> str:
-        choice = {"index": index, "finish_reason": finish_reason,
-                  "logprobs": self.logprobs(lp, chat)}
-        choice |= {"delta": delta} if chat else {"text": delta}
-        return sse_data({**self.head(rid, chat, True), "choices": [choice]})
-
-    def response(self, rid, chat, reqs, choices, counts, n) -> dict:
-        out = []
-        for i, c in enumerate(choices):
-            choice = {"index": i, "finish_reason": c["finish_reason"],
-                      "logprobs": self.logprobs(c["logprobs"] if reqs[i].params.logprobs
-                                                else None, chat)}
-            choice |= ({"message": {"role": "assistant", "content": c["text"]}} if chat
-                       else {"text": c["text"]})
-            out.append(choice)
-        return {**self.head(rid, chat, False), "choices": out, "usage": usage(counts, n)}
-
-    def logprobs(self, items, chat: bool):
-        """OpenAI logprobs: chat's `content` list, or the legacy completions layout."""
-        if items is None:
-            return None
-        tok = self.tokenizer
-        name = tok.id_to_token
-
-        def entry(t, lp):
-            return {"token": name(t), "logprob": lp, "bytes": list(tok.token_bytes(t))}
-        if chat:
-            return {"content": [entry(t, lp.logprob) | {"top_logprobs": [
-                entry(a, b) for a, b in lp.top]} for t, lp in items]}
-        tokens = [name(t) for t, _ in items]
-        offsets = [0, *itertools.accumulate(len(x) for x in tokens)][:len(tokens)]
-        return {"tokens": tokens, "token_logprobs": [lp.logprob for _, lp in items],
-                "top_logprobs": [{name(a): b for a, b in lp.top} for _, lp in items],
-                "text_offset": offsets}
-
-
-def sse_data(obj: dict) -> str:
-    return f"data: {json.dumps(obj)}\n\n"
-
-
-def usage(counts: list, n: int) -> dict:
-    """Token counts; a prompt shared by `n` choices counts once, as OpenAI does."""
-    done = [c for c in counts if c is not None]
-    firsts = [c for i, c in enumerate(counts) if i % n == 0 and c is not None]
-    prompt = sum(c.num_prompt_tokens for c in firsts)
-    completion = sum(c.num_output_tokens for c in done)
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(c.num_cached_tokens for c in firsts)}}
+def choice_seed(body: _SamplingFields, k: int) -> int | None:
+    """The seed of the k-th sequence of a request: `seed + k`, wrapped into the generator's 64
+    bits (so `2**64 - 1` with `n: 2` still works); None when unseeded."""
+    if body.seed is None:
+        return None
+    lo, hi = SEED_RANGE
+    if not lo <= body.seed < hi:
+        raise APIError(400, f"seed: must be an integer in [-2**63, 2**64), got {body.seed}",
+                       "seed")
+    return (body.seed + k) % 2**64

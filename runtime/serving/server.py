@@ -1,165 +1,122 @@
 """OpenAI-compatible HTTP server (FastAPI) over an `Engine`.
 
 Routes: POST /v1/chat/completions, POST /v1/completions (SSE when `stream`), GET /v1/models,
-GET /health, GET /metrics (Prometheus text). Every error, including malformed JSON and unknown
-routes, comes back in OpenAI's shape `{"error": {"message", "type", "param", "code"}}` with a 4xx
-status, or 503 + Retry-After when the waiting queue is full. A client that disconnects (streaming
-or not) has its requests aborted, which frees their KV pages. The wire format itself (bodies,
-responses, chunks) is `runtime/serving/protocol.py`.
+GET /v1/models/{id}, GET /health, GET /metrics (Prometheus, `prometheus-client`). Every error,
+including malformed JSON, bodies over the size limit and unknown routes, comes back in OpenAI's
+shape `{"error": {"message", "type", "param", "code"}}` with a 4xx status, or 503 + Retry-After
+when the waiting queue is momentarily full. Bodies are parsed, validated and tokenised on worker
+threads (`runtime/serving/intake.py`), so neither a huge body nor a long prompt stalls `/health`
+or other streams. A client that disconnects (streaming or not) has its requests aborted, which
+frees their KV pages. Chat output is split into reasoning, content and tool calls
+(`runtime/serving/glm_output.py`). On SIGINT/SIGTERM in-flight requests get `shutdown_timeout_s`
+to finish, then are aborted; a second signal exits at once.
 """
 from __future__ import annotations
 
 import asyncio
 import signal
 import socket
-import threading
 import time
 import uuid
-from contextlib import asynccontextmanager
-from typing import Callable
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager, contextmanager
+from dataclasses import dataclass
 
 from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import (
-    JSONResponse,
-    PlainTextResponse,
-    Response,
-    StreamingResponse,
-)
-from glmc.runtime.engine.engine import Engine, InvalidRequest, Overloaded, StreamEvent
-from glmc.runtime.engine.request import Request
-from glmc.runtime.engine.sampling import SamplingError
-from glmc.runtime.serving.protocol import (
-    ENGINE_FAILED,
-    APIError,
-    ChatRequest,
-    CompletionRequest,
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from glmc.runtime.engine.engine import Engine, Overloaded
+from glmc.runtime.serving.event_stream import EventStream, events
+from glmc.runtime.serving.glm_output import ChatOutput
+from glmc.runtime.serving.intake import Intake, Prepared, check_content_type, read_body
+from glmc.runtime.serving.protocol import ENGINE_FAILED, APIError
+from glmc.runtime.serving.responses import (
     Formatter,
-    prompt_ids,
-    sampling_params,
+    finish_reason,
+    merge,
     sse_data,
     usage,
 )
+from glmc.runtime.serving.signals import SignalledServer
 from starlette.exceptions import HTTPException
 
-DISCONNECT_POLL_S = 0.5
+SHUT_DOWN = APIError(503, "the server shut down before this request finished (its shutdown "
+                     "timeout passed)", None, "shutdown", "server_error")
 
 
-class EventStream:
-    """Events of requests submitted together (the `n` choices / prompts of one API call), as
-    (index, event) pairs in arrival order via `get()` until `done`. Use as `async with`: leaving
-    early aborts the requests that have not finished, which frees their pages."""
+@dataclass(frozen=True)
+class ServerOptions:
+    """Limits and shutdown behaviour of one server (`glmc run` flags)."""
 
-    @classmethod
-    def open(cls, engine: Engine, reqs: list[Request]) -> EventStream:
-        """Submit `reqs` to `engine` (call from the event loop); raises `Overloaded`."""
-        stream = cls(engine, reqs)
-        engine.submit_many(reqs, [stream.sink(i) for i in range(len(reqs))])
-        return stream
-
-    def __init__(self, engine: Engine, reqs: list[Request]):
-        self.engine, self.reqs = engine, reqs
-        self._loop, self._queue = asyncio.get_running_loop(), asyncio.Queue()
-        self._open = len(reqs)
-
-    def sink(self, index: int) -> Callable[[StreamEvent], None]:
-        def put(event: StreamEvent) -> None:
-            try:
-                self._loop.call_soon_threadsafe(self._queue.put_nowait, (index, event))
-            except RuntimeError:  # the event loop is gone; nobody is listening any more
-                pass
-        return put
-
-    @property
-    def done(self) -> bool:
-        return self._open == 0
-
-    async def get(self, timeout: float | None = None) -> tuple[int, StreamEvent] | None:
-        """The next (index, event), or None if nothing arrived within `timeout` seconds."""
-        try:
-            index, event = await asyncio.wait_for(self._queue.get(), timeout)
-        except asyncio.TimeoutError:
-            return None
-        self._open -= event.finish_reason is not None
-        return index, event
-
-    def close(self) -> None:
-        for req in self.reqs:
-            if not req.finished:
-                self.engine.abort(req.rid)
-
-    async def __aenter__(self) -> EventStream:
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        self.close()
-
+    max_body_bytes: int = 8 << 20  # --max-body-mb: larger bodies get 413
+    shutdown_timeout_s: float = 30.0  # --shutdown-timeout: grace for in-flight requests
+    max_n: int = 16  # choices per request
+    intake_threads: int = 4  # bodies parsed and tokenised at once
 
 
 class _Api:
     """The route handlers of one app (one engine, one model name)."""
 
-    def __init__(self, engine: Engine, model_name: str, max_n: int):
-        self.engine, self.model_name, self.max_n = engine, model_name, max_n
+    def __init__(self, engine: Engine, model_name: str, options: ServerOptions):
+        self.engine, self.model_name, self.options = engine, model_name, options
         self.created = int(time.time())
         self.fmt = Formatter(model_name, engine.tokenizer)
+        self.intake = Intake(engine, model_name, options.max_n)
+        self.pool = ThreadPoolExecutor(options.intake_threads, thread_name_prefix="glmc-intake")
+        self.live: set[EventStream] = set()  # calls being answered
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.shut_down = False  # in-flight requests were aborted: the server is stopping
 
-    # -- request -> engine requests --------------------------------------------------------------
+    def begin_shutdown(self) -> None:
+        """(Any thread.) In-flight requests get `shutdown_timeout_s`, then are aborted: each gets
+        an error (503, or an SSE error event) and its connection ends, so the server can stop."""
+        if self.loop is not None:
+            self.loop.call_soon_threadsafe(
+                self.loop.call_later, self.options.shutdown_timeout_s, self.abort_in_flight)
 
-    def _requests(self, body) -> list:
-        if body.model != self.model_name:
-            raise APIError(404, f"The model `{body.model}` does not exist.", "model",
-                           "model_not_found")
-        n = 1 if body.n is None else body.n
-        if not 1 <= n <= self.max_n:
-            raise APIError(400, f"n must be in [1, {self.max_n}], got {n}", "n")
-        chat = isinstance(body, ChatRequest)
-        if chat:
-            logprobs, top = bool(body.logprobs), body.top_logprobs or 0
-            if top and not logprobs:
-                raise APIError(400, "top_logprobs requires logprobs=true", "top_logprobs")
-            max_tokens = body.max_completion_tokens or body.max_tokens
-        else:
-            if body.echo:
-                raise APIError(400, "echo is not supported", "echo")
-            logprobs, top = body.logprobs is not None, body.logprobs or 0
-            max_tokens = 16 if body.max_tokens is None else body.max_tokens  # OpenAI's default
-        reqs = []
-        for prompt in prompt_ids(body, self.engine.tokenizer):
-            for _ in range(n):
-                limit = max_tokens if max_tokens is not None else max(
-                    1, self.engine.max_context - len(prompt))
-                seed = None if body.seed is None else body.seed + len(reqs)
-                try:
-                    params = sampling_params(body, limit, logprobs, top, seed)
-                    reqs.append(self.engine.make_request(prompt, params))
-                except SamplingError as e:  # completions call top_logprobs `logprobs`
-                    param = "logprobs" if e.param == "top_logprobs" and not chat else e.param
-                    raise APIError(400, str(e), param) from e
-                except InvalidRequest as e:
-                    raise APIError(400, str(e), e.param, e.code) from e
-        return reqs
+    def abort_in_flight(self) -> None:
+        self.shut_down = True
+        for stream in list(self.live):
+            stream.close()
 
-    # -- handlers --------------------------------------------------------------------------------
-
-    async def generate(self, http: HTTPRequest, body) -> Response:
-        reqs = self._requests(body)
+    @contextmanager
+    def answering(self, stream: EventStream):
+        """`stream` counts as in flight inside the block; leaving early aborts its requests."""
+        self.live.add(stream)
         try:
-            stream = EventStream.open(self.engine, reqs)
+            yield stream
+        finally:
+            self.live.discard(stream)
+            stream.close()
+
+    async def generate(self, http: HTTPRequest, chat: bool) -> Response:
+        raw = await read_body(http, self.options.max_body_bytes)
+        check_content_type(http)
+        call = await asyncio.get_running_loop().run_in_executor(
+            self.pool, self.intake.prepare, raw, chat)
+        if self.shut_down:  # its grace period ran out while it was being taken in
+            raise SHUT_DOWN
+        try:
+            stream = EventStream.open(self.engine, call.reqs)
         except Overloaded as e:
             raise APIError(503, f"server overloaded: {e}; retry later", None, "overloaded",
                            "server_error", {"Retry-After": "1"}) from e
-        chat, n = isinstance(body, ChatRequest), body.n or 1
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        if body.stream:
-            with_usage = bool((body.stream_options or {}).get("include_usage"))
-            return StreamingResponse(self._sse(http, stream, rid, chat, with_usage, n),
+        outputs = [ChatOutput(call.prompts.thinking, call.prompts.tools) if chat else None
+                   for _ in call.reqs]
+        if call.body.stream:
+            options = call.body.stream_options
+            with_usage = bool(options and options.include_usage)
+            return StreamingResponse(self._sse(http, stream, rid, call, outputs, with_usage),
                                      media_type="text/event-stream")
-        async with stream:
-            choices = [{"text": "", "logprobs": [], "finish_reason": None} for _ in reqs]
-            counts = [None] * len(reqs)
-            async for i, ev in _events(http, stream):
+        return await self._whole(http, stream, rid, call, outputs)
+
+    async def _whole(self, http, stream: EventStream, rid: str, call: Prepared, outputs):
+        with self.answering(stream):
+            choices = [{"text": "", "logprobs": [], "finish_reason": None} for _ in call.reqs]
+            counts = [None] * len(call.reqs)
+            async for i, ev in events(http, stream):
                 choices[i]["text"] += ev.text
                 choices[i]["finish_reason"] = ev.finish_reason
                 choices[i]["logprobs"] += [(ev.token_id, ev.logprobs)] if ev.logprobs else []
@@ -168,50 +125,43 @@ class _Api:
                 return Response(status_code=499)  # client went away; nobody reads this
         if any(c["finish_reason"] == "error" for c in choices):
             raise ENGINE_FAILED
-        return JSONResponse(self.fmt.response(rid, chat, reqs, choices, counts, n))
+        if self.shut_down and any(c["finish_reason"] == "abort" for c in choices):
+            raise SHUT_DOWN
+        return JSONResponse(self.fmt.response(rid, call.chat, call.reqs, choices, counts, call.n,
+                                              outputs))
 
-    async def _sse(self, http, stream: EventStream, rid: str, chat: bool, with_usage: bool,
-                   n: int):
-        async with stream:
+    async def _sse(self, http, stream: EventStream, rid: str, call: Prepared, outputs,
+                   with_usage: bool):
+        chat = call.chat
+        with self.answering(stream):
             if chat:  # OpenAI opens each choice with the role
                 for i in range(len(stream.reqs)):
                     role = {"role": "assistant", "content": ""}
                     yield self.fmt.chunk(rid, chat, i, role, None, None)
             counts = [None] * len(stream.reqs)
-            async for i, ev in _events(http, stream):
-                if ev.finish_reason == "error":
-                    yield sse_data(ENGINE_FAILED.body())
+            async for i, ev in events(http, stream):
+                if ev.finish_reason == "error" or (ev.finish_reason == "abort" and self.shut_down):
+                    yield sse_data((SHUT_DOWN if self.shut_down else ENGINE_FAILED).body())
                     return
                 counts[i] = ev
-                if not (ev.text or ev.finish_reason or ev.logprobs):
-                    continue  # text held back (partial UTF-8 or a possible stop string)
+                delta = ev.text
+                if chat:
+                    delta = outputs[i].feed(ev.text)
+                    delta = merge(delta, outputs[i].finish()) if ev.finish_reason else delta
+                if not (delta or ev.finish_reason or ev.logprobs):
+                    continue  # text held back (partial UTF-8, a possible stop string or marker)
                 lp = [(ev.token_id, ev.logprobs)] if ev.logprobs else None
-                delta = {"content": ev.text} if chat else ev.text
-                yield self.fmt.chunk(rid, chat, i, delta, ev.finish_reason, lp)
+                reason = finish_reason(ev.finish_reason, outputs[i])
+                yield self.fmt.chunk(rid, chat, i, delta, reason, lp)
             if with_usage and stream.done:
                 yield sse_data({**self.fmt.head(rid, chat, True), "choices": [],
-                                 "usage": usage(counts, n)})
+                                 "usage": usage(counts, call.n)})
             if stream.done:
                 yield "data: [DONE]\n\n"
 
-    def models(self) -> dict:
-        return {"object": "list", "data": [{
-            "id": self.model_name, "object": "model", "created": self.created, "owned_by": "glmc",
-            "max_model_len": self.engine.max_context}]}
-
-
-async def _events(http: HTTPRequest, stream: EventStream):
-    """(index, event) until every request finished, or until the client disconnects (checked
-    every DISCONNECT_POLL_S, busy or not)."""
-    next_check = time.monotonic() + DISCONNECT_POLL_S
-    while not stream.done:
-        item = await stream.get(timeout=DISCONNECT_POLL_S)
-        if item is not None:
-            yield item
-        if time.monotonic() >= next_check:
-            if await http.is_disconnected():
-                return
-            next_check = time.monotonic() + DISCONNECT_POLL_S
+    def model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": self.created,
+                "owned_by": "glmc", "max_model_len": self.engine.max_context}
 
 
 def _error_handlers(app: FastAPI, engine: Engine) -> None:
@@ -226,11 +176,8 @@ def _error_handlers(app: FastAPI, engine: Engine) -> None:
     @app.exception_handler(RequestValidationError)
     async def invalid(_, e: RequestValidationError):
         err = (e.errors() or [{}])[0]
-        if err.get("type") == "json_invalid":
-            return answer(APIError(400, f"malformed JSON body: {err.get('msg')}", None,
-                                   "invalid_json"))
         param = ".".join(str(x) for x in err.get("loc", ()) if x != "body") or None
-        return answer(APIError(400, f"{param or 'body'}: {err.get('msg', 'invalid value')}",
+        return answer(APIError(400, f"{param or 'request'}: {err.get('msg', 'invalid value')}",
                                param))
 
     @app.exception_handler(HTTPException)
@@ -243,32 +190,43 @@ def _error_handlers(app: FastAPI, engine: Engine) -> None:
                                "server_error"))
 
 
-def create_app(engine: Engine, model_name: str = "glmc-tiny", *, max_n: int = 16) -> FastAPI:
+def create_app(engine: Engine, model_name: str = "glmc-tiny",
+               options: ServerOptions = ServerOptions()) -> FastAPI:
     """The FastAPI app; starting it starts the engine thread, stopping it stops the thread."""
+    api = _Api(engine, model_name, options)
 
     @asynccontextmanager
     async def lifespan(_):
+        api.loop = asyncio.get_running_loop()
         engine.start()
         try:
             yield
         finally:
             engine.stop()
+            api.pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="glmc", lifespan=lifespan)
-    api = _Api(engine, model_name, max_n)
+    app.state.api = api
     _error_handlers(app, engine)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(http: HTTPRequest, body: ChatRequest):
-        return await api.generate(http, body)
+    async def chat_completions(http: HTTPRequest):
+        return await api.generate(http, chat=True)
 
     @app.post("/v1/completions")
-    async def completions(http: HTTPRequest, body: CompletionRequest):
-        return await api.generate(http, body)
+    async def completions(http: HTTPRequest):
+        return await api.generate(http, chat=False)
 
     @app.get("/v1/models")
     async def models():
-        return api.models()
+        return {"object": "list", "data": [api.model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id != model_name:
+            raise APIError(404, f"The model `{model_id}` does not exist.", "model",
+                           "model_not_found")
+        return api.model_card()
 
     @app.get("/health")
     async def health():
@@ -279,30 +237,52 @@ def create_app(engine: Engine, model_name: str = "glmc-tiny", *, max_n: int = 16
 
     @app.get("/metrics")
     async def metrics():
-        return PlainTextResponse(engine.metrics.render(),
-                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+        body, content_type = engine.metrics.exposition()
+        return Response(body, media_type=content_type)
 
     return app
 
 
-def serve(engine: Engine, model_name: str = "glmc-tiny", host: str = "127.0.0.1",
-          port: int = 8000, log_level: str = "info") -> None:
-    """Serve in the foreground until SIGINT or SIGTERM (then shut down cleanly). The port is bound
-    before the URL is printed, so a client that read the URL can connect; port 0 picks a free one."""
-    import uvicorn
-
+def listen(host: str, port: int) -> socket.socket:
+    """A listening TCP socket for uvicorn, with TCP_NODELAY (inherited by accepted connections;
+    uvicorn sets it only on sockets it makes itself): without it Nagle's algorithm and delayed
+    ACKs add ~40 ms to every response written in two parts (headers, then body)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.create_server((host, port), family=family)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
+def serve(engine: Engine, model_name: str = "glmc-tiny", host: str = "127.0.0.1",
+          port: int = 8000, log_level: str = "info", options: ServerOptions = ServerOptions(),
+          signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM)) -> None:
+    """Serve in the foreground until one of `signals` (then shut down as the module docstring
+    says). The port is bound before the URL is printed, so a client that read the URL can
+    connect; port 0 picks a free one."""
+    import threading
+
+    import uvicorn
+
+    sock = listen(host, port)
     url = f"http://{'[' + host + ']' if ':' in host else host}:{sock.getsockname()[1]}"
-    print(f"glmc: serving {model_name} at {url}/v1", flush=True)
-    config = uvicorn.Config(create_app(engine, model_name), log_level=log_level)
-    # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal to the handler
-    # it found: make that one a no-op so serve() returns and callers can clean up.
+    app = create_app(engine, model_name, options)
+    # uvicorn cancels what is left a little after our own deadline (which ends requests cleanly)
+    config = uvicorn.Config(app, log_level=log_level,
+                            timeout_graceful_shutdown=options.shutdown_timeout_s + 5)
+
+    def on_stop():
+        print(f"glmc: shutting down: in-flight requests have {options.shutdown_timeout_s:g} s to "
+              "finish (signal again to exit now)", flush=True)
+        app.state.api.begin_shutdown()
     main = threading.current_thread() is threading.main_thread()
-    sigs = (signal.SIGINT, signal.SIGTERM)
-    previous = {s: signal.signal(s, lambda *_: None) for s in sigs} if main else {}
+    handled = (signal.SIGINT, signal.SIGTERM)
+    previous = {s: signal.getsignal(s) for s in handled} if main else {}
+    server = SignalledServer(config, signals, previous, on_stop)
+    for s in previous:
+        signal.signal(s, server.record)
+    print(f"glmc: serving {model_name} at {url}/v1", flush=True)
     try:
-        uvicorn.Server(config).run(sockets=[sock])
+        server.run(sock)
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)

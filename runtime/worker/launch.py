@@ -1,8 +1,10 @@
 """Start one process per rank with a torch.distributed group (gloo on CPU, NCCL on GPU).
 
 `spawn(fn, world, *args)` runs `fn(rank, world, *args)` in `world` processes. If any rank raises
-or dies, the others are stopped and `RankFailed` names the rank; collectives also time out after
-`timeout_s` (so a peer that vanished under torchrun fails them instead of hanging).
+or dies, the others are stopped (after JOIN_GRACE_S: SIGTERM, then SIGKILL) and `RankFailed`
+names the rank; collectives also time out after `timeout_s` (so a peer that vanished under
+torchrun fails them instead of hanging). `on_started(processes)` (rank order) runs here once all
+ranks started, e.g. to install signal handlers that talk to them.
 Under `torchrun --nproc-per-node N` (or any launcher that sets RANK / WORLD_SIZE / MASTER_ADDR),
 `from_env()` joins the group through env:// instead, so the same code runs on several nodes.
 With NCCL each process takes the GPU of its local rank (LOCAL_RANK, else rank % GPUs).
@@ -16,6 +18,8 @@ import tempfile
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+JOIN_GRACE_S = 2.0
 
 
 class RankFailed(RuntimeError):
@@ -55,13 +59,19 @@ def _entry(rank, fn, world, init_file, backend, timeout_s, args):
         dist.destroy_process_group()
 
 
-def spawn(fn, world: int, *args, backend: str | None = None, timeout_s: float = 120.0) -> None:
+def spawn(fn, world: int, *args, backend: str | None = None, timeout_s: float = 120.0,
+          on_started=None) -> None:
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     fd, init_file = tempfile.mkstemp(prefix="glmc-dist-")
     os.close(fd)
     os.unlink(init_file)
     try:
-        mp.spawn(_entry, args=(fn, world, init_file, backend, timeout_s, args), nprocs=world)
+        ctx = mp.start_processes(_entry, args=(fn, world, init_file, backend, timeout_s, args),
+                                 nprocs=world, join=False, start_method="spawn")
+        if on_started is not None:
+            on_started(ctx.processes)
+        while not ctx.join(grace_period=JOIN_GRACE_S):
+            pass
     except mp.ProcessRaisedException as e:
         raise RankFailed(f"a rank raised: {str(e).strip().splitlines()[-1]}\n{e}") from None
     except mp.ProcessExitedException as e:
