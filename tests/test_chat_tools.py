@@ -168,15 +168,20 @@ def test_tool_calls_and_reasoning_end_to_end(scripted):
     assert follow.usage.prompt_tokens > r.usage.prompt_tokens
 
 
-def test_tool_choice_none_and_unsupported_choices(scripted):
+def test_tool_choice_none_and_bad_choices(scripted):
     plain = ask(scripted, tool_choice="none")  # tools neither rendered nor parsed
     assert plain.choices[0].message.tool_calls is None
     assert "<tool_call>get_weather" in plain.choices[0].message.content
     assert plain.usage.prompt_tokens < ask(scripted).usage.prompt_tokens
-    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+    for choice in ({"type": "function", "function": {"name": "no_such_tool"}},
+                   {"type": "function", "function": {}}):
         with pytest.raises(openai.BadRequestError) as e:
             ask(scripted, tool_choice=choice)
         assert e.value.body["param"] == "tool_choice"
+    with pytest.raises(openai.BadRequestError) as e:   # a call required, no tool to call
+        scripted.chat.completions.create(model=MODEL, tool_choice="required", messages=[
+            {"role": "user", "content": "x"}])
+    assert e.value.body["param"] == "tool_choice"
     bad = dict(WEATHER, function={**WEATHER["function"], "name": "get weather!"})
     with pytest.raises(openai.BadRequestError):
         scripted.chat.completions.create(model=MODEL, tools=[bad], messages=[
@@ -202,3 +207,34 @@ def test_thinking_with_the_real_tiny_model(tiny_ckpt):
             msg = r.choices[0].message
             got = (msg.reasoning_content, msg.content) if thinking else (None, msg.content)
             assert got == ((offline.output_text, "") if thinking else (None, offline.output_text))
+
+
+@pytest.mark.parametrize("choice,script,name", [
+    ({"type": "function", "function": {"name": "get_weather"}},
+     "<arg_key>city</arg_key><arg_value>Paris</arg_value></tool_call>", "get_weather"),
+    ("required", "get_time<arg_key>zone</arg_key><arg_value>UTC</arg_value></tool_call>", "get_time"),
+])
+def test_forced_tool_choice(tiny_ckpt, choice, script, name):
+    """tool_choice "required" or a named function: the server opens the call in the assistant's
+    turn (after closing <think>), the model writes the rest, the call comes back in tool_calls."""
+    tok = Tokenizer.from_dir(tiny_ckpt)
+    runner = ScriptedModel(tok.vocab_size, tok.encode(script), min(tok.eos_token_ids))
+    engine = Engine(runner, tok, max_batch_tokens=4096, enable_prefix_cache=False)
+    with Server(create_app(engine, MODEL)) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+        auto = ask(client)
+        for stream in (False, True):
+            r = ask(client, tool_choice=choice, stream=stream)
+            if stream:
+                chunks = list(r)
+                calls = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or []]
+                assert chunks[-1].choices[0].finish_reason == "tool_calls"
+                assert not "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            else:
+                calls, msg = r.choices[0].message.tool_calls, r.choices[0].message
+                assert r.choices[0].finish_reason == "tool_calls" and not msg.content
+                assert not getattr(msg, "reasoning_content", None)   # <think> closed for the call
+                forced = "</think><tool_call>" + (name if isinstance(choice, dict) else "")
+                assert r.usage.prompt_tokens == auto.usage.prompt_tokens + len(tok.encode(forced))
+            assert [c.function.name for c in calls] == [name]
+            assert len(json.loads(calls[0].function.arguments)) == 1

@@ -143,9 +143,13 @@ class ToolCallParser:
 class ChatOutput:
     """One chat choice's output read as GLM-5 writes it: reasoning, content and tool calls."""
 
-    def __init__(self, thinking: bool, tools: list[dict] | None):
+    def __init__(self, thinking: bool, tools: list[dict] | None, forced: str = ""):
+        """`forced`: text the server put at the start of the assistant's turn (a forced tool call's
+        opening), read before the model's output; it is never sent back as content."""
         self.reasoning = ReasoningParser(thinking)
         self.tools = ToolCallParser(tools) if tools else None
+        if forced and self.feed(forced):
+            raise ValueError(f"forced output {forced!r} must open a tool call")
 
     def feed(self, text: str) -> dict:
         """The delta (OpenAI's keys, only those with something new) that `text` brings."""

@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass
 
 from glmc.runtime.engine.tokenizer import ChatPrompt, TemplateError, Tokenizer
+from glmc.runtime.serving.glm_output import CALL_START, THINK_END
 from glmc.runtime.serving.protocol import APIError, ChatRequest, CompletionRequest
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -27,6 +28,7 @@ class Prompts:
     ids: list[list[int]]
     thinking: bool = False  # the chat prompt left <think> open: output starts with reasoning
     tools: list[dict] | None = None  # tool definitions whose calls are parsed out of the output
+    forced: str = ""  # text appended to the prompt that the output is read as starting with
 
 
 def too_long(num_tokens_at_least: int, max_context: int, param: str) -> APIError:
@@ -51,7 +53,29 @@ def chat_prompts(body: ChatRequest, tok: Tokenizer, max_context: int) -> Prompts
     except TemplateError as e:
         raise APIError(400, str(e), "messages") from e
     _check_bytes(prompt.num_bytes, tok, max_context, "messages")
-    return Prompts([_encode(tok.encode_chat, prompt, "messages")], prompt.thinking, tools)
+    forced = _forced_call(body, tools, prompt.thinking)
+    ids = _encode(tok.encode_chat, prompt, "messages") + (tok.encode(forced) if forced else [])
+    return Prompts([ids], prompt.thinking, tools, forced)
+
+
+def _forced_call(body: ChatRequest, tools: list[dict] | None, thinking: bool) -> str:
+    """tool_choice "required" or a named function, without constrained decoding: the assistant's
+    turn is begun for the model with GLM's call marker (and the function's name), closing an open
+    <think> first, so what it writes next is the call's name or arguments. The output parser reads
+    the forced text before the model's (`glm_output.ChatOutput(forced=...)`)."""
+    choice = body.tool_choice
+    if choice is None or choice in ("auto", "none"):
+        return ""
+    if not tools:
+        raise APIError(400, "tool_choice: a call is required but the request has no tools",
+                       "tool_choice")
+    opening = (THINK_END if thinking else "") + CALL_START
+    if choice == "required":
+        return opening
+    name = choice.function.get("name")
+    if name not in {t["function"]["name"] for t in tools}:
+        raise APIError(400, f"tool_choice: no tool named {name!r} in tools", "tool_choice")
+    return opening + name
 
 
 def chat_messages(messages, max_context: int) -> list[dict]:
@@ -109,10 +133,6 @@ def _tool_call(call, where: str) -> dict:
 
 def _tools(body: ChatRequest) -> list[dict] | None:
     """Tool definitions for the template and the output parser; None when no tool may be called."""
-    if body.tool_choice is not None and body.tool_choice not in ("auto", "none"):
-        raise APIError(400, "tool_choice: only 'auto' and 'none' are supported (forcing a call "
-                       "needs constrained decoding, which this server does not have)",
-                       "tool_choice")
     if not body.tools or body.tool_choice == "none":
         return None
     for k, t in enumerate(body.tools):

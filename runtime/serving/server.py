@@ -103,7 +103,8 @@ class _Api:
             raise APIError(503, f"server overloaded: {e}; retry later", None, "overloaded",
                            "server_error", {"Retry-After": "1"}) from e
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        outputs = [ChatOutput(call.prompts.thinking, call.prompts.tools) if chat else None
+        outputs = [ChatOutput(call.prompts.thinking, call.prompts.tools, call.prompts.forced)
+                   if chat else None
                    for _ in call.reqs]
         if call.body.stream:
             options = call.body.stream_options
