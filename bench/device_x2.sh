@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # One device call on nvidia-h200-x2 (2 H200s): the multi-GPU checks, then the one-GPU plan check.
 #   run(command="bash bench/device_x2.sh", carry=[".whl"], kind="nvidia-h200-x2", timeout_s=590)
-# .whl holds the wheels the image lacks (pydantic, pydantic-core, annotated-types,
-# typing-inspection, fastapi, starlette, uvicorn, annotated-doc); glmc itself is installed from
-# this tree. JOBS picks what runs (default: multi plan).
+# .whl holds the wheels the image lacks, for Python 3.12 manylinux (see device/README.md):
+# pydantic, pydantic-core, annotated-types, typing-inspection, fastapi, starlette, uvicorn,
+# annotated-doc, opentelemetry-api, and for the serving check's openai client openai, jiter,
+# httpx2, httpcore2, truststore, sniffio, anyio, idna. glmc itself is installed from this tree.
+# JOBS picks what runs: multi (bench/multi_gpu_check.py), plan (gpu_plan_check.py), serve
+# (serve_multi_gpu.py, SERVE_ARGS="--only tp2"), decode (decode_bench.py); default: multi plan.
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
     .whl/*.whl || exit 3
