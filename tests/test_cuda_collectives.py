@@ -14,7 +14,7 @@ from glmc.runtime.worker.launch import spawn
 T = 5
 
 
-def _exchange(impls, plan, rank, x, w, ids):
+def _exchange(impls, plan, x, w, ids):
     from glmc.runtime.worker.comm import Comm
     from glmc.runtime.worker.executor import PlanExecutor, Step
     from glmc.runtime.worker.forward_batch import ForwardBatch
@@ -43,7 +43,7 @@ def _rank(rank, world, out_dir):
     ids = torch.stack([torch.randperm(c.n_routed_experts, generator=g)[:c.num_experts_per_tok]
                        for _ in range(T)])
     w = torch.rand(T, c.num_experts_per_tok, generator=g)
-    got = {name: _exchange(impls.IMPLS, plan, rank, x, w, ids)
+    got = {name: _exchange(impls.IMPLS, plan, x, w, ids)
            for name, impls in (("torch", torch_target), ("cuda", cuda_target))}
     torch.save(got, f"{out_dir}/rank{rank}.pt")
 

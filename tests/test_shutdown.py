@@ -85,15 +85,20 @@ def test_grace_period_then_abort(tmp_path, cache):
     assert run.proc.returncode == 0 and "stopped serving" in log and "Traceback" not in log
 
 
+def long_and_short(run: GlmcRun, short_tokens: int) -> tuple[Stream, Stream]:
+    """A long stream and a short one, both generating when this returns."""
+    long = Stream(run.url, LONG)
+    short = Stream(run.url, {**LONG, "max_tokens": short_tokens})
+    for s in (long, short):
+        s.start()
+        assert s.started.wait(60)
+    return long, short
+
+
 def test_in_flight_requests_finish_in_the_grace_period_and_a_second_signal_exits(tmp_path,
                                                                                   cache):
     run = start(["--shutdown-timeout", "120"], tmp_path / "log", cache)
-    long = Stream(run.url, LONG)
-    short = Stream(run.url, {**LONG, "max_tokens": 40})
-    long.start()
-    assert long.started.wait(60)
-    short.start()
-    assert short.started.wait(60)
+    long, short = long_and_short(run, 40)
     run.proc.send_signal(signal.SIGTERM)
     short.join(60)
     assert short.done and short.tokens == 40  # finished during the grace period
@@ -137,12 +142,7 @@ def test_start_up_interrupted_cleanly(tmp_path, cache, parallel):
 
 def test_multi_rank_ctrl_c_stops_gracefully_once_then_a_second_forces(tmp_path, cache):
     run = start(["--parallel", "tp2", "--shutdown-timeout", "120"], tmp_path / "log", cache)
-    long = Stream(run.url, LONG)
-    short = Stream(run.url, {**LONG, "max_tokens": 30})
-    long.start()
-    assert long.started.wait(60)
-    short.start()
-    assert short.started.wait(60)
+    long, short = long_and_short(run, 30)
     os.killpg(run.proc.pid, signal.SIGINT)  # every process of the group gets it
     short.join(60)
     assert short.done and short.tokens == 30 and long.is_alive()

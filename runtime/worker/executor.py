@@ -106,6 +106,9 @@ class PlanExecutor:
         tp = self.mesh["attn_tp"] if self.mesh["ep"] > 1 else 1
         return -(-t // tp) * tp if t else 0
 
+    def release(self) -> None:
+        """Free device state before the process group goes (the torch target holds none)."""
+
     def run_ops(self, graph: Graph, step, phase: str = "") -> dict:
         """Evaluate every op of `graph` in order with `self.impls`; -> {value name: result}."""
         values = {}

@@ -102,9 +102,7 @@ class PlanRunner(ModelRunner):
 
     def close(self) -> None:
         """Release device state (captured graphs) before the process group goes away."""
-        release = getattr(self.executor, "release", None)
-        if release is not None:
-            release()
+        self.executor.release()
 
 
 class DevicePlanRunner(PlanRunner):
