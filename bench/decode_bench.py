@@ -266,6 +266,9 @@ def setup_glmc(model, batches, ctx, dev, dtype, info):
     if dev == "cuda":
         t = now()
         runner.moe_tiles, info["moe_sweep"] = moe_sweep(runner, 32 if 32 in batches else max(batches), dev, dtype)
+        if runner.moe_tiles:   # the sweep beat the plan's tiles: those variants are rendered outside the plan
+            from glmc.codegen.triton_render import KernelLibrary
+            runner.kernels = KernelLibrary.from_plan(plan, jit_extra=True)
         info["moe_sweep_s"], info["moe_tiles"] = now() - t, runner.moe_tiles
     table = pc.req_table(max(batches), max_ctx // 64)
     g = torch.Generator().manual_seed(0)

@@ -144,8 +144,8 @@ def bench_qkv(b):
         q_a, kv_a, ik = b.rand(T, d.q_lora), b.rand(T, d.R + d.DR), b.rand(T, d.DI)
         qw, kvw, kw, kb = b.rand(d.q_lora), b.rand(d.R), b.rand(d.DI), b.rand(d.DI)
         pos, loc = torch.randint(0, 1 << 16, (T,)).to(dev), torch.randperm(pool.num_slots)[:T].to(dev)
-        args = (q_a, kv_a, pos, loc, pool, 0, qw, kvw, 1e-5, 8e6)
-        kw_args = dict(index_k=ik, k_norm_w=kw, k_norm_b=kb)
+        args = (q_a, kv_a, pos, loc, pool.kv[0], qw, kvw, 1e-5, 8e6)
+        kw_args = dict(index_k=ik, index_cache=pool.index_k[0], k_norm_w=kw, k_norm_b=kb)
         with poisoned():
             c_q = tt.qkv_norm_rope_write(*args, **kw_args)
         p = pos.cpu()
@@ -185,7 +185,7 @@ def bench_indexer(b):
         T, max_len = batch.num_tokens, int(batch.seq_lens.max())
         cache = b.rand(num_slots, d.DI)
         q, w = b.rand(T, d.HI, d.DI), b.rand(T, d.HI, dtype=torch.float32, scale=d.HI ** -0.5)
-        rows, pos = tt._token_rows(batch, dev)
+        rows, pos = tt.token_rows(batch, dev)
         r2t = batch.req_to_token.to(dev)
         with poisoned():
             scores = tt.indexer_scores(q, w, cache, r2t, rows, pos, max_len)
@@ -210,6 +210,13 @@ MLA_TILES = [dict(block_h=h, block_n=n, num_warps=w, num_stages=st, key_major=km
     (16, 32, 8, 2, True), (64, 32, 8, 1, True), (64, 16, 8, 2, True))]
 
 
+def absorbed(q_nope, q_pe, pool, layer, w_kv_b, topk, batch, scale, dn, dv, **tiles):
+    """tt.mla_attention_absorbed with torch_ref's (pool, batch) arguments."""
+    rows, pos = tt.token_rows(batch, q_nope.device)
+    return tt.mla_attention_absorbed(q_nope, q_pe, pool.kv[layer], w_kv_b, topk, batch.req_to_token.to(q_nope.device),
+                                     rows, pos, scale, dn, dv, **tiles)
+
+
 def bench_mla(b):
     d, dev = b.d, b.dev
     scale = (d.dn + d.DR) ** -0.5
@@ -226,13 +233,13 @@ def bench_mla(b):
                                 k_pe=lambda l, s: cpu(pool.kv[0][s.to(dev)][:, d.R:]))
         want = ref.mla_attention_absorbed(cpu(q_nope), cpu(q_pe), cpool, 0, cpu(w_kv_b), topk, batch, scale, d.dn, d.dv)
         q_lat = b.rand(T, d.heads, d.R)
-        rows, pos = tt._token_rows(batch, dev)
+        rows, pos = tt.token_rows(batch, dev)
         r2t, tk = batch.req_to_token.to(dev), topk.to(dev)
         slots = tt.topk_slots(tk, r2t, rows, pos)  # once per full layer; shared layers reuse it
         nbytes = T * (d.topk * (d.R + d.DR) + d.heads * (2 * d.R + d.DR)) * q_lat.element_size()
         for tile in (MLA_TILES if d.splits_sweep and not name.startswith("prefill") else [{}]):
             with poisoned():
-                got = tt.mla_attention_absorbed(*args, **tile)
+                got = absorbed(*args, **tile)
             b.add("sparse_mla_decode", f"{name} H={d.heads} K={d.topk}", got, want, lambda: tt.sparse_mla_latent(
                 q_lat, q_pe, pool.kv[0], r2t, rows, pos, tk, scale, slots=slots, **tile), nbytes,
                 f"tiles {tile or 'default'}")
@@ -245,11 +252,11 @@ def bench_mla(b):
     w_kv_b = b.rand(d.heads * (d.dn + d.dv), d.R, scale=0.05)
     args = (q_nope, q_pe, pool, 0, w_kv_b, None, batch, scale, d.dn, d.dv)
     with poisoned():
-        got = tt.mla_attention_absorbed(*args)
+        got = absorbed(*args)
     cpool = SimpleNamespace(c_kv=lambda l, s: cpu(pool.kv[0][s.to(dev)][:, : d.R]),
                             k_pe=lambda l, s: cpu(pool.kv[0][s.to(dev)][:, d.R:]))
     want = ref.mla_attention_absorbed(cpu(q_nope), cpu(q_pe), cpool, 0, cpu(w_kv_b), None, batch, scale, d.dn, d.dv)
-    rows, pos = tt._token_rows(batch, dev)
+    rows, pos = tt.token_rows(batch, dev)
     r2t, q_lat = batch.req_to_token.to(dev), b.rand(n, d.heads, d.R)
     keys = int((batch.positions + 1).sum())
     b.add("sparse_mla(dense)", f"prefill T={n} ctx={d.topk} H={d.heads}", got, want, lambda: tt.sparse_mla_latent(

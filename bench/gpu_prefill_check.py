@@ -198,8 +198,12 @@ class Check:
     def absorbed(self, base, args, want, flops):
         """cuda_target's current route for attn.mla_mha: the absorbed latent kernel (W_UK/W_UV in torch)."""
         try:
-            got = tt.mla_attention_absorbed(*args)
-            ms = time_ms(lambda: tt.mla_attention_absorbed(*args), self.d.reps, self.cuda)
+            q_nope, q_pe, pool, layer, w, topk, batch, scale, dn, dv = args
+            rows, pos = tt.token_rows(batch, q_nope.device)
+            targs = (q_nope, q_pe, pool.kv[layer], w, topk, batch.req_to_token.to(q_nope.device), rows, pos, scale,
+                     dn, dv)
+            got = tt.mla_attention_absorbed(*targs)
+            ms = time_ms(lambda: tt.mla_attention_absorbed(*targs), self.d.reps, self.cuda)
             errs = self.errors(got, want)
             if not self.cuda:  # the interpreter's tl.dot multiplies bf16 raw bits: not a real result
                 errs["ok"] = None

@@ -54,6 +54,7 @@ class CudaStepContext(StepContext, Protocol):
     max_len: int                     # static workspace width, >= every seq_len of the step
     last_rows: torch.Tensor | None   # prefill: each request's last token
     moe_tiles: dict                  # MoE kernel tile overrides (benchmarks sweep them)
+    kernels: Any                     # the plan's KernelLibrary: `kernels(ctx)` -> @triton.jit function
 
     def derived(self, key: Any, make: Callable[[], Any]) -> Any:
         """A per-runner cache of weights re-laid out once (absorbed W_UK / W_UV, fused gate_up)."""

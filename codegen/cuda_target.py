@@ -20,6 +20,7 @@ from glmc.codegen import torch_target
 from glmc.codegen import triton_moe as tm
 from glmc.codegen import triton_target as tt
 from glmc.codegen.context import CudaStepContext
+from glmc.codegen.triton_contexts import TOPK_CHUNK
 from glmc.ir.types import DTYPE_BYTES
 
 IMPLS: dict = dict(torch_target.IMPLS)
@@ -59,7 +60,7 @@ def _embed(op, args, ctx: CudaStepContext):
 
 @impl("norm.rms")
 def _rms(op, args, ctx: CudaStepContext):
-    return tt.rms_norm(args[0], ctx.w(op.attr("weight")), op.attr("eps"))
+    return tt.rms_norm(args[0], ctx.w(op.attr("weight")), op.attr("eps"), ctx.kernels)
 
 
 @impl("norm.layer")
@@ -73,7 +74,7 @@ def _ln(op, args, ctx: CudaStepContext):
 def _rope(op, args, ctx: CudaStepContext):
     x, d = args[0], int(op.attr("dims"))
     return tt.rope(x, args[1], op.attr("theta"), op.attr("interleaved", True), rope_dim=d,
-                   scaling=op.attr("scaling"))
+                   scaling=op.attr("scaling"), lib=ctx.kernels)
 
 
 @impl("linear", "mla.a_proj", "lm.head")
@@ -88,7 +89,7 @@ def _select_last(op, args, ctx: CudaStepContext):
 
 @impl("fused.add_rms")
 def _fused_add_rms(op, args, ctx: CudaStepContext):
-    return tt.add_rms_norm(args[0], args[1], ctx.w(op.attr("weight")), op.attr("eps"))
+    return tt.add_rms_norm(args[0], args[1], ctx.w(op.attr("weight")), op.attr("eps"), ctx.kernels)
 
 
 @impl("fused.qkv_a_norm_rope_write", "fused.qkv_a_norm_rope_write_index")
@@ -102,11 +103,11 @@ def _qkv_fused(op, args, ctx: CudaStepContext):
     if op.kind.endswith("_index"):
         di = int(op.attr("index_dim"))
         w, b = (ctx.w(n) for n in op.attr("index_weight"))
-        kw = dict(index_k=a[:, q + c + r:q + c + r + di], k_norm_w=w, k_norm_b=b,
-                  index_eps=op.attr("index_eps"), index_interleaved=op.attr("index_interleaved", True))
-    c_q = tt.qkv_norm_rope_write(a[:, :q], a[:, q:q + c + r], pos, ctx.loc, ctx.pool, layer, wq, wkv,
+        kw = dict(index_k=a[:, q + c + r:q + c + r + di], index_cache=ctx.pool.index_k[layer], k_norm_w=w,
+                  k_norm_b=b, index_eps=op.attr("index_eps"), index_interleaved=op.attr("index_interleaved", True))
+    c_q = tt.qkv_norm_rope_write(a[:, :q], a[:, q:q + c + r], pos, ctx.loc, ctx.pool.kv[layer], wq, wkv,
                                  op.attr("eps"), op.attr("theta"), op.attr("interleaved", True),
-                                 scaling=op.attr("scaling"), **kw)
+                                 scaling=op.attr("scaling"), lib=ctx.kernels, **kw)
     return (c_q, layer, layer) if kw else (c_q, layer)
 
 
@@ -116,8 +117,8 @@ def _topk(op, args, ctx: CudaStepContext):
     q, w, layer = args
     heads = int(op.attr("heads"))
     scores = tt.indexer_scores(q, w.float() * heads ** -0.5, ctx.pool.index_k[layer], ctx.r2t, ctx.rows,
-                               ctx.pos, ctx.max_len)
-    return tt.topk_select(scores, ctx.pos + 1, int(op.attr("k")))
+                               ctx.pos, ctx.max_len, lib=ctx.kernels)
+    return tt.topk_select(scores, ctx.pos + 1, int(op.attr("k")), TOPK_CHUNK, ctx.kernels)
 
 
 def _absorbed_weights(ctx: CudaStepContext, name, heads, dn, dv):
@@ -138,7 +139,8 @@ def _attn(op, args, ctx: CudaStepContext):
     T = q_nope.shape[0]
     q_lat = torch.bmm(q_nope.transpose(0, 1).to(w_uk.dtype), w_uk).transpose(0, 1)   # [T, H, R] view
     out_lat = tt.sparse_mla_latent(q_lat, q_pe.to(q_lat.dtype), ctx.pool.kv[layer], ctx.r2t, ctx.rows, ctx.pos,
-                                   topk, op.attr("scale"), num_keys=None if topk is not None else ctx.max_len)
+                                   topk, op.attr("scale"), num_keys=None if topk is not None else ctx.max_len,
+                                   lib=ctx.kernels)
     return torch.bmm(out_lat.transpose(0, 1), w_uv).transpose(0, 1).reshape(T, H * dv)
 
 
@@ -154,7 +156,7 @@ def _moe_topk(op, args, ctx: CudaStepContext):
     name = ctx.gate_bias(op)
     bias = ctx.derived(("fp32", name), lambda: ctx.w(name).float().contiguous())
     return tt.moe_route_logits(args[0], bias, int(op.attr("top_k")), int(op.attr("n_group")),
-                               int(op.attr("topk_group")), op.attr("norm_topk_prob"), op.attr("scale"))
+                               int(op.attr("topk_group")), op.attr("norm_topk_prob"), op.attr("scale"), ctx.kernels)
 
 
 @impl("moe.experts")
@@ -162,7 +164,7 @@ def _experts(op, args, ctx: CudaStepContext):
     x, w, ids = args
     gate, up, down = ctx.experts(op)
     return tm.moe_experts(x, ids, w, gate, up, down, expert_offset=ctx.expert_offset(op),
-                          tiles=ctx.moe_tiles).to(x.dtype)
+                          tiles=ctx.moe_tiles, lib=ctx.kernels).to(x.dtype)
 
 
 @impl("mlp.swiglu")
@@ -219,4 +221,4 @@ def _combine(op, args, ctx: CudaStepContext):
 def _sample(op, args, ctx: CudaStepContext):
     """The sampler at its defaults, greedy (runtime/engine/sampling.py); the engine samples the
     returned logits with each request's parameters."""
-    return tt.sample_greedy(args[0])
+    return tt.sample_greedy(args[0], ctx.kernels)

@@ -137,6 +137,9 @@ class IndexerScoresCtx:
                    dot_dtype, precision, 4)
 
 
+TOPK_CHUNK = 4096  # scores per top-k counting pass in a plan (rows are up to the model's context)
+
+
 @dataclass(frozen=True)
 class TopkSelectCtx:
     """topk_select.py.j2: exact k-th-largest threshold by bitwise search, then ordered compaction."""
@@ -146,21 +149,34 @@ class TopkSelectCtx:
     num_warps: int
 
     @classmethod
-    def make(cls, k, row_len, chunk=None):
-        chunk = chunk or min(4096, next_pow2(max(row_len, 16)))
+    def make(cls, k, row_len=None, chunk=None):
+        """`chunk` scores per pass: given (a plan's TOPK_CHUNK), else fitted to `row_len`."""
+        chunk = chunk or min(TOPK_CHUNK, next_pow2(max(row_len, 16)))
         return cls(k, chunk, _warps(chunk, 256, 8))
+
+
+MAX_SPLITS = 64  # flash-decoding splits of one (token, head block) at most: the combine's widest tile
+
+
+def mla_num_splits(num_tokens: int, num_heads: int, block_h: int, num_keys: int, block_n: int,
+                   num_sms: int) -> int:
+    """Flash-decoding split count (a launch parameter, not part of a kernel's source): enough
+    programs for ~2 waves of the GPU, >= 2 key blocks per split, at most MAX_SPLITS."""
+    programs = num_tokens * -(-num_heads // block_h)
+    return max(1, min(-(-2 * num_sms // programs), num_keys // (2 * block_n), MAX_SPLITS))
 
 
 @dataclass(frozen=True)
 class SparseMlaDecodeCtx:
-    """sparse_mla_decode.py.j2: absorbed MLA split-K partials over top-k slots (or causal positions)."""
+    """sparse_mla_decode.py.j2: absorbed MLA split-K partials over top-k slots (or causal positions).
+    The split count is a run-time argument (`mla_num_splits`), so one kernel serves every batch of
+    its token class: < 32 tokens (head-major) or >= 32 with >= 64 heads (key-major)."""
     template: ClassVar[str] = "sparse_mla_decode"
     num_heads: int
     kv_lora: int
     rope_dim: int
     has_topk: bool
     topk: int
-    num_splits: int
     block_h: int
     block_n: int
     key_major: bool  # [keys, heads] scores: lets the MMA's M be keys / latent dims instead of heads
@@ -171,8 +187,8 @@ class SparseMlaDecodeCtx:
     num_stages: int
 
     @classmethod
-    def make(cls, num_heads, kv_lora, rope_dim, topk, num_keys, scale, dtype, num_tokens, num_sms,
-             block_h=None, block_n=None, num_splits=None, num_warps=None, num_stages=None, key_major=None):
+    def make(cls, num_heads, kv_lora, rope_dim, topk, scale, dtype, num_tokens, block_h=None, block_n=None,
+             num_warps=None, num_stages=None, key_major=None):
         if kv_lora != next_pow2(kv_lora) or rope_dim != next_pow2(rope_dim):
             raise ValueError(f"sparse_mla_decode needs power-of-two kv_lora/rope dims, got {kv_lora}/{rope_dim}")
         dot_dtype, precision = _DOT[dtype]
@@ -186,26 +202,35 @@ class SparseMlaDecodeCtx:
         block_n = block_n or 32
         num_warps = num_warps or (8 if block_h > 16 else 4)
         num_stages = num_stages or (1 if wide else 2)
-        if num_splits is None:  # flash-decoding: enough programs for ~2 waves, >= 2 key blocks per split
-            programs = num_tokens * -(-num_heads // block_h)
-            num_splits = max(1, min(-(-2 * num_sms // programs), num_keys // (2 * block_n)))
-        return cls(num_heads, kv_lora, rope_dim, topk is not None, topk or 0, num_splits, block_h, block_n,
-                   bool(key_major), float(scale) * 1.4426950408889634, dot_dtype, precision, num_warps, num_stages)
+        return cls(num_heads, kv_lora, rope_dim, topk is not None, topk or 0, block_h, block_n, bool(key_major),
+                   float(scale) * 1.4426950408889634, dot_dtype, precision, num_warps, num_stages)
+
+    @classmethod
+    def variants(cls, num_heads, kv_lora, rope_dim, topk, scale, dtype) -> list["SparseMlaDecodeCtx"]:
+        """Every context `make` gives for some token count (the token classes)."""
+        out = [cls.make(num_heads, kv_lora, rope_dim, topk, scale, dtype, t) for t in (1, 32)]
+        return list(dict.fromkeys(out))
 
 
 @dataclass(frozen=True)
 class MlaCombineCtx:
-    """mla_combine.py.j2: merge split-K partials by their log-sum-exp."""
+    """mla_combine.py.j2: merge split-K partials by their log-sum-exp; the split count is a run-time
+    argument up to `block_splits` (a power of two)."""
     template: ClassVar[str] = "mla_combine"
     num_heads: int
     kv_lora: int
-    num_splits: int
     block_splits: int
     num_warps: int
 
     @classmethod
     def make(cls, num_heads, kv_lora, num_splits):
-        return cls(num_heads, kv_lora, num_splits, next_pow2(num_splits), _warps(kv_lora * num_splits, 1024, 4))
+        block = next_pow2(num_splits)
+        return cls(num_heads, kv_lora, block, _warps(kv_lora * block, 1024, 4))
+
+    @classmethod
+    def variants(cls, num_heads, kv_lora) -> list["MlaCombineCtx"]:
+        """One per power-of-two split bound up to MAX_SPLITS."""
+        return [cls.make(num_heads, kv_lora, 1 << i) for i in range(MAX_SPLITS.bit_length())]
 
 
 @dataclass(frozen=True)

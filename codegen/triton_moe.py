@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-from glmc.codegen.triton_target import _DOT, kernel_for, next_pow2
+from glmc.codegen.triton_render import _DOT, JIT, KernelLibrary, next_pow2
 
 
 @dataclass(frozen=True)
@@ -48,6 +48,16 @@ class MoeExpertsCtx:
         num_warps = num_warps or (4 if block_m * block_n <= 16 * 128 else 8)
         return cls(bool(down), int(n_in), int(n_out), int(top_k), int(block_m), int(block_n), int(block_k),
                    dot_dtype, precision, num_warps, num_stages or 4)
+
+    @classmethod
+    def variants(cls, hidden, inter, top_k, dtype) -> list["MoeExpertsCtx"]:
+        """Both stages at every row-block class (`BLOCK_MS`): every context `moe_experts` makes
+        without tile overrides."""
+        return [cls.make(down, *((inter, hidden) if down else (hidden, inter)), top_k, dtype, bm)
+                for bm in BLOCK_MS for down in (False, True)]
+
+
+BLOCK_MS = (16, 32, 64)  # the row-block classes `block_m_for` picks from
 
 
 def block_m_for(num_rows: int, num_experts: int) -> int:
@@ -101,7 +111,7 @@ def _check_stacks(w_gate, w_up, w_down):
         raise ValueError(f"moe_experts: down stack {tuple(w_down.shape)} != {(E, hidden, inter)}")
 
 
-def moe_experts(x, ids, weights, w_gate, w_up, w_down, expert_offset=0, tiles=None):
+def moe_experts(x, ids, weights, w_gate, w_up, w_down, expert_offset=0, tiles=None, lib: KernelLibrary = JIT):
     """torch_ref.moe_experts on Triton: -> fp32 [T, H]. `tiles` = {"gate_up": {...}, "down": {...},
     "block_m": int} overrides MoeExpertsCtx.make's tile choices (the benchmark sweeps them)."""
     _check_stacks(w_gate, w_up, w_down)
@@ -118,12 +128,12 @@ def moe_experts(x, ids, weights, w_gate, w_up, w_down, expert_offset=0, tiles=No
     x = x if x.stride(-1) == 1 else x.contiguous()
     h = torch.empty(nb * bm, inter, dtype=x.dtype, device=x.device)
     up = MoeExpertsCtx.make(False, hidden, inter, k, w_gate.dtype, bm, **tiles.get("gate_up", {}))
-    kernel_for(up)[(nb, -(-inter // up.block_n))](
+    lib(up)[(nb, -(-inter // up.block_n))](
         x, x.stride(0), w_gate, *w_gate.stride(), w_up, h, h.stride(0), sorted_rows, block_expert, n,
         num_warps=up.num_warps, num_stages=up.num_stages)
     y = torch.empty(n, hidden, dtype=torch.float32, device=x.device)
     dn = MoeExpertsCtx.make(True, inter, hidden, k, w_down.dtype, bm, **tiles.get("down", {}))
-    kernel_for(dn)[(nb, -(-hidden // dn.block_n))](
+    lib(dn)[(nb, -(-hidden // dn.block_n))](
         h, h.stride(0), w_down, *w_down.stride(), weights.reshape(-1).float().contiguous(), y, y.stride(0),
         sorted_rows, block_expert, n, num_warps=dn.num_warps, num_stages=dn.num_stages)
     local = ((ids >= expert_offset) & (ids < expert_offset + E)).view(T, k, 1)

@@ -26,8 +26,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-from glmc.codegen.context import CudaStepContext
-from glmc.codegen.triton_target import _DOT, kernel_for, next_pow2
+from glmc.codegen.triton_render import _DOT, JIT, next_pow2
 
 LOG2E = 1.4426950408889634
 
@@ -186,7 +185,7 @@ def sparse_mla_prefill(q_nope, q_pe, kv, k_pe, keys: PrefillKeys, positions, sca
             k_pe, k_pe.stride(0), keys.blocks, positions]
     if ctx.has_topk:
         args += [keys.bits, keys.bits.stride(0), keys.tiles, keys.tiles.stride(0), keys.num_tiles]
-    kernel_for(ctx)[(nqb, H)](*args, out, out.stride(0), out.stride(1), num_warps=ctx.num_warps,
+    JIT(ctx)[(nqb, H)](*args, out, out.stride(0), out.stride(1), num_warps=ctx.num_warps,
                               num_stages=ctx.num_stages)
     return out.view(T, H * dv)
 
@@ -203,11 +202,3 @@ def mla_attention_mha(q_nope, q_pe, pool, layer, w_kv_b, topk, batch, scale, dn,
         raise ValueError(f"mla_attention_mha: kv_b gives {kv.shape[1]} columns, expected H {q_nope.shape[1]}"
                          f" x (dn {dn} + dv {dv})")
     return sparse_mla_prefill(q_nope, q_pe, kv, k_pe, keys, batch.positions.to(dev), scale, dv, **tiles)
-
-
-def attn_mla_mha(op, args, ctx: CudaStepContext):
-    """`cuda_target.IMPLS["attn.mla_mha"]` (prefill step: ctx.batch is the host ForwardBatch, ctx.r2t the
-    device table)."""
-    q_nope, q_pe, layer, topk = args
-    return mla_attention_mha(q_nope, q_pe, ctx.pool, layer, ctx.w(op.attr("weight")), topk, ctx.batch,
-                             op.attr("scale"), int(op.attr("dn")), int(op.attr("dv")), req_to_token=ctx.r2t)

@@ -1,8 +1,9 @@
 """Triton kernel sources: the Jinja2 environment, rendering, writing into a plan and loading.
 
 Each kernel is one template, ``codegen/templates/<kernel>.py.j2``, holding one ``@triton.jit``
-function; ``render`` turns (kernel, ctx) into source, ``write_kernels`` writes sources into a plan
-directory so users can read exactly what runs, ``load_kernel`` imports one, ``kernel_for`` caches.
+function; ``render`` turns (kernel, ctx) into source, ``load_kernel`` imports one, and a
+``KernelLibrary`` maps contexts to kernels: a plan's rendered files (what the runtime runs) or
+rendered on demand (``JIT``: kernel tests and benchmarks).
 Shared sizing helpers (``next_pow2``, warps, SM count, dot dtypes) live here too.
 """
 from __future__ import annotations
@@ -56,23 +57,12 @@ def _num_sms(device: torch.device) -> int:
     return 2
 
 
-# ----------------------------------------------------------------------------- render / write / load
+# ----------------------------------------------------------------------------- render / load / libraries
 def render(kernel: str, ctx) -> str:
     """Source of `kernel` specialised by `ctx` (a *Ctx whose template is `kernel`)."""
     if ctx.template != kernel:
         raise ValueError(f"render: context {type(ctx).__name__} is for {ctx.template!r}, not {kernel!r}")
     return _ENV.get_template(f"{kernel}.py.j2").render(ctx_repr=repr(ctx), **dataclasses.asdict(ctx))
-
-
-def write_kernels(plan_dir, kernels: Mapping[str, object]) -> dict[str, Path]:
-    """Write each named context's rendered kernel to `plan_dir/kernels/<name>.py`; returns the paths."""
-    out = Path(plan_dir) / "kernels"
-    out.mkdir(parents=True, exist_ok=True)
-    paths = {}
-    for name, ctx in kernels.items():
-        paths[name] = out / f"{name}.py"
-        paths[name].write_text(render(ctx.template, ctx))
-    return paths
 
 
 def load_kernel(path) -> ModuleType:
@@ -86,12 +76,72 @@ def load_kernel(path) -> ModuleType:
     return module
 
 
-_KERNELS: dict = {}
+class KernelNotInPlan(LookupError):
+    """A launch asked for a kernel the plan did not render (the plan is stale or the kernel set
+    misses a variant); the message names the context and the plan."""
+
+
+class KernelLibrary:
+    """Where the launch wrappers get their @triton.jit functions: `lib(ctx)`.
+
+    `KernelLibrary()` (the module's `JIT`; kernel tests and benchmarks) renders a context's template
+    on first use into a content-addressed cache directory ($GLMC_KERNEL_DIR, else one temp dir per
+    process) and imports it. `KernelLibrary.from_plan(plan)` (the runtime) holds exactly the plan's
+    kernels/*.py, keyed by the context each was rendered from, imported from the plan directory
+    when the plan was loaded from one (so the file a user reads is the file that runs); a context
+    the plan lacks raises `KernelNotInPlan`, unless `jit_extra` (benchmarks sweeping tiles).
+    """
+
+    def __init__(self, files: Mapping[str, Path] | None = None, where: str = "", jit_extra: bool = True):
+        self._files = dict(files or {})       # repr(ctx) -> kernel file
+        self._where, self._jit_extra = where, jit_extra
+        self._fns: dict = {}
+
+    @classmethod
+    def from_plan(cls, plan, jit_extra: bool = False) -> "KernelLibrary":
+        """The plan's kernels (`plan.kernels` sources, `plan.kernel_contexts` their contexts)."""
+        if not plan.kernels:
+            raise KernelNotInPlan(f"plan of {plan.model} ({plan.parallel}) holds no kernels: it was compiled "
+                                  f"for device {plan.target!r}; compile it with `glmc compile --device cuda`")
+        plan_dir = plan.directory
+        files = {}
+        for name, src in plan.kernels.items():
+            path = Path(plan_dir) / "kernels" / f"{name}.py" if plan_dir else None
+            if path is None or not path.exists() or path.read_text() != src:
+                path = _cached(name, src)   # compiled in memory (or the file changed since loading)
+            files[plan.kernel_contexts[name]] = path
+        where = f"plan {plan_dir}" if plan_dir else f"the in-memory plan of {plan.model} ({plan.parallel})"
+        return cls(files, where, jit_extra)
+
+    def __len__(self) -> int:
+        return len(self._files)
+
+    def loaded(self) -> list[Path]:
+        """The files of the kernels launched (imported) so far."""
+        return [self.path(ctx) for ctx in self._fns]
+
+    def path(self, ctx) -> Path:
+        """The file `ctx`'s kernel is imported from."""
+        key = repr(ctx)
+        if key in self._files:
+            return self._files[key]
+        if self._files and not self._jit_extra:
+            raise KernelNotInPlan(f"{self._where} has no kernel for {key} (it holds {len(self._files)}); "
+                                  "recompile the plan with this glmc (`glmc compile --device cuda`)")
+        return _cached(ctx.template, render(ctx.template, ctx))
+
+    def __call__(self, ctx):
+        fn = self._fns.get(ctx)
+        if fn is None:
+            fn = self._fns[ctx] = getattr(load_kernel(self.path(ctx)), f"{ctx.template}_kernel")
+        return fn
+
+
 _KERNEL_DIR: list[Path] = []
 
 
 def _kernel_dir() -> Path:
-    """Where launch wrappers cache rendered sources: $GLMC_KERNEL_DIR, else one temp dir per process."""
+    """The JIT cache: $GLMC_KERNEL_DIR, else one temp dir per process."""
     if not _KERNEL_DIR:
         env = os.environ.get("GLMC_KERNEL_DIR")
         _KERNEL_DIR.append(Path(env) if env else Path(tempfile.mkdtemp(prefix="glmc_kernels_")))
@@ -99,17 +149,15 @@ def _kernel_dir() -> Path:
     return _KERNEL_DIR[0]
 
 
-def kernel_for(ctx):
-    """The @triton.jit function for ctx: rendered, written (content-addressed) and imported once."""
-    fn = _KERNELS.get(ctx)
-    if fn is None:
-        src = render(ctx.template, ctx)
-        path = _kernel_dir() / f"{ctx.template}_{hashlib.sha1(src.encode()).hexdigest()[:12]}.py"
-        if not path.exists():
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(src)
-            tmp.replace(path)  # atomic: concurrent processes never import a half-written file
-        fn = _KERNELS[ctx] = getattr(load_kernel(path), f"{ctx.template}_kernel")
-    return fn
+def _cached(name: str, src: str) -> Path:
+    """`src` written once under the cache dir, named by its content (atomic: concurrent processes
+    never import a half-written file)."""
+    path = _kernel_dir() / f"{name}_{hashlib.sha1(src.encode()).hexdigest()[:12]}.py"
+    if not path.exists():
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(src)
+        tmp.replace(path)
+    return path
 
 
+JIT = KernelLibrary()

@@ -1,15 +1,18 @@
-"""Triton target: launch wrappers over the kernels (contexts in ``triton_contexts``, rendering in
-``triton_render``; both re-exported here).
+"""Triton target: launch wrappers over the kernels (contexts in ``triton_contexts``, rendering and
+kernel libraries in ``triton_render``; both re-exported here).
 
 Each kernel is one Jinja2 template, ``codegen/templates/<kernel>.py.j2``, holding one ``@triton.jit``
-function. Templates are dumb (STYLE rule 10): every shape, tile size and flag is computed here, in
-Python, into a frozen ``*Ctx`` dataclass, and the template only substitutes ``{{ value }}`` and
-branches on ``{% if flag %}``. ``render`` turns (kernel, ctx) into source; ``write_kernels`` writes
-sources into a plan directory so users can read exactly what runs; ``load_kernel`` imports one.
+function. Templates are dumb (STYLE rule 10): every shape, tile size and flag is computed in Python
+into a frozen ``*Ctx`` dataclass, and the template only substitutes ``{{ value }}`` and branches on
+``{% if flag %}``. A kernel's source depends on the model's shapes, the dtype and a few tile classes,
+never on the batch, the context length or the GPU (those choose grids and split counts at launch),
+so a plan can hold every kernel it runs (``kernel_set``).
 
-The launch wrappers at the bottom take torch tensors with the torch reference's interface
-(``codegen/torch_ref.py``), build the context from the shapes, render/load (cached) and launch. Where
-a kernel's natural interface differs (slots instead of positions, split-K partials), the wrapper adapts.
+The launch wrappers below take torch tensors (no ForwardBatch, no KV pool) with the torch
+reference's semantics (``codegen/torch_ref.py``), build the context from the shapes, get the kernel
+from ``lib`` (a ``KernelLibrary``: the plan's kernels in the runtime, ``JIT`` by default) and launch.
+Where a kernel's natural interface differs (slots instead of positions, split-K partials), the
+wrapper adapts.
 """
 from __future__ import annotations
 
@@ -25,17 +28,18 @@ from glmc.codegen.triton_contexts import (  # noqa: F401  (re-exported)
     SampleCtx,
     SparseMlaDecodeCtx,
     TopkSelectCtx,
+    mla_num_splits,
 )
 from glmc.codegen.triton_render import (  # noqa: F401  (re-exported)
     _DOT,
+    JIT,
     TEMPLATE_DIR,
+    KernelLibrary,
     _num_sms,
     _warps,
-    kernel_for,
     load_kernel,
     next_pow2,
     render,
-    write_kernels,
 )
 
 
@@ -57,55 +61,58 @@ def _inv_freq(theta: float, dim: int, device, scaling=None) -> torch.Tensor:
     return _INV_FREQ[key]
 
 
-def _token_rows(batch, device):
-    """Per token: (req_to_token row, position) on `device`; decode and extend alike."""
+def token_rows(batch, device):
+    """Per token of a ForwardBatch: (req_to_token row, position) on `device`; decode and extend
+    alike (the one adapter from the runtime's batch to the wrappers' tensors, for tests and benches)."""
     rows = batch.req_pool_indices.repeat_interleave(batch.extend_lens)
     return rows.to(device), batch.positions.to(device)
 
 
-def rms_norm(x, weight, eps):
+def rms_norm(x, weight, eps, lib: KernelLibrary = JIT):
     """torch_ref.rms_norm; output in x's dtype."""
     x2 = _rows(x)
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     ctx = RmsNormCtx.make(x2.shape[1], eps, False)
     if x2.shape[0]:
-        kernel_for(ctx)[(x2.shape[0],)](x2, x2.stride(0), weight, out, out.stride(0), num_warps=ctx.num_warps)
+        lib(ctx)[(x2.shape[0],)](x2, x2.stride(0), weight, out, out.stride(0), num_warps=ctx.num_warps)
     return out.view(x.shape)
 
 
-def add_rms_norm(x, residual, weight, eps):
+def add_rms_norm(x, residual, weight, eps, lib: KernelLibrary = JIT):
     """torch_ref.add_rms_norm: (rms_norm(x + residual), x + residual) in one pass."""
     x2, r2 = _rows(x), _rows(residual)
     new_res = torch.empty(x2.shape, dtype=torch.result_type(x, residual), device=x.device)
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     ctx = RmsNormCtx.make(x2.shape[1], eps, True)
     if x2.shape[0]:
-        kernel_for(ctx)[(x2.shape[0],)](x2, x2.stride(0), r2, r2.stride(0), new_res, new_res.stride(0),
+        lib(ctx)[(x2.shape[0],)](x2, x2.stride(0), r2, r2.stride(0), new_res, new_res.stride(0),
                                         weight, out, out.stride(0), num_warps=ctx.num_warps)
     return out.view(x.shape), new_res.view(x.shape)
 
 
-def moe_route(x, gate_w, bias, top_k, n_group, topk_group, norm_topk_prob, routed_scaling_factor):
+def moe_route(x, gate_w, bias, top_k, n_group, topk_group, norm_topk_prob, routed_scaling_factor,
+              lib: KernelLibrary = JIT):
     """torch_ref.moe_route: the fp32 gate GEMM in torch (cuBLAS), everything after it in one kernel.
 
     Ids come out in descending biased-score order, exact ties lowest index first, as torch_ref's.
     """
     logits = x.float() @ gate_w.float().T
-    return moe_route_logits(logits, bias, top_k, n_group, topk_group, norm_topk_prob, routed_scaling_factor)
+    return moe_route_logits(logits, bias, top_k, n_group, topk_group, norm_topk_prob, routed_scaling_factor, lib)
 
 
-def moe_route_logits(logits, bias, top_k, n_group, topk_group, norm_topk_prob, routed_scaling_factor):
+def moe_route_logits(logits, bias, top_k, n_group, topk_group, norm_topk_prob, routed_scaling_factor,
+                     lib: KernelLibrary = JIT):
     """moe_route after the gate GEMM: fp32 logits [T, E] -> (weights [T, k] fp32, ids [T, k] int64)."""
     T, E = logits.shape
     ctx = MoeRouterCtx.make(E, n_group, topk_group, top_k, norm_topk_prob, routed_scaling_factor)
     weights = torch.empty(T, top_k, dtype=torch.float32, device=logits.device)
     ids = torch.empty(T, top_k, dtype=torch.int64, device=logits.device)
     if T:
-        kernel_for(ctx)[(T,)](logits, logits.stride(0), bias, weights, ids, top_k, num_warps=ctx.num_warps)
+        lib(ctx)[(T,)](logits, logits.stride(0), bias, weights, ids, top_k, num_warps=ctx.num_warps)
     return weights, ids
 
 
-def rope(x, positions, theta, interleaved=True, rope_dim=None, out=None, scaling=None):
+def rope(x, positions, theta, interleaved=True, rope_dim=None, out=None, scaling=None, lib: KernelLibrary = JIT):
     """torch_ref.rope on the first rope_dim (default: all) dims of the last axis; the rest is copied.
 
     x is [T, D] or [T, H, D] (strided views such as q[..., dn:] are fine); out may be x (in place).
@@ -116,48 +123,47 @@ def rope(x, positions, theta, interleaved=True, rope_dim=None, out=None, scaling
     out = torch.empty(x3.shape, dtype=x.dtype, device=x.device) if out is None else out.view(T, H, D)
     ctx = RopeCtx.make(H, D, rope_dim or D, interleaved, ref.rope_attention_factor(scaling))
     if T:
-        kernel_for(ctx)[(T, -(-H // ctx.block_h))](
+        lib(ctx)[(T, -(-H // ctx.block_h))](
             x3, x3.stride(0), x3.stride(1), positions, _inv_freq(theta, ctx.rope_dim, x.device, scaling),
             out, out.stride(0), out.stride(1), num_warps=ctx.num_warps)
     return out.view(x.shape)
 
 
-def qkv_norm_rope_write(q_a, kv_a, positions, out_cache_loc, pool, layer, q_norm_w, kv_norm_w, eps, theta,
-                        interleaved=True, index_k=None, k_norm_w=None, k_norm_b=None, index_eps=1e-6,
-                        index_interleaved=True, scaling=None):
-    """After the fused A-projection, one kernel: returns c_q = rms_norm(q_a) and writes, at out_cache_loc,
-    pool.kv[layer] = [rms_norm(kv_a[:, :R]) | rope(kv_a[:, R:])] and (full layers, index_k given)
-    pool.index_k[layer] = [rope(layer_norm(index_k)[:, :dr]) | layer_norm(index_k)[:, dr:]].
-    Both RoPEs use the same angles (theta, `scaling`); each has its own pairing (interleaved or halves).
+def qkv_norm_rope_write(q_a, kv_a, positions, out_cache_loc, kv_cache, q_norm_w, kv_norm_w, eps, theta,
+                        interleaved=True, index_k=None, index_cache=None, k_norm_w=None, k_norm_b=None,
+                        index_eps=1e-6, index_interleaved=True, scaling=None, lib: KernelLibrary = JIT):
+    """After the fused A-projection, one kernel: returns c_q = rms_norm(q_a) and writes, at rows
+    out_cache_loc, kv_cache = [rms_norm(kv_a[:, :R]) | rope(kv_a[:, R:])] (R = kv_cache width - rope
+    dims) and (full layers, index_k given) index_cache = [rope(layer_norm(index_k)[:, :dr]) |
+    layer_norm(index_k)[:, dr:]]. Both RoPEs use the same angles (theta, `scaling`); each has its own
+    pairing (interleaved or halves).
     """
-    T, R, dr = q_a.shape[0], pool.kv_lora_rank, pool.qk_rope_head_dim
+    T, dr = q_a.shape[0], kv_a.shape[1] - kv_norm_w.shape[0]
+    R = kv_norm_w.shape[0]
     has_ik = index_k is not None
     ctx = QkvNormRopeWriteCtx.make(q_a.shape[1], R, dr, eps, interleaved, index_k.shape[1] if has_ik else 0,
                                    index_eps, index_interleaved, ref.rope_attention_factor(scaling))
     c_q = torch.empty(q_a.shape, dtype=q_a.dtype, device=q_a.device)
-    kv = pool.kv[layer]
     args = [q_a, q_a.stride(0), q_norm_w, c_q, c_q.stride(0), kv_a, kv_a.stride(0), kv_norm_w, positions,
-            out_cache_loc, _inv_freq(theta, dr, q_a.device, scaling), kv, kv.stride(0)]
+            out_cache_loc, _inv_freq(theta, dr, q_a.device, scaling), kv_cache, kv_cache.stride(0)]
     if has_ik:
-        ik = pool.index_k[layer]
-        args += [index_k, index_k.stride(0), k_norm_w, k_norm_b, ik, ik.stride(0)]
+        args += [index_k, index_k.stride(0), k_norm_w, k_norm_b, index_cache, index_cache.stride(0)]
     if T:
-        kernel_for(ctx)[(T,)](*args, num_warps=ctx.num_warps)
+        lib(ctx)[(T,)](*args, num_warps=ctx.num_warps)
     return c_q
 
 
-def indexer_topk(q_idx, weights, pool, layer, batch, topk, max_len=None, block_n=None, chunk=None):
+def indexer_topk(q_idx, weights, index_cache, req_to_token, rows, pos, topk, max_len, block_n=None, chunk=None,
+                 lib: KernelLibrary = JIT):
     """torch_ref.indexer_topk: [T, topk] key POSITIONS (ascending, -1 padded) in two kernels:
-    scores over the paged indexer cache into a [T, max_len] fp32 workspace, then exact top-k selection.
-    """
-    rows, pos = _token_rows(batch, q_idx.device)
-    max_len = (max_len or int(batch.seq_lens.max())) if batch.num_tokens else 1
-    scores = indexer_scores(q_idx, weights, pool.index_k[layer], batch.req_to_token.to(q_idx.device), rows, pos,
-                            max_len, block_n)
-    return topk_select(scores, pos + 1, topk, chunk)
+    scores over the paged indexer cache into a [T, max_len] fp32 workspace (max_len >= every
+    token's position + 1), then exact top-k selection."""
+    scores = indexer_scores(q_idx, weights, index_cache, req_to_token, rows, pos, max_len, block_n, lib)
+    return topk_select(scores, pos + 1, topk, chunk, lib)
 
 
-def indexer_scores(q_idx, weights, k_cache, req_to_token, rows, pos, max_len, block_n=None):
+def indexer_scores(q_idx, weights, k_cache, req_to_token, rows, pos, max_len, block_n=None,
+                   lib: KernelLibrary = JIT):
     """[T, >= max_len] fp32 index scores of every key position (-inf after the token's own position).
     Graph-safe: no host sync; max_len (>= every seq_len) fixes the workspace shape."""
     T, Hi, Di = q_idx.shape
@@ -165,39 +171,40 @@ def indexer_scores(q_idx, weights, k_cache, req_to_token, rows, pos, max_len, bl
     width = -(-max_len // ctx.block_n) * ctx.block_n
     scores = torch.empty(T, width, dtype=torch.float32, device=q_idx.device)
     if T:
-        kernel_for(ctx)[(T, width // ctx.block_n)](
+        lib(ctx)[(T, width // ctx.block_n)](
             q_idx, q_idx.stride(0), q_idx.stride(1), weights, weights.stride(0), k_cache, k_cache.stride(0),
             req_to_token, req_to_token.stride(0), rows, pos, scores, scores.stride(0), num_warps=ctx.num_warps)
     return scores
 
 
-def topk_select(scores, lens, k, chunk=None):
+def topk_select(scores, lens, k, chunk=None, lib: KernelLibrary = JIT):
     """Per row t: positions of the k largest of scores[t, :lens[t]], ascending, -1 padded. [T, k] int64.
     Exact ties at the k-th score go to the lowest positions (torch_ref.topk_lowest_first's choice)."""
     T = scores.shape[0]
     ctx = TopkSelectCtx.make(k, scores.shape[1], chunk)
     out = torch.empty(T, k, dtype=torch.int64, device=scores.device)
     if T:
-        kernel_for(ctx)[(T,)](scores, scores.stride(0), lens, out, out.stride(0), num_warps=ctx.num_warps)
+        lib(ctx)[(T,)](scores, scores.stride(0), lens, out, out.stride(0), num_warps=ctx.num_warps)
     return out
 
 
 def sparse_mla_latent(q_lat, q_pe, kv_cache, req_to_token, rows, pos, topk, scale, num_keys=None, slots=None,
-                      **tiles):
+                      num_splits=None, lib: KernelLibrary = JIT, **tiles):
     """out_lat[t, h] = softmax_s(scale (q_lat.c_kv_s + q_pe.k_pe_s)) c_kv_s over the token's keys s:
     its top-k positions (topk [T, K], -1 padded) or, with topk None, every position <= its own
     (num_keys >= max position + 1 then fixes the split size; read from pos if not given).
     Graph-safe with topk or num_keys given. `slots` (topk_slots of topk) skips the conversion, e.g. when
-    shared indexer layers reuse a full layer's top-k. `tiles` override SparseMlaDecodeCtx.make's choices."""
+    shared indexer layers reuse a full layer's top-k. `num_splits` overrides `mla_num_splits`;
+    `tiles` override SparseMlaDecodeCtx.make's choices."""
     T, H, R = q_lat.shape
     dev = q_lat.device
     if topk is not None:
         num_keys = topk.shape[1]
     elif num_keys is None:
         num_keys = int(pos.max()) + 1 if T else 1
-    ctx = SparseMlaDecodeCtx.make(H, R, q_pe.shape[-1], None if topk is None else topk.shape[1], num_keys,
-                                  scale, kv_cache.dtype, T, _num_sms(dev), **tiles)
-    S = ctx.num_splits
+    ctx = SparseMlaDecodeCtx.make(H, R, q_pe.shape[-1], None if topk is None else topk.shape[1], scale,
+                                  kv_cache.dtype, T, **tiles)
+    S = num_splits or mla_num_splits(T, H, ctx.block_h, num_keys, ctx.block_n, _num_sms(dev))
     per_split = -(-(-(-num_keys // S)) // ctx.block_n) * ctx.block_n
     o_part = torch.empty(T, H, S, R, dtype=torch.float32, device=dev)
     lse = torch.empty(T, H, S, dtype=torch.float32, device=dev)
@@ -209,10 +216,10 @@ def sparse_mla_latent(q_lat, q_pe, kv_cache, req_to_token, rows, pos, topk, scal
     if topk is not None:
         slots = topk_slots(topk, req_to_token, rows, pos) if slots is None else slots
         args += [slots, slots.stride(0)]
-    kernel_for(ctx)[(-(-H // ctx.block_h), S, T)](*args, o_part, lse, per_split, num_warps=ctx.num_warps,
-                                                   num_stages=ctx.num_stages)
+    lib(ctx)[(-(-H // ctx.block_h), S, T)](*args, o_part, lse, per_split, num_warps=ctx.num_warps,
+                                           num_stages=ctx.num_stages)
     cctx = MlaCombineCtx.make(H, R, S)
-    kernel_for(cctx)[(T, H)](o_part, lse, out, out.stride(0), out.stride(1), num_warps=cctx.num_warps)
+    lib(cctx)[(T, H)](o_part, lse, out, out.stride(0), out.stride(1), S, num_warps=cctx.num_warps)
     return out
 
 
@@ -224,19 +231,18 @@ def topk_slots(topk, req_to_token, rows, pos):
     return torch.where(valid, slots, -1).to(torch.int32)
 
 
-def mla_attention_absorbed(q_nope, q_pe, pool, layer, w_kv_b, topk, batch, scale, dn, dv, **tiles):
+def mla_attention_absorbed(q_nope, q_pe, kv_cache, w_kv_b, topk, req_to_token, rows, pos, scale, dn, dv,
+                           lib: KernelLibrary = JIT, **tiles):
     """torch_ref.mla_attention_absorbed: W_UK / W_UV absorption as torch batched GEMMs around the
     sparse latent-attention kernel. -> [T, H*dv]."""
     T, H = q_nope.shape[:2]
     w = w_kv_b.view(H, dn + dv, -1)
     q_lat = torch.einsum("thd,hdr->thr", q_nope, w[:, :dn].to(q_nope.dtype))
-    rows, pos = _token_rows(batch, q_nope.device)
-    out_lat = sparse_mla_latent(q_lat, q_pe, pool.kv[layer], batch.req_to_token.to(q_nope.device), rows, pos,
-                                topk, scale, **tiles)
+    out_lat = sparse_mla_latent(q_lat, q_pe, kv_cache, req_to_token, rows, pos, topk, scale, lib=lib, **tiles)
     return torch.einsum("thr,hvr->thv", out_lat, w[:, dn:].to(out_lat.dtype)).reshape(T, H * dv)
 
 
-def sample(logits, temperature, top_k, top_p, min_p, seed, step, return_kept=False):
+def sample(logits, temperature, top_k, top_p, min_p, seed, step, return_kept=False, lib: KernelLibrary = JIT):
     """torch_ref.sample as one Triton kernel (one program per row): same parameters ([B] tensors or
     scalars), same kept sets, same noise, so the same token ids [B] int64; with return_kept, also the
     kept mask [B, V] bool."""
@@ -250,11 +256,11 @@ def sample(logits, temperature, top_k, top_p, min_p, seed, step, return_kept=Fal
     lg = _rows(logits)
     if B:
         extra = [kept, kept.stride(0)] if return_kept else []
-        kernel_for(ctx)[(B,)](lg, lg.stride(0), *params, out, *extra, num_warps=ctx.num_warps)
+        lib(ctx)[(B,)](lg, lg.stride(0), *params, out, *extra, num_warps=ctx.num_warps)
     return (out, kept.bool()) if return_kept else out
 
 
-def sample_greedy(logits):
+def sample_greedy(logits, lib: KernelLibrary = JIT):
     """The sampler at its defaults (temperature 0: argmax, lowest id on ties): the IR's `sample.tokens`."""
     zero = torch.zeros((), dtype=torch.int64, device=logits.device)
-    return sample(logits, zero.float(), zero, zero + 1.0, zero.float(), zero, zero)
+    return sample(logits, zero.float(), zero, zero + 1.0, zero.float(), zero, zero, lib=lib)

@@ -1,7 +1,8 @@
 """Run the pass pipeline per phase; the result is a `glmc.plan.Plan`.
 
 `compile_plan(spec, parallel, options)` -> Plan (one final Graph per phase, plus the graph after
-each pass when asked); `Plan.save(dir)` writes it (atomically). A failing pass raises
+each pass when asked, and for the cuda target every Triton kernel it can launch, rendered by
+`codegen.kernel_set`); `Plan.save(dir)` writes it (atomically). A failing pass raises
 `CompileError` naming itself, the passes before it, and the op.
 """
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from glmc.codegen.kernel_set import render_kernels
 from glmc.config import Options
 from glmc.ir import Graph, IRError, print_graph, verify
 from glmc.parallel import Parallel
@@ -69,6 +71,8 @@ def compile_plan(spec: ModelSpec, parallel: Parallel, options: Options = Options
             if dump_after is not None and ("all" in dump_after or name in dump_after):
                 plan.dumps.setdefault(names[name], {})[phase] = g
         plan.graphs[phase] = compile_phase(spec, parallel, phase, options, dump)
+    if plan.target == "cuda":
+        render_kernels(plan)   # codegen: the Triton kernels the plan can launch, rendered
     if env_dir:
         for d, by_phase in plan.dumps.items():
             for phase, g in by_phase.items():

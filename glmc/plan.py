@@ -6,7 +6,8 @@
     <phase>.ir        the phase graph (prefill, decode, mtp_draft, mtp_verify), with its metadata
                       (mesh, CUDA-graph buckets, memory plan, cost, fusions fired) as `#!` lines
     plan.json         model, parallel spec, mesh and world, options, dtypes, config, the spec
-    kernels/*.py      (triton/cuda target) the rendered Triton kernels the runtime runs
+    kernels/*.py      (cuda target) every Triton kernel the plan can launch, rendered; the runtime
+                      imports exactly these files (plan.json maps each to its kernel context)
     report.md         `glmc explain` of the plan
     after/NN-<pass>/  with --dump-after: the IR after each pass
 
@@ -46,8 +47,10 @@ class Plan:
     options: Options                 # compile options (target device, MoE lowering, buckets)
     graphs: dict[str, Graph]         # phase -> final graph
     kernels: dict[str, str] = field(default_factory=dict)   # kernels/<name>.py -> source
+    kernel_contexts: dict[str, str] = field(default_factory=dict)  # name -> repr of its kernel context
     spec: dict = field(default_factory=dict)   # the model spec as data, for tools that recompile
     dumps: dict[str, dict[str, Graph]] = field(default_factory=dict)  # "NN-pass" -> phase -> graph
+    directory: Path | None = None    # where `Plan.load` read it from (None: compiled in memory)
 
     # -- facts the runtime asks for ---------------------------------------------------------
     @property
@@ -101,7 +104,7 @@ class Plan:
             "parallel": {"spec": self.parallel, **self.mesh, "world": self.world},
             "options": asdict(self.options), "dtypes": self.dtypes.model_dump(),
             "config": self.config.model_dump(mode="json"), "spec": self.spec,
-            "kernels": sorted(self.kernels),
+            "kernels": dict(sorted(self.kernel_contexts.items())),
             "phases": {ph: {"ir": f"{ph}.ir", "num_ops": len(g.ops),
                             **{k: v for k, v in g.meta.items() if k not in ("mesh", "model", "parallel")}}
                        for ph, g in self.graphs.items()},
@@ -141,14 +144,14 @@ class Plan:
             meta = json.loads(meta_path.read_text())
             par = meta["parallel"]
             graphs = {ph: _read_graph(plan_dir / info["ir"]) for ph, info in meta["phases"].items()}
-            kernels = {name: (plan_dir / "kernels" / f"{name}.py").read_text()
-                       for name in meta.get("kernels", [])}
+            contexts = meta.get("kernels", {})
+            kernels = {name: (plan_dir / "kernels" / f"{name}.py").read_text() for name in contexts}
             return cls(model=meta["model"], source=meta["source"],
                        config=GlmConfig.model_validate(meta["config"]),
                        dtypes=DTypes.model_validate(meta["dtypes"]), parallel=par["spec"],
                        mesh={k: int(par[k]) for k in ("attn_dp", "attn_tp", "ep", "moe_tp")},
                        options=Options(**meta["options"]), graphs=graphs, kernels=kernels,
-                       spec=meta.get("spec", {}))
+                       kernel_contexts=dict(contexts), spec=meta.get("spec", {}), directory=plan_dir)
         except (KeyError, TypeError, ValueError, OSError) as e:
             if isinstance(e, PlanError):
                 raise

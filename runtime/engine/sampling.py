@@ -48,6 +48,7 @@ from __future__ import annotations
 import math
 import secrets
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
@@ -231,19 +232,20 @@ class SampledTokens:
         return list(zip(tokens, lps))
 
 
-def sample_batch(logits: torch.Tensor, batch: SamplingBatch, use_triton: bool | None = None
-                 ) -> SampledTokens:
+def sample_batch(logits: torch.Tensor, batch: SamplingBatch, use_triton: bool | None = None,
+                 kernels=None) -> SampledTokens:
     """Sample one token per row of logits [B, V] (any device); see the module docstring.
 
     use_triton: the Triton kernel (default on CUDA) or `torch_ref.sample` (default elsewhere); tests
-    set it to run the kernel in the Triton interpreter on CPU.
+    set it to run the kernel in the Triton interpreter on CPU. `kernels`: the plan's KernelLibrary
+    to take the kernel from (default: rendered on demand).
     """
     x = bias_and_penalties(logits, batch)
     if use_triton is None:
         use_triton = logits.is_cuda
     if use_triton:
         from glmc.codegen import triton_target
-        draw = triton_target.sample
+        draw = partial(triton_target.sample, lib=kernels or triton_target.JIT)
     else:
         draw = torch_ref.sample
     tokens = draw(x, batch.temperature, batch.top_k, batch.top_p, batch.min_p, batch.seed, batch.step)
@@ -257,8 +259,10 @@ def sample_batch(logits: torch.Tensor, batch: SamplingBatch, use_triton: bool | 
                          torch.topk(raw, num_top) if num_top else None)
 
 
-def sample_requests(logits: torch.Tensor, reqs: list[Request]) -> list[tuple[int, TokenLogprobs | None]]:
+def sample_requests(logits: torch.Tensor, reqs: list[Request], kernels=None
+                    ) -> list[tuple[int, TokenLogprobs | None]]:
     """One step's token (and logprobs, if asked) for each request, row i of logits [B, V] being
-    reqs[i]'s: the batch is built once, sampled on the logits' device, and only the results move."""
+    reqs[i]'s: the batch is built once, sampled on the logits' device (CUDA: with `kernels`, the
+    plan's library), and only the results move."""
     batch = SamplingBatch.from_requests(reqs, logits.device)
-    return sample_batch(logits, batch).to_host(batch.top_logprobs)
+    return sample_batch(logits, batch, kernels=kernels).to_host(batch.top_logprobs)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 from glmc.codegen.cuda_target import IMPLS as CUDA_IMPLS
+from glmc.codegen.triton_render import KernelLibrary
 from glmc.runtime.worker.comm import Comm
 from glmc.runtime.worker.executor import PlanExecutor, Step
 from glmc.runtime.worker.forward_batch import ForwardBatch
@@ -41,6 +42,7 @@ class GpuStep(Step):
     max_len: int = 0
     last_rows: torch.Tensor | None = None
     moe_tiles: dict = field(default_factory=dict)
+    kernels: KernelLibrary = None
 
     def derived(self, key, make):
         return self.ex.derived(key, make)
@@ -64,6 +66,8 @@ class GpuRunner(PlanExecutor):
         self.max_context, self.pad_row, self.scratch = max_context, max_reqs, pool.num_slots - 1
         self.r2t = torch.full((max_reqs + 1, max_context), self.scratch, dtype=torch.int64, device=pool.device)
         self.moe_tiles = moe_tiles or {}
+        # exactly the plan's kernels; tile overrides (benchmark sweeps) may render other variants
+        self.kernels = KernelLibrary.from_plan(plan, jit_extra=bool(self.moe_tiles))
         self._derived: dict = {}
         self.captured: dict[int, Captured] = {}
         split = plan.mesh["attn_tp"] if plan.mesh["ep"] > 1 else 1   # tokens split over attn_tp
@@ -79,7 +83,8 @@ class GpuRunner(PlanExecutor):
     # ------------------------------------------------------------------ one step over device tensors
     def _step(self, graph, batch, ids, pos, loc, rows, max_len, last_rows=None) -> GpuStep:
         return GpuStep(self, graph, batch, {"input_ids": ids, "positions": pos}, loc, rows=rows, pos=pos,
-                       r2t=self.r2t, max_len=max_len, last_rows=last_rows, moe_tiles=self.moe_tiles)
+                       r2t=self.r2t, max_len=max_len, last_rows=last_rows, moe_tiles=self.moe_tiles,
+                       kernels=self.kernels)
 
     def _outputs(self, graph, values) -> dict:
         head = next(op for op in graph.ops if op.kind == "lm.head")

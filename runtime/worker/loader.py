@@ -11,7 +11,8 @@ API (`glmc.api`), the multi-rank server's ranks and the bench scripts. It
    phases) with one scratch page for padding tokens on top of `num_pages`,
 4. builds the executor of the plan's target: the torch target in fp32 (`executor.PlanExecutor`)
    or the CUDA target (`cuda_executor.GpuRunner`: fp32 for an fp32 checkpoint, else bf16, the
-   router in fp32) and, on a GPU, captures the decode graph of every bucket.
+   router in fp32, running the plan's rendered kernels/*.py and nothing else) and, on a GPU,
+   captures the decode graph of every bucket.
 
 Slow steps show progress bars on stderr (off with $TQDM_DISABLE, as ranks other than 0 set it).
 """
@@ -23,6 +24,7 @@ import time
 from collections.abc import Mapping
 
 import torch
+from glmc.codegen.kernel_set import compute_dtype
 from glmc.runtime.worker.comm import Comm
 from glmc.runtime.worker.executor import PlanExecutor
 from glmc.runtime.worker.kv_cache import KVPool
@@ -39,11 +41,6 @@ def progress(*args, **kwargs):
     """A progress bar on stderr, off when $TQDM_DISABLE is set (read now, not at import: ranks
     other than 0 set it after tqdm was imported)."""
     return _tqdm(*args, disable=bool(os.environ.get("TQDM_DISABLE")), leave=False, **kwargs)
-
-
-def compute_dtype(plan: Plan) -> torch.dtype:
-    """Weights, activations and KV in the CUDA target: fp32 for an fp32 plan, else bf16."""
-    return torch.float32 if plan.dtypes.activation == "fp32" else torch.bfloat16
 
 
 def load_runner(plan: Plan, weights: Weights, *, device: str | torch.device | None = None,
@@ -69,7 +66,7 @@ def load_runner(plan: Plan, weights: Weights, *, device: str | torch.device | No
         return PlanRunner(executor, max_context)
     from glmc.runtime.worker.cuda_executor import GpuRunner, to_device_weights
 
-    dtype = compute_dtype(plan)
+    dtype = compute_dtype(plan.dtypes)
     max_ctx = context_limit(plan.config.max_position_embeddings, num_pages, max_context)
     local = to_device_weights(_rank_weights(plan, weights, comm, dtype), device, dtype)
     pool = KVPool.for_plan(plan, num_pages + 1, dtype, device)

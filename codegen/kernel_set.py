@@ -1,0 +1,144 @@
+"""The kernels of a CUDA-target plan: every Triton kernel context its ops can ask for, rendered.
+
+`plan_kernels(plan)` walks each phase's ops and lists, per op kind (`KERNELS_OF`), the contexts the
+CUDA target's launch wrappers (`cuda_target` -> `triton_target`, `triton_moe`) build for any step
+the runtime can run. That set is small and known at compile time because a kernel's source depends
+only on the model's shapes, the compute dtype and a few tile classes; the batch, the context length
+and the GPU choose grids and split counts at launch:
+
+- sparse MLA decode: the head-major tile (< 32 tokens) and, with >= 64 heads on the rank, the
+  key-major one (>= 32 tokens); its split-K combine: one per power-of-two split bound (<= MAX_SPLITS);
+- MoE experts: gate/up and down at each row-block class (16, 32, 64 rows);
+- top-k select: one pass width (TOPK_CHUNK); the sampler at the full vocabulary (the IR's
+  `sample.tokens`, and the engine's per-request sampler).
+
+`render_kernels(plan)` names them `<template>_<n>` and renders each: `glmc compile --device cuda`
+writes them to `kernels/<name>.py` with their contexts in plan.json, and the runtime runs exactly
+those files (`triton_render.KernelLibrary.from_plan`: a context missing from the plan is an error,
+so a drift between this table and the wrappers fails loudly, in the tests that run plans).
+"""
+from __future__ import annotations
+
+import torch
+from glmc.codegen import torch_ref as ref
+from glmc.codegen.triton_contexts import (
+    TOPK_CHUNK,
+    IndexerScoresCtx,
+    MlaCombineCtx,
+    MoeRouterCtx,
+    QkvNormRopeWriteCtx,
+    RmsNormCtx,
+    RopeCtx,
+    SampleCtx,
+    SparseMlaDecodeCtx,
+    TopkSelectCtx,
+)
+from glmc.codegen.triton_moe import MoeExpertsCtx
+from glmc.codegen.triton_render import render
+from glmc.ir import Graph, Op
+
+
+def compute_dtype(dtypes) -> torch.dtype:
+    """Weights, activations and KV in the CUDA target: fp32 for an fp32 plan, else bf16 (the router
+    stays fp32 either way)."""
+    return torch.float32 if dtypes.activation == "fp32" else torch.bfloat16
+
+
+def _dims(graph: Graph, value: str) -> list[int]:
+    """The static dims of a value's type (the token dim `T` and other symbols dropped)."""
+    return [int(d.coeff) for d in graph.type_of(value).shape if d.sym is None]
+
+
+def _rms(op, graph, dtype):
+    return [RmsNormCtx.make(_dims(graph, op.results[0])[-1], op.attr("eps"), op.kind == "fused.add_rms")]
+
+
+def _rope(op, graph, dtype):
+    *heads, dim = _dims(graph, op.operands[0])
+    return [RopeCtx.make(heads[0] if heads else 1, dim, int(op.attr("dims")), op.attr("interleaved", True),
+                         ref.rope_attention_factor(op.attr("scaling")))]
+
+
+def _qkv(op, graph, dtype):
+    index = op.kind.endswith("_index")
+    return [QkvNormRopeWriteCtx.make(
+        int(op.attr("q_lora")), int(op.attr("kv_lora")), int(op.attr("rope_dim")), op.attr("eps"),
+        op.attr("interleaved", True), int(op.attr("index_dim")) if index else 0,
+        op.attr("index_eps") if index else 1e-6, op.attr("index_interleaved", True) if index else True,
+        ref.rope_attention_factor(op.attr("scaling")))]
+
+
+def _topk(op, graph, dtype):
+    heads, dim = _dims(graph, op.operands[0])
+    return [IndexerScoresCtx.make(heads, dim, dtype), TopkSelectCtx.make(int(op.attr("k")), chunk=TOPK_CHUNK)]
+
+
+def _attn(op, graph, dtype):
+    heads = int(op.attr("heads")) // int(op.attr("tp", 1))
+    kv_lora = int(op.attr("kv_lora"))
+    topk = _dims(graph, op.operands[3])[-1] if len(op.operands) > 3 else None
+    return (SparseMlaDecodeCtx.variants(heads, kv_lora, int(op.attr("dr")), topk, op.attr("scale"), dtype)
+            + MlaCombineCtx.variants(heads, kv_lora))
+
+
+def _router(op, graph, dtype):
+    return [MoeRouterCtx.make(_dims(graph, op.operands[0])[-1], int(op.attr("n_group")), int(op.attr("topk_group")),
+                              int(op.attr("top_k")), op.attr("norm_topk_prob"), op.attr("scale"))]
+
+
+def _experts(op, graph, dtype):
+    inter = int(op.attr("inter")) // int(op.attr("moe_tp", 1))
+    return MoeExpertsCtx.variants(int(op.attr("hidden")), inter, int(op.attr("top_k")), dtype)
+
+
+def _sample(op, graph, dtype):
+    return [SampleCtx.make(_dims(graph, op.operands[0])[-1])]
+
+
+# op kind -> the kernel contexts its CUDA implementation can launch
+KERNELS_OF = {
+    "norm.rms": _rms, "fused.add_rms": _rms, "rope.apply": _rope,
+    "fused.qkv_a_norm_rope_write": _qkv, "fused.qkv_a_norm_rope_write_index": _qkv,
+    "idx.topk": _topk, "attn.mla_absorbed": _attn, "attn.sparse_mla": _attn, "attn.mla_mha": _attn,
+    "moe.topk": _router, "moe.experts": _experts, "sample.tokens": _sample,
+}
+# CUDA implementations that launch no Triton kernel (cuBLAS, torch ops, NCCL)
+NO_TRITON = frozenset({
+    "io.input", "elt.add", "tensor.slice", "tensor.view", "tensor.concat", "tensor.shard", "tensor.select_last",
+    "mem.kv_write", "mem.index_k_write", "comm.all_reduce", "comm.all_gather", "comm.reduce_scatter",
+    "comm.broadcast", "fused.allreduce_add_rms", "fused.reduce_scatter_add_rms", "embed.lookup", "norm.layer",
+    "linear", "mla.a_proj", "lm.head", "moe.gate", "mlp.swiglu", "moe.dispatch", "moe.combine",
+})
+
+
+def op_kernels(op: Op, graph: Graph, dtype: torch.dtype) -> list:
+    """The kernel contexts `op`'s CUDA implementation may launch."""
+    if op.kind in NO_TRITON:
+        return []
+    if op.kind not in KERNELS_OF:
+        raise ValueError(f"{op.where()}: the CUDA target has no kernel list for {op.kind!r}")
+    return KERNELS_OF[op.kind](op, graph, dtype)
+
+
+def plan_kernels(plan) -> dict[str, object]:
+    """{name: context} of every kernel the plan's CUDA target can launch, named `<template>_<n>`
+    in order of first use (phase by phase, op by op)."""
+    dtype = compute_dtype(plan.dtypes)
+    seen: dict = {}
+    for graph in plan.graphs.values():
+        for op in graph.ops:
+            for ctx in op_kernels(op, graph, dtype):
+                seen.setdefault(ctx, None)
+    counts: dict[str, int] = {}
+    out = {}
+    for ctx in seen:
+        n = counts[ctx.template] = counts.get(ctx.template, -1) + 1
+        out[f"{ctx.template}_{n}"] = ctx
+    return out
+
+
+def render_kernels(plan) -> None:
+    """Fill `plan.kernels` (name -> source) and `plan.kernel_contexts` (name -> repr of the context)."""
+    kernels = plan_kernels(plan)
+    plan.kernels = {name: render(ctx.template, ctx) for name, ctx in kernels.items()}
+    plan.kernel_contexts = {name: repr(ctx) for name, ctx in kernels.items()}
