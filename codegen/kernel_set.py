@@ -87,8 +87,9 @@ def _router(op, graph, dtype):
 
 
 def _experts(op, graph, dtype):
+    """Routes per row from the ids operand: top_k, or 1 after an a2a dispatch (one row per route)."""
     inter = int(op.attr("inter")) // int(op.attr("moe_tp", 1))
-    return MoeExpertsCtx.variants(int(op.attr("hidden")), inter, int(op.attr("top_k")), dtype)
+    return MoeExpertsCtx.variants(int(op.attr("hidden")), inter, _dims(graph, op.operands[2])[-1], dtype)
 
 
 def _sample(op, graph, dtype):

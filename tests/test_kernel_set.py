@@ -37,6 +37,13 @@ def test_glm53_kernel_set_is_small_and_fits_the_rank(parallel, heads, key_major)
     assert [c.vocab for c in kernels.values() if c.template == "sample"] == [154880]
 
 
+@pytest.mark.parametrize("a2a,routes", [(False, 4), (True, 1)])
+def test_expert_kernels_take_routes_per_row_from_the_ids(a2a, routes):
+    """Under the a2a lowering the experts get one dispatched row per route (k = 1), as the kernel sees."""
+    kernels = plan_kernels(compiled("glm_moe_dsa_tiny", "dp2ep2", device="cuda", moe_a2a=a2a))
+    assert {c.top_k for c in kernels.values() if c.template == "moe_experts"} == {routes}
+
+
 @pytest.fixture(scope="module")
 def cuda_plan_dir(tiny_ckpt, tmp_path_factory):
     out = tmp_path_factory.mktemp("plan") / "tiny-cuda"
