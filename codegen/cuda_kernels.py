@@ -8,7 +8,7 @@ a captured decode graph; pure data, no torch, so the compiler side may read it.
   for the MoE row alignment and the top-k slot gather; a CUDA sort or scan may launch a few);
 - `collectives`: the NCCL calls (calibration kinds), each timed from the calibration's table.
 
-Extra HBM traffic of the CUDA implementation beyond the IR's tensors (`workspace_bytes`): the MoE
+Extra HBM traffic of the CUDA implementation beyond the IR's tensors (`moe_workspace_bytes`): the MoE
 experts write and read their [pairs, inter] hidden and their fp32 [pairs, hidden] per-pair
 outputs before the k-way sum. The a2a MoE lowering sends fixed-capacity buffers (T*top_k rows to
 every peer, `cuda_target._dispatch`): its all-to-all moves group-size x the payload the bill
@@ -84,9 +84,7 @@ def collective_bytes(kind: str, message_bytes: float, size: int) -> float:
     return message_bytes * size if kind in ("moe.dispatch", "moe.combine") else message_bytes
 
 
-def workspace_bytes(kind: str, pairs: float, hidden: int, inter: int, act_bytes: int) -> float:
-    """HBM traffic of the implementation's own buffers: the MoE experts' hidden h (written by the
-    gate/up kernel, read by the down kernel) and fp32 per-pair outputs (written, then summed)."""
-    if kind != "moe.experts":
-        return 0.0
+def moe_workspace_bytes(pairs: float, hidden: int, inter: int, act_bytes: int) -> float:
+    """HBM traffic of `moe.experts`' own buffers: the hidden h (written by the gate/up kernel, read
+    by the down kernel) and the fp32 per-pair outputs (written, then summed over the k slots)."""
     return pairs * (2 * inter * act_bytes + 2 * hidden * 4)

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from glmc.calibration import collective_seconds, measured_ranks
-from glmc.codegen.cuda_kernels import STEP_TORCH_OPS, collective_bytes, launches, workspace_bytes
+from glmc.codegen.cuda_kernels import STEP_TORCH_OPS, collective_bytes, launches, moe_workspace_bytes
 from glmc.ir.types import DTYPE_BYTES
 from glmc.passes.costs import moe_pairs, op_cost, weight_bytes_for
 
@@ -58,7 +58,7 @@ def op_seconds(op, graph, env: dict, dtypes, cal: dict, weight_bytes: dict) -> d
     if op.kind == "moe.experts":
         pairs, _ = moe_pairs(op, graph, env)
         inter = int(op.attr("inter")) // int(op.attr("moe_tp", 1))
-        hbm += workspace_bytes(op.kind, pairs, int(op.attr("hidden")), inter, DTYPE_BYTES[dtypes.activation])
+        hbm += moe_workspace_bytes(pairs, int(op.attr("hidden")), inter, DTYPE_BYTES[dtypes.activation])
     launch = launches(op.kind, dict(op.attrs))
     comm = 0.0
     for kind in launch.collectives:

@@ -1,18 +1,19 @@
 """The step-time predictor (glmc/predict.py), its calibration files (glmc/calibration.py) and the
 CUDA target's launch facts (codegen/cuda_kernels.py) it reads."""
+import itertools
 import json
 import math
 import sys
 from pathlib import Path
 
 import pytest
-
-from glmc.calibration import CalibrationError, collective_seconds, load, table_seconds, validate
-from glmc.cli import main
-from glmc.config import DTypes
 from glmc.ir import Graph, Op
 from glmc.ir.types import TensorType
 from glmc.passes.costs import hbm_bytes_of, touched_experts, weight_bytes_for
+
+from glmc.calibration import CalibrationError, collective_seconds, load, table_seconds
+from glmc.cli import main
+from glmc.config import DTypes
 from glmc.predict import TABLE_BATCHES, predict_plan, predict_step
 from tests.compile_util import FULL, TINY, plan
 
@@ -117,7 +118,7 @@ def test_glm53_dp8ep8_table():
     p = predict_plan(plan(FULL, "dp8ep8"), load(EXAMPLE), context=4096, batch_per_rank=4, kv_tokens_per_rank=10**6)
     rows = p["table"]
     assert [r["batch_per_rank"] for r in rows] == [1, 2, 4, 8, 16, 32, 64, 128, 256]
-    assert all(a["step_ms"] < b["step_ms"] for a, b in zip(rows, rows[1:]))
+    assert all(a["step_ms"] < b["step_ms"] for a, b in itertools.pairwise(rows))
     assert 5 < rows[0]["step_ms"] < 100 and rows[0]["graph_bucket"] == 1 and rows[-1]["graph_bucket"] is None
     assert any("extrapolated from the 2-GPU tables" in a for a in p["assumptions"])
     # at 32 tokens per rank every rank's 32 experts are touched: the step reads all its weights
@@ -156,9 +157,8 @@ def test_the_launch_counts_follow_the_torch_code():
     """LAUNCHES counts one kernel per aten op of the torch code around the MoE and attention
     kernels: count them on the CPU (views and wrapped scalars launch nothing)."""
     import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from glmc.codegen import cuda_kernels, triton_moe, triton_target
+    from torch.utils._python_dispatch import TorchDispatchMode
     free = {"view", "_unsafe_view", "slice", "select", "expand", "t", "transpose", "alias", "detach",
             "reshape", "unsqueeze", "squeeze", "as_strided", "empty", "empty_strided", "scalar_tensor"}
 
@@ -175,7 +175,8 @@ def test_the_launch_counts_follow_the_torch_code():
     ids = torch.randint(0, 256, (4, 8))
     with Count() as align:
         triton_moe.align_rows(ids, 32, 16, 0)
-    args = (torch.randint(-1, 100, (4, 2048)), torch.arange(512).view(4, 128), torch.arange(4), torch.tensor([50, 60, 70, 80]))
+    rows, pos = torch.arange(4), torch.tensor([50, 60, 70, 80])
+    args = (torch.randint(-1, 100, (4, 2048)), torch.arange(512).view(4, 128), rows, pos)
     with Count() as slots:
         triton_target.topk_slots(*args)
     assert len(align.ops) == cuda_kernels._ALIGN_ROWS
