@@ -315,7 +315,8 @@ def main(argv: list[str] | None = None) -> Path:
           backend="gloo" if args.smoke else "nccl", timeout_s=600)
     measured = json.loads(Path(tmp, "rank0.json").read_text())
     device = "cpu-smoke" if args.smoke else torch.cuda.get_device_name(0)
-    extra = {"torch": torch.__version__, "nccl": None if args.smoke else ".".join(map(str, torch.cuda.nccl.version())),
+    nccl = None if args.smoke else torch.cuda.nccl.version()
+    extra = {"torch": torch.__version__, "nccl": ".".join(map(str, nccl)) if isinstance(nccl, tuple) else nccl,
              "env": {k: v for k, v in os.environ.items() if k.startswith("NCCL_")},
              "seconds": round(time.perf_counter() - t0, 1)}
     cal = assemble(measured, device, world, args.commit or git_commit(), args.smoke, extra)
