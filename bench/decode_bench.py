@@ -303,6 +303,17 @@ def measure_glmc(runner, table, prompts, batches, ctx, res, info, deadline):
         res[B]["roofline_ms"] = res[B]["roofline_bytes"] / info["copy_gbps"] / 1e6
 
 
+def predict(plan, batches, ctx, calibration, res):
+    """The predicted replay (glmc/predict.py via bench/predicted.py) next to the measured one."""
+    import predicted
+
+    from glmc.calibration import load
+    cal = load(calibration)
+    for B in batches:
+        res[B]["predicted"] = predicted.compare(f"tp1 B={B} ctx={ctx}", predicted.predict_ms(plan, B, ctx, cal),
+                                                res[B].get("glmc", {}).get("replay_ms"))
+
+
 def other_weight_bytes(runner):
     """Weights read once per step outside the ops costed above: the final norm (embedding rows: negligible)."""
     w = runner.weights.get("model.norm.weight")
@@ -346,6 +357,7 @@ def main():
     ap.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 32, 128])
     ap.add_argument("--budget", type=float, default=420, help="seconds for the whole run")
     ap.add_argument("--skip", default="", help="comma list of: eager, compile")
+    ap.add_argument("--calibration", help="bench/calibrate.py's file: print the predicted step next to glmc's")
     args = ap.parse_args()
     if args.cpu:
         os.environ["TRITON_INTERPRET"] = "1"
@@ -373,6 +385,11 @@ def main():
     try:
         runner, table, prompts = setup_glmc(model, args.batches, args.ctx, dev, dtype, info)
         measure_glmc(runner, table, prompts, args.batches, args.ctx, res, info, t_start + args.budget * 0.45)
+        if args.calibration:
+            try:
+                predict(runner.plan, args.batches, args.ctx, args.calibration, res)
+            except Exception as e:  # reported; the measurements stand
+                info["predicted_failed"] = f"{type(e).__name__}: {e}"[:500]
         runner = None   # free the graphs' pool and the re-laid-out weights before the HF runs
         if dev == "cuda":
             torch.cuda.empty_cache()

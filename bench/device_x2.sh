@@ -5,8 +5,11 @@
 # pydantic, pydantic-core, annotated-types, typing-inspection, fastapi, starlette, uvicorn,
 # annotated-doc, opentelemetry-api, and for the serving check's openai client openai, jiter,
 # httpx2, httpcore2, truststore, sniffio, anyio, idna. glmc itself is installed from this tree.
-# JOBS picks what runs: multi (bench/multi_gpu_check.py), plan (gpu_plan_check.py), serve
-# (serve_multi_gpu.py, SERVE_ARGS="--only tp2"), decode (decode_bench.py); default: multi plan.
+# JOBS picks what runs: calibrate (bench/calibrate.py), multi (bench/multi_gpu_check.py), plan
+# (gpu_plan_check.py), serve (serve_multi_gpu.py, SERVE_ARGS="--only tp2"), decode (decode_bench.py);
+# default: multi plan. With a calibration (the newest in $OUT or bench/results, or $CALIBRATION),
+# multi and decode print each step predicted next to measured (~7 min in all):
+#   JOBS="calibrate multi decode" DECODE_ARGS="--skip eager,compile" bash bench/device_x2.sh
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
     .whl/*.whl || exit 3
@@ -19,14 +22,19 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 nvidia-smi topo -m | head -4
 git log -1 --format='commit %H' 2>/dev/null || true
 for job in ${JOBS:-multi plan}; do
+  CAL=${CALIBRATION:-$(ls -t "$OUT"/calibration_*.json bench/results/calibration_nvidia-*.json 2>/dev/null | head -1)}
   case $job in
+    calibrate) timeout 300 python3 bench/calibrate.py --out-dir "$OUT" > "$OUT/calibrate.log" 2>&1
+           echo "calibrate rc=$?"; tail -45 "$OUT/calibrate.log" ;;
     multi) timeout 420 python3 bench/multi_gpu_check.py --out "$OUT/multi_gpu_check.json" ${MULTI_ARGS:-} \
-             > "$OUT/multi.log" 2>&1; echo "multi rc=$?"; grep -E '^\{|CHECK|Error|error' "$OUT/multi.log" | cut -c1-600 | tail -20 ;;
+             ${CAL:+--calibration "$CAL"} > "$OUT/multi.log" 2>&1; echo "multi rc=$?"
+           grep -E '^\{|CHECK|PREDICTED|Error|error' "$OUT/multi.log" | cut -c1-600 | tail -30 ;;
     plan)  timeout 300 python3 bench/gpu_plan_check.py --out "$OUT/gpu_plan_check.json" > "$OUT/plan.log" 2>&1
            echo "plan rc=$?"; grep -E 'PLAN CHECK|Error' "$OUT/plan.log" | tail -5 ;;
     serve) timeout 400 python3 bench/serve_multi_gpu.py --out "$OUT/serve_multi_gpu.json" ${SERVE_ARGS:-} > "$OUT/serve.log" 2>&1
            echo "serve rc=$?"; grep -E '^\{|SERVE' "$OUT/serve.log" | cut -c1-400 | tail -8 ;;
-    decode) timeout 480 python3 bench/decode_bench.py --out-dir "$OUT" > "$OUT/decode.log" 2>&1
-           echo "decode rc=$?"; tail -25 "$OUT/decode.log" ;;
+    decode) timeout 480 python3 bench/decode_bench.py --out-dir "$OUT" ${CAL:+--calibration "$CAL"} ${DECODE_ARGS:-} \
+             > "$OUT/decode.log" 2>&1
+           echo "decode rc=$?"; grep PREDICTED "$OUT/decode.log"; tail -25 "$OUT/decode.log" ;;
   esac
 done

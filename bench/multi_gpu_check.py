@@ -10,6 +10,9 @@ captures the decode graphs, prefills its attention-DP share of the prompts and d
 2. width: a GLM-5.3-width slice (random bf16 weights made from one seed on every rank, 1 dense +
    1 MoE layer, 256 experts split over the ranks): prefill and decode logits vs tp1's (bf16 tol);
 3. the collectives each rank ran per replayed decode step == `glmc explain`'s bill at the bucket.
+With --calibration FILE (bench/calibrate.py's), each spec's decode graph replay is also timed (the
+slowest rank's, CUDA events over back-to-back replays) and printed next to the step glmc/predict.py
+predicts for that plan and bucket (bench/predicted.py).
 """
 from __future__ import annotations
 
@@ -83,8 +86,25 @@ def run_rank(rank: int, world: int, job: dict, out_dir: str) -> None:
                                    [len(s) - 1 for s in seqs], table) if mine else ForwardBatch.idle(table)
         logits.append(gpu.forward("decode", batch, dp_tokens=dp_decode)["logits"].float().cpu())
         counts.append(comm.reset())
+    cap = gpu.captured.get(gpu.last_bucket) if gpu.last_bucket and job["time_replay"] else None
     torch.save({"index": mine, "tokens": tokens, "logits": logits, "counts": counts,
-                "bucket": gpu.last_bucket}, f"{out_dir}/rank{rank}.pt")
+                "bucket": gpu.last_bucket, "replay_ms": replay_ms(cap.graph) if cap else None},
+               f"{out_dir}/rank{rank}.pt")
+
+
+def replay_ms(graph, replays: int = 20) -> float:
+    """Milliseconds per replay of a captured decode graph (every rank replays the same count)."""
+    import torch
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / replays
 
 
 def run_spec(kind, parallel, a2a, world, job, backend) -> list[dict]:
@@ -131,10 +151,12 @@ def check(kind, args, root, backend, dev) -> list[dict]:
     prompts = prompts_for(vocab, lengths)
     max_ctx = -(-(max(lengths) + STEPS + 1) // 64) * 64
     base = dict(kind=kind, ckpt=str(source) if kind == "tiny" else None, prompts=prompts,
-                max_ctx=max_ctx, device=dev, capture=not args.cpu, narrow=narrow)
+                max_ctx=max_ctx, device=dev, capture=not args.cpu, narrow=narrow,
+                time_replay=bool(args.calibration) and not args.cpu)
     ref_plan = compile_for(kind, source, "tp1", None, len(prompts), dtype_name)
     ref = run_spec(kind, "tp1", None, 1, {**base, "plan": ref_plan}, backend)[0]
-    rows = []
+    context = round(sum(lengths) / len(lengths)) + STEPS   # the predictor's one context: the mean
+    rows = [predicted_row(kind, ref_plan, [ref], context, args)] if args.calibration else []
     for parallel, a2a in SPECS:
         t0 = time.perf_counter()
         row = {"check": kind, "parallel": parallel, "moe": {None: "-", False: "gather", True: "a2a"}[a2a]}
@@ -142,12 +164,27 @@ def check(kind, args, root, backend, dev) -> list[dict]:
             plan = compile_for(kind, source, parallel, a2a, len(prompts), dtype_name)
             res = run_spec(kind, parallel, a2a, plan.world, {**base, "plan": plan}, backend)
             row.update(compare(ref, res, plan, tol, max_ctx))
+            if args.calibration:
+                row["predicted"] = predicted_row(kind, plan, res, context, args)["predicted"]
         except Exception as e:  # reported; the next spec still runs
             row.update({"pass": False, "error": f"{type(e).__name__}: {e}"[-1500:]})
         row["seconds"] = round(time.perf_counter() - t0, 1)
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
+
+
+def predicted_row(kind, plan, res, context, args) -> dict:
+    """The predicted replay of `plan` at the bucket its ranks replayed, next to the slowest rank's."""
+    import predicted
+
+    from glmc.calibration import load
+    bucket, times = res[0]["bucket"], [r["replay_ms"] for r in res]
+    measured = max(times) if bucket and None not in times else None
+    moe = {None: "-", False: "gather", True: "a2a"}[plan.options.moe_a2a]
+    name = f"{kind}/{plan.parallel}/{moe} bucket {bucket} context {context}"
+    return {"check": kind, "parallel": plan.parallel, "moe": moe, "pass": True, "predicted": predicted.compare(
+        name, predicted.predict_ms(plan, bucket or 1, context, load(args.calibration)), measured)}
 
 
 def compare(ref, res, plan, tol, context) -> dict:
@@ -173,6 +210,8 @@ def main():
     ap.add_argument("--cpu", action="store_true")
     ap.add_argument("--out")
     ap.add_argument("--skip-width", action="store_true")
+    ap.add_argument("--calibration", help="bench/calibrate.py's file: time each spec's decode replay and "
+                    "print it next to the predicted step")
     args = ap.parse_args()
     if args.cpu:
         os.environ["TRITON_INTERPRET"] = "1"

@@ -41,9 +41,11 @@ def cmd_compile(a) -> int:
 
 
 def cmd_explain(a) -> int:
+    from glmc.calibration import load
     from glmc.explain import explain
     from glmc.report import render
-    d = explain(a.plan, batch=a.batch, context=a.context)
+    d = explain(a.plan, batch=a.batch, context=a.context,
+                calibration=load(a.calibration) if a.calibration else None)
     print(json.dumps(d, indent=1, sort_keys=True) if a.json else render(d), end="" if not a.json else "\n")
     return 0
 
@@ -114,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--json", action="store_true")
     e.add_argument("--batch", type=int, default=32, help="decode batch (all DP ranks)")
     e.add_argument("--context", type=int, default=4096, help="context length (prefill prompt)")
+    e.add_argument("--calibration", help="calibration JSON (bench/calibrate.py): adds the predicted "
+                   "decode step time and a TPOT table over batches per rank")
     e.set_defaults(fn=cmd_explain)
     d = sub.add_parser("diff", help="IR diff of two plans, or of two parallel specs of one model")
     d.add_argument("a")

@@ -9,6 +9,9 @@ message_bytes}}}}, `moe_lowering` {phase: decision}, `moe_alternatives` {gather,
 `ep_dispatch_bytes_per_token` (payload, top_k x hidden in the dispatch dtype),
 `fusions` {phase: {rule: count}}, `fused_ops` {phase: {fused op kind: [layer, ...]}} (-1:
 outside the decoder layers). Byte conventions are those of `glmc.passes.costs`.
+With a calibration (`glmc.calibration`), `predicted` {calibration, point: `glmc.predict.predict_step`
+at the explain point, table: [{batch_per_rank, step_ms, tpot_ms, tokens_per_s, comm_ms, overhead_ms,
+graph_bucket, kv_fits}], assumptions: [str]}.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ from glmc.passes.costs import params_of
 from glmc.passes.estimate_cost import bill
 from glmc.passes.rewrite import FUSIONS
 from glmc.plan import Plan
+from glmc.predict import predict_plan
 from glmc.spec import ModelSpec
 
 H200_HBM_BYTES = 141 * 10**9
@@ -43,13 +47,14 @@ def _params(graphs: dict) -> dict:
 
 
 def explain(plan_dir: str, batch: int = 32, context: int = 4096,
-            hbm_bytes: int = H200_HBM_BYTES) -> dict:
-    return explain_plan(Plan.load(plan_dir), batch, context, hbm_bytes)
+            hbm_bytes: int = H200_HBM_BYTES, calibration: dict | None = None) -> dict:
+    return explain_plan(Plan.load(plan_dir), batch, context, hbm_bytes, calibration)
 
 
 def explain_plan(plan: Plan, batch: int = 32, context: int = 4096,
-                 hbm_bytes: int = H200_HBM_BYTES) -> dict:
-    """The numbers of `plan` at a decode batch (all DP ranks) and context length."""
+                 hbm_bytes: int = H200_HBM_BYTES, calibration: dict | None = None) -> dict:
+    """The numbers of `plan` at a decode batch (all DP ranks) and context length; with a
+    calibration (`glmc.calibration.load`), also the predicted decode step."""
     meta, graphs = plan.to_json(), plan.graphs
     spec = ModelSpec(**meta["spec"])
     cfg, dtypes = spec.config, DTypes(**meta["dtypes"])
@@ -89,6 +94,9 @@ def explain_plan(plan: Plan, batch: int = 32, context: int = 4096,
     out["fusions"] = {ph: {k: v for k, v in m.get("rewrites", {}).items() if k in FUSIONS}
                       for ph, m in meta["phases"].items()}
     out["fused_ops"] = {ph: _fused_where(g) for ph, g in graphs.items()}
+    if calibration is not None:
+        t = _env("decode", batch, context, par.attn_dp, cfg.index_topk)["T"]
+        out["predicted"] = predict_plan(plan, calibration, context, t, out["memory"]["kv_tokens_per_rank"])
     return out
 
 

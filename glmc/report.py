@@ -53,6 +53,34 @@ def _ranges(layers: list[int]) -> str:
     return ", ".join(parts + (["final"] if -1 in layers else []))
 
 
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3f}"
+
+
+def _predicted(p: dict) -> list[str]:
+    """The `predicted` section: the step at the explain point by op kind, the batch table, assumptions."""
+    pt, cal = p["point"], p["calibration"]
+    out = [f"## Predicted decode step ({cal['device']}, calibration {cal['path']})", "",
+           (f"At T={pt['point']['T']} tokens per DP rank, context {pt['point']['S']}: **{_ms(pt['step_s'])} ms** = "
+            f"data {_ms(pt['data_s'])} ms (per op the larger of HBM bytes / bandwidth and FLOPs / rate; "
+            f"{_b(pt['hbm_bytes'])}, {pt['flops'] / 1e9:.1f} GFLOP in all) + launches {_ms(pt['overhead_s'])} ms "
+            f"({pt['kernels']:.0f} kernels, {pt['torch_ops']:.0f} torch ops) + communication "
+            f"{_ms(pt['comm_s'])} ms ({pt['collectives']:.0f} collectives)"), "",
+           "| op kind | count | ms | data ms | launch ms | comm ms | bound |", "|---|---:|---:|---:|---:|---:|---|"]
+    for kind, r in list(pt["by_kind"].items())[:12]:
+        if r["seconds"] > 0:
+            bound = "-" if not r["data_s"] else "compute" if r["compute_s"] > r["memory_s"] else "memory"
+            out.append(f"| {kind} | {r['count']} | {_ms(r['seconds'])} | {_ms(r['data_s'])} | "
+                       f"{_ms(r['overhead_s'])} | {_ms(r['comm_s'])} | {bound} |")
+    out += ["", ("| batch per rank | step ms | TPOT ms | tokens/s (all GPUs) | comm ms | launch ms | graph bucket "
+                 "| KV fits |"), "|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in p["table"]:
+        fits = "-" if r["kv_fits"] is None else "yes" if r["kv_fits"] else "no"
+        out.append(f"| {r['batch_per_rank']} | {r['step_ms']:.2f} | {r['tpot_ms']:.2f} | {r['tokens_per_s']:,.0f} | "
+                   f"{r['comm_ms']:.2f} | {r['overhead_ms']:.2f} | {r['graph_bucket'] or 'none'} | {fits} |")
+    return [*out, "", "Assumptions:", *(f"- {a}" for a in p["assumptions"])]
+
+
 def render(d: dict) -> str:
     p, m, f = d["params"], d["memory"], d["flops_per_token"]
     out = [f"# glmc explain: {d['model']} on {d['parallel']['spec']} (world {d['parallel']['world']})",
@@ -86,6 +114,8 @@ def render(d: dict) -> str:
         out.append(f"- {ph}: " + (", ".join(f"{k} x{v}" for k, v in sorted(rules.items())) or "none"))
         for kind, layers in sorted(d["fused_ops"].get(ph, {}).items()):
             out.append(f"  - `{kind}` x{len(layers)}: layers {_ranges(layers)}")
+    if d.get("predicted"):
+        out += ["", *_predicted(d["predicted"])]
     if article.applies(d):
         out += ["", "## Against the GLM-5.3 article", "", *article.cross_check(d)]
     return "\n".join(out) + "\n"

@@ -8,6 +8,13 @@
 - comm `message_bytes`: the logical tensor the collective reduces or produces (all-reduce: its
   input; all-gather: its output; reduce-scatter: its input); for dispatch/combine the rows sent,
   summed over the group's ranks. `wire_bytes`: what one rank sends (ring algorithms).
+- hbm_bytes: what the op reads and writes in one rank's HBM (`hbm_bytes_of`): the weights it reads
+  (an embedding only its rows; routed experts only those some token picks, in expectation under
+  uniform random routing: `touched_experts`), the KV and indexer-cache rows attention and the
+  indexer read (min(S, index_topk) and S keys per decode query) and the cache rows it writes, and
+  its IR-typed operands and results. Views (VIEW_KINDS) move nothing; a collective's own traffic
+  is its `message_bytes` (0 here; a fused collective + norm counts the norm's tensors). Workspaces
+  inside a kernel are a target's business (`codegen/cuda_kernels.py`).
 """
 from __future__ import annotations
 
@@ -32,6 +39,7 @@ class Cost:
     comm: str | None = None
     message_bytes: int = 0
     wire_bytes: float = 0.0
+    hbm_bytes: float = 0.0
 
 
 def _i(x) -> int:
@@ -97,7 +105,6 @@ FREE_KINDS = frozenset({"io.input", "embed.lookup", "norm.rms", "norm.layer", "r
 def flops_of(op: Op, graph: Graph, env: dict) -> float:
     a, k = op.attr, op.kind
     rows = op.types[0].shape[0].eval(env) if op.types and op.types[0].shape else 0
-    ins = [graph.type_of(v) for v in op.operands]
     tp = _i(a("tp", 1))
     if k in ("linear", "mla.a_proj"):
         in_f = _i(a("in_features")) // (tp if a("parallel") == "row" else 1)
@@ -110,8 +117,7 @@ def flops_of(op: Op, graph: Graph, env: dict) -> float:
     if k == "moe.gate":
         return 2.0 * rows * _i(a("hidden")) * _i(a("experts"))
     if k == "moe.experts":
-        routed_rows = ins[1].shape[-1].eval(env) == 1        # after dispatch: one row per (token, expert)
-        pairs = rows if routed_rows else rows * _i(a("top_k")) / _i(a("ep", 1))
+        pairs, _ = moe_pairs(op, graph, env)
         return 2.0 * pairs * 3 * _i(a("hidden")) * _i(a("inter")) / _i(a("moe_tp", 1))
     if k.startswith("attn."):
         return _attn_flops(op, env, rows, tp)
@@ -156,10 +162,84 @@ def comm_of(op: Op, graph: Graph, env: dict) -> tuple[str, int, float] | None:
     return kind, src, frac * src
 
 
+# Kinds whose results alias their operands or host values: no kernel, no HBM traffic.
+VIEW_KINDS = frozenset({"io.input", "tensor.view", "tensor.slice", "tensor.shard", "idx.reuse", "comm.reshard"})
+SCALE_BYTES = {"fp8": 4}   # one fp32 scale per token row of an fp8 indexer cache
+
+
+def touched_experts(local: int, top_k: int, experts: int, tokens: float) -> float:
+    """Expected experts among `local` that at least one of `tokens` picks, each token choosing
+    top_k of `experts` uniformly at random: local x (1 - (1 - top_k/experts)^tokens)."""
+    return local * (1.0 - (1.0 - top_k / experts) ** tokens)
+
+
+def moe_pairs(op: Op, graph: Graph, env: dict) -> tuple[float, float]:
+    """(routed (token, expert) pairs computed on this rank, tokens routed over the EP group) of a
+    `moe.experts`, under balanced routing (rows after a dispatch are pairs already)."""
+    a = op.attr
+    rows = op.types[0].shape[0].eval(env)
+    routed_rows = graph.type_of(op.operands[1]).shape[-1].eval(env) == 1
+    pairs = rows if routed_rows else rows * _i(a("top_k")) / _i(a("ep", 1))
+    return pairs, pairs * _i(a("ep", 1)) / _i(a("top_k"))
+
+
+def _is_cache(t) -> bool:
+    return t is None or (bool(t.shape) and t.shape[0].sym == "S")
+
+
+def _row_bytes(t, indexer: bool = False) -> int:
+    """Bytes of one token row of a cache type (an fp8 indexer row carries its scale)."""
+    return t.nbytes({"S": 1}) + (SCALE_BYTES.get(t.dtype, 0) if indexer else 0)
+
+
+def _weights_read(op: Op, graph: Graph, env: dict, weight_bytes: dict[str, int]) -> float:
+    _, local, _, cls = params_of(op)
+    if op.kind == "embed.lookup":
+        return op.types[0].shape[0].eval(env) * _i(op.attr("hidden")) * weight_bytes[cls]
+    if op.kind == "moe.experts":
+        a = op.attr
+        experts, ep = _i(a("experts")), _i(a("ep", 1))
+        _, tokens = moe_pairs(op, graph, env)
+        per_expert = local * weight_bytes[cls] / (experts // ep)
+        return touched_experts(experts // ep, _i(a("top_k")), experts, tokens) * per_expert
+    return local * weight_bytes.get(cls, 0)
+
+
+def _cache_bytes(op: Op, graph: Graph, env: dict) -> float:
+    """KV / indexer-cache rows read (attention, indexer) or written (the ops that write them)."""
+    k = op.kind
+    rows = op.types[0].shape[0].eval(env) if op.types[0] is not None and op.types[0].shape else 0
+    prefill = rows > 1 and env.get("prefill")
+    if k.startswith("attn."):
+        keys = _causal_keys(rows, env["S"], env["K"]) if prefill else rows * min(env["S"], env["K"])
+        return keys * _row_bytes(graph.type_of(op.operands[2]))
+    if k == "idx.topk":
+        keys = _causal_keys(rows, env["S"], env["S"]) if prefill else rows * env["S"]
+        return keys * _row_bytes(graph.type_of(op.operands[2]), indexer=True)
+    if k.startswith(("fused.qkv", "mem.")):
+        tokens = graph.type_of(op.operands[0]).shape[0].eval(env)
+        caches = [(t, k == "mem.index_k_write" or (k.endswith("_index") and i == len(op.types) - 1))
+                  for i, t in enumerate(op.types) if t is not None and _is_cache(t)]
+        return tokens * sum(_row_bytes(t, indexer) for t, indexer in caches)
+    return 0.0
+
+
+def hbm_bytes_of(op: Op, graph: Graph, env: dict, weight_bytes: dict[str, int]) -> float:
+    """Bytes `op` reads and writes in one rank's HBM at `env` (conventions in the module docstring)."""
+    if op.kind in VIEW_KINDS or (op.kind in COMM_KINDS and not op.kind.startswith("fused.")):
+        return 0.0
+    tensors = [graph.type_of(v) for v in op.operands] + list(op.types)
+    if op.kind in COMM_KINDS:   # a fused collective + norm: the norm reads the reduced x and the residual
+        tensors = [op.types[0], graph.type_of(op.operands[1])] + list(op.types)
+    act = sum(t.nbytes(env) for t in tensors if not _is_cache(t))
+    return act + _weights_read(op, graph, env, weight_bytes) + _cache_bytes(op, graph, env)
+
+
 def op_cost(op: Op, graph: Graph, env: dict, weight_bytes: dict[str, int]) -> Cost:
     p, pl, act, cls = params_of(op)
     c = Cost(params=p, params_local=pl, active_params=act,
-             weight_bytes_local=pl * weight_bytes.get(cls, 0), flops=flops_of(op, graph, env))
+             weight_bytes_local=pl * weight_bytes.get(cls, 0), flops=flops_of(op, graph, env),
+             hbm_bytes=hbm_bytes_of(op, graph, env, weight_bytes))
     comm = comm_of(op, graph, env)
     if comm:
         c.comm, c.message_bytes, c.wire_bytes = comm

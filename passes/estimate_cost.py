@@ -29,7 +29,7 @@ def bill(graph: Graph, env: dict, dtypes) -> dict:
         lambda: {"count": 0, "message_bytes": 0, "messages": []}))
     for op in graph.ops:
         c = op_cost(op, graph, env, wb)
-        for key in ("params", "params_local", "active_params", "weight_bytes_local", "flops"):
+        for key in ("params", "params_local", "active_params", "weight_bytes_local", "flops", "hbm_bytes"):
             total[key] += getattr(c, key)
         if c.comm:
             row = comm[c.comm]

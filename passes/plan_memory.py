@@ -17,9 +17,8 @@ from __future__ import annotations
 from glmc.ir import Graph
 
 from .base import Pass, PassContext
-from .costs import params_of, weight_bytes_for
+from .costs import SCALE_BYTES, params_of, weight_bytes_for
 
-SCALE_BYTES = {"fp8": 4}   # one fp32 scale per token row of an fp8 indexer cache
 TILE_KEYS = 4096
 
 

@@ -21,7 +21,7 @@ FOLDERS = {"glmc": "glmc", "ir": "glmc.ir", "passes": "glmc.passes", "codegen": 
            "runtime": "glmc.runtime", "models": "glmc.models"}
 FRONT_DOOR = ("glmc.cli", "glmc.api", "glmc.tiny")
 COMPILER = ("glmc.passes", "glmc.spec", "glmc.parallel", "glmc.compiler", "glmc.explain",
-            "glmc.report", "glmc.diff", "glmc.onnx_export", "glmc.article")
+            "glmc.report", "glmc.diff", "glmc.onnx_export", "glmc.article", "glmc.predict", "glmc.calibration")
 # (importer prefix, forbidden prefixes, why)
 FORBIDDEN = [
     ("glmc.runtime", COMPILER + FRONT_DOOR, "the runtime reads a Plan; it never compiles"),
@@ -203,6 +203,15 @@ def test_every_op_has_a_cost():
     env = {"T": 32, "B": 32, "S": 4096, "K": 2048}
     zero = sorted({op.kind for op in g.ops if op.kind in FLOP_KINDS and not flops_of(op, g, env) > 0})
     assert not zero, f"FLOP_KINDS that flops_of counts as 0: {zero}"
+
+
+def test_every_op_has_a_launch_count():
+    """The step-time predictor knows what the CUDA target launches for every op kind."""
+    from glmc.codegen import cuda_kernels
+    from glmc.ir import REGISTRY
+    missing = set(REGISTRY) - set(cuda_kernels.LAUNCHES)
+    assert not missing, f"op kinds codegen/cuda_kernels.py does not count: {sorted(missing)}"
+    assert not set(cuda_kernels.LAUNCHES) - set(REGISTRY), "counts for op kinds that do not exist"
 
 
 def test_every_executed_op_has_torch_and_cuda_implementations(final_kinds):

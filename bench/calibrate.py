@@ -1,0 +1,333 @@
+"""Measure the ceilings glmc's step-time predictor reads; write a calibration file.
+
+    python bench/calibrate.py [--out-dir bench/results] [--commit SHA]   # every visible GPU, ~1-2 min on 2 H200s
+    python bench/calibrate.py --smoke --out-dir /tmp                    # CPU + gloo, tiny sizes: the plumbing
+
+Writes <out-dir>/calibration_<device>[-x<gpus>]_<date>.json (format and conventions:
+glmc/calibration.py), then `glmc explain PLAN --calibration FILE` predicts decode steps from it. One
+process per GPU over NCCL (the environment's NCCL settings as they are); rank 0 also measures the
+one-GPU ceilings while the others wait:
+- hbm_bytes_per_s: copies of a 1 GiB buffer, 2 x bytes / time (read + written);
+- gemm_flops_per_s: 8192^3 bf16 and 4096^3 fp32 matmuls (torch's default: no TF32), 2 n^3 / time;
+- attention_flops_per_s: glmc's sparse-MLA decode kernel (`triton_target.sparse_mla_latent`), 128
+  tokens x 64 heads x 2048 top-k slots of 4096-token contexts (kv_lora 512, rope 64, bf16), FLOPs
+  over the walked slots; left out, with a note, if Triton or the kernel fails;
+- kernel_overhead_s: per launch in a CUDA graph of 128 tiny cuBLAS GEMMs and 128 one-row
+  `add_rms_norm` Triton kernels, each reading the last's output; torch_op_overhead_s: 256 `add_`;
+- collectives: groups of the first n ranks, n = 2, 4, 8, ... and all GPUs; all_reduce,
+  all_gather, reduce_scatter, all_to_all of bf16 messages from 4 KiB to 256 MiB (powers of two;
+  message convention of glmc/calibration.py), `reps` calls captured in one CUDA graph, replayed.
+Timing: CUDA events around back-to-back replays (eager calls for copies and GEMMs), the median of
+three windows; a collective's time is the slowest rank's. --smoke times eager calls on the CPU.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+pc = importlib.import_module("gpu_plan_check")   # shared helpers; imports glmc on the device image too
+pc.import_glmc()
+KIB, MIB = 2**10, 2**20
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+WINDOWS = 3
+
+
+def message_sizes(lo: int = 4 * KIB, hi: int = 256 * MIB) -> list[int]:
+    """Powers of two from lo to hi (message bytes)."""
+    return [1 << e for e in range(lo.bit_length() - 1, hi.bit_length())]
+
+
+def group_sizes(world: int) -> list[int]:
+    """2, 4, 8, ... up to world, and world itself."""
+    return sorted({1 << e for e in range(1, world.bit_length()) if 1 << e <= world} | ({world} - {1}))
+
+
+def shapes(kind: str, nbytes: int, ranks: int, elem: int = 2) -> tuple[int, int, int]:
+    """(input numel per rank, output numel per rank, message bytes) of `kind` for a message near
+    `nbytes`: the element count is rounded down to split evenly (ranks^2 for all_to_all)."""
+    unit = ranks * ranks if kind == "all_to_all" else ranks
+    total = max(unit, nbytes // elem // unit * unit)
+    ins, outs = {"all_reduce": (total, total), "all_gather": (total // ranks, total),
+                 "reduce_scatter": (total, total // ranks), "all_to_all": (total // ranks, total // ranks)}[kind]
+    return ins, outs, total * elem
+
+
+def plan_calls(seconds_guess: float) -> tuple[int, int]:
+    """(calls captured per graph, replays per timed window): ~10 ms per window, <= 20 calls a graph."""
+    reps = max(1, min(20, int(2e-3 / seconds_guess)))
+    return reps, max(2, min(50, int(10e-3 / (seconds_guess * reps))))
+
+
+def guess_seconds(nbytes: int) -> float:
+    return 15e-6 + nbytes / 150e9
+
+
+def _windows(run, per_window: int, cuda: bool) -> float:
+    """Median over WINDOWS of (time of `run()` x per_window) / per_window."""
+    import torch
+    out = []
+    for _ in range(WINDOWS):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(per_window):
+                run()
+            end.record()
+            end.synchronize()
+            out.append(start.elapsed_time(end) / 1e3 / per_window)
+        else:
+            t = time.perf_counter()
+            for _ in range(per_window):
+                run()
+            out.append((time.perf_counter() - t) / per_window)
+    return statistics.median(out)
+
+
+def seconds_per_call(fn, reps: int, replays: int, cuda: bool) -> float:
+    """fn() timed: on CUDA `reps` calls captured in one graph, replayed; on the CPU eager calls."""
+    import torch
+    fn()
+    if not cuda:
+        return _windows(fn, reps * replays, False)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    per_replay = _windows(graph.replay, replays, True)
+    del graph
+    return per_replay / reps
+
+
+def eager_seconds(fn, calls: int, cuda: bool) -> float:
+    import torch
+    fn()
+    if cuda:
+        torch.cuda.synchronize()
+    return _windows(fn, calls, cuda)
+
+
+# ----------------------------------------------------------------------------- one device
+def device_ceilings(smoke: bool) -> dict:
+    """hbm_bytes_per_s, gemm_flops_per_s, kernel/torch-op overheads, attention rate (rank 0)."""
+    import torch
+    cuda = not smoke
+    dev = "cuda" if cuda else "cpu"
+    n = 2**29 if cuda else 2**19
+    src = torch.empty(n, dtype=torch.bfloat16, device=dev).normal_()
+    dst = torch.empty_like(src)
+    out = {"hbm_bytes_per_s": 2 * src.nbytes / eager_seconds(lambda: dst.copy_(src), 10, cuda)}
+    src = dst = None
+    out["gemm_flops_per_s"] = {dtype: gemm_rate(dtype, size if cuda else 128, dev, cuda)
+                               for dtype, size in (("bf16", 8192), ("fp32", 4096))}
+    out.update(launch_overheads(dev, cuda))
+    try:
+        out["attention_flops_per_s"] = attention_rate() if cuda else None
+    except Exception as e:  # noqa: BLE001  (reported in the file; the prediction falls back to the GEMM rate)
+        out["attention_flops_per_s"] = None
+        out["notes"] = f"attention kernel not measured: {type(e).__name__}: {e}"[:300]
+    if out["attention_flops_per_s"] is None:
+        out.pop("attention_flops_per_s")
+    return out
+
+
+def gemm_rate(dtype: str, size: int, dev: str, cuda: bool) -> float:
+    """FLOPs per second of a size^3 matmul in `dtype` (bf16 | fp32)."""
+    import torch
+    x = torch.randn(size, size, device=dev, dtype=torch.bfloat16 if dtype == "bf16" else torch.float32)
+    return 2 * size**3 / eager_seconds(lambda: x @ x, 5, cuda)
+
+
+def launch_overheads(dev: str, cuda: bool) -> dict:
+    """Per launch inside a graph: tiny GEMMs (+ one-row Triton norms when Triton runs), tiny adds."""
+    import torch
+    a, b, w = torch.randn(16, 64, device=dev), torch.empty(16, 64, device=dev), torch.eye(64, device=dev)
+
+    def two_gemms():
+        torch.mm(a, w, out=b)
+        torch.mm(b, w, out=a)
+    gemm = seconds_per_call(two_gemms, 64, 5, cuda) / 2
+    kernels, detail = gemm, {"gemm_s": gemm}
+    if cuda:
+        try:
+            from glmc.codegen import triton_target as tt
+            x, r, g = (torch.randn(1, 6144, device=dev, dtype=torch.bfloat16) for _ in range(3))
+            norm = seconds_per_call(lambda: tt.add_rms_norm(x, r, g, 1e-5), 128, 5, cuda)
+            kernels, detail["triton_s"] = (gemm + norm) / 2, norm
+        except Exception as e:  # noqa: BLE001  (recorded; the GEMM figure stands alone)
+            detail["triton_error"] = f"{type(e).__name__}: {e}"[:200]
+    one = torch.zeros(1, device=dev)
+    torch_op = seconds_per_call(lambda: one.add_(1), 256, 5, cuda)
+    return {"kernel_overhead_s": kernels, "torch_op_overhead_s": torch_op, "kernel_overhead_detail": detail}
+
+
+def attention_rate(tokens: int = 128, heads: int = 64, slots: int = 2048, context: int = 4096) -> float:
+    """FLOPs per second of the sparse-MLA decode kernel over the top-k slots it walks."""
+    import torch
+    from glmc.codegen import triton_target as tt
+    dev, R, dr = "cuda", 512, 64
+    kv = torch.randn(tokens * context, R + dr, device=dev, dtype=torch.bfloat16)
+    r2t = torch.randperm(tokens * context, device=dev).view(tokens, context)
+    rows = torch.arange(tokens, device=dev)
+    pos = torch.full((tokens,), context - 1, device=dev, dtype=torch.int64)
+    topk = torch.rand(tokens, context, device=dev).argsort(dim=1)[:, :slots]
+    q_lat = torch.randn(tokens, heads, R, device=dev, dtype=torch.bfloat16)
+    q_pe = torch.randn(tokens, heads, dr, device=dev, dtype=torch.bfloat16)
+    ids = tt.topk_slots(topk, r2t, rows, pos)
+    sec = seconds_per_call(lambda: tt.sparse_mla_latent(q_lat, q_pe, kv, r2t, rows, pos, topk, 0.0625, slots=ids),
+                           4, 10, True)
+    return 2.0 * tokens * heads * slots * (2 * R + dr) / sec
+
+
+# ----------------------------------------------------------------------------- collectives
+def collective_fn(kind: str, x, out, group, nccl: bool):
+    """One call of `kind` from x into out over `group` (gloo lacks the *_tensor forms: emulated)."""
+    import torch.distributed as dist
+    if kind == "all_reduce":
+        return lambda: dist.all_reduce(x, group=group)
+    if kind == "all_to_all":
+        return lambda: dist.all_to_all_single(out, x, group=group)
+    if kind == "all_gather":
+        if nccl:
+            return lambda: dist.all_gather_into_tensor(out, x, group=group)
+        parts = list(out.chunk(dist.get_world_size(group)))
+        return lambda: dist.all_gather(parts, x, group=group)
+    if nccl:
+        return lambda: dist.reduce_scatter_tensor(out, x, group=group)
+    mine = dist.get_rank(group)
+    return lambda: (dist.all_reduce(x, group=group), out.copy_(x.chunk(dist.get_world_size(group))[mine]))
+
+
+def slowest(seconds: float, dev) -> float:
+    """The largest of every rank's `seconds` (ranks outside a group pass 0)."""
+    import torch
+    import torch.distributed as dist
+    t = torch.tensor([seconds], dtype=torch.float64, device=dev)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def measure_collectives(rank: int, world: int, sizes: list[int], cuda: bool) -> dict:
+    """{group size: {kind: [[message bytes, seconds], ...]}}; every rank walks the same sequence."""
+    import torch
+    import torch.distributed as dist
+    dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    tables: dict = {}
+    for n in group_sizes(world):
+        group = None if n == world else dist.new_group(list(range(n)))   # every rank makes every group
+        for kind in KINDS:
+            rows = []
+            for nbytes in sizes:
+                ins, outs, msg = shapes(kind, nbytes, n)
+                sec = 0.0
+                if rank < n:
+                    x = torch.zeros(ins, dtype=torch.bfloat16, device=dev)
+                    out = torch.empty(outs, dtype=torch.bfloat16, device=dev)
+                    reps, replays = plan_calls(guess_seconds(msg)) if cuda else (1, 2)
+                    sec = seconds_per_call(collective_fn(kind, x, out, group, cuda), reps, replays, cuda)
+                    del x, out
+                rows.append([msg, slowest(sec, dev)])
+            tables.setdefault(str(n), {})[kind] = rows
+    return tables
+
+
+def run_rank(rank: int, world: int, job: dict, out_dir: str) -> None:
+    """One rank: the device ceilings (rank 0), then every collective; rank 0 writes rank0.json."""
+    import torch.distributed as dist
+    result = device_ceilings(job["smoke"]) if rank == 0 else {}
+    dist.barrier()
+    result["collectives"] = measure_collectives(rank, world, job["sizes"], not job["smoke"])
+    if rank == 0:
+        Path(out_dir, "rank0.json").write_text(json.dumps(result))
+
+
+# ----------------------------------------------------------------------------- the file
+def slug(device: str, gpus: int) -> str:
+    """'NVIDIA H200', 2 -> 'nvidia-h200-x2' (a file-name part)."""
+    name = re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-")
+    return name + (f"-x{gpus}" if gpus > 1 else "")
+
+
+def assemble(measured: dict, device: str, gpus: int, commit: str, smoke: bool, extra: dict) -> dict:
+    """The calibration file's dict (glmc/calibration.py) from rank 0's measurements."""
+    from glmc.calibration import SCHEMA
+    cal = {"schema": SCHEMA, "device": device, "gpus": gpus, "date": time.strftime("%Y-%m-%d"),
+           "commit": commit, "measured": not smoke, **measured, **extra}
+    if smoke:
+        cal["notes"] = "smoke run: CPU + gloo at tiny sizes; checks the plumbing, not a machine's ceilings"
+    return cal
+
+
+def summary(cal: dict) -> str:
+    """The numbers, and per group size each collective's microseconds by message size."""
+    lines = [(f"{cal['device']} x{cal['gpus']}: copy {cal['hbm_bytes_per_s'] / 1e9:.0f} GB/s, GEMM bf16 "
+              f"{cal['gemm_flops_per_s']['bf16'] / 1e12:.1f} / fp32 {cal['gemm_flops_per_s']['fp32'] / 1e12:.1f} "
+              f"TFLOP/s, attention kernel {cal.get('attention_flops_per_s', 0) / 1e12:.1f} TFLOP/s, "
+              f"{cal['kernel_overhead_s'] * 1e6:.2f} us per kernel, {cal['torch_op_overhead_s'] * 1e6:.2f} us per "
+              "torch op (in a graph)")]
+    for n, tables in cal["collectives"].items():
+        lines.append(f"-- {n} GPUs: us per call (message bytes) --")
+        lines.append(f"{'bytes':>10} " + " ".join(f"{k:>14}" for k in tables))
+        for i, (nbytes, _) in enumerate(next(iter(tables.values()))):
+            lines.append(f"{nbytes:>10} " + " ".join(f"{t[i][1] * 1e6:14.1f}" for t in tables.values()))
+    return "\n".join(lines)
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=pc.ROOT, capture_output=True,
+                              text=True, timeout=10, check=False).stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def main(argv: list[str] | None = None) -> Path:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out-dir", default=str(pc.ROOT / "bench" / "results"))
+    ap.add_argument("--commit", help="recorded in the file (default: git rev-parse --short HEAD)")
+    ap.add_argument("--gpus", type=int, help="GPUs to use (default: every visible one)")
+    ap.add_argument("--max-mib", type=int, default=256, help="largest collective message, MiB")
+    ap.add_argument("--smoke", action="store_true", help="CPU + gloo, 2 processes, tiny sizes")
+    args = ap.parse_args(argv)
+    import torch
+    from glmc.runtime.worker.launch import spawn
+
+    from glmc.calibration import validate
+    t0 = time.perf_counter()
+    world = 2 if args.smoke else (args.gpus or torch.cuda.device_count())
+    if world < 1:
+        raise SystemExit("calibrate: no GPU visible (use --smoke for a CPU dry run)")
+    sizes = message_sizes(4 * KIB, 16 * KIB) if args.smoke else message_sizes(4 * KIB, args.max_mib * MIB)
+    tmp = tempfile.mkdtemp(prefix="glmc_calibrate_")
+    spawn(run_rank, world, {"smoke": args.smoke, "sizes": sizes}, tmp,
+          backend="gloo" if args.smoke else "nccl", timeout_s=600)
+    measured = json.loads(Path(tmp, "rank0.json").read_text())
+    device = "cpu-smoke" if args.smoke else torch.cuda.get_device_name(0)
+    nccl = None if args.smoke else torch.cuda.nccl.version()
+    extra = {"torch": torch.__version__, "nccl": ".".join(map(str, nccl)) if isinstance(nccl, tuple) else nccl,
+             "env": {k: v for k, v in os.environ.items() if k.startswith("NCCL_")},
+             "seconds": round(time.perf_counter() - t0, 1)}
+    cal = assemble(measured, device, world, args.commit or git_commit(), args.smoke, extra)
+    path = Path(args.out_dir) / f"calibration_{slug(device, world)}_{cal['date']}.json"
+    validate(cal, str(path))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(cal, indent=1) + "\n")
+    print(summary(cal))
+    print(f"wrote {path} ({cal['seconds']:.0f} s)")
+    return path
+
+
+if __name__ == "__main__":
+    main()

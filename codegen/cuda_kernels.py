@@ -1,0 +1,90 @@
+"""What the CUDA target launches per op in a decode step: the facts `glmc/predict.py` costs.
+
+Counted from `codegen/cuda_target.py` (and the torch-target implementations it reuses) as it runs in
+a captured decode graph; pure data, no torch, so the compiler side may read it.
+- `kernels`: Triton kernels and cuBLAS GEMMs (each pays `kernel_overhead_s` of the calibration);
+- `torch_ops`: the small torch kernels around them: indexing, element-wise, casts, sort, scan
+  (each pays `torch_op_overhead_s`; one per aten op, as `tests/test_predict.py` counts them on CPU
+  for the MoE row alignment and the top-k slot gather; a CUDA sort or scan may launch a few);
+- `collectives`: the NCCL calls (calibration kinds), each timed from the calibration's table.
+
+Extra HBM traffic of the CUDA implementation beyond the IR's tensors (`moe_workspace_bytes`): the MoE
+experts write and read their [pairs, inter] hidden and their fp32 [pairs, hidden] per-pair
+outputs before the k-way sum. The a2a MoE lowering sends fixed-capacity buffers (T*top_k rows to
+every peer, `cuda_target._dispatch`): its all-to-all moves group-size x the payload the bill
+counts (`collective_bytes`). Broadcast is timed as an all-gather of the same bytes (NCCL runs both as
+rings).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Launches:
+    """Launches of one op: Triton/cuBLAS kernels, small torch kernels, NCCL collectives."""
+    kernels: int = 0
+    torch_ops: int = 0
+    collectives: tuple[str, ...] = ()
+
+
+_ADD_RMS_TORCH = 8          # torch_ref.add_rms_norm: add, cast, pow, mean, add, rsqrt, mul, mul
+_ALIGN_ROWS = 36            # triton_moe.align_rows (aten ops, scalar wrappers excluded)
+_TOPK_SLOTS = 7             # triton_target.topk_slots
+
+LAUNCHES: dict[str, Launches] = {
+    # no kernel: views, inputs, ops lowered away before codegen
+    "io.input": Launches(), "tensor.view": Launches(), "tensor.slice": Launches(),
+    "tensor.shard": Launches(), "idx.reuse": Launches(), "comm.reshard": Launches(),
+    "embed.lookup": Launches(torch_ops=1),                          # row gather (tp > 1: `launches`)
+    "norm.rms": Launches(1), "fused.add_rms": Launches(1), "rope.apply": Launches(1),
+    "norm.layer": Launches(torch_ops=3),                            # cast, F.layer_norm, cast
+    "fused.qkv_a_norm_rope_write": Launches(1), "fused.qkv_a_norm_rope_write_index": Launches(1),
+    "mem.kv_write": Launches(torch_ops=3), "mem.index_k_write": Launches(torch_ops=2),
+    "linear": Launches(1), "mla.a_proj": Launches(1), "lm.head": Launches(1),
+    "mlp.swiglu": Launches(2, 2),                                   # gate|up GEMM, silu, mul, down GEMM
+    "idx.topk": Launches(2, 2),                                     # weights cast + scale; scores; top-k select
+    # W_UK bmm, slot gather, split-K latent kernel, combine kernel, W_UV bmm, head-major copy
+    "attn.mla_absorbed": Launches(4, _TOPK_SLOTS + 1), "attn.sparse_mla": Launches(4, _TOPK_SLOTS + 1),
+    "attn.mla_mha": Launches(4, _TOPK_SLOTS + 1),
+    "moe.gate": Launches(1, 1),                                     # fp32 cast, fp32 GEMM
+    "moe.topk": Launches(1),                                        # the router kernel
+    # align_rows; gate/up and down kernels; weights cast, local mask (3), where, sum, cast
+    "moe.experts": Launches(2, _ALIGN_ROWS + 7),
+    "elt.add": Launches(torch_ops=1), "tensor.concat": Launches(torch_ops=1),
+    "tensor.select_last": Launches(torch_ops=1),
+    "sample.tokens": Launches(1, 10),                               # parameter tensors, the sampler kernel
+    "comm.all_reduce": Launches(collectives=("all_reduce",)),
+    "comm.all_gather": Launches(collectives=("all_gather",)),
+    "comm.reduce_scatter": Launches(collectives=("reduce_scatter",)),
+    "comm.broadcast": Launches(collectives=("all_gather",)),
+    "fused.allreduce_add_rms": Launches(torch_ops=_ADD_RMS_TORCH, collectives=("all_reduce",)),
+    "fused.reduce_scatter_add_rms": Launches(torch_ops=_ADD_RMS_TORCH, collectives=("reduce_scatter",)),
+    # slot of each row per peer (one_hot, cumsum, gather, ...), packing, send buffer, unpacking
+    "moe.dispatch": Launches(torch_ops=18, collectives=("all_to_all",)),
+    "moe.combine": Launches(torch_ops=4, collectives=("all_to_all",)),   # gather back, k-way sum
+}
+STEP_TORCH_OPS = 1          # the decode body's own write of each row's slot into the device table
+
+
+def launches(kind: str, attrs: dict) -> Launches:
+    """LAUNCHES[kind], with what depends on attributes: a vocab-parallel embedding masks its rows,
+    a collective along a dim other than 0 concatenates its chunks."""
+    base = LAUNCHES[kind]
+    if kind == "embed.lookup" and int(attrs.get("tp", 1)) > 1:
+        return Launches(torch_ops=8)     # sub, ge, lt, and, clamp, gather, cast, mul
+    if kind in ("comm.all_gather", "comm.reduce_scatter") and int(attrs.get("dim", 0)):
+        return Launches(base.kernels, base.torch_ops + 1, base.collectives)
+    return base
+
+
+def collective_bytes(kind: str, message_bytes: float, size: int) -> float:
+    """The message a collective of the plan actually moves, in the calibration's convention:
+    the bill's `message_bytes`, times the group size for the fixed-capacity dispatch/combine."""
+    return message_bytes * size if kind in ("moe.dispatch", "moe.combine") else message_bytes
+
+
+def moe_workspace_bytes(pairs: float, hidden: int, inter: int, act_bytes: int) -> float:
+    """HBM traffic of `moe.experts`' own buffers: the hidden h (written by the gate/up kernel, read
+    by the down kernel) and the fp32 per-pair outputs (written, then summed over the k slots)."""
+    return pairs * (2 * inter * act_bytes + 2 * hidden * 4)

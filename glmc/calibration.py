@@ -1,0 +1,148 @@
+"""Calibration files: the measured ceilings of one machine, read by `glmc explain --calibration`.
+
+`bench/calibrate.py` measures them on the GPUs present and writes
+`bench/results/calibration_<device>_<date>.json`:
+
+    {"schema": "glmc-calibration/1", "device": "NVIDIA H200", "gpus": 2, "date": "2026-12-01",
+     "commit": "abc1234", "measured": true,
+     "hbm_bytes_per_s": 4.27e12,        # device copy: bytes read + written per second
+     "gemm_flops_per_s": {"bf16": 7.7e14, "fp32": 5.0e13},   # large cuBLAS GEMMs ("fp8" optional)
+     "attention_flops_per_s": 1.1e14,   # optional: glmc's sparse-MLA decode kernel, FLOPs over the
+                                        # top-k slots it walks (64 heads, 2048 slots, 128 tokens)
+     "kernel_overhead_s": 2.0e-6,       # per Triton kernel / cuBLAS GEMM inside a CUDA-graph replay
+     "torch_op_overhead_s": 1.2e-6,     # optional: per small torch kernel in a replay (default: the above)
+     "collectives": {"2": {"all_reduce": [[4096, 1.2e-05], ...], "all_gather": [...],
+                           "reduce_scatter": [...], "all_to_all": [...]}}}
+
+`collectives[<ranks>][<kind>]` lists [message_bytes, seconds] by increasing bytes: one collective
+over a group of <ranks> GPUs, captured in a CUDA graph and replayed, seconds per call. Message
+bytes follow `glmc.passes.costs`: the logical tensor, whatever each rank holds: all_reduce the
+buffer reduced; all_gather its output (ranks x each rank's input); reduce_scatter its input (ranks
+x each rank's output); all_to_all the data of the whole group (ranks x each rank's send buffer).
+Other fields may be added (notes, sources, the benchmark's own numbers); `measured: false` marks a
+file assembled from earlier measurements rather than written by the benchmark.
+
+Lookup (`collective_seconds`): log-log interpolation between table points; below the smallest
+message the smallest's time (the latency floor); above the largest, linear in bytes. A group size
+without a table uses the nearest measured one (the largest below, else the smallest above) at the
+message that gives each rank the same wire bytes (ring: (n-1)/n of the message, (n-1)/n^2 for
+all-to-all), so bus bandwidth and latency carry over unchanged: NVSwitch puts every GPU one hop
+away; NCCL's small-message latency still grows with the group, which this does not model.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from pathlib import Path
+
+SCHEMA = "glmc-calibration/1"
+COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+_REQUIRED = {"schema": str, "device": str, "gpus": int, "date": str, "commit": str,
+             "hbm_bytes_per_s": float, "gemm_flops_per_s": dict, "kernel_overhead_s": float,
+             "collectives": dict}
+_OPTIONAL = {"attention_flops_per_s": float, "torch_op_overhead_s": float, "measured": bool}
+
+
+class CalibrationError(ValueError):
+    """A calibration file that does not follow the schema; the message names the file and field."""
+
+
+def _check_type(value, want, where: str, fail) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) if want is float else \
+        isinstance(value, want) and not (want is int and isinstance(value, bool))
+    if not ok:
+        fail(f"'{where}' must be {want.__name__}, got {type(value).__name__} {value!r}"[:200])
+    if want in (int, float) and not value > 0:
+        fail(f"'{where}' must be > 0, got {value!r}")
+
+
+def validate(data: dict, source: str = "<dict>") -> dict:
+    """`data` if it follows the schema; else CalibrationError("calibration SOURCE: ...")."""
+    def fail(msg):
+        raise CalibrationError(f"calibration {source}: {msg}")
+    if not isinstance(data, dict):
+        fail(f"expected a JSON object, got {type(data).__name__}")
+    for key, want in _REQUIRED.items():
+        if key not in data:
+            fail(f"missing '{key}'")
+        _check_type(data[key], want, key, fail)
+    for key, want in _OPTIONAL.items():
+        if key in data:
+            _check_type(data[key], want, key, fail)
+    if data["schema"] != SCHEMA:
+        fail(f"'schema' is {data['schema']!r}; this glmc reads {SCHEMA!r}")
+    for dtype in ("bf16", "fp32"):
+        if dtype not in data["gemm_flops_per_s"]:
+            fail(f"missing 'gemm_flops_per_s.{dtype}'")
+    for dtype, rate in data["gemm_flops_per_s"].items():
+        _check_type(rate, float, f"gemm_flops_per_s.{dtype}", fail)
+    for ranks, tables in data["collectives"].items():
+        if not ranks.isdigit() or int(ranks) < 2 or not isinstance(tables, dict):
+            fail(f"'collectives.{ranks}': keys are group sizes >= 2, each an object of tables")
+        for kind, points in tables.items():
+            _check_table(points, f"collectives.{ranks}.{kind}", kind, fail)
+    return data
+
+
+def _check_table(points, where: str, kind: str, fail) -> None:
+    if kind not in COLLECTIVE_KINDS:
+        fail(f"'{where}': unknown collective; known: {', '.join(COLLECTIVE_KINDS)}")
+    if not isinstance(points, list) or not points:
+        fail(f"'{where}' must be a non-empty list of [message_bytes, seconds]")
+    for i, p in enumerate(points):
+        if not (isinstance(p, list) and len(p) == 2):
+            fail(f"'{where}[{i}]' must be [message_bytes, seconds], got {p!r}")
+        _check_type(p[0], float, f"{where}[{i}][0]", fail)
+        _check_type(p[1], float, f"{where}[{i}][1]", fail)
+    if any(a[0] >= b[0] for a, b in itertools.pairwise(points)):
+        fail(f"'{where}' must be sorted by increasing message bytes")
+
+
+def load(path: str | Path) -> dict:
+    """Read and validate a calibration file; the dict gains `path`."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as e:
+        raise CalibrationError(f"calibration {path}: not JSON ({e})") from e
+    return {**validate(data, str(path)), "path": str(path)}
+
+
+def table_seconds(points: list, nbytes: float) -> float:
+    """Seconds for `nbytes` from [[bytes, seconds], ...]: log-log between points, the first point's
+    time below the table, linear in bytes above it."""
+    if nbytes <= points[0][0]:
+        return float(points[0][1])
+    if nbytes >= points[-1][0]:
+        return points[-1][1] * nbytes / points[-1][0]
+    for (b0, t0), (b1, t1) in itertools.pairwise(points):
+        if b0 <= nbytes <= b1:
+            f = math.log(nbytes / b0) / math.log(b1 / b0)
+            return math.exp(math.log(t0) + f * math.log(t1 / t0))
+    raise AssertionError("unreachable: the table is sorted")
+
+
+def wire_fraction(kind: str, ranks: int) -> float:
+    """Bytes one rank sends per message byte (ring all-reduce: twice this)."""
+    return (ranks - 1) / ranks / (ranks if kind == "all_to_all" else 1)
+
+
+def measured_ranks(cal: dict, kind: str, ranks: int) -> int:
+    """The group size whose table times `kind` over `ranks` GPUs (see the module docstring)."""
+    have = sorted(int(r) for r, tables in cal["collectives"].items() if kind in tables)
+    if not have:
+        raise CalibrationError(f"calibration {cal.get('path', '<dict>')}: no '{kind}' table in "
+                               f"'collectives'")
+    if ranks in have:
+        return ranks
+    below = [r for r in have if r < ranks]
+    return below[-1] if below else have[0]
+
+
+def collective_seconds(cal: dict, kind: str, nbytes: float, ranks: int) -> float:
+    """One `kind` of `nbytes` (message convention above) over `ranks` GPUs, in seconds."""
+    if ranks <= 1:
+        return 0.0
+    base = measured_ranks(cal, kind, ranks)
+    same_wire = nbytes * wire_fraction(kind, ranks) / wire_fraction(kind, base)
+    return table_seconds(cal["collectives"][str(base)][kind], same_wire)

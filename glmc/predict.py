@@ -1,0 +1,156 @@
+"""The decode step time a plan should take on a calibrated machine (`glmc explain --calibration`).
+
+Every op of the decode graph at a point (T tokens per DP rank, S context, K index_topk) costs
+
+    t_op = kernels x kernel_overhead_s + torch_ops x torch_op_overhead_s
+           + max(hbm_bytes / hbm_bytes_per_s, compute_s)
+           + each of its collectives, timed from the calibration's table for its group size
+
+and a step is the sum (plus the step's own slot write): the CUDA target replays one graph on one
+stream, so nothing overlaps. Launch counts and implementation workspaces are the CUDA target's
+(`codegen/cuda_kernels.py`); HBM bytes and FLOPs are `glmc.passes.costs`' (weights read, the
+experts some token picks, KV and indexer rows read, activations). compute_s = FLOPs / the GEMM rate
+of the weights' dtype (the router: fp32); attention splits into its W_UK/W_UV projections (GEMM
+rate) and the latent part over every top-k slot its kernel walks (K, pads included) at
+`attention_flops_per_s` (the GEMM rate when the calibration lacks it). Collective lookup and
+group-size extrapolation: `glmc.calibration`.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+from glmc.calibration import collective_seconds, measured_ranks
+from glmc.codegen.cuda_kernels import STEP_TORCH_OPS, collective_bytes, launches, moe_workspace_bytes
+from glmc.ir.types import DTYPE_BYTES
+from glmc.passes.costs import moe_pairs, op_cost, weight_bytes_for
+
+TABLE_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+_FIELDS = ("seconds", "memory_s", "compute_s", "data_s", "overhead_s", "comm_s", "hbm_bytes", "flops",
+           "kernels", "torch_ops", "collectives")
+
+
+def _gemm_rate(cal: dict, dtype: str) -> float:
+    rates = cal["gemm_flops_per_s"]
+    return rates.get(dtype) or rates["bf16"]
+
+
+def _compute_seconds(op, flops: float, env: dict, dtypes, cal: dict) -> float:
+    """FLOPs over the rate of the unit that runs them (module docstring)."""
+    if op.kind == "moe.gate":
+        return flops / _gemm_rate(cal, "fp32")
+    rate = _gemm_rate(cal, dtypes.weight if dtypes.weight in cal["gemm_flops_per_s"] else dtypes.activation)
+    if not op.kind.startswith("attn."):
+        return flops / rate
+    a = op.attr
+    rows = op.types[0].shape[0].eval(env)
+    heads = int(a("heads")) // int(a("tp", 1))
+    c, dn, dr, dv = int(a("kv_lora")), int(a("dn")), int(a("dr")), int(a("dv"))
+    slots = env["K"] if len(op.operands) > 3 else env["S"]
+    latent = 2.0 * rows * heads * slots * (2 * c + dr)
+    projections = 2.0 * rows * heads * (dn * c + c * dv)
+    return projections / rate + latent / cal.get("attention_flops_per_s", rate)
+
+
+def op_seconds(op, graph, env: dict, dtypes, cal: dict, weight_bytes: dict) -> dict:
+    """The terms of t_op (module docstring) for one op."""
+    cost = op_cost(op, graph, env, weight_bytes)
+    hbm = cost.hbm_bytes
+    if op.kind == "moe.experts":
+        pairs, _ = moe_pairs(op, graph, env)
+        inter = int(op.attr("inter")) // int(op.attr("moe_tp", 1))
+        hbm += moe_workspace_bytes(pairs, int(op.attr("hidden")), inter, DTYPE_BYTES[dtypes.activation])
+    launch = launches(op.kind, dict(op.attrs))
+    comm = 0.0
+    for kind in launch.collectives:
+        size = int(op.attr("size", 1))
+        comm += collective_seconds(cal, kind, collective_bytes(op.kind, cost.message_bytes, size), size)
+    memory, compute = hbm / cal["hbm_bytes_per_s"], _compute_seconds(op, cost.flops, env, dtypes, cal)
+    overhead = launch.kernels * cal["kernel_overhead_s"] + launch.torch_ops * _torch_overhead(cal)
+    return {"seconds": overhead + max(memory, compute) + comm, "memory_s": memory, "compute_s": compute,
+            "data_s": max(memory, compute), "overhead_s": overhead, "comm_s": comm, "hbm_bytes": hbm,
+            "flops": cost.flops, "kernels": launch.kernels, "torch_ops": launch.torch_ops,
+            "collectives": len(launch.collectives)}
+
+
+def _torch_overhead(cal: dict) -> float:
+    return cal.get("torch_op_overhead_s", cal["kernel_overhead_s"])
+
+
+def predict_step(graph, env: dict, dtypes, calibration: dict, ranks: int) -> dict:
+    """Predicted decode step of `graph` (one rank of a plan over `ranks` GPUs) at `env`:
+    {step_s, the summed terms of every op, by_kind {op kind: the same, plus count}}."""
+    wb = weight_bytes_for(dtypes)
+    by_kind: dict = defaultdict(lambda: dict.fromkeys(("count",) + _FIELDS, 0))
+    for op in graph.ops:
+        if int(op.attr("size", 1)) > ranks:
+            raise ValueError(f"{op.kind} {op.results[0]}: a group of {op.attr('size')} on {ranks} GPUs")
+        row = by_kind[op.kind]
+        row["count"] += 1
+        for key, value in op_seconds(op, graph, env, dtypes, calibration, wb).items():
+            row[key] += value
+    total = {key: sum(r[key] for r in by_kind.values()) for key in _FIELDS}
+    step_torch = STEP_TORCH_OPS * _torch_overhead(calibration)
+    total["seconds"] += step_torch
+    total["overhead_s"] += step_torch
+    return {"step_s": total.pop("seconds"), **total, "point": dict(env),
+            "by_kind": dict(sorted(by_kind.items(), key=lambda kv: -kv[1]["seconds"]))}
+
+
+def _bucket(buckets: list, batch: int):
+    return next((b for b in sorted(buckets) if b >= batch), None)
+
+
+def predict_plan(plan, calibration: dict, context: int, batch_per_rank: int,
+                 kv_tokens_per_rank: int | None = None, batches=TABLE_BATCHES) -> dict:
+    """`glmc explain`'s `predicted` section: the step at the explain point, a table over batches per
+    DP rank, and the assumptions behind both."""
+    graph, cfg, mesh = plan.graphs["decode"], plan.config, plan.mesh
+    dp, world = mesh.get("attn_dp", 1), plan.world
+    buckets = graph.meta.get("cuda_graph_buckets", [])
+
+    def at(t):
+        return predict_step(graph, {"T": t, "B": t, "S": context, "K": cfg.index_topk}, plan.dtypes,
+                            calibration, world)
+    rows = []
+    for t in batches:
+        p = at(t)
+        rows.append({"batch_per_rank": t, "step_ms": p["step_s"] * 1e3, "tpot_ms": p["step_s"] * 1e3,
+                     "tokens_per_s": t * dp / p["step_s"], "comm_ms": p["comm_s"] * 1e3,
+                     "overhead_ms": p["overhead_s"] * 1e3, "graph_bucket": _bucket(buckets, t),
+                     "kv_fits": None if kv_tokens_per_rank is None else t * context <= kv_tokens_per_rank})
+    return {"calibration": {k: calibration.get(k) for k in ("path", "device", "gpus", "date", "measured")},
+            "point": at(batch_per_rank), "table": rows,
+            "assumptions": assumptions(plan, calibration, context, buckets)}
+
+
+def assumptions(plan, cal: dict, context: int, buckets: list) -> list[str]:
+    """What the prediction takes for granted, in words."""
+    cfg, d = plan.config, plan.dtypes
+    graph = plan.graphs["decode"]
+    sizes = sorted({int(op.attr("size")) for op in graph.ops if op.attr("size") and int(op.attr("size")) > 1})
+    measured = "" if cal.get("measured", True) else " (measured: false, not written by a benchmark run)"
+    out = [f"calibration {cal.get('path', '<dict>')}: {cal['device']}, {cal['gpus']} GPUs, {cal['date']}{measured}",
+           (f"HBM {cal['hbm_bytes_per_s'] / 1e12:.2f} TB/s, bf16 GEMM {cal['gemm_flops_per_s']['bf16'] / 1e12:.0f} "
+            f"TFLOP/s, attention kernel {cal.get('attention_flops_per_s', 0) / 1e12:.0f} TFLOP/s, "
+            f"{cal['kernel_overhead_s'] * 1e6:.1f} us per kernel, {_torch_overhead(cal) * 1e6:.1f} us per torch op"),
+           ("one CUDA-graph replay per step, ops back to back on one stream (no compute/communication "
+            "overlap); per op: launches x overhead + max(HBM bytes / bandwidth, FLOPs / rate) + collectives"),
+           (f"every request at context {context}: attention reads min(S, {cfg.index_topk}) keys, its kernel "
+            f"walks all {cfg.index_topk} top-k slots; full indexer layers score all S keys"),
+           (f"routing uniform at random and balanced: each token picks {cfg.num_experts_per_tok} of "
+            f"{cfg.n_routed_experts} experts; a rank reads the experts some token of the step picks (expected)"),
+           (f"the plan's dtypes: weights {d.weight}, activations {d.activation}, KV {d.kv_cache}, "
+            f"indexer cache {d.index_cache} (today's runtime holds weights and caches in the compute dtype)"),
+           ("no MTP: one token per request per step, TPOT = step time; host work (scheduling, sampling "
+            "read-back, HTTP) not included")]
+    for n in sizes:
+        kinds = {k for op in graph.ops if int(op.attr("size", 1)) == n
+                 for k in launches(op.kind, dict(op.attrs)).collectives}
+        base = sorted({measured_ranks(cal, k, n) for k in kinds})
+        out.append(f"collectives over {n} GPUs: " + ("measured" if base == [n] else
+                   f"extrapolated from the {'/'.join(map(str, base))}-GPU tables at equal per-rank wire bytes "
+                   "(latency not scaled with the group)"))
+    if buckets:
+        out.append(f"batches above the largest CUDA-graph bucket ({max(buckets)} per rank) would run eagerly "
+                   "today; their rows assume a graph (compile with a larger max_batch)")
+    return out

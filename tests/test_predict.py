@@ -1,0 +1,183 @@
+"""The step-time predictor (glmc/predict.py), its calibration files (glmc/calibration.py) and the
+CUDA target's launch facts (codegen/cuda_kernels.py) it reads."""
+import itertools
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+from glmc.ir import Graph, Op
+from glmc.ir.types import TensorType
+from glmc.passes.costs import hbm_bytes_of, touched_experts, weight_bytes_for
+
+from glmc.calibration import CalibrationError, collective_seconds, load, table_seconds
+from glmc.cli import main
+from glmc.config import DTypes
+from glmc.predict import TABLE_BATCHES, predict_plan, predict_step
+from tests.compile_util import FULL, TINY, plan
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "bench" / "results" / "calibration_example_h200.json"
+ROUND = {"schema": "glmc-calibration/1", "device": "test", "gpus": 2, "date": "2026-12-01", "commit": "x",
+         "hbm_bytes_per_s": 1e12, "gemm_flops_per_s": {"bf16": 1e14, "fp32": 1e13},
+         "kernel_overhead_s": 1e-6, "torch_op_overhead_s": 0.5e-6,
+         "collectives": {"2": {"all_reduce": [[1000, 1e-5], [100000, 2e-5]]}}}
+
+
+def _bf16(*shape):
+    return TensorType.of(shape, "bf16")
+
+
+def test_a_hand_computed_step():
+    """input -> linear 1000x500 (bf16) -> all-reduce over 2 GPUs, at T=10, round numbers."""
+    g = Graph([Op.make("io.input", "x", attrs={"name": "x"}, types=[_bf16("T", 1000)]),
+               Op.make("linear", "y", ["x"], {"in_features": 1000, "out_features": 500, "weight": "w",
+                                              "parallel": "replicated"}, types=[_bf16("T", 500)]),
+               Op.make("comm.all_reduce", "z", ["y"], {"group": ("attn_tp",), "size": 2},
+                       types=[_bf16("T", 500)])])
+    p = predict_step(g, {"T": 10, "B": 10, "S": 1, "K": 1}, DTypes(), ROUND, ranks=2)
+    linear = 1e-6 + (1000 * 500 * 2 + 10 * 1000 * 2 + 10 * 500 * 2) / 1e12   # 1 kernel + bytes (> 1e7 FLOP / 1e14)
+    all_reduce = 1e-5 * math.sqrt(2)        # 10,000 B: halfway (log) between 1,000 B and 100,000 B
+    assert p["by_kind"]["linear"]["hbm_bytes"] == 1_030_000
+    assert p["by_kind"]["linear"]["seconds"] == pytest.approx(linear, rel=1e-12)
+    assert p["by_kind"]["comm.all_reduce"]["comm_s"] == pytest.approx(all_reduce, rel=1e-12)
+    assert p["step_s"] == pytest.approx(linear + all_reduce + 0.5e-6, rel=1e-12)   # + the step's slot write
+
+
+def test_table_lookup_and_group_extrapolation():
+    pts = [[1000, 1e-5], [100000, 2e-5]]
+    assert table_seconds(pts, 10) == 1e-5                        # latency floor
+    assert table_seconds(pts, 400000) == pytest.approx(8e-5)     # linear in bytes past the table
+    assert table_seconds(pts, 10000) == pytest.approx(1e-5 * 2 ** 0.5)
+    cal = {**ROUND, "collectives": {"2": {"all_reduce": pts, "all_to_all": pts}, "8": {"all_reduce": pts}}}
+    assert collective_seconds(cal, "all_reduce", 10000, 1) == 0.0
+    assert collective_seconds(cal, "all_reduce", 10000, 8) == table_seconds(pts, 10000)
+    # 4 GPUs from the 2-GPU table at equal per-rank wire bytes: (3/4) / (1/2) = 1.5x the message
+    assert collective_seconds(cal, "all_reduce", 10000, 4) == pytest.approx(table_seconds(pts, 15000))
+    # all-to-all: (n-1)/n^2 of the message leaves a rank: (7/64) / (1/4) at 8 GPUs
+    assert collective_seconds(cal, "all_to_all", 64000, 8) == pytest.approx(table_seconds(pts, 28000))
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda d: d.pop("hbm_bytes_per_s"), "missing 'hbm_bytes_per_s'"),
+    (lambda d: d.update(gpus="two"), "'gpus' must be int"),
+    (lambda d: d.update(kernel_overhead_s=0), "'kernel_overhead_s' must be > 0"),
+    (lambda d: d["gemm_flops_per_s"].pop("fp32"), "missing 'gemm_flops_per_s.fp32'"),
+    (lambda d: d.update(schema="glmc-calibration/0"), "this glmc reads 'glmc-calibration/1'"),
+    (lambda d: d["collectives"]["2"].update(all_reduce=[[2000, 1e-5], [1000, 2e-5]]),
+     "'collectives.2.all_reduce' must be sorted"),
+    (lambda d: d["collectives"]["2"].update(broadcast=[[1000, 1e-5]]), "'collectives.2.broadcast': unknown"),
+    (lambda d: d["collectives"]["2"]["all_reduce"].append([1e6]), "'collectives.2.all_reduce[2]' must be"),
+])
+def test_schema_errors_name_the_file_and_field(tmp_path, change, message):
+    data = json.loads(json.dumps(ROUND))
+    change(data)
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(CalibrationError) as e:
+        load(path)
+    assert str(e.value).startswith(f"calibration {path}: ") and message in str(e.value)
+
+
+def test_the_cli_refuses_a_bad_calibration(tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({k: v for k, v in ROUND.items() if k != "hbm_bytes_per_s"}))
+    out = tmp_path / "plan"
+    assert main(["compile", "--model", TINY, "--parallel", "tp1", "-o", str(out)]) == 0
+    assert main(["explain", str(out), "--calibration", str(bad)]) == 2
+    assert f"calibration {bad}: missing 'hbm_bytes_per_s'" in capsys.readouterr().err
+
+
+def test_the_cli_prints_the_table(tmp_path, capsys):
+    out = tmp_path / "plan"
+    assert main(["compile", "--model", TINY, "--parallel", "dp2ep2", "-o", str(out)]) == 0
+    capsys.readouterr()
+    assert main(["explain", str(out)]) == 0
+    assert "Predicted" not in capsys.readouterr().out               # without --calibration: as before
+    assert main(["explain", str(out), "--calibration", str(EXAMPLE)]) == 0
+    text = capsys.readouterr().out
+    assert "## Predicted decode step (NVIDIA H200" in text and "Assumptions:" in text
+    assert "| 256 |" in text and "collectives over 2 GPUs: measured" in text and "measured: false" in text
+    assert main(["explain", str(out), "--json", "--calibration", str(EXAMPLE)]) == 0
+    d = json.loads(capsys.readouterr().out)["predicted"]
+    assert [r["batch_per_rank"] for r in d["table"]] == list(TABLE_BATCHES)
+    assert d["point"]["point"]["T"] == 16 and d["point"]["step_s"] > 0    # --batch 32 over 2 DP ranks
+
+
+@pytest.mark.parametrize("parallel, opts", [("tp1", {}), ("tp2ep2", {}), ("dp2ep2", {"moe_a2a": True}),
+                                            ("dp2ep2", {"moe_a2a": False})])
+def test_monotone_in_batch(parallel, opts):
+    p = predict_plan(plan(TINY, parallel, **opts), load(EXAMPLE), context=4096, batch_per_rank=4)
+    steps = [r["step_ms"] for r in p["table"]]
+    assert steps == sorted(steps) and steps[0] > 0
+    assert [r["tokens_per_s"] for r in p["table"]] == sorted(r["tokens_per_s"] for r in p["table"])
+
+
+def test_glm53_dp8ep8_table():
+    p = predict_plan(plan(FULL, "dp8ep8"), load(EXAMPLE), context=4096, batch_per_rank=4, kv_tokens_per_rank=10**6)
+    rows = p["table"]
+    assert [r["batch_per_rank"] for r in rows] == [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    assert all(a["step_ms"] < b["step_ms"] for a, b in itertools.pairwise(rows))
+    assert 5 < rows[0]["step_ms"] < 100 and rows[0]["graph_bucket"] == 1 and rows[-1]["graph_bucket"] is None
+    assert any("extrapolated from the 2-GPU tables" in a for a in p["assumptions"])
+    # at 32 tokens per rank every rank's 32 experts are touched: the step reads all its weights
+    moe = predict_plan(plan(FULL, "dp8ep8"), load(EXAMPLE), 4096, 32, batches=())["point"]["by_kind"]["moe.experts"]
+    assert moe["hbm_bytes"] > 75 * 32 * 3 * 6144 * 2048 * 0.999
+
+
+def test_the_slice_lands_near_its_measured_steps():
+    """bench/decode_bench.py's slice (1 dense + 1 MoE layer, context 1024) measured 1.215 / 4.063 /
+    6.242 ms at batch 1 / 32 / 128 (bench/results/decode_bench_2026-11-30.json); the example
+    calibration, assembled from other runs, predicts each within 20%."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from types import SimpleNamespace
+
+    import gpu_plan_check as pc
+    import predicted
+    from transformers import GlmMoeDsaConfig
+    slice_plan = pc.glmc_plan(SimpleNamespace(config=GlmMoeDsaConfig(**{**pc.GLM53, **pc.SLICE})), 128, "bfloat16")
+    cal = load(EXAMPLE)
+    for batch, measured in ((1, 1.215), (32, 4.063), (128, 6.242)):
+        assert predicted.predict_ms(slice_plan, batch, 1024, cal) == pytest.approx(measured, rel=0.2)
+
+
+def test_hbm_bytes_of_attention_and_experts():
+    g = plan(TINY, "tp1").graphs["decode"]
+    wb, env = weight_bytes_for(DTypes(activation="fp32", weight="fp32", kv_cache="fp32", index_cache="fp32")), \
+        {"T": 3, "B": 3, "S": 100, "K": 16}
+    attn = next(op for op in g.ops if op.kind.startswith("attn."))
+    act = 3 * 8 * 16 * 4 + 3 * 8 * 8 * 4 + 3 * 16 * 4 + 3 * 8 * 16 * 4   # q_nope, q_pe, top-k ids, out
+    kv_b = 32 * 8 * (16 + 16) * 4
+    assert hbm_bytes_of(attn, g, env, wb) == kv_b + 3 * 16 * (32 + 8) * 4 + act   # 16 of 100 keys each
+    assert touched_experts(16, 4, 16, 2) == pytest.approx(16 * (1 - 0.75 ** 2))
+
+
+def test_the_launch_counts_follow_the_torch_code():
+    """LAUNCHES counts one kernel per aten op of the torch code around the MoE and attention
+    kernels: count them on the CPU (views and wrapped scalars launch nothing)."""
+    import torch
+    from glmc.codegen import cuda_kernels, triton_moe, triton_target
+    from torch.utils._python_dispatch import TorchDispatchMode
+    free = {"view", "_unsafe_view", "slice", "select", "expand", "t", "transpose", "alias", "detach",
+            "reshape", "unsqueeze", "squeeze", "as_strided", "empty", "empty_strided", "scalar_tensor"}
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func._schema.name.split("::")[1] not in free:
+                self.ops.append(func._schema.name)
+            return func(*args, **(kwargs or {}))
+
+    ids = torch.randint(0, 256, (4, 8))
+    with Count() as align:
+        triton_moe.align_rows(ids, 32, 16, 0)
+    rows, pos = torch.arange(4), torch.tensor([50, 60, 70, 80])
+    args = (torch.randint(-1, 100, (4, 2048)), torch.arange(512).view(4, 128), rows, pos)
+    with Count() as slots:
+        triton_target.topk_slots(*args)
+    assert len(align.ops) == cuda_kernels._ALIGN_ROWS
+    assert len(slots.ops) == cuda_kernels._TOPK_SLOTS
