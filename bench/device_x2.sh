@@ -5,7 +5,8 @@
 # pydantic, pydantic-core, annotated-types, typing-inspection, fastapi, starlette, uvicorn,
 # annotated-doc, opentelemetry-api, and for the serving check's openai client openai, jiter,
 # httpx2, httpcore2, truststore, sniffio, anyio, idna. glmc itself is installed from this tree.
-# JOBS picks what runs: calibrate (bench/calibrate.py), multi (bench/multi_gpu_check.py), plan
+# JOBS picks what runs: calibrate (bench/calibrate.py), multi (bench/multi_gpu_check.py), spec
+# (spec_bench.py: decode per spec at batch 1/32/128 per rank), plan
 # (gpu_plan_check.py), serve (serve_multi_gpu.py, SERVE_ARGS="--only tp2"), decode (decode_bench.py);
 # default: multi plan. With a calibration (the newest in $OUT or bench/results, or $CALIBRATION),
 # multi and decode print each step predicted next to measured (~7 min in all):
@@ -29,6 +30,9 @@ for job in ${JOBS:-multi plan}; do
     multi) timeout 420 python3 bench/multi_gpu_check.py --out "$OUT/multi_gpu_check.json" ${MULTI_ARGS:-} \
              ${CAL:+--calibration "$CAL"} > "$OUT/multi.log" 2>&1; echo "multi rc=$?"
            grep -E '^\{|CHECK|PREDICTED|Error|error' "$OUT/multi.log" | cut -c1-600 | tail -30 ;;
+    spec)  timeout 560 python3 bench/spec_bench.py --out-dir "$OUT" ${CAL:+--calibration "$CAL"} ${SPEC_ARGS:-} \
+             > "$OUT/spec.log" 2>&1; echo "spec rc=$?"; grep -E 'PREDICTED|ERROR|^spec|^device' "$OUT/spec.log"
+           grep -A20 '^spec ' "$OUT/spec.log" | tail -18 ;;
     plan)  timeout 300 python3 bench/gpu_plan_check.py --out "$OUT/gpu_plan_check.json" > "$OUT/plan.log" 2>&1
            echo "plan rc=$?"; grep -E 'PLAN CHECK|Error' "$OUT/plan.log" | tail -5 ;;
     serve) timeout 400 python3 bench/serve_multi_gpu.py --out "$OUT/serve_multi_gpu.json" ${SERVE_ARGS:-} > "$OUT/serve.log" 2>&1

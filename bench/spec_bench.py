@@ -1,0 +1,255 @@
+"""Decode step per parallel spec: tp1 on one GPU; tp2, tp2ep2, dp2ep2 (gather and a2a) on two.
+
+    python bench/spec_bench.py --out-dir bench/results [--calibration FILE] [--batches 1,32,128]
+    python bench/spec_bench.py --cpu --batches 1,2      # dry run: gloo, Triton interpreted, narrow dims
+
+Model: a GLM-5.3-width slice, 1 dense + 3 MoE layers (256 experts split over the EP ranks), full
+indexers on layers 0 and 2 (1 and 3 share their top-k), random bf16 weights from one seed (the same
+on every rank). DSA is active: every request sits at position `--ctx` (4096 > index_topk 2048).
+The KV and indexer caches are synthetic (random rows; no prefill). For each spec and per-rank batch
+B (each attention-DP rank runs B requests; TP ranks share theirs):
+- replay: the decode CUDA graph, CUDA events over back-to-back replays (slowest rank);
+- step: `forward()` from host ids to device logits, host time included (slowest rank);
+- tokens/s over all GPUs: B x attn_dp / step;
+- collectives: NCCL kernel time inside profiled replays (torch.profiler), per kind (slowest rank);
+- roofline: max over ranks of (HBM bytes the rank must move at B, `passes/costs.py`'s hbm_bytes)
+  / measured copy bandwidth, plus the collectives' measured in-graph time;
+- predicted (with --calibration): `glmc/predict.py`'s step for the bucket replayed.
+Targets (issue 9): replay within 1.3x of the roofline at B = 32 and 128; dp2ep2 at 128 per rank
+>= 1.7x tp1's tokens/s at 128.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu_plan_check as pc  # noqa: E402  (slice model, weights, tables)
+
+pc.import_glmc()
+LAYERS = dict(num_hidden_layers=4, first_k_dense_replace=1, indexer_types=["full", "shared", "full", "shared"])
+TWO_GPU = [("tp2", None), ("tp2ep2", False), ("dp2ep2", False), ("dp2ep2", True)]
+NCCL_KINDS = {"AllReduce": "all_reduce", "AllGather": "all_gather", "ReduceScatter": "reduce_scatter",
+              "SendRecv": "all_to_all", "AllToAll": "all_to_all"}
+
+
+def replay_ms(graph, replays):
+    import torch
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / replays
+
+
+def nccl_ms(graph, replays):
+    """(NCCL kernel ms per replay by kind, all kernels' ms per replay) from a profiled run of replays."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+    by_kind, total = {}, 0.0
+    for e in prof.events():
+        if e.device_type.name != "CUDA":
+            continue
+        us = e.device_time if hasattr(e, "device_time") else e.cuda_time
+        total += us
+        if "nccl" in e.name.lower():
+            kind = next((v for k, v in NCCL_KINDS.items() if k in e.name), "other")
+            by_kind[kind] = by_kind.get(kind, 0.0) + us
+    return {k: v / replays / 1e3 for k, v in by_kind.items()}, total / replays / 1e3
+
+
+def must_bytes(plan, tokens, ctx):
+    """HBM bytes this rank must move in one decode step of `tokens` requests (runner dtypes: bf16)."""
+    import predicted
+    from glmc.passes.estimate_cost import bill
+    env = {"T": tokens, "B": tokens, "S": ctx, "K": plan.config.index_topk}
+    return bill(plan.graphs["decode"], env, predicted.runner_dtypes(plan))["totals"]["hbm_bytes"]
+
+
+def one_spec(plan, weights, stacks, job, comm):
+    """Every per-rank batch of one plan on this rank: -> list of measurements."""
+    import torch
+    from glmc.runtime.worker.forward_batch import ForwardBatch
+    from glmc.runtime.worker.loader import load_runner
+    dev, batches, ctx, cuda = job["device"], job["batches"], job["ctx"], job["device"] == "cuda"
+    max_b, max_ctx = max(batches), ctx + 64
+    gpu = load_runner(plan, weights, device=dev, comm=comm, num_pages=max_b * max_ctx // 64 + 1,
+                      max_context=max_ctx, max_running=max_b, capture=False, stacks=stacks).executor
+    g = torch.Generator(device=dev).manual_seed(comm.rank)
+    for t in gpu.pool.kv + list(gpu.pool.index_k.values()):
+        t.normal_(generator=g)
+    dp = plan.mesh["attn_dp"]
+    need = {B: gpu.padded_tokens(B, [B] * dp if dp > 1 else None) for B in batches}
+    buckets = sorted({next(b for b in gpu.buckets if b >= n) for n in need.values()})
+    if cuda:
+        gpu.capture(buckets)
+    table = pc.req_table(max_b, max_ctx // 64)
+    out = []
+    for B in batches:
+        ids = torch.randint(0, plan.config.vocab_size, (B,), generator=torch.Generator().manual_seed(B)).tolist()
+        batch = ForwardBatch.build("decode", [[t] for t in ids], list(range(B)), [ctx] * B, table)
+        dp_tokens = [B] * dp if dp > 1 else None
+        row = {"B": B, "bucket": None, "must_bytes": must_bytes(plan, B, ctx)}
+        for _ in range(3):
+            gpu.forward("decode", batch, dp_tokens=dp_tokens)
+        reps = job["reps"]
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            logits = gpu.forward("decode", batch, dp_tokens=dp_tokens)["logits"]
+            float(logits[0, 0])                 # the host waits for the step's logits
+        row["step_ms"] = (time.perf_counter() - t0) / reps * 1e3
+        row["bucket"] = gpu.last_bucket
+        cap = gpu.captured.get(gpu.last_bucket) if cuda else None
+        if cap is not None:
+            row["replay_ms"] = replay_ms(cap.graph, reps)
+            row["nccl_ms"], row["kernels_ms"] = nccl_ms(cap.graph, 5)
+            row["counts"] = cap.counts
+        out.append(row)
+    gpu.release()
+    del gpu
+    if cuda:
+        torch.cuda.empty_cache()
+    return out
+
+
+def run_rank(rank, world, job, out_dir):
+    import torch
+    from glmc.runtime.worker.comm import Comm
+    dev = job["device"]
+    model = pc.slice_model(dev, torch.bfloat16, seed=0, narrow=job["narrow"], **LAYERS)
+    weights, stacks = pc.glmc_weights(model)
+    del model
+    res = {}
+    for name, plan in job["plans"].items():
+        try:
+            res[name] = one_spec(plan, weights, stacks, job, Comm(plan.mesh, plan.groups))
+        except Exception as e:  # reported; the next spec still runs (every rank fails alike)
+            import traceback
+            res[name] = {"error": f"{type(e).__name__}: {e}"[-800:], "trace": traceback.format_exc()[-1500:]}
+    torch.save(res, f"{out_dir}/rank{rank}.pt")
+
+
+def copy_gbps(cuda):
+    import torch
+    if not cuda:
+        return 1.0
+    a = torch.randn(2**30, device="cuda", dtype=torch.bfloat16)
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(20):
+        b.copy_(a)
+    end.record()
+    end.synchronize()
+    return 2 * a.nbytes * 20 / start.elapsed_time(end) / 1e6
+
+
+def summarise(name, plan, ranks, gbps, cal, ctx) -> list[dict]:
+    """Slowest rank per batch; roofline, tokens/s, predicted."""
+    import predicted
+    rows = []
+    for i, first in enumerate(ranks[0]):
+        per = [r[i] for r in ranks]
+        row = {"spec": name, "B_per_rank": first["B"], "bucket": first["bucket"],
+               "step_ms": max(r["step_ms"] for r in per)}
+        row["tokens_per_s"] = first["B"] * plan.mesh["attn_dp"] / row["step_ms"] * 1e3
+        if "replay_ms" in first:
+            row["replay_ms"] = max(r["replay_ms"] for r in per)
+            kinds = {k for r in per for k in r["nccl_ms"]}
+            row["nccl_ms"] = {k: max(r["nccl_ms"].get(k, 0.0) for r in per) for k in sorted(kinds)}
+            row["kernels_ms"] = max(r["kernels_ms"] for r in per)
+            row["counts"] = first["counts"]
+            comm = sum(row["nccl_ms"].values())
+            row["roofline_ms"] = max(r["must_bytes"] for r in per) / gbps / 1e6 + comm
+            row["replay_over_roofline"] = row["replay_ms"] / row["roofline_ms"]
+            if cal:
+                row["predicted"] = predicted.compare(f"{name} B={first['B']}",
+                                                     predicted.predict_ms(plan, first["bucket"], ctx, cal),
+                                                     row["replay_ms"])
+        rows.append(row)
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cpu", action="store_true")
+    ap.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "results"))
+    ap.add_argument("--calibration")
+    ap.add_argument("--ctx", type=int, default=4096)
+    ap.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 32, 128])
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--commit", default=os.environ.get("GLMC_COMMIT", "unknown"))
+    args = ap.parse_args()
+    if args.cpu:
+        os.environ["TRITON_INTERPRET"] = "1"
+        args.ctx, args.reps = min(args.ctx, 40), 1
+    import torch
+    from glmc.calibration import load
+    from glmc.runtime.worker.launch import spawn
+    cuda = not args.cpu
+    dev, backend = ("cuda", "nccl") if cuda else ("cpu", "gloo")
+    cal = load(args.calibration) if args.calibration else None
+    from types import SimpleNamespace
+
+    from transformers import GlmMoeDsaConfig
+    model_cfg = SimpleNamespace(config=GlmMoeDsaConfig(**{**pc.GLM53, **pc.SLICE, **(pc.NARROW if args.cpu else {}),
+                                                          **LAYERS}))
+    plans = {"tp1": pc.glmc_plan(model_cfg, max(args.batches) * 2, "bfloat16", "tp1")}
+    for parallel, a2a in TWO_GPU:
+        name = parallel + {None: "", False: "/gather", True: "/a2a"}[a2a]
+        plans[name] = pc.glmc_plan(model_cfg, max(args.batches) * 2, "bfloat16", parallel, moe_a2a=a2a)
+    job = dict(device=dev, narrow=args.cpu, batches=args.batches, ctx=args.ctx, reps=args.reps)
+    gbps, t0, rows = copy_gbps(cuda), time.perf_counter(), []
+    for world, names in ((1, ["tp1"]), (2, [n for n in plans if n != "tp1"])):
+        out = tempfile.mkdtemp(prefix="glmc_spec_")
+        spawn(run_rank, world, {**job, "plans": {n: plans[n] for n in names}}, out, backend=backend, timeout_s=900)
+        ranks = [torch.load(f"{out}/rank{r}.pt") for r in range(world)]
+        for n in names:
+            if "error" in ranks[0][n]:
+                rows.append({"spec": n, "error": ranks[0][n]["error"], "trace": ranks[0][n]["trace"]})
+                print(json.dumps(rows[-1])[:1500], flush=True)
+                continue
+            rows += summarise(n, plans[n], [r[n] for r in ranks], gbps, cal, args.ctx)
+    info = {"device": torch.cuda.get_device_name() if cuda else "cpu", "gpus": torch.cuda.device_count() if cuda
+            else 0, "date": time.strftime("%Y-%m-%d"), "commit": args.commit, "copy_gbps": gbps, "ctx": args.ctx,
+            "model": "GLM-5.3 width, 1 dense + 3 MoE layers (256 experts), full indexers on 0 and 2, bf16",
+            "calibration": args.calibration, "seconds": time.perf_counter() - t0}
+    report(rows, info)
+    path = Path(args.out_dir) / f"spec_bench_{info['date']}{'_cpu' if args.cpu else ''}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"info": info, "rows": rows}, indent=1))
+    print(f"saved {path}")
+
+
+def report(rows, info):
+    print(f"device {info['device']}  copy {info['copy_gbps']:.0f} GB/s  ctx {info['ctx']}  {info['seconds']:.0f} s")
+    print(f"{'spec':14} {'B/rank':>6} {'bucket':>6} {'replay':>8} {'step':>8} {'tok/s':>9} {'nccl':>7} "
+          f"{'roofline':>8} {'x roof':>6} {'pred':>7}")
+    tp1 = {r["B_per_rank"]: r["tokens_per_s"] for r in rows if r.get("spec") == "tp1"}
+    for r in rows:
+        if "error" in r:
+            print(f"{r['spec']:14} ERROR {r['error'][:200]}")
+            continue
+        pred = r.get("predicted", {}).get("predicted_ms")
+        print(f"{r['spec']:14} {r['B_per_rank']:6d} {r['bucket'] or 0:6d} {r.get('replay_ms', 0):8.3f} "
+              f"{r['step_ms']:8.3f} {r['tokens_per_s']:9.0f} {sum(r.get('nccl_ms', {}).values()):7.3f} "
+              f"{r.get('roofline_ms', 0):8.3f} {r.get('replay_over_roofline', 0):6.2f} "
+              f"{pred if pred is not None else float('nan'):7.3f}  "
+              f"x tp1 tok/s {r['tokens_per_s'] / tp1.get(r['B_per_rank'], float('nan')):.2f}")
+
+
+if __name__ == "__main__":
+    main()
