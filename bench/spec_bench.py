@@ -5,7 +5,7 @@
 
 Model: a GLM-5.3-width slice, 1 dense + 3 MoE layers (256 experts split over the EP ranks), full
 indexers on layers 0 and 2 (1 and 3 share their top-k), random bf16 weights from one seed (the same
-on every rank). DSA is active: every request sits at position `--ctx` (4096 > index_topk 2048).
+on every rank), router correction bias zero (HF's init: routing spreads as the cost model assumes). DSA is active: every request sits at position `--ctx` (4096 > index_topk 2048).
 The KV and indexer caches are synthetic (random rows; no prefill). For each spec and per-rank batch
 B (each attention-DP rank runs B requests; TP ranks share theirs):
 - replay: the decode CUDA graph, CUDA events over back-to-back replays (slowest rank);
@@ -128,6 +128,10 @@ def run_rank(rank, world, job, out_dir):
     from glmc.runtime.worker.comm import Comm
     dev = job["device"]
     model = pc.slice_model(dev, torch.bfloat16, seed=0, narrow=job["narrow"], **LAYERS)
+    with torch.no_grad():   # HF's init value: routing spreads over experts (a random bias herds tokens onto a few)
+        for n, t in list(model.named_parameters()) + list(model.named_buffers()):
+            if n.endswith("e_score_correction_bias"):
+                t.zero_()
     weights, stacks = pc.glmc_weights(model)
     del model
     res = {}
