@@ -5,15 +5,17 @@
 
 Model: a GLM-5.3-width slice, 1 dense + 3 MoE layers (256 experts split over the EP ranks), full
 indexers on layers 0 and 2 (1 and 3 share their top-k), random bf16 weights from one seed (the same
-on every rank), router correction bias zero (HF's init: routing spreads as the cost model assumes). DSA is active: every request sits at position `--ctx` (4096 > index_topk 2048).
+on every rank), router correction bias zero (HF's init: routing spreads as the cost model assumes).
+DSA is active: every request sits at position `--ctx` (4096 > index_topk 2048).
 The KV and indexer caches are synthetic (random rows; no prefill). For each spec and per-rank batch
 B (each attention-DP rank runs B requests; TP ranks share theirs):
 - replay: the decode CUDA graph, CUDA events over back-to-back replays (slowest rank);
 - step: `forward()` from host ids to device logits, host time included (slowest rank);
 - tokens/s over all GPUs: B x attn_dp / step;
 - collectives: NCCL kernel time inside profiled replays (torch.profiler), per kind (slowest rank);
-- roofline: max over ranks of (HBM bytes the rank must move at B, `passes/costs.py`'s hbm_bytes)
-  / measured copy bandwidth, plus the collectives' measured in-graph time;
+- roofline: max over ranks of (HBM bytes the rank must move at B: `passes/costs.py`'s hbm_bytes with
+  the routed experts one eager step really touched) / measured copy bandwidth, plus the
+  collectives' measured in-graph time;
 - predicted (with --calibration): `glmc/predict.py`'s step for the bucket replayed.
 Targets (issue 9): replay within 1.3x of the roofline at B = 32 and 128; dp2ep2 at 128 per rank
 >= 1.7x tp1's tokens/s at 128.
@@ -69,18 +71,54 @@ def nccl_ms(graph, replays):
     return {k: v / replays / 1e3 for k, v in by_kind.items()}, total / replays / 1e3
 
 
-def must_bytes(plan, tokens, ctx):
-    """HBM bytes this rank must move in one decode step of `tokens` requests (runner dtypes: bf16)."""
+def must_bytes(plan, tokens, ctx, touched):
+    """HBM bytes this rank must move in one decode step of `tokens` requests (runner dtypes: bf16):
+    the cost model's, with its expected routed-expert reads replaced by the experts the step's
+    routing really touched on this rank (`touched`: per MoE layer)."""
     import predicted
-    from glmc.passes.estimate_cost import bill
+    from glmc.passes.costs import op_cost, weight_bytes_for
     env = {"T": tokens, "B": tokens, "S": ctx, "K": plan.config.index_topk}
-    return bill(plan.graphs["decode"], env, predicted.runner_dtypes(plan))["totals"]["hbm_bytes"]
+    graph, wb = plan.graphs["decode"], weight_bytes_for(predicted.runner_dtypes(plan))
+    total = 0
+    for op in graph.ops:
+        total += op_cost(op, graph, env, wb).hbm_bytes
+        if op.kind == "moe.experts":
+            hidden, inter = int(op.attr("hidden")), int(op.attr("inter")) // int(op.attr("moe_tp", 1))
+            local = int(op.attr("experts")) // int(op.attr("ep", 1))
+            k = int(op.attr("top_k"))
+            expected = local * (1 - (1 - k / int(op.attr("experts"))) ** tokens)
+            total += (touched.get(op.layer, expected) - expected) * 3 * hidden * inter * 2
+    return total
+
+
+def batch_of(plan, B, ctx, table):
+    import torch
+    from glmc.runtime.worker.forward_batch import ForwardBatch
+    ids = torch.randint(0, plan.config.vocab_size, (B,), generator=torch.Generator().manual_seed(B)).tolist()
+    return ForwardBatch.build("decode", [[t] for t in ids], list(range(B)), [ctx] * B, table)
+
+
+def routed_experts(gpu, plan, batch, dp_tokens):
+    """{MoE layer: this rank's experts some token of one eager decode step routes to}."""
+    seen, orig = {}, gpu.impls["moe.experts"]
+
+    def record(op, args, ctx):
+        ids, first = args[2], ctx.expert_offset(op)
+        local = int(op.attr("experts")) // int(op.attr("ep", 1))
+        mine = ids[(ids >= first) & (ids < first + local)]
+        seen[op.layer] = int(mine.unique().numel())
+        return orig(op, args, ctx)
+    gpu.impls = {**gpu.impls, "moe.experts": record}
+    try:
+        gpu.forward("decode", batch, dp_tokens=dp_tokens)   # nothing captured yet: runs eagerly
+    finally:
+        gpu.impls = {**gpu.impls, "moe.experts": orig}
+    return seen
 
 
 def one_spec(plan, weights, stacks, job, comm):
     """Every per-rank batch of one plan on this rank: -> list of measurements."""
     import torch
-    from glmc.runtime.worker.forward_batch import ForwardBatch
     from glmc.runtime.worker.loader import load_runner
     dev, batches, ctx, cuda = job["device"], job["batches"], job["ctx"], job["device"] == "cuda"
     max_b, max_ctx = max(batches), ctx + 64
@@ -92,15 +130,17 @@ def one_spec(plan, weights, stacks, job, comm):
     dp = plan.mesh["attn_dp"]
     need = {B: gpu.padded_tokens(B, [B] * dp if dp > 1 else None) for B in batches}
     buckets = sorted({next(b for b in gpu.buckets if b >= n) for n in need.values()})
+    table = pc.req_table(max_b, max_ctx // 64)
+    touched = {B: routed_experts(gpu, plan, batch_of(plan, B, ctx, table), [B] * dp if dp > 1 else None)
+               for B in batches}   # one eager step per batch: the experts its routing really picks
     if cuda:
         gpu.capture(buckets)
-    table = pc.req_table(max_b, max_ctx // 64)
     out = []
     for B in batches:
-        ids = torch.randint(0, plan.config.vocab_size, (B,), generator=torch.Generator().manual_seed(B)).tolist()
-        batch = ForwardBatch.build("decode", [[t] for t in ids], list(range(B)), [ctx] * B, table)
+        batch = batch_of(plan, B, ctx, table)
         dp_tokens = [B] * dp if dp > 1 else None
-        row = {"B": B, "bucket": None, "must_bytes": must_bytes(plan, B, ctx)}
+        row = {"B": B, "bucket": None, "touched_experts": touched[B],
+               "must_bytes": must_bytes(plan, B, ctx, touched[B])}
         for _ in range(3):
             gpu.forward("decode", batch, dp_tokens=dp_tokens)
         reps = job["reps"]
@@ -127,6 +167,7 @@ def run_rank(rank, world, job, out_dir):
     import torch
     from glmc.runtime.worker.comm import Comm
     dev = job["device"]
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // (2 * world)))   # ranks share the host's cores
     model = pc.slice_model(dev, torch.bfloat16, seed=0, narrow=job["narrow"], **LAYERS)
     with torch.no_grad():   # HF's init value: routing spreads over experts (a random bias herds tokens onto a few)
         for n, t in list(model.named_parameters()) + list(model.named_buffers()):
@@ -170,8 +211,10 @@ def summarise(name, plan, ranks, gbps, cal, ctx) -> list[dict]:
         row = {"spec": name, "B_per_rank": first["B"], "bucket": first["bucket"],
                "step_ms": max(r["step_ms"] for r in per)}
         row["tokens_per_s"] = first["B"] * plan.mesh["attn_dp"] / row["step_ms"] * 1e3
+        row["touched_experts"] = [r["touched_experts"] for r in per]
         if "replay_ms" in first:
             row["replay_ms"] = max(r["replay_ms"] for r in per)
+            row["tokens_per_s_replay"] = first["B"] * plan.mesh["attn_dp"] / row["replay_ms"] * 1e3
             kinds = {k for r in per for k in r["nccl_ms"]}
             row["nccl_ms"] = {k: max(r["nccl_ms"].get(k, 0.0) for r in per) for k in sorted(kinds)}
             row["kernels_ms"] = max(r["kernels_ms"] for r in per)
