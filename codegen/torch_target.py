@@ -199,9 +199,8 @@ def _sample(op, args, ctx: StepContext):
     return ref.sample_greedy(args[0])
 
 
-def _axes(op):
-    g = op.attr("group")
-    return g if isinstance(g, str) else tuple(g)
+def _axes(op) -> tuple[str, ...]:
+    return tuple(op.attr("group"))
 
 
 def _plan_bytes(x, ctx: StepContext, value: str, factor: float = 1.0) -> int:

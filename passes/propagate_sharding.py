@@ -57,9 +57,10 @@ def reshard_kind(src: Placement, dst: Placement, mesh: dict) -> tuple[str, tuple
     raise ValueError(f"no single collective turns {src} into {dst}")
 
 
-def group_name(axes: tuple[str, ...], size: int, world: int):
-    """Axes of the group, or `world` when it spans different axes over all ranks."""
-    return "world" if size == world and len(axes) > 1 else axes
+def group_name(axes: tuple[str, ...], size: int, world: int) -> tuple[str, ...]:
+    """Axes of the group, or `(world,)` when it spans different axes over all ranks (the attention
+    and MoE factorisations of one world: attn_dp with ep under dp8ep8)."""
+    return ("world",) if size == world and len(axes) > 1 else axes
 
 
 def _unsplit_drops_parallel(attrs: dict) -> dict:
