@@ -22,7 +22,7 @@ index prints once, inside `layers <set> { ... }`, with names relative to the lay
 `%L-1.x_out`, `weight=.self_attn.o_proj.weight`). Why a folded text rather than a `glmc diff` that
 groups equal hunks: the text is what a reviewer reads everywhere (goldens, plan directories,
 `--dump-after`, review diffs of goldens with plain `git diff`), so it shrinks (GLM-5.3 decode: 78
-layers in six classes) and a change to one lowering shows once per class of layers, each hunk
+layers in six or seven classes) and a change to one lowering shows once per class of layers, each hunk
 under the block that names its layers; the parser expands the blocks, so the text still is the
 graph (`parse(print_graph(g)) == g`). Classes rather than contiguous ranges, because GLM-5.3's
 shared-indexer layers repeat with period four, not in runs.

@@ -11,8 +11,8 @@ keys) with three changes that keep lines short and readable:
   `6..74 step 4` is 6, 10, ..., 74, in lists and as dict keys (`{3..5: 2}` is `{"3": 2, "4": 2,
   "5": 2}`: keys are strings, as in JSON, and those that are decimal numbers print as numbers);
 - `format_lines` breaks a value wider than the line into one entry per line (metadata only).
-Lists read back as lists (ops freeze them to tuples). A dict's entries print sorted (numeric keys by
-value), so dict order is not kept: graphs compare metadata as JSON does.
+Lists read back as lists (ops freeze them to tuples). A dict's entries print sorted (decimal keys in
+numeric order, first), so dict order is not kept: graphs compare metadata as JSON does.
 """
 from __future__ import annotations
 
