@@ -53,6 +53,7 @@ _LINE = re.compile(r"^(?P<lhs>%[^=]+?)\s*=\s*(?P<kind>[\w.]+)\((?P<args>[^)]*)\)
 
 
 def parse_op(line: str) -> Op:
+    """One op line (`print_op`'s form; inside a layers block, with relative names and no layer)."""
     m = _LINE.match(line.strip())
     if not m:
         raise ValueError("not an op line")

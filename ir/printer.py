@@ -55,6 +55,8 @@ def _fmt_result(t: TensorType | None, p: Placement | None) -> str:
 
 
 def print_op(op: Op) -> str:
+    """One op on one line: results, kind, operands, sorted attributes, `type @ placement` per result,
+    and `# L<n>` when it has a layer (a folded block's ops have none: the block gives it)."""
     lhs = ", ".join(f"%{r}" for r in op.results)
     args = ", ".join(f"%{v}" for v in op.operands)
     attrs = ", ".join(f"{k}={format_value(v)}" for k, v in op.attrs)
