@@ -58,7 +58,7 @@ def test_every_golden_round_trips(path):
 def test_identical_layers_print_once_with_their_layers():
     """GLM-5.3 tp8 decode: 78 layers in 7 classes; names and weights relative to the layer."""
     text = print_graph(graph(FULL, "tp8", "decode"))
-    assert re.findall(r"^layers (.*) \{$", text, re.M) == [
+    assert re.findall(r"^layers (.*) \{$", text, re.MULTILINE) == [
         "0", "1, 2", "3", "4..76 step 4", "5..77 step 4", "6..74 step 4", "7..75 step 4"]
     block = text[text.index("layers 5..77 step 4 {"):]
     assert "  %L.attn = attn.mla_absorbed(%L.q_nope, %L.q_pe, %L.kv, %L-3.topk) {" in block
@@ -112,8 +112,7 @@ def test_wide_metadata_breaks_one_entry_per_line():
     ("# glmc ir v1\n", "line 1: IR written as v1; this glmc reads v2: recompile"),
     ("layers 0 {\n%x = io.input() {dtype=fp32, name=x, shape=[T]} : [T] fp32\n", "ends inside a layers block"),
     ("#! a = {b: [1,\n", "ends inside metadata 'a'"),
-    ("layers 0 {\n%x = io.input() {dtype=fp32, name=x, shape=[T]} : [T] fp32\n}\n"
-     "layers 0 {\n%y = io.input() {dtype=fp32, name=y, shape=[T]} : [T] fp32\n}\n", "layer 0 is in two blocks"),
+    ("layers 0 {\n%x = io.input() {dtype=fp32, name=x, shape=[T]} : [T] fp32\n}\n" * 2, "layer 0 is in two blocks"),
 ])
 def test_parser_errors_say_what_and_where(text, msg):
     with pytest.raises(IRError, match=re.escape(msg)):
