@@ -98,7 +98,7 @@ def _qkv_fused(op, args, ctx: CudaStepContext):
     a, pos = args
     q, c, r = int(op.attr("q_lora")), int(op.attr("kv_lora")), int(op.attr("rope_dim"))
     wq, wkv = (ctx.w(n) for n in op.attr("weight"))
-    layer = int(op.attr("layer"))
+    layer = op.layer
     kw = {}
     if op.kind.endswith("_index"):
         di = int(op.attr("index_dim"))

@@ -98,14 +98,14 @@ def _add(op, args, ctx: StepContext):
 
 @impl("mem.kv_write")
 def _kv_write(op, args, ctx: StepContext):
-    layer = int(op.attr("layer"))
+    layer = op.layer
     ref.kv_write(ctx.pool, layer, ctx.loc, args[0], args[1])
     return layer
 
 
 @impl("mem.index_k_write")
 def _index_write(op, args, ctx: StepContext):
-    layer = int(op.attr("layer"))
+    layer = op.layer
     ref.index_k_write(ctx.pool, layer, ctx.loc, args[0])
     return layer
 
@@ -119,7 +119,7 @@ def _qkv_fused(op, args, ctx: StepContext):
     c_kv = ref.rms_norm(a[:, q:q + c], wkv, op.attr("eps"))
     theta, scaling = op.attr("theta"), op.attr("scaling")
     k_pe = ref.rope(a[:, q + c:q + c + r], pos, theta, op.attr("interleaved", True), scaling)
-    layer = int(op.attr("layer"))
+    layer = op.layer
     ref.kv_write(ctx.pool, layer, ctx.loc, c_kv, k_pe)
     if not op.kind.endswith("_index"):
         return q_c, layer
@@ -199,9 +199,8 @@ def _sample(op, args, ctx: StepContext):
     return ref.sample_greedy(args[0])
 
 
-def _axes(op):
-    g = op.attr("group")
-    return g if isinstance(g, str) else tuple(g)
+def _axes(op) -> tuple[str, ...]:
+    return tuple(op.attr("group"))
 
 
 def _plan_bytes(x, ctx: StepContext, value: str, factor: float = 1.0) -> int:

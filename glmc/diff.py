@@ -3,12 +3,14 @@ summary of collectives and fusions added or removed."""
 from __future__ import annotations
 
 import difflib
+import re
 from collections import Counter
 from pathlib import Path
 
 from glmc.ir import Graph, print_graph
 from glmc.passes.rewrite import FUSIONS
 
+_HUNK = re.compile(r"^@@ -(\d+)(?:,\d+)? \+\d+(?:,\d+)? @@$")
 COLLECTIVE_PREFIXES = ("comm.", "moe.dispatch", "moe.combine", "fused.allreduce", "fused.reduce_scatter")
 
 
@@ -47,9 +49,34 @@ def _fusions(g: Graph) -> Counter:
 
 
 def diff_text(name_a: str, a: Graph, name_b: str, b: Graph) -> str:
-    body = difflib.unified_diff(print_graph(a).splitlines(), print_graph(b).splitlines(),
-                                name_a, name_b, lineterm="", n=1)
-    return "\n".join([*summary(a, b), "", *body]) + "\n"
+    """The summary, then a unified diff of the printed (folded) IR: a change to one lowering shows
+    once per class of identical layers, each hunk header naming the `layers` block (or metadata entry)
+    the hunk starts in, as `git diff` names the function (`@@ -120,9 +121,7 @@ layers 3..75 step 4 {`)."""
+    text_a = print_graph(a).splitlines()
+    body = difflib.unified_diff(text_a, print_graph(b).splitlines(), name_a, name_b, lineterm="", n=1)
+    return "\n".join([*summary(a, b), "", *_name_hunks(body, _headers(text_a))]) + "\n"
+
+
+def _headers(lines: list[str]) -> list[str]:
+    """For each line, the line naming where it is: the header of its `layers ... {` block or the
+    first line of its `#! key = ...` metadata entry ("" for ops outside blocks)."""
+    out, head = [], ""
+    for line in lines:
+        if line.startswith("layers ") or (line.startswith("#! ") and not line.startswith(("#!  ", "#! }"))):
+            head = line
+        elif line.startswith("%"):      # an op outside blocks (ops inside are indented)
+            head = ""
+        out.append(head)
+        head = "" if line == "}" else head
+    return out
+
+
+def _name_hunks(body, header_at: list[str]):
+    """Unified-diff lines, each hunk header followed by the header of the line the hunk starts at."""
+    for line in body:
+        m = _HUNK.match(line)
+        start = int(m[1]) if m else 0
+        yield f"{line} {header_at[start - 1]}".rstrip() if m and start > 0 else line
 
 
 def diff_main(a: str, b: str, model: str | None, phase: str) -> int:

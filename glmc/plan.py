@@ -79,12 +79,13 @@ class Plan:
 
     @property
     def groups(self) -> set:
-        """The process groups the plan's collectives run over (tuples of mesh axes, or "world")."""
+        """The process groups the plan's collectives run over: tuples of mesh axes, `("world",)` for
+        all ranks."""
         out = set()
         for g in self.graphs.values():
             for op in g.ops:
                 if (grp := op.attr("group")) is not None:
-                    out.add(grp if isinstance(grp, str) else tuple(grp))
+                    out.add(grp)
         return out
 
     def full_indexer_layers(self) -> set[int]:

@@ -129,16 +129,16 @@ def _select_last(op, ins):
     return [T((Dim.of("B"),) + ins[0].shape[1:], ins[0].dtype)]
 
 
-@register("mem.kv_write", 2, attrs=("layer", "dtype"))
+@register("mem.kv_write", 2, attrs=("dtype",))
 def _kv_write(op, ins):
-    """Write c_kv | k_pe of the new tokens into the paged KV pool; result is the layer's cache."""
+    """Write c_kv | k_pe of the new tokens into the paged KV pool of the op's layer; result is its cache."""
     width = int(_last(ins[0]).coeff + _last(ins[1]).coeff)
     return [T(dims("S", width), op.attr("dtype"))]
 
 
-@register("mem.index_k_write", 1, attrs=("layer", "dtype"))
+@register("mem.index_k_write", 1, attrs=("dtype",))
 def _index_write(op, ins):
-    """Write indexer keys into the paged indexer cache (full layers only)."""
+    """Write indexer keys into the op's layer's paged indexer cache (full layers only)."""
     return [T(dims("S", _last(ins[0])), op.attr("dtype"))]
 
 
@@ -148,9 +148,9 @@ def _topk(op, ins):
     return [T((ins[0].shape[0], Dim.of(op.attr("k"))), "i32")]
 
 
-@register("idx.reuse", 1, attrs=("from_layer",))
+@register("idx.reuse", 1)
 def _reuse(op, ins):
-    """Shared layer: the top-k of the previous full layer."""
+    """Shared layer: the top-k of the previous full layer (the operand)."""
     return [ins[0]]
 
 

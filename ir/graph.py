@@ -81,5 +81,9 @@ class Graph:
         return print_graph(self)
 
     def __eq__(self, other) -> bool:
-        return isinstance(other, Graph) and self.ops == other.ops and \
-            json.dumps(self.meta, sort_keys=True) == json.dumps(other.meta, sort_keys=True)
+        return isinstance(other, Graph) and self.ops == other.ops and _as_json(self.meta) == _as_json(other.meta)
+
+
+def _as_json(meta: dict) -> dict:
+    """Metadata as JSON holds it (keys strings, tuples lists): what the text form keeps."""
+    return json.loads(json.dumps(meta))

@@ -43,8 +43,7 @@ def _check_collective(graph: Graph, op) -> None:
     dst = op.placements[0]
     if src is None or dst is None:
         return
-    group = op.attr("group")
-    axes = group if isinstance(group, tuple) else (group,)
+    axes = op.attr("group")
     need = _COLL_SRC[op.kind].replace("0", str(op.attr("dim", 0)))
     if not any(src.get(a) == need for a in axes) and "world" not in axes:
-        raise IRError(f"{op.where()}: input placement {src} has no {need} on group {group}")
+        raise IRError(f"{op.where()}: input placement {src} has no {need} on group [{', '.join(axes)}]")

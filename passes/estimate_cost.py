@@ -7,8 +7,9 @@ tokens with 2 all-reduces per layer plus the embedding's, and gathers the vocab-
 
 Example (GLM-5.3, tp8, decode):
 
- -> #! cost = {"comm": {"all_gather": {"count": 1, ...}, "all_reduce": {"count": 157, ...}}, "flops": ...
-    ... "point": {"B": 32, "K": 2048, "S": 4096, "T": 32}}
+ -> #! cost = {
+    #!   comm: {all_gather: {count: 1, ...}, all_reduce: {count: 157, ...}},
+    #!   point: {B: 32, K: 2048, S: 4096, T: 32}
 """
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ owns an indexer, layer 3 (shared) reuses its top-k:
 Example (GLM-5.3, tp1, decode):
 
     %L2.topk = idx.topk(%L2.iq, %L2.iw, %L2.icache) {head_dim=128, heads=32, k=2048} : ?  # L2
-    %L3.topk = idx.reuse(%L2.topk) {from_layer=2} : ?  # L3
+    %L3.topk = idx.reuse(%L2.topk) : ?  # L3
 """
 from __future__ import annotations
 
@@ -50,7 +50,6 @@ class _Env:
         self.ctx = ctx
         self.cfg = ctx.spec.config
         self.names: dict[str, str] = {}     # program name -> current IR value
-        self.prev_full: int | None = None
         # config fields by HF name, plus what the program needs derived: rope_scaling as the rope
         # ops' `scaling` attribute (None for a plain RoPE), the yarn-aware softmax scale
         self.fields = {**self.cfg.model_dump(), "softmax_scale": self.cfg.softmax_scale,
@@ -60,7 +59,6 @@ class _Env:
         self.emit(ops, self.ctx.spec.program.layer, layer=i, tags=tags, prefix=f"L{i}.")
         self.names["x"] = self.names.pop("x_out")
         if "full" in tags:
-            self.prev_full = i
             self.names["topk_prev"] = self.names["topk"]
 
     def emit(self, ops: list[Op], stmts, layer, tags: set[str], prefix: str) -> None:
@@ -90,8 +88,7 @@ class _Env:
         if not isinstance(v, str):
             return v
         if v.startswith("="):
-            self.fields.update(L=layer if layer is not None else -1,
-                               prev_full=self.prev_full if self.prev_full is not None else -1)
+            self.fields["L"] = layer if layer is not None else -1
             return evaluate(v[1:], self.fields)
         if v.startswith("$"):
             return getattr(self.ctx.spec.dtypes, v[1:])

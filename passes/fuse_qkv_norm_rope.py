@@ -10,11 +10,11 @@ and the yarn `scaling`, if any. GLM-5.3 layer 2 (full) and layer 3 (shared):
 Example (GLM-5.3, tp1, decode):
 
     %L2.ik = rope.apply(%L2.ik_n, %positions) {dims=64, interleaved=true, theta=8000000.0} : ...
-    %L2.icache = mem.index_k_write(%L2.ik) {dtype=fp8, layer=2} : [S, 128] fp8 @ R  # L2
+    %L2.icache = mem.index_k_write(%L2.ik) {dtype=fp8} : [S, 128] fp8 @ R  # L2
     %L3.q_c = norm.rms(%L3.q_a) {eps=1e-06, ...} : [T, 2048] bf16 @ R  # L3
     %L3.c_kv = norm.rms(%L3.kv_a) {eps=1e-06, ...} : [T, 512] bf16 @ R  # L3
     %L3.k_pe = rope.apply(%L3.k_pe_a, %positions) {dims=64, interleaved=true, theta=8000000.0} : ...
-    %L3.kv = mem.kv_write(%L3.c_kv, %L3.k_pe) {dtype=fp8, layer=3} : [S, 576] fp8 @ R  # L3
+    %L3.kv = mem.kv_write(%L3.c_kv, %L3.k_pe) {dtype=fp8} : [S, 576] fp8 @ R  # L3
  -> %L2.q_c, %L2.kv, %L2.icache = fused.qkv_a_norm_rope_write_index(%L2.a, %positions) {...
     %L3.q_c, %L3.kv = fused.qkv_a_norm_rope_write(%L3.a, %positions) {... interleaved=true, ...} : ...
 """
@@ -72,7 +72,7 @@ def fuse_qkv(op: Op, graph: Graph):
     attrs = {"q_lora": q_norm.types[0].shape[-1].coeff.numerator,
              "kv_lora": ckv[0].types[0].shape[-1].coeff.numerator,
              "rope_dim": rope.types[0].shape[-1].coeff.numerator, "dtype": op.attr("dtype"),
-             "eps": q_norm.attr("eps"), "theta": rope.attr("theta"), "layer": op.attr("layer"),
+             "eps": q_norm.attr("eps"), "theta": rope.attr("theta"),
              "interleaved": rope.attr("interleaved", True),
              "weight": (q_norm.attr("weight"), ckv[0].attr("weight"))}
     if rope.attr("scaling") is not None:

@@ -5,9 +5,9 @@ a shape mismatch fails naming the layer and op.
 
 Example (GLM-5.3, tp1, decode):
 
-    %L0.kv = mem.kv_write(%L0.c_kv, %L0.k_pe) {dtype=fp8, layer=0} : ?  # L0
+    %L0.kv = mem.kv_write(%L0.c_kv, %L0.k_pe) {dtype=fp8} : ?  # L0
     %L0.q = linear(%L0.q_c) {in_features=2048, out_features=16384, parallel=column, ...} : ?  # L0
- -> %L0.kv = mem.kv_write(%L0.c_kv, %L0.k_pe) {dtype=fp8, layer=0} : [S, 576] fp8  # L0
+ -> %L0.kv = mem.kv_write(%L0.c_kv, %L0.k_pe) {dtype=fp8} : [S, 576] fp8  # L0
     %L0.q = linear(%L0.q_c) {...} : [T, 16384] bf16  # L0
 """
 from __future__ import annotations

@@ -9,8 +9,11 @@ GLM-5.3: 576 fp8 bytes of KV per token on each of 78 layers, 128 + 4 on each of 
 
 Example (GLM-5.3, tp1, decode):
 
- -> #! memory = {"graph_bytes": {...}, "index_bytes_per_token": 2772, "index_layers": 21, ...
-    ... "kv_bytes_per_token": 44928, "kv_layers": 78, "weights_bytes": ...
+ -> #! memory = {
+    #!   index_bytes_per_token: 2772,
+    #!   index_layers: 21,
+    #!   kv_bytes_per_token: 44928,
+    #!   kv_layers: 78,
 """
 from __future__ import annotations
 

@@ -1,7 +1,9 @@
 """propagate-sharding: choose every value's placement, shard weights, make placement changes explicit.
 
 Assumes: inferred (logical) types. Guarantees: every result has a placement over the mesh axes of
-size > 1 and a per-rank type; weight-sharded ops carry `tp` (or `ep`/`moe_tp` for experts); where an
+size > 1 and a per-rank type; weight-sharded ops carry `tp` (or `ep`/`moe_tp` for experts), and an
+op the spec leaves whole loses its `parallel` (column / row / dense / shared: how it would split over
+tp, meaningless unsplit; codegen reads it only beside `tp`); where an
 operand's placement differs from what its op needs, a `comm.reshard {kind, group, size, src, dst}`
 sits between them (lowered by insert-collectives). At tp1 every value is R and no reshard is
 inserted. Under tp8, o_proj is row-parallel: its partial sums (P) are all-reduced before the
@@ -14,6 +16,13 @@ Example (GLM-5.3, tp8, decode):
  -> %L0.o = linear(%L0.attn) {... parallel=row, tp=8, ...} : [T, 6144] bf16 @ {attn_tp=P}  # L0
     %L0.o.ar = comm.reshard(%L0.o) {dim=0, dst=R, group=[attn_tp], kind=all_reduce, size=8, ...} : ... @ R
     %L0.h = elt.add(%L0.o.ar, %x.ar) {residual=true} : [T, 6144] bf16 @ R  # L0
+
+Under dp8ep8 attention is data-parallel (attn_tp 1): o_proj stays whole.
+
+Example (GLM-5.3, dp8ep8, decode):
+
+    %L0.o = linear(%L0.attn) {in_features=16384, out_features=6144, parallel=row, weight=...
+ -> %L0.o = linear(%L0.attn) {in_features=16384, out_features=6144, weight=...} : ... @ {attn_dp=S(0)}  # L0
 """
 from __future__ import annotations
 
@@ -48,9 +57,15 @@ def reshard_kind(src: Placement, dst: Placement, mesh: dict) -> tuple[str, tuple
     raise ValueError(f"no single collective turns {src} into {dst}")
 
 
-def group_name(axes: tuple[str, ...], size: int, world: int):
-    """Axes of the group, or `world` when it spans different axes over all ranks."""
-    return "world" if size == world and len(axes) > 1 else axes
+def group_name(axes: tuple[str, ...], size: int, world: int) -> tuple[str, ...]:
+    """Axes of the group, or `(world,)` when it spans different axes over all ranks (the attention
+    and MoE factorisations of one world: attn_dp with ep under dp8ep8)."""
+    return ("world",) if size == world and len(axes) > 1 else axes
+
+
+def _unsplit_drops_parallel(attrs: dict) -> dict:
+    """`parallel` says how an op splits over tp; without `tp` it would mean nothing."""
+    return attrs if "tp" in attrs else {k: v for k, v in attrs.items() if k != "parallel"}
 
 
 class PropagateSharding(Pass):
@@ -71,7 +86,8 @@ class PropagateSharding(Pass):
                             for v, w in zip(op.operands, want)]
             except ValueError as e:
                 raise PassError(f"propagate-sharding: {op.where()}: {e}") from e
-            new = Op.make(op.kind, op.results, operands, {**dict(op.attrs), **attrs}, op.layer)
+            new = Op.make(op.kind, op.results, operands, _unsplit_drops_parallel({**dict(op.attrs), **attrs}),
+                          op.layer)
             out_types = infer_types(new, [types[v] for v in operands])
             ops.append(new.with_types(out_types, outs))
             types.update(zip(op.results, out_types))

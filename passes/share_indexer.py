@@ -7,9 +7,10 @@ the full layer each shared layer reads. GLM-5.3, layer 3:
 
 Example (GLM-5.3, tp1, decode):
 
-    %L3.topk = idx.reuse(%L2.topk) {from_layer=2} : [T, 2048] i32 @ R  # L3
+    %L3.topk = idx.reuse(%L2.topk) : [T, 2048] i32 @ R  # L3
     %L3.attn = attn.sparse_mla(%L3.q_nope, %L3.q_pe, %L3.kv, %L3.topk) {...} : [T, 16384] bf16 @ R  # L3
- -> #! indexer = {"full_layers": [0, 1, 2, 6, 10, ...], "shared_from": {"11": 10, ...
+ -> #!   full_layers: [0..2, 6..74 step 4],
+    #!     3..5: 2,
     %L3.attn = attn.sparse_mla(%L3.q_nope, %L3.q_pe, %L3.kv, %L2.topk) {...} : [T, 16384] bf16 @ R  # L3
 """
 from __future__ import annotations
@@ -33,7 +34,7 @@ class ShareIndexer(Pass):
     name = "share-indexer"
 
     def run(self, graph: Graph, ctx: PassContext) -> Graph:
-        shared = {op.layer: op.attr("from_layer") for op in graph.ops if op.kind == "idx.reuse"}
+        shared = {op.layer: graph.producer(op.operands[0]).layer for op in graph.ops if op.kind == "idx.reuse"}
         for op in graph.ops:
             if op.layer in shared and op.kind in _INDEXER_KINDS:
                 raise PassError(f"share-indexer: {op.where()}: shared layer {op.layer} owns "

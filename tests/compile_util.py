@@ -24,7 +24,8 @@ def graph(name: str, parallel: str, phase: str, **opts):
 
 
 def ir(name: str, parallel: str, phase: str, **opts) -> str:
-    return print_graph(graph(name, parallel, phase, **opts))
+    """The compiled graph printed unfolded: one line per op, absolute names, `# L<n>`."""
+    return print_graph(graph(name, parallel, phase, **opts), fold=False)
 
 
 def plan(name: str, parallel: str, **opts):

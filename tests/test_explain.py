@@ -6,9 +6,10 @@ import pytest
 
 from glmc.cli import main
 from glmc.compiler import compile_plan
+from glmc.diff import diff_text
 from glmc.explain import explain_plan
 from glmc.parallel import parse_parallel
-from tests.compile_util import FULL, spec
+from tests.compile_util import FULL, graph, spec
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +82,18 @@ def test_cli_compile_explain_diff_onnx(tmp_path, capsys):
     model = onnx.load(str(out / "decode.onnx"))
     onnx.checker.check_model(model)
     assert any(n.op_type == "attn.mla_absorbed" and n.domain == "ai.glmc" for n in model.graph.node)
+
+
+def test_diff_shows_a_lowering_change_once_per_class_of_layers():
+    """GLM-5.3 decode under dp2ep2, MoE gather vs all-to-all: a handful of hunks (the metadata, then
+    one per class of MoE layers, not one per layer), each naming the layers it is in."""
+    gather, a2a = (graph(FULL, "dp2ep2", "decode", moe_a2a=forced) for forced in (False, True))
+    text = diff_text("gather", gather, "a2a", a2a)
+    hunks = [line.split(" @@ ")[1] for line in text.splitlines() if line.startswith("@@ ")]
+    assert hunks == ["#! cost = {", "#! model = glm-5.3", "#! rewrites = {", "layers 3..75 step 4 {",
+                     "layers 4..76 step 4 {", "layers 5..77 step 4 {", "layers 6..74 step 4 {"]
+    assert text.count("\n+  %L.routed.cb = moe.combine(%L.routed, %L.hn) {group=[ep], size=2, top_k=8}") == 4
+    assert "+75 moe.dispatch (0 -> 75)" in text and len(text.splitlines()) < 100
 
 
 def test_the_cards_command_compiles_glm53(tmp_path, monkeypatch, capsys):

@@ -11,7 +11,9 @@ The header names the model (GLM-5.3 = models/glm_moe_dsa.yaml, tiny = glm_moe_ds
 parallel spec, the phase and any options (`moe_a2a=true`, `max_batch=32`, `device=cpu`). Lines
 before `->` must match the IR printed just before the pass runs, lines from `->` on the IR just
 after it, each in order (FileCheck style: `...` matches anything, the rest literally, a substring
-of one printed line; a snippet line starting with `...` continues the one above). Without `->`,
+of one printed line; a snippet line starting with `...` continues the one above). The IR is
+printed unfolded (`print_graph(g, fold=False)`: one line per op, absolute names, `# L<n>`), so an
+example names one layer's ops. Without `->`,
 every line is checked after the pass. The "after" lines must not all hold before the pass: the
 example shows what the pass did.
 """
@@ -70,9 +72,9 @@ def printed(args: str) -> tuple[str, ...]:
     ctx = PassContext(s, parse_parallel(parallel, s.config), phase, options)
     graph, out = Graph([]), []
     for p in PIPELINE:
-        out.append(print_graph(graph))
+        out.append(print_graph(graph, fold=False))
         graph = p.run(graph, ctx)
-    return (*out, print_graph(graph))
+    return (*out, print_graph(graph, fold=False))
 
 
 @pytest.mark.parametrize("index", range(len(PIPELINE)), ids=[p.name for p in PIPELINE])

@@ -34,8 +34,11 @@ def test_load_names_the_file_at_fault(tmp_path):
     with pytest.raises(PlanError, match="(?s)plan.json.*hidden_size"):
         Plan.load(tmp_path / "p")
     compiled("glm_moe_dsa_tiny", "tp1").save(tmp_path / "q")
-    (tmp_path / "q" / "decode.ir").write_text("# glmc ir v1\n%x = no.such_op() : [T] i64 @ R\n")
-    with pytest.raises(PlanError, match="decode.ir"):
+    (tmp_path / "q" / "decode.ir").write_text("# glmc ir v2\n%x = no.such_op() : [T] i64 @ R\n")
+    with pytest.raises(PlanError, match="decode.ir.*no.such_op"):
+        Plan.load(tmp_path / "q")
+    (tmp_path / "q" / "decode.ir").write_text("# glmc ir v1\n")    # an older glmc's text form
+    with pytest.raises(PlanError, match="decode.ir: line 1: IR written as v1; this glmc reads v2: recompile"):
         Plan.load(tmp_path / "q")
 
 

@@ -32,8 +32,8 @@ class Coords:
 
 
 def group_ranks(axes, mesh: dict, world: int) -> list[list[int]]:
-    """The partition of ranks into groups over `axes` (a tuple of axis names, or "world")."""
-    if axes == "world":
+    """The partition of ranks into groups over `axes` (a tuple of axis names; `("world",)`: all ranks)."""
+    if axes == ("world",):
         return [list(range(world))]
     axes = tuple(a for a in axes if mesh[a] > 1)
     family = ATTN if set(axes) <= set(ATTN) else MOE if set(axes) <= set(MOE) else None
