@@ -59,16 +59,20 @@ def nccl_ms(graph, replays):
         for _ in range(replays):
             graph.replay()
         torch.cuda.synchronize()
-    by_kind, total = {}, 0.0
+    by_kind, total, kernels = {}, 0.0, {}
     for e in prof.events():
         if e.device_type.name != "CUDA":
             continue
         us = e.device_time if hasattr(e, "device_time") else e.cuda_time
         total += us
+        row = kernels.setdefault(e.name[:120], [0, 0.0])
+        row[0], row[1] = row[0] + 1, row[1] + us
         if "nccl" in e.name.lower():
             kind = next((v for k, v in NCCL_KINDS.items() if k in e.name), "other")
             by_kind[kind] = by_kind.get(kind, 0.0) + us
-    return {k: v / replays / 1e3 for k, v in by_kind.items()}, total / replays / 1e3
+    per_replay = {name: [n / replays, us / replays] for name, (n, us) in
+                  sorted(kernels.items(), key=lambda kv: -kv[1][1])}   # kernel -> [launches, us] per replay
+    return {k: v / replays / 1e3 for k, v in by_kind.items()}, total / replays / 1e3, per_replay
 
 
 def must_bytes(plan, tokens, ctx, touched):
@@ -153,7 +157,7 @@ def one_spec(plan, weights, stacks, job, comm):
         cap = gpu.captured.get(gpu.last_bucket) if cuda else None
         if cap is not None:
             row["replay_ms"] = replay_ms(cap.graph, reps)
-            row["nccl_ms"], row["kernels_ms"] = nccl_ms(cap.graph, 5)
+            row["nccl_ms"], row["kernels_ms"], row["profile"] = nccl_ms(cap.graph, 5)
             row["counts"] = cap.counts
         out.append(row)
     gpu.release()
@@ -218,6 +222,7 @@ def summarise(name, plan, ranks, gbps, cal, ctx) -> list[dict]:
             kinds = {k for r in per for k in r["nccl_ms"]}
             row["nccl_ms"] = {k: max(r["nccl_ms"].get(k, 0.0) for r in per) for k in sorted(kinds)}
             row["kernels_ms"] = max(r["kernels_ms"] for r in per)
+            row["profile_rank0"] = first["profile"]     # per replay: kernel -> [launches, device us]
             row["counts"] = first["counts"]
             comm = sum(row["nccl_ms"].values())
             row["roofline_ms"] = max(r["must_bytes"] for r in per) / gbps / 1e6 + comm
