@@ -163,16 +163,18 @@ class Check:
         d, dev = self.d, self.dev
         batch, pool, q_nope, q_pe, w, topk = self.inputs(prefix, extend, sparse)
         args = (q_nope, q_pe, pool, 0, w, topk, batch, self.scale, d.dn, d.dv)
+        reqs = tp.Requests(batch.req_pool_indices, batch.extend_lens, batch.seq_lens, batch.positions)
+        mha = (q_nope, q_pe, pool.kv[0], w, topk, reqs, batch.req_to_token, self.scale, d.dn, d.dv)
         want = self.reference(batch, pool, q_nope, q_pe, w, topk)
         flops = allowed_pairs(batch, topk) * d.heads * 2 * (d.dn + d.dr + d.dv)
         with poisoned():
-            got = tp.mla_attention_mha(*args)
+            got = tp.mla_attention_mha(*mha)
         base = dict(case=name, T=batch.num_tokens, keys=int(batch.seq_lens.sum()), topk=d.topk if sparse else None)
-        ms = time_ms(lambda: tp.mla_attention_mha(*args), d.reps, self.cuda)
+        ms = time_ms(lambda: tp.mla_attention_mha(*mha), d.reps, self.cuda)
         self.add(dict(base, what="wrapper (default tiles)", ms=ms, tflops=flops / ms / 1e9, **self.errors(got, want)))
-        keys = tp.prefill_keys(batch, topk, 64, 64, dev)
+        keys = tp.prefill_keys(reqs, batch.req_to_token, topk, 64, 64, dev)
         kv, k_pe = tp.expand_keys(pool.kv[0], w, keys.slots, d.R)
-        ms = time_ms(lambda: tp.prefill_keys(batch, topk, 64, 64, dev), d.reps, self.cuda)
+        ms = time_ms(lambda: tp.prefill_keys(reqs, batch.req_to_token, topk, 64, 64, dev), d.reps, self.cuda)
         self.add(dict(base, what="  step: prefill_keys", ms=ms, compact_keys=keys.slots.numel()))
         self.add(dict(base, what="  step: expand (kv_b GEMM)", ms=time_ms(
             lambda: tp.expand_keys(pool.kv[0], w, keys.slots, d.R), d.reps, self.cuda)))
@@ -182,7 +184,7 @@ class Check:
                 print(f"skip tiles {bm}x{bn}: over the {self.args.budget}s budget", flush=True)
                 break
             try:
-                kk = keys if (bm, bn) == (64, 64) else tp.prefill_keys(batch, topk, bm, bn, dev)
+                kk = keys if (bm, bn) == (64, 64) else tp.prefill_keys(reqs, batch.req_to_token, topk, bm, bn, dev)
                 fn = lambda: tp.sparse_mla_prefill(q_nope, q_pe, kv, k_pe, kk, pos, self.scale, d.dv,  # noqa: E731
                                                    num_warps=nw, num_stages=ns)
                 got = fn()

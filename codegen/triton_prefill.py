@@ -1,6 +1,6 @@
 """Sparse prefill attention on Triton: MLA in MHA form over each query's top-k (or causal) keys.
 
-`mla_attention_mha(q_nope, q_pe, pool, layer, w_kv_b, topk, batch, scale, dn, dv)` has
+`mla_attention_mha(q_nope, q_pe, kv_cache, w_kv_b, topk, reqs, req_to_token, scale, dn, dv)` has
 `torch_ref.mla_attention_mha`'s contract: o_h(t) = softmax_s(scale (q_nope_h.k_nope_h(s) + q_pe_h.k_pe(s)))
 v_h(s) over the keys s of t's request that are causal (s <= pos(t)) and, when `topk` [T, K] is given,
 among t's top-k POSITIONS (-1 padded; duplicates and future positions are tolerated and dropped);
@@ -80,6 +80,21 @@ class SparseMlaPrefillCtx:
 
 
 @dataclass(frozen=True)
+class Requests:
+    """The prefill step's requests as host tensors [B]: req_to_token row, new tokens, total tokens;
+    and each new token's position [T]. (`Requests(b.req_pool_indices, b.extend_lens, b.seq_lens,
+    b.positions)` of a runtime ForwardBatch `b`.)"""
+    rows: torch.Tensor
+    extend_lens: torch.Tensor
+    seq_lens: torch.Tensor
+    positions: torch.Tensor
+
+    @property
+    def batch_size(self) -> int:
+        return self.rows.numel()
+
+
+@dataclass(frozen=True)
 class PrefillKeys:
     """Which key rows each query block reads (see module docstring, step 1). U = compact keys, NQB =
     query blocks, W = mask words per token, NT = key tiles per request (max)."""
@@ -104,24 +119,24 @@ def _query_blocks(extend_lens, block_m):
     return torch.stack([start, end], 1), req
 
 
-def _dense_keys(batch, rows, r2t, dev):
+def _dense_keys(reqs, rows, r2t, dev):
     """Every position of every request: (slots [U], first key row [B], keys [B])."""
-    seq = batch.seq_lens.to(dev)
+    seq = reqs.seq_lens.to(dev)
     start = torch.cumsum(seq, 0) - seq
     key_req = torch.repeat_interleave(torch.arange(seq.numel(), device=dev), seq)
     key_pos = torch.arange(key_req.numel(), device=dev) - start[key_req]
     return r2t[rows[key_req], key_pos].long(), start, seq
 
 
-def _sparse_keys(batch, topk, rows, r2t, tok_req, wb, block_n):
+def _sparse_keys(reqs, topk, rows, r2t, tok_req, wb, block_n):
     """Union of each request's allowed top-k positions, as compact keys; -> (slots, first key row [B],
     keys [B], words [T, W] int64 bitmask over each request's compact keys)."""
-    dev, B = topk.device, batch.batch_size
-    qpos = batch.positions.to(dev)
+    dev, B = topk.device, reqs.batch_size
+    qpos = reqs.positions.to(dev)
     pos = torch.where((topk >= 0) & (topk <= qpos[:, None]), topk, -1).sort(-1).values
     valid = pos >= 0
     valid[:, 1:] &= pos[:, 1:] != pos[:, :-1]  # a repeated position counts once
-    width = int(batch.seq_lens.max())
+    width = int(reqs.seq_lens.max())
     code = tok_req[:, None] * width + pos.clamp(min=0)
     keys = torch.unique(code[valid])  # sorted: request-major, then position
     num_keys = torch.bincount(keys // width, minlength=B)
@@ -135,21 +150,21 @@ def _sparse_keys(batch, topk, rows, r2t, tok_req, wb, block_n):
     return r2t[rows[keys // width], keys % width].long(), start, num_keys, mask
 
 
-def prefill_keys(batch, topk, block_m, block_n, device, req_to_token=None) -> PrefillKeys:
-    """Step 1 for a prefill `batch` (host ForwardBatch) and top-k positions `topk` [T, K] (or None).
-    `req_to_token` is a device copy of the table (default: batch.req_to_token moved to `device`)."""
+def prefill_keys(reqs: Requests, req_to_token, topk, block_m, block_n, device) -> PrefillKeys:
+    """Step 1 for a prefill step's `reqs` and top-k positions `topk` [T, K] (or None); slots come from
+    `req_to_token` (moved to `device`)."""
     dev = torch.device(device)
-    r2t = (batch.req_to_token if req_to_token is None else req_to_token).to(dev)
-    rows = batch.req_pool_indices.to(dev)
-    span, blk_req = _query_blocks(batch.extend_lens, block_m)
+    r2t = req_to_token.to(dev)
+    rows = reqs.rows.to(dev)
+    span, blk_req = _query_blocks(reqs.extend_lens, block_m)
     span, blk_req = span.to(dev), blk_req.to(dev)
-    tok_req = torch.repeat_interleave(torch.arange(batch.batch_size, device=dev), batch.extend_lens.to(dev))
+    tok_req = torch.repeat_interleave(torch.arange(reqs.batch_size, device=dev), reqs.extend_lens.to(dev))
     if topk is None:
-        slots, start, count = _dense_keys(batch, rows, r2t, dev)
+        slots, start, count = _dense_keys(reqs, rows, r2t, dev)
         bits = tiles = num_tiles = None
     else:
         wb = min(32, block_n)
-        slots, start, count, words = _sparse_keys(batch, topk.to(dev), rows, r2t, tok_req, wb, block_n)
+        slots, start, count, words = _sparse_keys(reqs, topk.to(dev), rows, r2t, tok_req, wb, block_n)
         T, nt = words.shape[0], words.shape[1] * wb // block_n
         tok_blk = torch.repeat_interleave(torch.arange(span.shape[0], device=dev), span[:, 1] - span[:, 0])
         tile_any = (words.view(T, nt, block_n // wb) != 0).any(-1).int()
@@ -190,15 +205,15 @@ def sparse_mla_prefill(q_nope, q_pe, kv, k_pe, keys: PrefillKeys, positions, sca
     return out.view(T, H * dv)
 
 
-def mla_attention_mha(q_nope, q_pe, pool, layer, w_kv_b, topk, batch, scale, dn, dv, req_to_token=None,
+def mla_attention_mha(q_nope, q_pe, kv_cache, w_kv_b, topk, reqs: Requests, req_to_token, scale, dn, dv,
                       block_m=None, block_n=None, **tiles):
-    """torch_ref.mla_attention_mha on Triton (module docstring). `req_to_token`: a device copy of the
-    table to gather slots from (the GPU runner's); tile overrides as SparseMlaPrefillCtx.make."""
+    """torch_ref.mla_attention_mha on Triton (module docstring): kv_cache [slots, kv_lora + dr] is one
+    layer's latent cache, w_kv_b [H*(dn+dv), kv_lora]; tile overrides as SparseMlaPrefillCtx.make."""
     dev = q_nope.device
     block_m, block_n = block_m or 64, block_n or 64
-    keys = prefill_keys(batch, topk, block_m, block_n, dev, req_to_token)
-    kv, k_pe = expand_keys(pool.kv[layer], w_kv_b, keys.slots, pool.kv_lora_rank)
+    keys = prefill_keys(reqs, req_to_token, topk, block_m, block_n, dev)
+    kv, k_pe = expand_keys(kv_cache, w_kv_b, keys.slots, w_kv_b.shape[1])
     if kv.shape[1] != q_nope.shape[1] * (dn + dv):
         raise ValueError(f"mla_attention_mha: kv_b gives {kv.shape[1]} columns, expected H {q_nope.shape[1]}"
                          f" x (dn {dn} + dv {dv})")
-    return sparse_mla_prefill(q_nope, q_pe, kv, k_pe, keys, batch.positions.to(dev), scale, dv, **tiles)
+    return sparse_mla_prefill(q_nope, q_pe, kv, k_pe, keys, reqs.positions.to(dev), scale, dv, **tiles)

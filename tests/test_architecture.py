@@ -260,3 +260,19 @@ def test_the_executors_step_fulfils_the_codegen_contract():
         have = {f.name for f in dataclasses.fields(step)} | set(dir(step))
         missing = members(proto) - have
         assert not missing, f"{step.__name__} lacks {sorted(missing)} of {proto.__name__}"
+
+
+ADAPTERS = {"token_rows"}   # the one ForwardBatch -> tensors adapter, for tests and benchmarks
+
+
+def test_kernel_wrappers_take_tensors():
+    """The Triton launch wrappers take tensors (and a kernel library), never the runtime's
+    ForwardBatch or KV pool: no parameter named batch or pool in codegen/triton_*.py."""
+    bad = []
+    for path in sorted((ROOT / "codegen").glob("triton_*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef) and node.name not in ADAPTERS:
+                names = {a.arg for a in node.args.args + node.args.kwonlyargs}
+                if names & {"batch", "pool"}:
+                    bad.append(f"{path.name}::{node.name}")
+    assert not bad, f"kernel wrappers taking a ForwardBatch or KV pool: {bad}"

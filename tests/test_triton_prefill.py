@@ -63,6 +63,16 @@ def messy_topk(batch, k):
     return topk
 
 
+def reqs_of(batch):
+    return tp.Requests(batch.req_pool_indices, batch.extend_lens, batch.seq_lens, batch.positions)
+
+
+def triton_mha(q_nope, q_pe, pool, layer, w, topk, batch, scale, dn, dv, **tiles):
+    """tp.mla_attention_mha with torch_ref's (pool, batch) arguments."""
+    return tp.mla_attention_mha(q_nope, q_pe, pool.kv[layer], w, topk, reqs_of(batch), batch.req_to_token, scale,
+                                dn, dv, **tiles)
+
+
 def close(a, b, tol):
     torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol)
 
@@ -81,7 +91,7 @@ def test_matches_reference(prefix, extend, k, source, block_m, block_n):
     topk = {"indexer": lambda: indexer_topk(pool, batch, k), "messy": lambda: messy_topk(batch, k),
             "dense": lambda: None}[source]()
     args = (q_nope, q_pe, pool, 0, w, topk, batch, 0.25, DN, DV)
-    got = tp.mla_attention_mha(*args, block_m=block_m, block_n=block_n)
+    got = triton_mha(*args, block_m=block_m, block_n=block_n)
     assert got.shape == (batch.num_tokens, H * DV) and got.dtype == torch.float32
     close(got, ref.mla_attention_mha(*args), 1e-4)
 
@@ -94,7 +104,7 @@ def test_split_and_padded_head_dims(dn, dr, dv, k):
     q = torch.randn(batch.num_tokens, H, dn + dr)  # q_nope, q_pe as strided views of q_b's output
     topk = indexer_topk(pool, batch, k) if k else None
     args = (q[..., :dn], q[..., dn:], pool, 0, w, topk, batch, 0.3, dn, dv)
-    close(tp.mla_attention_mha(*args, block_m=8, block_n=16), ref.mla_attention_mha(*args), 1e-4)
+    close(triton_mha(*args, block_m=8, block_n=16), ref.mla_attention_mha(*args), 1e-4)
 
 
 def test_row_without_keys_is_zero():
@@ -104,7 +114,7 @@ def test_row_without_keys_is_zero():
     topk[2] = -1
     topk[6, :] = int(batch.positions[6]) + 1  # only a future position: nothing allowed
     args = (q_nope, q_pe, pool, 0, w, topk, batch, 0.25, DN, DV)
-    got, want = tp.mla_attention_mha(*args, block_m=8, block_n=8), ref.mla_attention_mha(*args)
+    got, want = triton_mha(*args, block_m=8, block_n=8), ref.mla_attention_mha(*args)
     keep = torch.ones(batch.num_tokens, dtype=torch.bool)
     keep[[2, 6]] = False
     close(got[keep], want[keep], 1e-4)
@@ -116,7 +126,7 @@ def test_bf16(k):
     batch = make_batch([0, 21, 5], [19, 3, 9], 128)
     pool, q_nope, q_pe, w = make_inputs(batch, torch.bfloat16)
     topk = indexer_topk(pool, batch, k) if k else None
-    got = tp.mla_attention_mha(q_nope, q_pe, pool, 0, w, topk, batch, 0.25, DN, DV, block_m=16, block_n=16)
+    got = triton_mha(q_nope, q_pe, pool, 0, w, topk, batch, 0.25, DN, DV, block_m=16, block_n=16)
     assert got.dtype == torch.bfloat16
     pool.kv[0] = pool.kv[0].float()
     want = ref.mla_attention_mha(q_nope.float(), q_pe.float(), pool, 0, w.float(), topk, batch, 0.25, DN, DV)
@@ -128,13 +138,14 @@ def test_prefill_keys_reads_only_wanted_tiles():
     each block lists exactly the key tiles some query of it wants."""
     batch = make_batch([60], [4], 128)
     topk = torch.tensor([[3, 60], [61, 17], [-1, 62], [40, 3]])
-    keys = tp.prefill_keys(batch, topk, 2, 4, "cpu")
+    keys = tp.prefill_keys(reqs_of(batch), batch.req_to_token, topk, 2, 4, "cpu")
     row = batch.req_to_token[int(batch.req_pool_indices[0])]
     assert keys.slots.tolist() == row[[3, 17, 40, 60, 61, 62]].tolist()
     assert keys.blocks.tolist() == [[0, 2, 0, 6], [2, 4, 0, 6]]
     assert keys.bits.tolist() == [[0b1001, 0], [0b10, 0b1], [0, 0b10], [0b101, 0]]  # 4-bit words (block_n)
     assert keys.num_tiles.tolist() == [2, 2] and keys.tiles.tolist() == [[0, 1], [0, 1]]
-    keys = tp.prefill_keys(batch, torch.tensor([[60], [-1], [3], [40]]), 2, 2, "cpu")  # keys 3, 40 | 60
+    keys = tp.prefill_keys(reqs_of(batch), batch.req_to_token, torch.tensor([[60], [-1], [3], [40]]), 2, 2,
+                            "cpu")  # keys 3, 40 | 60
     assert keys.num_tiles.tolist() == [1, 1] and keys.tiles[:, 0].tolist() == [1, 0]
 
 
