@@ -128,6 +128,21 @@ def glmc_weights(model):
     return weights, stacks
 
 
+def replay_ms(graph, replays: int = 20) -> float:
+    """Milliseconds per replay of a captured decode graph (every rank replays the same count)."""
+    import torch
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / replays
+
+
 def req_table(num_rows, pages_per_req):
     """req_to_token: row r on pages r*ppr+1 .. (r+1)*ppr (page 0 unused; the pool's last page is scratch)."""
     import torch

@@ -88,23 +88,8 @@ def run_rank(rank: int, world: int, job: dict, out_dir: str) -> None:
         counts.append(comm.reset())
     cap = gpu.captured.get(gpu.last_bucket) if gpu.last_bucket and job["time_replay"] else None
     torch.save({"index": mine, "tokens": tokens, "logits": logits, "counts": counts,
-                "bucket": gpu.last_bucket, "replay_ms": replay_ms(cap.graph) if cap else None},
+                "bucket": gpu.last_bucket, "replay_ms": pc.replay_ms(cap.graph) if cap else None},
                f"{out_dir}/rank{rank}.pt")
-
-
-def replay_ms(graph, replays: int = 20) -> float:
-    """Milliseconds per replay of a captured decode graph (every rank replays the same count)."""
-    import torch
-    for _ in range(3):
-        graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / replays
 
 
 def run_spec(kind, parallel, a2a, world, job, backend) -> list[dict]:

@@ -40,17 +40,6 @@ NCCL_KINDS = {"AllReduce": "all_reduce", "AllGather": "all_gather", "ReduceScatt
               "SendRecv": "all_to_all", "AllToAll": "all_to_all"}
 
 
-def replay_ms(graph, replays):
-    import torch
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / replays
-
-
 def nccl_ms(graph, replays):
     """(NCCL kernel ms per replay by kind, all kernels' ms per replay) from a profiled run of replays."""
     import torch
@@ -156,7 +145,7 @@ def one_spec(plan, weights, stacks, job, comm):
         row["bucket"] = gpu.last_bucket
         cap = gpu.captured.get(gpu.last_bucket) if cuda else None
         if cap is not None:
-            row["replay_ms"] = replay_ms(cap.graph, reps)
+            row["replay_ms"] = pc.replay_ms(cap.graph, reps)
             row["nccl_ms"], row["kernels_ms"], row["profile"] = nccl_ms(cap.graph, 5)
             row["counts"] = cap.counts
         out.append(row)

@@ -21,18 +21,7 @@ from __future__ import annotations
 
 import torch
 from glmc.codegen import torch_ref as ref
-from glmc.codegen.triton_contexts import (
-    TOPK_CHUNK,
-    IndexerScoresCtx,
-    MlaCombineCtx,
-    MoeRouterCtx,
-    QkvNormRopeWriteCtx,
-    RmsNormCtx,
-    RopeCtx,
-    SampleCtx,
-    SparseMlaDecodeCtx,
-    TopkSelectCtx,
-)
+from glmc.codegen import triton_contexts as tc
 from glmc.codegen.triton_moe import MoeExpertsCtx
 from glmc.codegen.triton_render import render
 from glmc.ir import Graph, Op
@@ -50,18 +39,18 @@ def _dims(graph: Graph, value: str) -> list[int]:
 
 
 def _rms(op, graph, dtype):
-    return [RmsNormCtx.make(_dims(graph, op.results[0])[-1], op.attr("eps"), op.kind == "fused.add_rms")]
+    return [tc.RmsNormCtx.make(_dims(graph, op.results[0])[-1], op.attr("eps"), op.kind == "fused.add_rms")]
 
 
 def _rope(op, graph, dtype):
     *heads, dim = _dims(graph, op.operands[0])
-    return [RopeCtx.make(heads[0] if heads else 1, dim, int(op.attr("dims")), op.attr("interleaved", True),
+    return [tc.RopeCtx.make(heads[0] if heads else 1, dim, int(op.attr("dims")), op.attr("interleaved", True),
                          ref.rope_attention_factor(op.attr("scaling")))]
 
 
 def _qkv(op, graph, dtype):
     index = op.kind.endswith("_index")
-    return [QkvNormRopeWriteCtx.make(
+    return [tc.QkvNormRopeWriteCtx.make(
         int(op.attr("q_lora")), int(op.attr("kv_lora")), int(op.attr("rope_dim")), op.attr("eps"),
         op.attr("interleaved", True), int(op.attr("index_dim")) if index else 0,
         op.attr("index_eps") if index else 1e-6, op.attr("index_interleaved", True) if index else True,
@@ -70,19 +59,19 @@ def _qkv(op, graph, dtype):
 
 def _topk(op, graph, dtype):
     heads, dim = _dims(graph, op.operands[0])
-    return [IndexerScoresCtx.make(heads, dim, dtype), TopkSelectCtx.make(int(op.attr("k")), chunk=TOPK_CHUNK)]
+    return [tc.IndexerScoresCtx.make(heads, dim, dtype), tc.TopkSelectCtx.make(int(op.attr("k")), chunk=tc.TOPK_CHUNK)]
 
 
 def _attn(op, graph, dtype):
     heads = int(op.attr("heads")) // int(op.attr("tp", 1))
     kv_lora = int(op.attr("kv_lora"))
     topk = _dims(graph, op.operands[3])[-1] if len(op.operands) > 3 else None
-    return (SparseMlaDecodeCtx.variants(heads, kv_lora, int(op.attr("dr")), topk, op.attr("scale"), dtype)
-            + MlaCombineCtx.variants(heads, kv_lora))
+    return (tc.SparseMlaDecodeCtx.variants(heads, kv_lora, int(op.attr("dr")), topk, op.attr("scale"), dtype)
+            + tc.MlaCombineCtx.variants(heads, kv_lora))
 
 
 def _router(op, graph, dtype):
-    return [MoeRouterCtx.make(_dims(graph, op.operands[0])[-1], int(op.attr("n_group")), int(op.attr("topk_group")),
+    return [tc.MoeRouterCtx.make(_dims(graph, op.operands[0])[-1], int(op.attr("n_group")), int(op.attr("topk_group")),
                               int(op.attr("top_k")), op.attr("norm_topk_prob"), op.attr("scale"))]
 
 
@@ -93,7 +82,7 @@ def _experts(op, graph, dtype):
 
 
 def _sample(op, graph, dtype):
-    return [SampleCtx.make(_dims(graph, op.operands[0])[-1])]
+    return [tc.SampleCtx.make(_dims(graph, op.operands[0])[-1])]
 
 
 # op kind -> the kernel contexts its CUDA implementation can launch
