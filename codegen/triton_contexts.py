@@ -137,7 +137,7 @@ class IndexerScoresCtx:
                    dot_dtype, precision, 4)
 
 
-TOPK_CHUNK = 4096  # scores per top-k counting pass in a plan (rows are up to the model's context)
+TOPK_CHUNK = 8192  # scores per top-k pass in a plan: rows up to 8192 are held in registers (one read)
 
 
 @dataclass(frozen=True)
