@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from glmc.codegen.cuda_kernels import TOPK_CHUNK
 from glmc.codegen.triton_render import _DOT, _warps, next_pow2
 
 
@@ -137,7 +138,8 @@ class IndexerScoresCtx:
                    dot_dtype, precision, 4)
 
 
-TOPK_CHUNK = 4096  # scores per top-k counting pass in a plan (rows are up to the model's context)
+# TOPK_CHUNK: scores per top-k counting pass in a plan (rows are up to the model's context); defined
+# with the launch facts the step-time predictor reads (cuda_kernels.topk_select_passes)
 
 
 @dataclass(frozen=True)
