@@ -20,6 +20,8 @@ from tests.compile_util import FULL, TINY, plan
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "bench" / "results" / "calibration_example_h200.json"            # schema /1, measured: false
+MEASURED = ROOT / "bench" / "results" / "calibration_nvidia-h200-x2_2026-11-30.json"   # /2 (bench/calibrate.py)
+SPEC_BENCH = ROOT / "bench" / "results" / "spec_bench_2026-11-30.json"
 ROUND = {"schema": "glmc-calibration/1", "device": "test", "gpus": 2, "date": "2026-12-01", "commit": "x",
          "hbm_bytes_per_s": 1e12, "gemm_flops_per_s": {"bf16": 1e14, "fp32": 1e13},
          "kernel_overhead_s": 1e-6, "torch_op_overhead_s": 0.5e-6,
@@ -134,6 +136,9 @@ def test_the_cli_prints_the_table(tmp_path, capsys):
     assert "## Predicted decode step (NVIDIA H200" in text and "Assumptions:" in text
     assert "| 256 |" in text and "collectives over 2 GPUs: measured" in text and "measured: false" in text
     assert "calibration schema glmc-calibration/1: no top-k select latency" in text    # /1: read, and said so
+    assert main(["explain", str(out), "--calibration", str(MEASURED)]) == 0
+    text = capsys.readouterr().out
+    assert "top-k select: one program per token row" in text and "schema glmc-calibration/1" not in text
     assert main(["explain", str(out), "--json", "--calibration", str(EXAMPLE)]) == 0
     d = json.loads(capsys.readouterr().out)["predicted"]
     assert [r["batch_per_rank"] for r in d["table"]] == list(TABLE_BATCHES)
@@ -175,6 +180,24 @@ def test_the_slice_lands_near_its_measured_steps():
     cal = load(EXAMPLE)
     for batch, measured in ((1, 1.215), (32, 4.063), (128, 6.242)):
         assert predicted.predict_ms(slice_plan, batch, 1024, cal) == pytest.approx(measured, rel=0.2)
+
+
+def test_every_spec_bench_row_within_20_percent():
+    """bench/results/spec_bench_2026-11-30.json (2x H200: tp1, tp2, tp2ep2/gather, dp2ep2/gather and
+    /a2a at 1, 32 and 128 per rank, context 4096): the plans rebuilt on the CPU predict the measured
+    replay within 20% with the measured calibration; read as /1 they give what the benchmark printed."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import predict_check
+    data = json.loads(SPEC_BENCH.read_text())
+    plans = predict_check.spec_plans(data)
+    cal = load(MEASURED)
+    rows = predict_check.spec_rows(data, cal, plans)
+    assert len(rows) == 15
+    outside = [f"{r['name']}: {r['ratio']:.2f}" for r in rows if abs(r["ratio"] - 1) > 0.2]
+    assert not outside, outside
+    recorded = [r["predicted"]["predicted_ms"] for r in data["rows"] if "replay_ms" in r]
+    before = [r["predicted_ms"] for r in predict_check.spec_rows(data, predict_check.as_v1(cal), plans)]
+    assert before == pytest.approx(recorded, rel=1e-9)
 
 
 def test_hbm_bytes_of_attention_and_experts():
