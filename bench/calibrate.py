@@ -13,7 +13,18 @@ one-GPU ceilings while the others wait:
   tokens x 64 heads x 2048 top-k slots of 4096-token contexts (kv_lora 512, rope 64, bf16), FLOPs
   over the walked slots; left out, with a note, if Triton or the kernel fails;
 - kernel_overhead_s: per launch in a CUDA graph of 128 tiny cuBLAS GEMMs and 128 one-row
-  `add_rms_norm` Triton kernels, each reading the last's output; torch_op_overhead_s: 256 `add_`;
+  `add_rms_norm` Triton kernels, each reading the last's output; torch_op_overhead_s: 256 `add_`
+  (a one-element add: the floor);
+- torch_op_s (schema /2): the CUDA target's own torch code at one token in a graph: the MoE row
+  alignment (`triton_moe.align_rows`, top-8 of 256 experts), the top-k slot gather
+  (`triton_target.topk_slots`, 2048 slots) and the torch add + RMS norm ([1, 6144] bf16), replay
+  time over their aten ops (`codegen/cuda_kernels.py`'s counts);
+- gemm_launch_s (/2): the cuBLAS calls of one GLM-5.3 decode layer at one token row (A-projection,
+  indexer Q, Q, W_UK / W_UV bmm, O, the fp32 router, shared and dense SwiGLU, lm_head), each weight
+  its own tensor (2.8 GB: none stays in L2), in one graph: (replay - their bytes / hbm_bytes_per_s)
+  per call;
+- topk_select (/2): glmc's top-k select kernel (k 2048, TOPK_CHUNK) over 1, 32, 128, 256, 512 rows
+  of 4097 scores (a context of 4096), seconds per launch in a graph;
 - collectives: groups of the first n ranks, n = 2, 4, 8, ... and all GPUs; all_reduce,
   all_gather, reduce_scatter, all_to_all of bf16 messages from 4 KiB to 256 MiB (powers of two;
   message convention of glmc/calibration.py), `reps` calls captured in one CUDA graph, replayed.
@@ -23,6 +34,7 @@ three windows; a collective's time is the slowest rank's. --smoke times eager ca
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import json
 import os
@@ -133,6 +145,9 @@ def device_ceilings(smoke: bool) -> dict:
     out["gemm_flops_per_s"] = {dtype: gemm_rate(dtype, size if cuda else 128, dev, cuda)
                                for dtype, size in (("bf16", 8192), ("fp32", 4096))}
     out.update(launch_overheads(dev, cuda))
+    out["torch_op_s"], out["torch_op_detail"] = target_torch_ops(dev, cuda)
+    out["gemm_launch_s"], out["gemm_launch_detail"] = gemm_launches(dev, cuda, out["hbm_bytes_per_s"])
+    out["topk_select"] = topk_select_table(dev, cuda)
     try:
         out["attention_flops_per_s"] = attention_rate() if cuda else None
     except Exception as e:  # noqa: BLE001  (reported in the file; the prediction falls back to the GEMM rate)
@@ -171,6 +186,82 @@ def launch_overheads(dev: str, cuda: bool) -> dict:
     one = torch.zeros(1, device=dev)
     torch_op = seconds_per_call(lambda: one.add_(1), 256, 5, cuda)
     return {"kernel_overhead_s": kernels, "torch_op_overhead_s": torch_op, "kernel_overhead_detail": detail}
+
+
+def target_torch_ops(dev: str, cuda: bool) -> tuple[float, dict]:
+    """Seconds per aten op of the CUDA target's torch sequences at one token, replayed in a graph."""
+    import torch
+    from glmc.codegen import cuda_kernels, torch_ref, triton_moe, triton_target
+    g = torch.Generator(device=dev).manual_seed(0)
+    ids = torch.randint(0, 256, (1, 8), device=dev, generator=g)
+    slots = torch.arange(8192, device=dev).view(1, -1)
+    topk = torch.randint(-1, 4097, (1, 2048), device=dev, generator=g)
+    rows, pos = torch.zeros(1, dtype=torch.int64, device=dev), torch.full((1,), 4096, device=dev)
+    x, r = (torch.randn(1, 6144, device=dev, dtype=torch.bfloat16, generator=g) for _ in range(2))
+    w = torch.ones(6144, device=dev, dtype=torch.bfloat16)
+
+    def sequences():
+        triton_moe.align_rows(ids, 256, 16, 0)
+        triton_target.topk_slots(topk, slots, rows, pos)
+        torch_ref.add_rms_norm(x, r, w, 1e-5)
+    ops = cuda_kernels._ALIGN_ROWS + cuda_kernels._TOPK_SLOTS + cuda_kernels._ADD_RMS_TORCH
+    sec = seconds_per_call(sequences, 8, 5, cuda)
+    return sec / ops, {"sequences_s": sec, "aten_ops": ops}
+
+
+GEMMS = [(2784, 6144), (4096, 2048), (16384, 2048), (6144, 16384), (4096, 6144), (6144, 2048), (24576, 6144),
+         (6144, 12288), (154880, 6144)]      # one GLM-5.3 decode layer's cuBLAS weights [N, K] (+ bmm, router)
+BMMS = [(64, 192, 512), (64, 512, 256)]      # W_UK, W_UV: [heads, K, N]
+ROUTER = (256, 6144)                        # fp32
+
+
+def gemm_launches(dev: str, cuda: bool, hbm_bytes_per_s: float) -> tuple[float, dict]:
+    """Seconds per cuBLAS call beyond its bytes at copy bandwidth: the calls of GEMMS, BMMS and
+    ROUTER at one token row, each weight its own tensor, in one graph (on the CPU: 1/64 scale)."""
+    import torch
+    div = 1 if cuda else 64
+
+    def small(n):
+        return max(16, n // div)
+    bf = dict(device=dev, dtype=torch.bfloat16)
+    ws = [torch.randn(small(n), small(k), **bf) for n, k in GEMMS]
+    xs = [torch.randn(1, small(k), **bf) for _, k in GEMMS]
+    bs = [torch.randn(h, small(k), small(n), **bf) for h, k, n in BMMS]
+    qs = [torch.randn(h, 1, small(k), **bf) for h, k, _ in BMMS]
+    wr = torch.randn(small(ROUTER[0]), small(ROUTER[1]), device=dev)
+    xr = torch.randn(1, small(ROUTER[1]), device=dev)
+
+    def calls():
+        for x, w in zip(xs, ws):
+            x @ w.T
+        for q, b in zip(qs, bs):
+            torch.bmm(q, b)
+        xr @ wr.T
+    nbytes = sum(t.nbytes for t in ws + xs + bs + qs + [wr, xr]) + \
+        sum(w.shape[0] * 2 for w in ws) + sum(b.shape[0] * b.shape[2] * 2 for b in bs) + wr.shape[0] * 4
+    n = len(ws) + len(bs) + 1
+    sec = seconds_per_call(calls, 4 if cuda else 1, 5, cuda)    # 4 passes a graph: its launch amortised
+    return max(1e-9, (sec - nbytes / hbm_bytes_per_s) / n), {"pass_s": sec, "calls": n, "bytes": nbytes}
+
+
+def topk_select_table(dev: str, cuda: bool) -> dict:
+    """The top-k select kernel's seconds per launch in a graph by rows (on the CPU: a torch sort
+    stand-in at 40 scores, k 16: the plumbing only)."""
+    import torch
+    from glmc.codegen.cuda_kernels import TOPK_CHUNK
+    k, row_len, rows = (2048, 4097, (1, 32, 128, 256, 512)) if cuda else (16, 40, (1, 2))
+    points = []
+    for n in rows:
+        scores = torch.randn(n, row_len, device=dev)
+        lens = torch.full((n,), row_len, device=dev)
+        if cuda:
+            from glmc.codegen import triton_target as tt
+            fn = functools.partial(tt.topk_select, scores, lens, k, TOPK_CHUNK)
+        else:
+            from glmc.codegen import torch_ref
+            fn = functools.partial(torch_ref.topk_lowest_first, scores, k)
+        points.append([n, seconds_per_call(fn, 4, 5, cuda)])
+    return {"k": k, "chunk": TOPK_CHUNK, "row_len": row_len, "seconds": points}
 
 
 def attention_rate(tokens: int = 128, heads: int = 64, slots: int = 2048, context: int = 4096) -> float:
@@ -276,7 +367,9 @@ def summary(cal: dict) -> str:
               f"{cal['gemm_flops_per_s']['bf16'] / 1e12:.1f} / fp32 {cal['gemm_flops_per_s']['fp32'] / 1e12:.1f} "
               f"TFLOP/s, attention kernel {cal.get('attention_flops_per_s', 0) / 1e12:.1f} TFLOP/s, "
               f"{cal['kernel_overhead_s'] * 1e6:.2f} us per kernel, {cal['torch_op_overhead_s'] * 1e6:.2f} us per "
-              "torch op (in a graph)")]
+              f"torch add, {cal['torch_op_s'] * 1e6:.2f} us per target torch op, {cal['gemm_launch_s'] * 1e6:.2f} us "
+              "per GEMM call beyond its bytes (in a graph); top-k select at "
+              + ", ".join(f"{r} rows {s * 1e6:.1f} us" for r, s in cal["topk_select"]["seconds"]))]
     for n, tables in cal["collectives"].items():
         lines.append(f"-- {n} GPUs: us per call (message bytes) --")
         lines.append(f"{'bytes':>10} " + " ".join(f"{k:>14}" for k in tables))

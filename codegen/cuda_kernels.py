@@ -2,11 +2,18 @@
 
 Counted from `codegen/cuda_target.py` (and the torch-target implementations it reuses) as it runs in
 a captured decode graph; pure data, no torch, so the compiler side may read it.
-- `kernels`: Triton kernels and cuBLAS GEMMs (each pays `kernel_overhead_s` of the calibration);
+- `kernels`: Triton kernels and cuBLAS GEMMs (each Triton kernel pays `kernel_overhead_s` of the
+  calibration); `gemms`: how many of them are cuBLAS GEMM calls (each pays `gemm_launch_s`);
 - `torch_ops`: the small torch kernels around them: indexing, element-wise, casts, sort, scan
   (each pays `torch_op_overhead_s`; one per aten op, as `tests/test_predict.py` counts them on CPU
   for the MoE row alignment and the top-k slot gather; a CUDA sort or scan may launch a few);
 - `collectives`: the NCCL calls (calibration kinds), each timed from the calibration's table.
+
+The indexer's top-k select (`topk_select.py.j2`, one program per token row) makes
+`topk_select_passes` passes over its row of n scores in chunks of TOPK_CHUNK: 33 counting passes
+and a compaction when n > k, else one count and the compaction (a row that fits one chunk is read
+once and counted in registers, at about the same latency per pass); latency-bound, so the predictor
+times it from the calibration's measured launches, scaled by these passes.
 
 Extra HBM traffic of the CUDA implementation beyond the IR's tensors (`moe_workspace_bytes`): the MoE
 experts write and read their [pairs, inter] hidden and their fp32 [pairs, hidden] per-pair
@@ -22,10 +29,20 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Launches:
-    """Launches of one op: Triton/cuBLAS kernels, small torch kernels, NCCL collectives."""
+    """Launches of one op: Triton/cuBLAS kernels (`gemms` of them cuBLAS GEMMs), small torch
+    kernels, NCCL collectives."""
     kernels: int = 0
     torch_ops: int = 0
     collectives: tuple[str, ...] = ()
+    gemms: int = 0
+
+
+TOPK_CHUNK = 8192  # scores per top-k pass in a plan: a row up to this long is read once and held in registers
+
+
+def topk_select_passes(row_len: int, k: int, chunk: int = TOPK_CHUNK) -> int:
+    """Chunk loads one program of the top-k select makes over a row of `row_len` scores."""
+    return -(-row_len // chunk) * (34 if row_len > k else 2)
 
 
 _ADD_RMS_TORCH = 8          # torch_ref.add_rms_norm: add, cast, pow, mean, add, rsqrt, mul, mul
@@ -41,13 +58,13 @@ LAUNCHES: dict[str, Launches] = {
     "norm.layer": Launches(torch_ops=3),                            # cast, F.layer_norm, cast
     "fused.qkv_a_norm_rope_write": Launches(1), "fused.qkv_a_norm_rope_write_index": Launches(1),
     "mem.kv_write": Launches(torch_ops=3), "mem.index_k_write": Launches(torch_ops=2),
-    "linear": Launches(1), "mla.a_proj": Launches(1), "lm.head": Launches(1),
-    "mlp.swiglu": Launches(2, 2),                                   # gate|up GEMM, silu, mul, down GEMM
+    "linear": Launches(1, gemms=1), "mla.a_proj": Launches(1, gemms=1), "lm.head": Launches(1, gemms=1),
+    "mlp.swiglu": Launches(2, 2, gemms=2),                          # gate|up GEMM, silu, mul, down GEMM
     "idx.topk": Launches(2, 2),                                     # weights cast + scale; scores; top-k select
     # W_UK bmm, slot gather, split-K latent kernel, combine kernel, W_UV bmm, head-major copy
-    "attn.mla_absorbed": Launches(4, _TOPK_SLOTS + 1), "attn.sparse_mla": Launches(4, _TOPK_SLOTS + 1),
-    "attn.mla_mha": Launches(4, _TOPK_SLOTS + 1),
-    "moe.gate": Launches(1, 1),                                     # fp32 cast, fp32 GEMM
+    "attn.mla_absorbed": Launches(4, _TOPK_SLOTS + 1, gemms=2),
+    "attn.sparse_mla": Launches(4, _TOPK_SLOTS + 1, gemms=2), "attn.mla_mha": Launches(4, _TOPK_SLOTS + 1, gemms=2),
+    "moe.gate": Launches(1, 1, gemms=1),                            # fp32 cast, fp32 GEMM (cuBLAS gemv)
     "moe.topk": Launches(1),                                        # the router kernel
     # align_rows; gate/up and down kernels; weights cast, local mask (3), where, sum, cast
     "moe.experts": Launches(2, _ALIGN_ROWS + 7),
@@ -74,7 +91,7 @@ def launches(kind: str, attrs: dict) -> Launches:
     if kind == "embed.lookup" and int(attrs.get("tp", 1)) > 1:
         return Launches(torch_ops=8)     # sub, ge, lt, and, clamp, gather, cast, mul
     if kind in ("comm.all_gather", "comm.reduce_scatter") and int(attrs.get("dim", 0)):
-        return Launches(base.kernels, base.torch_ops + 1, base.collectives)
+        return Launches(base.kernels, base.torch_ops + 1, base.collectives, base.gemms)
     return base
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from glmc.codegen.cuda_kernels import TOPK_CHUNK
 from glmc.codegen.triton_render import _DOT, _warps, next_pow2
 
 
@@ -137,7 +138,8 @@ class IndexerScoresCtx:
                    dot_dtype, precision, 4)
 
 
-TOPK_CHUNK = 8192  # scores per top-k pass in a plan: rows up to 8192 are held in registers (one read)
+
+
 
 
 @dataclass(frozen=True)

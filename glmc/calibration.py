@@ -3,14 +3,18 @@
 `bench/calibrate.py` measures them on the GPUs present and writes
 `bench/results/calibration_<device>_<date>.json`:
 
-    {"schema": "glmc-calibration/1", "device": "NVIDIA H200", "gpus": 2, "date": "2026-12-01",
+    {"schema": "glmc-calibration/2", "device": "NVIDIA H200", "gpus": 2, "date": "2026-12-01",
      "commit": "abc1234", "measured": true,
      "hbm_bytes_per_s": 4.27e12,        # device copy: bytes read + written per second
      "gemm_flops_per_s": {"bf16": 7.7e14, "fp32": 5.0e13},   # large cuBLAS GEMMs ("fp8" optional)
      "attention_flops_per_s": 1.1e14,   # optional: glmc's sparse-MLA decode kernel, FLOPs over the
                                         # top-k slots it walks (64 heads, 2048 slots, 128 tokens)
-     "kernel_overhead_s": 2.0e-6,       # per Triton kernel / cuBLAS GEMM inside a CUDA-graph replay
-     "torch_op_overhead_s": 1.2e-6,     # optional: per small torch kernel in a replay (default: the above)
+     "kernel_overhead_s": 2.0e-6,       # per Triton kernel inside a CUDA-graph replay
+     "torch_op_overhead_s": 0.9e-6,     # optional: a one-element torch add in a replay (the floor)
+     "torch_op_s": 2.0e-6,              # /2: per aten op of the CUDA target's own torch code in a replay
+     "gemm_launch_s": 4.5e-6,           # /2: per cuBLAS GEMM call, beyond its bytes at hbm_bytes_per_s
+     "topk_select": {"k": 2048, "chunk": 4096, "row_len": 4097,      # /2: the indexer's top-k select
+                     "seconds": [[1, 6.3e-05], [32, 5.9e-05], [128, 5.9e-05]]},
      "collectives": {"2": {"all_reduce": [[4096, 1.2e-05], ...], "all_gather": [...],
                            "reduce_scatter": [...], "all_to_all": [...]}}}
 
@@ -21,6 +25,23 @@ buffer reduced; all_gather its output (ranks x each rank's input); reduce_scatte
 x each rank's output); all_to_all the data of the whole group (ranks x each rank's send buffer).
 Other fields may be added (notes, sources, the benchmark's own numbers); `measured: false` marks a
 file assembled from earlier measurements rather than written by the benchmark.
+
+Schema /2 adds three required fields, each the measured cost of something the decode graph runs
+that a launch floor plus bytes / bandwidth misses at small batch:
+- `torch_op_s`: seconds per aten op of the CUDA target's torch code (the MoE row alignment, the
+  top-k slot gather, the torch add + RMS norm: index gathers, scans, a sort, scatters, small
+  element-wise ops) replayed in a graph at one token: replay time / aten ops
+  (`codegen/cuda_kernels.py` counts them). A one-element add (`torch_op_overhead_s`) is the floor.
+- `gemm_launch_s`: seconds per cuBLAS GEMM call in a graph beyond its bytes / `hbm_bytes_per_s`,
+  at one token row with the weights out of L2 (GLM-5.3's decode GEMM shapes): a skinny GEMM's
+  pipeline fill and epilogue, and split-K's second (reduce) kernel where cuBLAS picks split-K.
+- `topk_select`: glmc's top-k select kernel (`topk_select.py.j2`, `k` of `row_len` scores per
+  row, `chunk` scores per counting pass): seconds per launch in a graph by rows [[rows, seconds],
+  ...]. One program per row walks its row 34 times (33 counting passes, one compaction): latency,
+  not bandwidth; rows run side by side on the SMs.
+A /1 file is still read: without these fields the predictor charges torch ops
+`torch_op_overhead_s`, GEMM calls `kernel_overhead_s` and no top-k latency, and says so in its
+assumptions (re-run bench/calibrate.py for a /2 file).
 
 Lookup (`collective_seconds`): log-log interpolation between table points; below the smallest
 message the smallest's time (the latency floor); above the largest, linear in bytes. A group size
@@ -36,11 +57,14 @@ import json
 import math
 from pathlib import Path
 
-SCHEMA = "glmc-calibration/1"
+SCHEMA = "glmc-calibration/2"
+SCHEMA_V1 = "glmc-calibration/1"      # still read (module docstring)
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
-_REQUIRED = {"schema": str, "device": str, "gpus": int, "date": str, "commit": str,
-             "hbm_bytes_per_s": float, "gemm_flops_per_s": dict, "kernel_overhead_s": float,
-             "collectives": dict}
+_REQUIRED_V1 = {"schema": str, "device": str, "gpus": int, "date": str, "commit": str,
+                "hbm_bytes_per_s": float, "gemm_flops_per_s": dict, "kernel_overhead_s": float,
+                "collectives": dict}
+_NEW_IN_V2 = {"torch_op_s": float, "gemm_launch_s": float, "topk_select": dict}
+_REQUIRED = {SCHEMA_V1: _REQUIRED_V1, SCHEMA: {**_REQUIRED_V1, **_NEW_IN_V2}}
 _OPTIONAL = {"attention_flops_per_s": float, "torch_op_overhead_s": float, "measured": bool}
 
 
@@ -63,15 +87,21 @@ def validate(data: dict, source: str = "<dict>") -> dict:
         raise CalibrationError(f"calibration {source}: {msg}")
     if not isinstance(data, dict):
         fail(f"expected a JSON object, got {type(data).__name__}")
-    for key, want in _REQUIRED.items():
+    if "schema" not in data:
+        fail("missing 'schema'")
+    if data["schema"] not in _REQUIRED:
+        fail(f"'schema' is {data['schema']!r}; this glmc reads {SCHEMA!r} (and {SCHEMA_V1!r})")
+    required = _REQUIRED[data["schema"]]
+    for key, want in required.items():
         if key not in data:
-            fail(f"missing '{key}'")
+            fail(f"missing '{key}'" + (f" (required by {SCHEMA!r}; re-run bench/calibrate.py)"
+                                       if key in _NEW_IN_V2 else ""))
         _check_type(data[key], want, key, fail)
-    for key, want in _OPTIONAL.items():
-        if key in data:
+    for key, want in {**_OPTIONAL, **_NEW_IN_V2}.items():
+        if key in data and key not in required:
             _check_type(data[key], want, key, fail)
-    if data["schema"] != SCHEMA:
-        fail(f"'schema' is {data['schema']!r}; this glmc reads {SCHEMA!r}")
+    if "topk_select" in data:
+        _check_topk(data["topk_select"], fail)
     for dtype in ("bf16", "fp32"):
         if dtype not in data["gemm_flops_per_s"]:
             fail(f"missing 'gemm_flops_per_s.{dtype}'")
@@ -99,6 +129,23 @@ def _check_table(points, where: str, kind: str, fail) -> None:
         fail(f"'{where}' must be sorted by increasing message bytes")
 
 
+def _check_topk(t: dict, fail) -> None:
+    for key in ("k", "chunk", "row_len"):
+        if key not in t:
+            fail(f"missing 'topk_select.{key}'")
+        _check_type(t[key], int, f"topk_select.{key}", fail)
+    points = t.get("seconds")
+    if not isinstance(points, list) or not points:
+        fail("'topk_select.seconds' must be a non-empty list of [rows, seconds]")
+    for i, p in enumerate(points):
+        if not (isinstance(p, list) and len(p) == 2):
+            fail(f"'topk_select.seconds[{i}]' must be [rows, seconds], got {p!r}")
+        _check_type(p[0], float, f"topk_select.seconds[{i}][0]", fail)
+        _check_type(p[1], float, f"topk_select.seconds[{i}][1]", fail)
+    if any(a[0] >= b[0] for a, b in itertools.pairwise(points)):
+        fail("'topk_select.seconds' must be sorted by increasing rows")
+
+
 def load(path: str | Path) -> dict:
     """Read and validate a calibration file; the dict gains `path`."""
     try:
@@ -120,6 +167,25 @@ def table_seconds(points: list, nbytes: float) -> float:
             f = math.log(nbytes / b0) / math.log(b1 / b0)
             return math.exp(math.log(t0) + f * math.log(t1 / t0))
     raise AssertionError("unreachable: the table is sorted")
+
+
+def torch_op_seconds(cal: dict) -> float:
+    """Seconds per aten op of the CUDA target's torch code (a /1 file: its floor, or a kernel's)."""
+    return cal.get("torch_op_s") or cal.get("torch_op_overhead_s") or cal["kernel_overhead_s"]
+
+
+def gemm_launch_seconds(cal: dict) -> float:
+    """Seconds per cuBLAS GEMM call beyond its bytes (a /1 file: a kernel's launch)."""
+    return cal.get("gemm_launch_s") or cal["kernel_overhead_s"]
+
+
+def topk_select_seconds(cal: dict, rows: int, passes_ratio: float) -> float:
+    """One launch of the top-k select over `rows` rows, `passes_ratio` x the calibration's row
+    walks per row (`cuda_kernels.topk_select_passes`); 0 without a `topk_select` (a /1 file).
+    Rows: log-log between measured points, the first point's time below, linear in rows above the
+    last (programs beyond the measured ones run in further waves)."""
+    t = cal.get("topk_select")
+    return table_seconds(t["seconds"], rows) * passes_ratio if t else 0.0
 
 
 def wire_fraction(kind: str, ranks: int) -> float:

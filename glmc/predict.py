@@ -2,8 +2,9 @@
 
 Every op of the decode graph at a point (T tokens per DP rank, S context, K index_topk) costs
 
-    t_op = kernels x kernel_overhead_s + torch_ops x torch_op_overhead_s
+    t_op = gemms x gemm_launch_s + (kernels - gemms) x kernel_overhead_s + torch_ops x torch_op_s
            + max(hbm_bytes / hbm_bytes_per_s, compute_s)
+           + latency_s (the indexer's top-k select)
            + each of its collectives, timed from the calibration's table for its group size
 
 and a step is the sum (plus the step's own slot write): the CUDA target replays one graph on one
@@ -14,19 +15,48 @@ of the weights' dtype (the router: fp32); attention splits into its W_UK/W_UV pr
 rate) and the latent part over every top-k slot its kernel walks (K, pads included) at
 `attention_flops_per_s` (the GEMM rate when the calibration lacks it). Collective lookup and
 group-size extrapolation: `glmc.calibration`.
+
+Three terms carry what a launch floor plus bytes / bandwidth misses at small batch, each a
+measured ceiling of the calibration (schema /2; a /1 file falls back as `glmc.calibration` says):
+- `gemm_launch_s` per cuBLAS GEMM call (linear, lm_head, the SwiGLU's two GEMMs, attention's
+  W_UK/W_UV bmm, the router's fp32 GEMM) in place of `kernel_overhead_s`: a one-row GEMM streams
+  its weights at about copy bandwidth but pays a fixed pipeline fill + epilogue (+ split-K's reduce
+  kernel) of a few microseconds;
+- `torch_op_s` per aten op of the target's own torch code (index gathers, scans, a sort,
+  scatters, small element-wise ops around the MoE, attention and the norms): what those ops cost in
+  a replay, not a one-element add;
+- latency_s: the top-k select runs one program per token row, walking the row of S + 1 scores
+  (a decode token at position S scores every key up to itself) 34 times: its measured launch at
+  T rows, scaled by `cuda_kernels.topk_select_passes` to this row length, less the launch already
+  counted in `kernel_overhead_s`. It does not shrink with the batch: ~60 us per full indexer layer
+  at context 4096 on an H200 at any T up to the SM count.
 """
 from __future__ import annotations
 
 from collections import defaultdict
 
-from glmc.calibration import collective_seconds, measured_ranks
-from glmc.codegen.cuda_kernels import STEP_TORCH_OPS, collective_bytes, launches, moe_workspace_bytes
+from glmc.calibration import (
+    SCHEMA_V1,
+    collective_seconds,
+    gemm_launch_seconds,
+    measured_ranks,
+    topk_select_seconds,
+    torch_op_seconds,
+)
+from glmc.codegen.cuda_kernels import (
+    STEP_TORCH_OPS,
+    TOPK_CHUNK,
+    collective_bytes,
+    launches,
+    moe_workspace_bytes,
+    topk_select_passes,
+)
 from glmc.ir.types import DTYPE_BYTES
 from glmc.passes.costs import moe_pairs, op_cost, weight_bytes_for
 
 TABLE_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-_FIELDS = ("seconds", "memory_s", "compute_s", "data_s", "overhead_s", "comm_s", "hbm_bytes", "flops",
-           "kernels", "torch_ops", "collectives")
+_FIELDS = ("seconds", "memory_s", "compute_s", "data_s", "overhead_s", "latency_s", "comm_s", "hbm_bytes",
+           "flops", "kernels", "torch_ops", "collectives")
 
 
 def _gemm_rate(cal: dict, dtype: str) -> float:
@@ -51,6 +81,17 @@ def _compute_seconds(op, flops: float, env: dict, dtypes, cal: dict) -> float:
     return projections / rate + latent / cal.get("attention_flops_per_s", rate)
 
 
+def _select_latency(op, env: dict, cal: dict) -> float:
+    """The top-k select's time beyond its launch (module docstring); 0 for every other op."""
+    if op.kind != "idx.topk" or "topk_select" not in cal:
+        return 0.0
+    t = cal["topk_select"]
+    rows = op.types[0].shape[0].eval(env)
+    ratio = topk_select_passes(env["S"] + 1, int(op.attr("k")), TOPK_CHUNK) / \
+        topk_select_passes(t["row_len"], t["k"], t["chunk"])
+    return max(0.0, topk_select_seconds(cal, rows, ratio) - cal["kernel_overhead_s"])
+
+
 def op_seconds(op, graph, env: dict, dtypes, cal: dict, weight_bytes: dict) -> dict:
     """The terms of t_op (module docstring) for one op."""
     cost = op_cost(op, graph, env, weight_bytes)
@@ -65,15 +106,14 @@ def op_seconds(op, graph, env: dict, dtypes, cal: dict, weight_bytes: dict) -> d
         size = int(op.attr("size", 1))
         comm += collective_seconds(cal, kind, collective_bytes(op.kind, cost.message_bytes, size), size)
     memory, compute = hbm / cal["hbm_bytes_per_s"], _compute_seconds(op, cost.flops, env, dtypes, cal)
-    overhead = launch.kernels * cal["kernel_overhead_s"] + launch.torch_ops * _torch_overhead(cal)
-    return {"seconds": overhead + max(memory, compute) + comm, "memory_s": memory, "compute_s": compute,
-            "data_s": max(memory, compute), "overhead_s": overhead, "comm_s": comm, "hbm_bytes": hbm,
+    overhead = (launch.gemms * gemm_launch_seconds(cal) + (launch.kernels - launch.gemms) * cal["kernel_overhead_s"]
+                + launch.torch_ops * torch_op_seconds(cal))
+    latency = _select_latency(op, env, cal)
+    return {"seconds": overhead + max(memory, compute) + latency + comm, "memory_s": memory, "compute_s": compute,
+            "data_s": max(memory, compute), "overhead_s": overhead, "latency_s": latency, "comm_s": comm,
+            "hbm_bytes": hbm,
             "flops": cost.flops, "kernels": launch.kernels, "torch_ops": launch.torch_ops,
             "collectives": len(launch.collectives)}
-
-
-def _torch_overhead(cal: dict) -> float:
-    return cal.get("torch_op_overhead_s", cal["kernel_overhead_s"])
 
 
 def predict_step(graph, env: dict, dtypes, calibration: dict, ranks: int) -> dict:
@@ -89,7 +129,7 @@ def predict_step(graph, env: dict, dtypes, calibration: dict, ranks: int) -> dic
         for key, value in op_seconds(op, graph, env, dtypes, calibration, wb).items():
             row[key] += value
     total = {key: sum(r[key] for r in by_kind.values()) for key in _FIELDS}
-    step_torch = STEP_TORCH_OPS * _torch_overhead(calibration)
+    step_torch = STEP_TORCH_OPS * torch_op_seconds(calibration)
     total["seconds"] += step_torch
     total["overhead_s"] += step_torch
     return {"step_s": total.pop("seconds"), **total, "point": dict(env),
@@ -118,7 +158,7 @@ def predict_plan(plan, calibration: dict, context: int, batch_per_rank: int,
                      "tokens_per_s": t * dp / p["step_s"], "comm_ms": p["comm_s"] * 1e3,
                      "overhead_ms": p["overhead_s"] * 1e3, "graph_bucket": _bucket(buckets, t),
                      "kv_fits": None if kv_tokens_per_rank is None else t * context <= kv_tokens_per_rank})
-    return {"calibration": {k: calibration.get(k) for k in ("path", "device", "gpus", "date", "measured")},
+    return {"calibration": {k: calibration.get(k) for k in ("path", "device", "gpus", "date", "measured", "schema")},
             "point": at(batch_per_rank), "table": rows,
             "assumptions": assumptions(plan, calibration, context, buckets)}
 
@@ -132,17 +172,28 @@ def assumptions(plan, cal: dict, context: int, buckets: list) -> list[str]:
     out = [f"calibration {cal.get('path', '<dict>')}: {cal['device']}, {cal['gpus']} GPUs, {cal['date']}{measured}",
            (f"HBM {cal['hbm_bytes_per_s'] / 1e12:.2f} TB/s, bf16 GEMM {cal['gemm_flops_per_s']['bf16'] / 1e12:.0f} "
             f"TFLOP/s, attention kernel {cal.get('attention_flops_per_s', 0) / 1e12:.0f} TFLOP/s, "
-            f"{cal['kernel_overhead_s'] * 1e6:.1f} us per kernel, {_torch_overhead(cal) * 1e6:.1f} us per torch op"),
+            f"{cal['kernel_overhead_s'] * 1e6:.1f} us per Triton kernel, {gemm_launch_seconds(cal) * 1e6:.1f} us per "
+            f"GEMM call, {torch_op_seconds(cal) * 1e6:.1f} us per torch op"),
            ("one CUDA-graph replay per step, ops back to back on one stream (no compute/communication "
-            "overlap); per op: launches x overhead + max(HBM bytes / bandwidth, FLOPs / rate) + collectives"),
-           (f"every request at context {context}: attention reads min(S, {cfg.index_topk}) keys, its kernel "
-            f"walks all {cfg.index_topk} top-k slots; full indexer layers score all S keys"),
-           (f"routing uniform at random and balanced: each token picks {cfg.num_experts_per_tok} of "
-            f"{cfg.n_routed_experts} experts; a rank reads the experts some token of the step picks (expected)"),
-           (f"the plan's dtypes: weights {d.weight}, activations {d.activation}, KV {d.kv_cache}, "
-            f"indexer cache {d.index_cache} (today's runtime holds weights and caches in the compute dtype)"),
-           ("no MTP: one token per request per step, TPOT = step time; host work (scheduling, sampling "
-            "read-back, HTTP) not included")]
+            "overlap); per op: launches x overhead + max(HBM bytes / bandwidth, FLOPs / rate) + the top-k "
+            "select's latency + collectives")]
+    if cal.get("schema") == SCHEMA_V1:
+        out.append(f"calibration schema {SCHEMA_V1}: no top-k select latency, GEMM calls and torch ops at the "
+                   "launch floor (small batches come out short; re-run bench/calibrate.py)")
+    elif "topk_select" in cal and any(op.kind == "idx.topk" for op in graph.ops):
+        t = cal["topk_select"]
+        rows, sec = t["seconds"][0]
+        out.append(f"top-k select: one program per token row walks its {context + 1} scores "
+                   f"{topk_select_passes(context + 1, cfg.index_topk)} times (measured: {sec * 1e6:.0f} us per "
+                   f"launch at {rows:.0f} row(s) of {t['row_len']})")
+    out += [(f"every request at context {context}: attention reads min(S, {cfg.index_topk}) keys, its kernel "
+             f"walks all {cfg.index_topk} top-k slots; full indexer layers score all S keys"),
+            (f"routing uniform at random and balanced: each token picks {cfg.num_experts_per_tok} of "
+             f"{cfg.n_routed_experts} experts; a rank reads the experts some token of the step picks (expected)"),
+            (f"the plan's dtypes: weights {d.weight}, activations {d.activation}, KV {d.kv_cache}, "
+             f"indexer cache {d.index_cache} (today's runtime holds weights and caches in the compute dtype)"),
+            ("no MTP: one token per request per step, TPOT = step time; host work (scheduling, sampling "
+             "read-back, HTTP) not included")]
     for n in sizes:
         kinds = {k for op in graph.ops if int(op.attr("size", 1)) == n
                  for k in launches(op.kind, dict(op.attrs)).collectives}

@@ -64,12 +64,14 @@ def _predicted(p: dict) -> list[str]:
            (f"At T={pt['point']['T']} tokens per DP rank, context {pt['point']['S']}: **{_ms(pt['step_s'])} ms** = "
             f"data {_ms(pt['data_s'])} ms (per op the larger of HBM bytes / bandwidth and FLOPs / rate; "
             f"{_b(pt['hbm_bytes'])}, {pt['flops'] / 1e9:.1f} GFLOP in all) + launches {_ms(pt['overhead_s'])} ms "
-            f"({pt['kernels']:.0f} kernels, {pt['torch_ops']:.0f} torch ops) + communication "
+            f"({pt['kernels']:.0f} kernels, {pt['torch_ops']:.0f} torch ops) + top-k select latency "
+            f"{_ms(pt.get('latency_s', 0.0))} ms + communication "
             f"{_ms(pt['comm_s'])} ms ({pt['collectives']:.0f} collectives)"), "",
            "| op kind | count | ms | data ms | launch ms | comm ms | bound |", "|---|---:|---:|---:|---:|---:|---|"]
     for kind, r in list(pt["by_kind"].items())[:12]:
         if r["seconds"] > 0:
             bound = "-" if not r["data_s"] else "compute" if r["compute_s"] > r["memory_s"] else "memory"
+            bound = "latency" if r.get("latency_s", 0.0) > r["data_s"] else bound
             out.append(f"| {kind} | {r['count']} | {_ms(r['seconds'])} | {_ms(r['data_s'])} | "
                        f"{_ms(r['overhead_s'])} | {_ms(r['comm_s'])} | {bound} |")
     out += ["", ("| batch per rank | step ms | TPOT ms | tokens/s (all GPUs) | comm ms | launch ms | graph bucket "

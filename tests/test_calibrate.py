@@ -30,10 +30,11 @@ def test_sizes_groups_and_shapes():
 
 def test_assemble_writes_the_schema():
     measured = {"hbm_bytes_per_s": 4e12, "gemm_flops_per_s": {"bf16": 7e14, "fp32": 5e13},
-                "kernel_overhead_s": 2e-6, "torch_op_overhead_s": 1e-6,
+                "kernel_overhead_s": 2e-6, "torch_op_overhead_s": 1e-6, "torch_op_s": 2e-6, "gemm_launch_s": 4e-6,
+                "topk_select": {"k": 2048, "chunk": 4096, "row_len": 4097, "seconds": [[1, 6e-5]]},
                 "collectives": {"2": {k: [[4096, 1e-5]] for k in calibrate.KINDS}}}
     cal = calibrate.assemble(measured, "NVIDIA H200", 2, "abc", False, {"seconds": 1.0})
-    assert validate(cal) is cal and cal["measured"] is True and cal["schema"] == "glmc-calibration/1"
+    assert validate(cal) is cal and cal["measured"] is True and cal["schema"] == "glmc-calibration/2"
 
 
 def test_smoke_run(tmp_path):
@@ -47,3 +48,5 @@ def test_smoke_run(tmp_path):
     assert {k: [b for b, _ in t] for k, t in cal["collectives"]["2"].items()} == \
         {k: [4096, 8192, 16384] for k in calibrate.KINDS}
     assert f"wrote {path}" in run.stdout
+    assert cal["torch_op_s"] > 0 and cal["gemm_launch_s"] > 0 and cal["torch_op_detail"]["aten_ops"] == 51
+    assert [r for r, _ in cal["topk_select"]["seconds"]] == [1, 2]

@@ -12,17 +12,22 @@ from glmc.ir.types import TensorType
 from glmc.passes.costs import hbm_bytes_of, touched_experts, weight_bytes_for
 
 from glmc.calibration import CalibrationError, collective_seconds, load, table_seconds
+from glmc.codegen.cuda_kernels import TOPK_CHUNK, topk_select_passes
 from glmc.cli import main
 from glmc.config import DTypes
 from glmc.predict import TABLE_BATCHES, predict_plan, predict_step
 from tests.compile_util import FULL, TINY, plan
 
 ROOT = Path(__file__).resolve().parents[1]
-EXAMPLE = ROOT / "bench" / "results" / "calibration_example_h200.json"
+EXAMPLE = ROOT / "bench" / "results" / "calibration_example_h200.json"            # schema /1, measured: false
+MEASURED = ROOT / "bench" / "results" / "calibration_nvidia-h200-x2_2026-11-30.json"   # /2 (bench/calibrate.py)
+SPEC_BENCH = ROOT / "bench" / "results" / "spec_bench_2026-11-30.json"
 ROUND = {"schema": "glmc-calibration/1", "device": "test", "gpus": 2, "date": "2026-12-01", "commit": "x",
          "hbm_bytes_per_s": 1e12, "gemm_flops_per_s": {"bf16": 1e14, "fp32": 1e13},
          "kernel_overhead_s": 1e-6, "torch_op_overhead_s": 0.5e-6,
          "collectives": {"2": {"all_reduce": [[1000, 1e-5], [100000, 2e-5]]}}}
+ROUND2 = {**ROUND, "schema": "glmc-calibration/2", "torch_op_s": 2e-6, "gemm_launch_s": 4e-6,
+          "topk_select": {"k": 16, "chunk": 4096, "row_len": 101, "seconds": [[1, 3e-5], [8, 4e-5]]}}
 
 
 def _bf16(*shape):
@@ -43,6 +48,30 @@ def test_a_hand_computed_step():
     assert p["by_kind"]["linear"]["seconds"] == pytest.approx(linear, rel=1e-12)
     assert p["by_kind"]["comm.all_reduce"]["comm_s"] == pytest.approx(all_reduce, rel=1e-12)
     assert p["step_s"] == pytest.approx(linear + all_reduce + 0.5e-6, rel=1e-12)   # + the step's slot write
+    # schema /2: the GEMM call costs gemm_launch_s, the slot write torch_op_s
+    p2 = predict_step(g, {"T": 10, "B": 10, "S": 1, "K": 1}, DTypes(), ROUND2, ranks=2)
+    assert p2["by_kind"]["linear"]["seconds"] == pytest.approx(linear - 1e-6 + 4e-6, rel=1e-12)
+    assert p2["step_s"] == pytest.approx(linear + 3e-6 + all_reduce + 2e-6, rel=1e-12)
+
+
+def test_the_top_k_select_latency():
+    """idx.topk pays the measured select launch at its rows, scaled by the row walks of S + 1 scores,
+    less the launch already counted; a /1 calibration has no such term."""
+    assert topk_select_passes(8193, 2048) == 68 and topk_select_passes(8192, 2048) == 34
+    assert topk_select_passes(1025, 2048) == 2 and topk_select_passes(101, 16) == 34
+    from glmc.codegen import triton_contexts
+    assert triton_contexts.TOPK_CHUNK is TOPK_CHUNK          # the kernel's pass width is the one counted
+    g = plan(TINY, "tp1").graphs["decode"]
+    n_topk = sum(op.kind == "idx.topk" for op in g.ops)
+    assert n_topk >= 1
+    for t, table in ((1, 3e-5), (4, 3e-5 * (4e-5 / 3e-5) ** (math.log(4) / math.log(8))), (16, 4e-5 * 2)):
+        env = {"T": t, "B": t, "S": 100, "K": 16}
+        got = predict_step(g, env, DTypes(), ROUND2, ranks=1)["by_kind"]["idx.topk"]["latency_s"]
+        assert got == pytest.approx(n_topk * (table - 1e-6), rel=1e-9)   # 101 scores: the measured row walks
+        env["S"] = 8192                                                  # 8193 scores: 2 chunks, 68 walks
+        got = predict_step(g, env, DTypes(), ROUND2, ranks=1)["by_kind"]["idx.topk"]["latency_s"]
+        assert got == pytest.approx(n_topk * (table * 2 - 1e-6), rel=1e-9)
+    assert predict_step(g, env, DTypes(), ROUND, ranks=1)["by_kind"]["idx.topk"]["latency_s"] == 0.0
 
 
 def test_table_lookup_and_group_extrapolation():
@@ -64,7 +93,14 @@ def test_table_lookup_and_group_extrapolation():
     (lambda d: d.update(gpus="two"), "'gpus' must be int"),
     (lambda d: d.update(kernel_overhead_s=0), "'kernel_overhead_s' must be > 0"),
     (lambda d: d["gemm_flops_per_s"].pop("fp32"), "missing 'gemm_flops_per_s.fp32'"),
-    (lambda d: d.update(schema="glmc-calibration/0"), "this glmc reads 'glmc-calibration/1'"),
+    (lambda d: d.update(schema="glmc-calibration/0"),
+     "'schema' is 'glmc-calibration/0'; this glmc reads 'glmc-calibration/2' (and 'glmc-calibration/1')"),
+    (lambda d: d.update(schema="glmc-calibration/2"), "missing 'torch_op_s' (required by 'glmc-calibration/2'"),
+    (lambda d: d.update({**ROUND2, "topk_select": {**ROUND2["topk_select"], "seconds": [[8, 1e-5], [1, 2e-5]]}}),
+     "'topk_select.seconds' must be sorted by increasing rows"),
+    (lambda d: d.update({**ROUND2, "topk_select": {"chunk": 4096, "row_len": 9, "seconds": [[1, 1e-5]]}}),
+     "missing 'topk_select.k'"),
+    (lambda d: d.update({**ROUND2, "gemm_launch_s": -1.0}), "'gemm_launch_s' must be > 0"),
     (lambda d: d["collectives"]["2"].update(all_reduce=[[2000, 1e-5], [1000, 2e-5]]),
      "'collectives.2.all_reduce' must be sorted"),
     (lambda d: d["collectives"]["2"].update(broadcast=[[1000, 1e-5]]), "'collectives.2.broadcast': unknown"),
@@ -99,6 +135,10 @@ def test_the_cli_prints_the_table(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "## Predicted decode step (NVIDIA H200" in text and "Assumptions:" in text
     assert "| 256 |" in text and "collectives over 2 GPUs: measured" in text and "measured: false" in text
+    assert "calibration schema glmc-calibration/1: no top-k select latency" in text    # /1: read, and said so
+    assert main(["explain", str(out), "--calibration", str(MEASURED)]) == 0
+    text = capsys.readouterr().out
+    assert "top-k select: one program per token row" in text and "schema glmc-calibration/1" not in text
     assert main(["explain", str(out), "--json", "--calibration", str(EXAMPLE)]) == 0
     d = json.loads(capsys.readouterr().out)["predicted"]
     assert [r["batch_per_rank"] for r in d["table"]] == list(TABLE_BATCHES)
@@ -140,6 +180,24 @@ def test_the_slice_lands_near_its_measured_steps():
     cal = load(EXAMPLE)
     for batch, measured in ((1, 1.215), (32, 4.063), (128, 6.242)):
         assert predicted.predict_ms(slice_plan, batch, 1024, cal) == pytest.approx(measured, rel=0.2)
+
+
+def test_every_spec_bench_row_within_20_percent():
+    """bench/results/spec_bench_2026-11-30.json (2x H200: tp1, tp2, tp2ep2/gather, dp2ep2/gather and
+    /a2a at 1, 32 and 128 per rank, context 4096): the plans rebuilt on the CPU predict the measured
+    replay within 20% with the measured calibration; read as /1 they give what the benchmark printed."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import predict_check
+    data = json.loads(SPEC_BENCH.read_text())
+    plans = predict_check.spec_plans(data)
+    cal = load(MEASURED)
+    rows = predict_check.spec_rows(data, cal, plans)
+    assert len(rows) == 15
+    outside = [f"{r['name']}: {r['ratio']:.2f}" for r in rows if abs(r["ratio"] - 1) > 0.2]
+    assert not outside, outside
+    recorded = [r["predicted"]["predicted_ms"] for r in data["rows"] if "replay_ms" in r]
+    before = [r["predicted_ms"] for r in predict_check.spec_rows(data, predict_check.as_v1(cal), plans)]
+    assert before == pytest.approx(recorded, rel=1e-9)
 
 
 def test_hbm_bytes_of_attention_and_experts():
