@@ -337,10 +337,3 @@ def sample_greedy(logits):
     """The sampler at its defaults (temperature 0: argmax, lowest id on ties): the IR's `sample.tokens`."""
     zeros = torch.zeros(logits.shape[0], dtype=torch.int64, device=logits.device)
     return sample(logits, zeros.float(), zeros, zeros + 1.0, zeros.float(), zeros, zeros)
-
-
-def fp8_block_dequant(w_fp8, scale_inv, block=128):
-    """W[i, j] = Wq[i, j] * S[i // block, j // block] in fp32 (DeepSeek/GLM block-scaled FP8)."""
-    rows, cols = w_fp8.shape
-    s = scale_inv.float().repeat_interleave(block, 0)[:rows].repeat_interleave(block, 1)[:, :cols]
-    return w_fp8.float() * s

@@ -2,6 +2,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from glmc.codegen import fp8_ref
 from glmc.codegen import torch_ref as ref
 from glmc.runtime.worker.forward_batch import ForwardBatch
 from glmc.runtime.worker.kv_cache import PAGE_SIZE, KVPool
@@ -174,7 +175,7 @@ def test_mha_is_causal_softmax_attention_over_topk():
 def test_fp8_block_dequant_uses_per_block_scales():
     w = torch.randint(-8, 8, (200, 300)).float().to(torch.float8_e4m3fn)
     s = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
-    out = ref.fp8_block_dequant(w, s)
+    out = fp8_ref.fp8_block_dequant(w, s)
     assert out.dtype == torch.float32 and out.shape == (200, 300)
     torch.testing.assert_close(out[127, 255], w[127, 255].float() * 2.0)
     torch.testing.assert_close(out[128, 256], w[128, 256].float() * 6.0)

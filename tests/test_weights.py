@@ -3,7 +3,7 @@ import json
 
 import pytest
 import torch
-from glmc.codegen.torch_ref import fp8_block_dequant
+from glmc.codegen.fp8_ref import fp8_block_dequant
 from glmc.runtime.worker.checkpoint import (
     WeightError,
     detect_mtp,

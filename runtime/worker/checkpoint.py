@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from glmc.codegen.torch_ref import fp8_block_dequant
+from glmc.codegen.fp8_ref import fp8_block_dequant
 from safetensors import safe_open
 
 from glmc.config import GlmConfig
