@@ -118,15 +118,20 @@ def validate(data: dict, source: str = "<dict>") -> dict:
 def _check_table(points, where: str, kind: str, fail) -> None:
     if kind not in COLLECTIVE_KINDS:
         fail(f"'{where}': unknown collective; known: {', '.join(COLLECTIVE_KINDS)}")
+    _check_points(points, where, "message_bytes", fail)
+
+
+def _check_points(points, where: str, x: str, fail) -> None:
+    """A non-empty list of [x, seconds] pairs, sorted by increasing x."""
     if not isinstance(points, list) or not points:
-        fail(f"'{where}' must be a non-empty list of [message_bytes, seconds]")
+        fail(f"'{where}' must be a non-empty list of [{x}, seconds]")
     for i, p in enumerate(points):
         if not (isinstance(p, list) and len(p) == 2):
-            fail(f"'{where}[{i}]' must be [message_bytes, seconds], got {p!r}")
+            fail(f"'{where}[{i}]' must be [{x}, seconds], got {p!r}")
         _check_type(p[0], float, f"{where}[{i}][0]", fail)
         _check_type(p[1], float, f"{where}[{i}][1]", fail)
     if any(a[0] >= b[0] for a, b in itertools.pairwise(points)):
-        fail(f"'{where}' must be sorted by increasing message bytes")
+        fail(f"'{where}' must be sorted by increasing {x.replace('_', ' ')}")
 
 
 def _check_topk(t: dict, fail) -> None:
@@ -134,16 +139,7 @@ def _check_topk(t: dict, fail) -> None:
         if key not in t:
             fail(f"missing 'topk_select.{key}'")
         _check_type(t[key], int, f"topk_select.{key}", fail)
-    points = t.get("seconds")
-    if not isinstance(points, list) or not points:
-        fail("'topk_select.seconds' must be a non-empty list of [rows, seconds]")
-    for i, p in enumerate(points):
-        if not (isinstance(p, list) and len(p) == 2):
-            fail(f"'topk_select.seconds[{i}]' must be [rows, seconds], got {p!r}")
-        _check_type(p[0], float, f"topk_select.seconds[{i}][0]", fail)
-        _check_type(p[1], float, f"topk_select.seconds[{i}][1]", fail)
-    if any(a[0] >= b[0] for a, b in itertools.pairwise(points)):
-        fail("'topk_select.seconds' must be sorted by increasing rows")
+    _check_points(t.get("seconds"), "topk_select.seconds", "rows", fail)
 
 
 def load(path: str | Path) -> dict:
