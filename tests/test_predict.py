@@ -238,3 +238,16 @@ def test_the_launch_counts_follow_the_torch_code():
         triton_target.topk_slots(*args)
     assert len(align.ops) == cuda_kernels._ALIGN_ROWS
     assert len(slots.ops) == cuda_kernels._TOPK_SLOTS
+
+
+def test_every_multi_gpu_check_row_within_20_percent(tmp_path):
+    """bench/results/multi_gpu_check_2026-11-30_predicted.json (2x H200: the tiny checkpoint and the
+    GLM-width slice, tp1 to dp2ep2 at buckets 2-4): the measured calibration predicts each replay
+    within 20%."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import predict_check
+    data = json.loads(predict_check.MULTI.read_text())
+    rows = predict_check.multi_rows(data, load(MEASURED), predict_check.multi_plans(tmp_path))
+    assert len(rows) == 10
+    outside = [f"{r['name']}: {r['ratio']:.2f}" for r in rows if abs(r["ratio"] - 1) > 0.2]
+    assert not outside, outside
