@@ -36,7 +36,8 @@ def cmd_compile(a) -> int:
     plan = compile_plan(spec, par, opts, dump)
     out = Path(a.output or f"build/{spec.name}-{par.name}")
     plan.save(out, {"report.md": render(explain_plan(plan))})
-    print(f"wrote {out}/ ({', '.join(f'{ph}.ir' for ph in plan.graphs)}, plan.json, report.md)")
+    kernels = f", kernels/ ({len(plan.kernels)} Triton kernels)" if plan.kernels else ""
+    print(f"wrote {out}/ ({', '.join(f'{ph}.ir' for ph in plan.graphs)}, plan.json{kernels}, report.md)")
     return 0
 
 

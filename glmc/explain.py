@@ -8,7 +8,8 @@ max_context_at_batch}, `flops_per_token` {decode, executed_decode}, `comm` {pref
 message_bytes}}}}, `moe_lowering` {phase: decision}, `moe_alternatives` {gather, a2a: per_step},
 `ep_dispatch_bytes_per_token` (payload, top_k x hidden in the dispatch dtype),
 `fusions` {phase: {rule: count}}, `fused_ops` {phase: {fused op kind: [layer, ...]}} (-1:
-outside the decoder layers). Byte conventions are those of `glmc.passes.costs`.
+outside the decoder layers), `kernels` {kernels/<name>.py: the context it was rendered from} (cuda
+target; empty for cpu). Byte conventions are those of `glmc.passes.costs`.
 With a calibration (`glmc.calibration`), `predicted` {calibration, point: `glmc.predict.predict_step`
 at the explain point, table: [{batch_per_rank, step_ms, tpot_ms, tokens_per_s, comm_ms, overhead_ms,
 graph_bucket, kv_fits}], assumptions: [str]}.
@@ -94,6 +95,7 @@ def explain_plan(plan: Plan, batch: int = 32, context: int = 4096,
     out["fusions"] = {ph: {k: v for k, v in m.get("rewrites", {}).items() if k in FUSIONS}
                       for ph, m in meta["phases"].items()}
     out["fused_ops"] = {ph: _fused_where(g) for ph, g in graphs.items()}
+    out["kernels"] = dict(sorted(plan.kernel_contexts.items()))   # cuda target: kernels/<name>.py -> context
     if calibration is not None:
         t = _env("decode", batch, context, par.attn_dp, cfg.index_topk)["T"]
         out["predicted"] = predict_plan(plan, calibration, context, t, out["memory"]["kv_tokens_per_rank"])

@@ -116,6 +116,10 @@ def render(d: dict) -> str:
         out.append(f"- {ph}: " + (", ".join(f"{k} x{v}" for k, v in sorted(rules.items())) or "none"))
         for kind, layers in sorted(d["fused_ops"].get(ph, {}).items()):
             out.append(f"  - `{kind}` x{len(layers)}: layers {_ranges(layers)}")
+    if d.get("kernels"):
+        out += ["", f"## Triton kernels ({len(d['kernels'])}, in kernels/: what the runtime imports)", "",
+                "| file | rendered from |", "|---|---|",
+                *(f"| `{name}.py` | `{ctx}` |" for name, ctx in d["kernels"].items())]
     if d.get("predicted"):
         out += ["", *_predicted(d["predicted"])]
     if article.applies(d):

@@ -1,5 +1,7 @@
 """Codegen is a stage: `glmc compile --device cuda` writes every Triton kernel the plan can launch to
 kernels/*.py, and the runtime runs exactly those files (Triton interpreter on CPU)."""
+import contextlib
+import io
 import json
 
 import pytest
@@ -47,7 +49,10 @@ def test_expert_kernels_take_routes_per_row_from_the_ids(a2a, routes):
 @pytest.fixture(scope="module")
 def cuda_plan_dir(tiny_ckpt, tmp_path_factory):
     out = tmp_path_factory.mktemp("plan") / "tiny-cuda"
-    assert glmc(["compile", "--model", str(tiny_ckpt), "--device", "cuda", "-o", str(out)]) == 0
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert glmc(["compile", "--model", str(tiny_ckpt), "--device", "cuda", "-o", str(out)]) == 0
+    assert "kernels/ (" in printed.getvalue() and "Triton kernels)" in printed.getvalue()
     return out
 
 
@@ -60,6 +65,9 @@ def test_compile_writes_the_kernels_with_their_contexts(cuda_plan_dir):
         assert f"# context: {ctx}\n" in src and f"def {ctx.split('Ctx(')[0]}" not in src
         compile(src, name, "exec")
     assert Plan.load(cuda_plan_dir).kernel_contexts == contexts
+    report = (cuda_plan_dir / "report.md").read_text()
+    assert f"## Triton kernels ({len(contexts)}" in report
+    assert all(f"| `{name}.py` | `{ctx}` |" in report for name, ctx in contexts.items())
 
 
 def _greedy_logits(plan, ckpt):
