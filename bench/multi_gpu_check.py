@@ -143,8 +143,11 @@ def check(kind, args, root, backend, dev) -> list[dict]:
     context = round(sum(lengths) / len(lengths)) + STEPS   # the predictor's one context: the mean
     rows = [predicted_row(kind, ref_plan, [ref], context, args)] if args.calibration else []
     for parallel, a2a in SPECS:
+        moe = {None: "-", False: "gather", True: "a2a"}[a2a]
+        if args.only and f"{parallel}/{moe}" not in args.only.split(","):
+            continue
         t0 = time.perf_counter()
-        row = {"check": kind, "parallel": parallel, "moe": {None: "-", False: "gather", True: "a2a"}[a2a]}
+        row = {"check": kind, "parallel": parallel, "moe": moe}
         try:
             plan = compile_for(kind, source, parallel, a2a, len(prompts), dtype_name)
             res = run_spec(kind, parallel, a2a, plan.world, {**base, "plan": plan}, backend)
@@ -195,6 +198,8 @@ def main():
     ap.add_argument("--cpu", action="store_true")
     ap.add_argument("--out")
     ap.add_argument("--skip-width", action="store_true")
+    ap.add_argument("--only", default="", help="comma list of specs to run, e.g. tp2ep2/gather,dp2ep2/a2a "
+                    "(tp1 always runs: the reference)")
     ap.add_argument("--calibration", help="bench/calibrate.py's file: time each spec's decode replay and "
                     "print it next to the predicted step")
     args = ap.parse_args()

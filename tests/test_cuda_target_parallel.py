@@ -1,0 +1,23 @@
+"""The CUDA target over two gloo processes on the CPU (Triton interpreted, the plan's kernel library
+strict): `bench/multi_gpu_check.py --cpu` for the specs whose kernels differ from tp1's (tokens split
+over attention TP; one dispatched row per route under a2a). Greedy tokens equal tp1's and logits are
+within tolerance (the per-step bill is checked on the GPUs, where steps replay captured buckets); a
+kernel the plan's kernel set misses fails here, not first on the GPUs."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_tp2ep2_and_dp2ep2_a2a_on_the_cuda_target(tmp_path):
+    out = tmp_path / "check.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "multi_gpu_check.py"), "--cpu", "--skip-width",
+                           "--only", "tp2ep2/gather,dp2ep2/a2a", "--out", str(out)],
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["parallel"], r["moe"]) for r in rows] == [("tp2ep2", "gather"), ("dp2ep2", "a2a")]
+    for r in rows:
+        assert r["pass"] and r["tokens_equal"] and r["logits_ok"], r
