@@ -32,6 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_plan_check as pc  # noqa: E402  (slice model, weights, tables)
+from decode_bench import ceilings  # noqa: E402  (copy bandwidth, measured as the decode bench does)
 
 pc.import_glmc()
 LAYERS = dict(num_hidden_layers=4, first_k_dense_replace=1, indexer_types=["full", "shared", "full", "shared"])
@@ -69,7 +70,7 @@ def must_bytes(plan, tokens, ctx, touched):
     the cost model's, with its expected routed-expert reads replaced by the experts the step's
     routing really touched on this rank (`touched`: per MoE layer)."""
     import predicted
-    from glmc.passes.costs import op_cost, weight_bytes_for
+    from glmc.passes.costs import op_cost, touched_experts, weight_bytes_for
     env = {"T": tokens, "B": tokens, "S": ctx, "K": plan.config.index_topk}
     graph, wb = plan.graphs["decode"], weight_bytes_for(predicted.runner_dtypes(plan))
     total = 0
@@ -78,8 +79,7 @@ def must_bytes(plan, tokens, ctx, touched):
         if op.kind == "moe.experts":
             hidden, inter = int(op.attr("hidden")), int(op.attr("inter")) // int(op.attr("moe_tp", 1))
             local = int(op.attr("experts")) // int(op.attr("ep", 1))
-            k = int(op.attr("top_k"))
-            expected = local * (1 - (1 - k / int(op.attr("experts"))) ** tokens)
+            expected = touched_experts(local, int(op.attr("top_k")), int(op.attr("experts")), tokens)
             total += (touched.get(op.layer, expected) - expected) * 3 * hidden * inter * 2
     return total
 
@@ -178,23 +178,6 @@ def run_rank(rank, world, job, out_dir):
     torch.save(res, f"{out_dir}/rank{rank}.pt")
 
 
-def copy_gbps(cuda):
-    import torch
-    if not cuda:
-        return 1.0
-    a = torch.randn(2**30, device="cuda", dtype=torch.bfloat16)
-    b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(20):
-        b.copy_(a)
-    end.record()
-    end.synchronize()
-    return 2 * a.nbytes * 20 / start.elapsed_time(end) / 1e6
-
-
 def summarise(name, plan, ranks, gbps, cal, ctx) -> list[dict]:
     """Slowest rank per batch; roofline, tokens/s, predicted."""
     import predicted
@@ -253,7 +236,7 @@ def main():
         name = parallel + {None: "", False: "/gather", True: "/a2a"}[a2a]
         plans[name] = pc.glmc_plan(model_cfg, max(args.batches) * 2, "bfloat16", parallel, moe_a2a=a2a)
     job = dict(device=dev, narrow=args.cpu, batches=args.batches, ctx=args.ctx, reps=args.reps)
-    gbps, t0, rows = copy_gbps(cuda), time.perf_counter(), []
+    gbps, t0, rows = ceilings(args.cpu)[0], time.perf_counter(), []
     for world, names in ((1, ["tp1"]), (2, [n for n in plans if n != "tp1"])):
         out = tempfile.mkdtemp(prefix="glmc_spec_")
         spawn(run_rank, world, {**job, "plans": {n: plans[n] for n in names}}, out, backend=backend, timeout_s=900)

@@ -103,18 +103,11 @@ class KernelLibrary:
         if not plan.kernels:
             raise KernelNotInPlan(f"plan of {plan.model} ({plan.parallel}) holds no kernels: it was compiled "
                                   f"for device {plan.target!r}; compile it with `glmc compile --device cuda`")
-        plan_dir = plan.directory
-        files = {}
-        for name, src in plan.kernels.items():
-            path = Path(plan_dir) / "kernels" / f"{name}.py" if plan_dir else None
-            if path is None or not path.exists() or path.read_text() != src:
-                path = _cached(name, src)   # compiled in memory (or the file changed since loading)
-            files[plan.kernel_contexts[name]] = path
+        plan_dir = plan.directory   # loaded from a directory: its files; compiled in memory: the cache
+        files = {plan.kernel_contexts[name]: Path(plan_dir) / "kernels" / f"{name}.py" if plan_dir else
+                 _cached(name, src) for name, src in plan.kernels.items()}
         where = f"plan {plan_dir}" if plan_dir else f"the in-memory plan of {plan.model} ({plan.parallel})"
         return cls(files, where, jit_extra)
-
-    def __len__(self) -> int:
-        return len(self._files)
 
     def loaded(self) -> list[Path]:
         """The files of the kernels launched (imported) so far."""

@@ -60,14 +60,15 @@ class Captured:
 
 class GpuRunner(PlanExecutor):
     def __init__(self, plan: Plan, weights, pool: KVPool, comm: Comm | None, max_reqs: int,
-                 max_context: int, stacks: dict | None = None, moe_tiles: dict | None = None):
+                 max_context: int, stacks: dict | None = None):
         super().__init__(plan, weights, pool, comm, impls=CUDA_IMPLS, device=pool.device,
                          stacks=stacks)
         self.max_context, self.pad_row, self.scratch = max_context, max_reqs, pool.num_slots - 1
         self.r2t = torch.full((max_reqs + 1, max_context), self.scratch, dtype=torch.int64, device=pool.device)
-        self.moe_tiles = moe_tiles or {}
-        # exactly the plan's kernels; tile overrides (benchmark sweeps) may render other variants
-        self.kernels = KernelLibrary.from_plan(plan, jit_extra=bool(self.moe_tiles))
+        # exactly the plan's kernels; a benchmark that sets MoE tile overrides (`moe_tiles`) also
+        # swaps in a library that may render variants outside the plan
+        self.moe_tiles: dict = {}
+        self.kernels = KernelLibrary.from_plan(plan)
         self._derived: dict = {}
         self.captured: dict[int, Captured] = {}
         split = plan.mesh["attn_tp"] if plan.mesh["ep"] > 1 else 1   # tokens split over attn_tp
