@@ -24,31 +24,28 @@ def fp8_block_dequant(w_fp8, scale_inv, block=BLOCK):
     return w_fp8.float() * s
 
 
-def quantize_weight_blocks(w, block=BLOCK):
-    """(Wq float8_e4m3fn [N, K], S fp32 [ceil(N/block), ceil(K/block)]) with S = max|W block| / 448
-    (1 for an all-zero block): the checkpoint convention, for quantising a bf16 checkpoint on load."""
-    n, k = w.shape
-    pad = torch.zeros(-(-n // block) * block, -(-k // block) * block, dtype=torch.float32, device=w.device)
-    pad[:n, :k] = w.float()
-    blocks = pad.view(pad.shape[0] // block, block, pad.shape[1] // block, block)
+def _quantize(x, rows: int, cols: int):
+    """(xq float8_e4m3fn, scales fp32 [ceil(M/rows), ceil(K/cols)]) per [rows, cols] block of x [M, K]:
+    s = max|block| / 448 (1 for an all-zero block), xq = e4m3(x / s) (round to nearest even)."""
+    m, k = x.shape
+    pad = torch.zeros(-(-m // rows) * rows, -(-k // cols) * cols, dtype=torch.float32, device=x.device)
+    pad[:m, :k] = x.float()
+    blocks = pad.view(pad.shape[0] // rows, rows, pad.shape[1] // cols, cols)
     amax = blocks.abs().amax(dim=(1, 3))
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).view_as(pad)[:n, :k]
+    q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).view_as(pad)[:m, :k]
     return q.to(torch.float8_e4m3fn), scale
 
 
+def quantize_weight_blocks(w, block=BLOCK):
+    """(Wq float8_e4m3fn [N, K], S fp32 [ceil(N/block), ceil(K/block)]) per block x block: the
+    checkpoint convention, for quantising a bf16 checkpoint on load."""
+    return _quantize(w, block, block)
+
+
 def quantize_token_groups(x, group=BLOCK):
-    """(xq float8_e4m3fn [M, K], s fp32 [M, ceil(K/group)]): per row and group of `group` columns,
-    s = max|x| / 448 (1 for an all-zero group), xq = e4m3(x / s) (round to nearest even)."""
-    m, k = x.shape
-    groups = -(-k // group)
-    pad = torch.zeros(m, groups * group, dtype=torch.float32, device=x.device)
-    pad[:, :k] = x.float()
-    g = pad.view(m, groups, group)
-    amax = g.abs().amax(-1)
-    s = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    q = (g / s[..., None]).clamp(-FP8_MAX, FP8_MAX).view(m, -1)[:, :k]
-    return q.to(torch.float8_e4m3fn), s
+    """(xq float8_e4m3fn [M, K], s fp32 [M, ceil(K/group)]): per row and group of `group` columns."""
+    return _quantize(x, 1, group)
 
 
 def fp8_gemm(xq, xs, wq, ws, block=BLOCK):
