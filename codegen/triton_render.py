@@ -109,6 +109,14 @@ class KernelLibrary:
         where = f"plan {plan_dir}" if plan_dir else f"the in-memory plan of {plan.model} ({plan.parallel})"
         return cls(files, where, jit_extra)
 
+    def num_compiled(self) -> int:
+        """Binaries Triton has compiled so far for the kernels launched through this library (one
+        per specialisation: a kernel launched with new constexprs or new integer-argument classes
+        compiles again). 0 under TRITON_INTERPRET. A server that counts a change while serving was
+        caught by a compile; `startup.warm_up` compiles what serving hits."""
+        return sum(len(cache[0]) for fn in self._fns.values()
+                   for cache in getattr(fn, "device_caches", {}).values())
+
     def loaded(self) -> list[Path]:
         """The files of the kernels launched (imported) so far."""
         return [self.path(ctx) for ctx in self._fns]

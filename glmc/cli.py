@@ -81,10 +81,11 @@ def cmd_run(a) -> int:
         ckpt = make_tiny_checkpoint(Path(a.cache_dir or default_cache_dir()) / "tiny")
     plan = plan_for(ckpt, a.plan, a.parallel, a.device, a.max_running)
     engine_kwargs = dict(max_running=a.max_running, max_batch_tokens=a.max_batch_tokens,
-                         max_waiting=a.max_waiting, enable_prefix_cache=not a.no_prefix_cache)
+                         max_waiting=a.max_waiting, enable_prefix_cache=not a.no_prefix_cache,
+                         overlap=False if a.no_overlap else None)
     name = a.served_model_name or (ckpt.name if a.weights else TINY_NAME)
     server = ServerOptions(max_body_bytes=int(a.max_body_mb * 2**20),
-                           shutdown_timeout_s=a.shutdown_timeout)
+                           shutdown_timeout_s=a.shutdown_timeout, profile_dir=a.profile_dir)
     try:
         serve_model(ServeConfig(plan, str(ckpt), a.device, name, a.host, a.port, a.num_pages,
                                 a.max_context, engine_kwargs, not a.no_warmup, a.log_level,
@@ -158,7 +159,13 @@ def main(argv: list[str] | None = None) -> int:
                    "requests get to finish after SIGINT/SIGTERM before they are aborted (a second "
                    "signal exits at once)")
     r.add_argument("--no-prefix-cache", action="store_true")
-    r.add_argument("--no-warmup", action="store_true")
+    r.add_argument("--no-warmup", action="store_true", help="skip the warm-up (on a GPU it compiles "
+                   "every kernel variant serving hits; without it first requests wait for compiles)")
+    r.add_argument("--no-overlap", action="store_true", help="read each step's tokens before "
+                   "scheduling the next (default: the host prepares step N+1 while the device "
+                   "runs step N, where the runner supports it)")
+    r.add_argument("--profile-dir", help="enable POST /start_profile {\"num_steps\": N}: "
+                   "torch.profiler traces of the next N engine steps are written here")
     r.add_argument("--cache-dir", help="where the tiny model's weights are made (default "
                    "$GLMC_CACHE or ~/.cache/glmc)")
     r.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))

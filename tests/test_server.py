@@ -272,3 +272,27 @@ def test_load_64_streaming_clients_some_disconnecting(served):
     engine.flush_cache()
     assert engine.allocator.num_free == engine.allocator.num_pages
     assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_start_profile_traces_engine_steps(ckpt, tmp_path):
+    """POST /start_profile: 404 unless --profile-dir, 400 on a bad num_steps, else the trace of
+    the next steps with work (here: a streamed request runs meanwhile)."""
+    from glmc.runtime.serving.server import ServerOptions
+    engine = build_engine(ckpt, warmup=False, num_pages=32, max_running=4, max_batch_tokens=64)
+    for options, ok in ((ServerOptions(), False), (ServerOptions(profile_dir=str(tmp_path)), True)):
+        with Server(create_app(engine, MODEL, options)) as server:
+            if not ok:
+                r = post(server, {"num_steps": 2}, "/start_profile")
+                assert r.status_code == 404 and r.json()["error"]["code"] == "profiling_disabled"
+                continue
+            assert post(server, {"num_steps": 0}, "/start_profile").status_code == 400
+            c = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+            stream = c.completions.create(model=MODEL, prompt="hello", max_tokens=40, stream=True,
+                                          extra_body={"ignore_eos": True})
+            r = post(server, {"num_steps": 2}, "/start_profile")
+            assert r.status_code == 200, r.text
+            assert list(stream)[-1].choices[0].finish_reason == "length"
+            trace = json.loads(open(r.json()["trace"]).read())
+            names = {e.get("name") for e in trace["traceEvents"]}
+            assert "glmc.engine.step" in names
+            assert "glmc.engine.step" in open(r.json()["table"]).read()

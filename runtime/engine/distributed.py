@@ -34,6 +34,7 @@ class DistRunner(ModelRunner):
         self.num_dp, self.attn_tp = mesh["attn_dp"], mesh["attn_tp"]
         self.vocab_size, self.num_pages = local.vocab_size, local.num_pages
         self.max_context = local.max_context
+        self.kernels = local.kernels   # rank 0 samples every DP rank's logits on its own device
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         return self.forward_dp([batch])[0]
@@ -45,8 +46,8 @@ class DistRunner(ModelRunner):
         if self.num_dp == 1:  # the lm_head all-gather left the full logits on every TP rank
             return [logits]
         got = [None] * dist.get_world_size()
-        dist.gather_object(logits, got, dst=0, group=self.group)
-        return [got[d * self.attn_tp] for d in range(self.num_dp)]
+        dist.gather_object(logits.cpu(), got, dst=0, group=self.group)  # gloo moves host objects
+        return [logits if d == 0 else got[d * self.attn_tp].to(logits.device) for d in range(self.num_dp)]
 
     def close(self) -> None:
         """Tell the other ranks to exit (call once, after the last step)."""

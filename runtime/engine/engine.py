@@ -2,8 +2,20 @@
 
 One engine thread owns all scheduling state and runs `step()` in a loop: take new requests and
 aborts from the inbox, schedule, run the model, sample (one batched sampler call per DP rank, on
-the device holding the logits: `sampling.sample_requests`), detokenize and hand `StreamEvent`s to
-each request's sink. The HTTP server (asyncio) talks to it only through `submit_many` and `abort` (its
+the device holding the logits: `sampling.sample_batch`, with the plan's kernel on a GPU), detokenize
+and hand `StreamEvent`s to each request's sink.
+
+Overlap (`overlap=True`, the default where the runner `supports_overlap`): a step queues its
+forward and sampling on the device and returns; the tokens are read one step later, after the next
+step is scheduled and queued, so the host's work (scheduling, building inputs, detokenizing,
+streaming) runs while the device computes. The request a step samples for carries the token as
+`num_inflight` (a `FUTURE_TOKEN` input id the runner fills in on the device). What this costs:
+a request that stops (eos, stop string, abort) is found one step late, so one more of its tokens is
+computed and dropped; pages are freed at that point. A request whose draws depend on its history
+(repetition/presence/frequency penalties) is never sampled with a token in flight: while one runs,
+each step's tokens are read before the next step is scheduled.
+
+The HTTP server (asyncio) talks to the engine only through `submit_many` and `abort` (its
 `EventStream` turns sinks into an async queue), so a slow forward never blocks the event loop.
 Tests may instead call `step()`/`generate()` directly with no thread.
 
@@ -26,10 +38,11 @@ from glmc.runtime.engine.pages import PAGE_SIZE, PageAllocator, ReqToTokenPool
 from glmc.runtime.engine.prefix_cache import NoPrefixCache, RadixCache
 from glmc.runtime.engine.request import Request
 from glmc.runtime.engine.sampling import (
+    SamplingBatch,
     SamplingParams,
     TokenLogprobs,
     request_seed,
-    sample_requests,
+    sample_batch,
 )
 from glmc.runtime.engine.scheduler import (
     DataParallelScheduler,
@@ -37,7 +50,7 @@ from glmc.runtime.engine.scheduler import (
     Scheduler,
 )
 from glmc.runtime.engine.tokenizer import Detokenizer, Tokenizer
-from glmc.runtime.worker.forward_batch import ForwardBatch
+from glmc.runtime.worker.forward_batch import ForwardBatch, to_device
 from glmc.runtime.worker.model_runner import ModelRunner
 
 __all__ = ["Engine", "InvalidRequest", "ModelRunner", "Overloaded", "StreamEvent"]
@@ -73,7 +86,7 @@ class Engine:
 
     def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, *, max_running: int = 32,
                  max_batch_tokens: int = 256, max_waiting: int = 256,
-                 enable_prefix_cache: bool = True):
+                 enable_prefix_cache: bool = True, overlap: bool | None = None):
         if runner.page_size != PAGE_SIZE:
             raise ValueError(f"runner page_size {runner.page_size} != runtime PAGE_SIZE {PAGE_SIZE}")
         if tokenizer.vocab_size > runner.vocab_size:
@@ -92,6 +105,11 @@ class Engine:
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._stop = False
+        if overlap and not runner.supports_overlap:
+            raise ValueError(f"{type(runner).__name__} cannot overlap steps (overlap=True)")
+        self.overlap = runner.supports_overlap if overlap is None else overlap
+        self._inflight: list | None = None   # the queued step whose tokens are not read yet
+        self._profile: _StepProfile | None = None
         self._update_gauges()
 
     # -- submission (any thread) -----------------------------------------------------------------
@@ -161,6 +179,7 @@ class Engine:
                 busy = self.step()
             except Exception:  # a bug in a step must not hang every client: fail them all
                 traceback.print_exc()
+                self._inflight = None
                 for req in [*self.scheduler.running, *self.scheduler.waiting]:
                     self._finish(req, "error")
                 busy = True
@@ -180,23 +199,70 @@ class Engine:
         return reqs
 
     def step(self) -> bool:
-        """One iteration; returns False when there was nothing to do."""
+        """One iteration; returns False when there was nothing to do. With overlap it queues this
+        step's work and then reads the previous step's tokens (see the module docstring)."""
         self._drain_inbox()
+        if self._profile is not None:
+            busy = self._profile.record(self._step)
+            if self._profile.finished:
+                self._profile = None
+            return busy
+        return self._step()
+
+    def _step(self) -> bool:
+        if self._inflight is not None and any(r.params.needs_history for r in self.scheduler.running):
+            self._read(self._inflight)   # a penalised request needs every earlier token first
+            self._inflight = None
         batches = self.scheduler.schedule()
-        if batches is None:
-            self._update_gauges()
-            return False
-        self.metrics.step([b for b in batches if b is not None])
-        work = [b if b is not None and b.reqs else None for b in batches]
-        if any(work):  # else only retractions happened
-            ranks = self.scheduler.ranks
-            fbs = [self._forward_batch(s, b) for s, b in zip(ranks, work)]
-            for s, batch, logits in zip(ranks, work, self.runner.forward_dp(fbs)):
-                if batch is not None:
-                    s.commit(batch)
-                    self._sample(batch.reqs, logits)
+        launched = None
+        if batches is not None:
+            self.metrics.step([b for b in batches if b is not None])
+            launched = self._launch(batches)
+        if self._inflight is not None:
+            self._read(self._inflight)
+        self._inflight = launched if self.overlap else None
+        if launched is not None and not self.overlap:
+            self._read(launched)
         self._update_gauges()
-        return True
+        return batches is not None or self._inflight is not None
+
+    def _launch(self, batches) -> list:
+        """Run every DP rank's batch and queue the sampling of its ready requests on the device;
+        -> per rank (requests, top_logprobs asked, SampledTokens) for `_read`."""
+        work = [b if b is not None and b.reqs else None for b in batches]
+        if not any(work):  # only retractions happened
+            return []
+        launched = []
+        ranks = self.scheduler.ranks
+        fbs = [self._forward_batch(s, b) for s, b in zip(ranks, work)]
+        for s, batch, logits in zip(ranks, work, self.runner.forward_dp(fbs)):
+            if batch is None:
+                continue
+            s.commit(batch)
+            # the requests whose prompt is fully computed get a token (a chunked prefill's rows wait)
+            ready = [i for i, r in enumerate(batch.reqs) if r.num_pending == 0]
+            if not ready:
+                continue
+            reqs = [batch.reqs[i] for i in ready]
+            if len(ready) < len(batch.reqs):
+                logits = logits.index_select(0, to_device(torch.tensor(ready), logits.device))
+            sb = SamplingBatch.from_requests(reqs, logits.device)
+            sampled = sample_batch(logits, sb, kernels=self.runner.kernels)
+            if self.overlap:
+                self.runner.record_tokens([r.row for r in reqs], sampled.token_ids)
+            for r in reqs:
+                r.num_inflight += 1
+            launched.append((reqs, sb.top_logprobs, sampled.start_copy()))
+        return launched
+
+    def _read(self, launched: list) -> None:
+        """Take a queued step's tokens: append, detokenize, stream, stop."""
+        for reqs, top_logprobs, sampled in launched:
+            for req, (token, lp) in zip(reqs, sampled.to_host(top_logprobs)):
+                if req.finished:   # stopped or aborted while this token was computed
+                    continue
+                req.num_inflight -= 1
+                self._append_token(req, token, lp)
 
     @staticmethod
     def _forward_batch(s: Scheduler, batch: ScheduledBatch | None) -> ForwardBatch:
@@ -224,6 +290,22 @@ class Engine:
         if not done.wait(timeout):
             raise TimeoutError("engine thread did not flush the prefix cache")
 
+    def profile(self, num_steps: int, path: str, timeout: float = 120.0) -> str:
+        """Record the next `num_steps` steps that have work with torch.profiler (host and, on a GPU,
+        device timelines) and write a Chrome trace to `path` (open it in Perfetto) and the
+        per-op table to `path` + ".txt"; blocks until written. -> path."""
+        if self.alive:
+            done = threading.Event()
+            self._inbox.append(("profile", (num_steps, path, done), None))
+            self._wake.set()
+            if not done.wait(timeout):
+                raise TimeoutError(f"profile: {num_steps} steps did not run within {timeout:g} s")
+            return path
+        self._profile = _StepProfile(num_steps, path, None)
+        while self._profile is not None and self.step():
+            pass
+        return path
+
     # -- internals -------------------------------------------------------------------------------
 
     def _drain_inbox(self) -> None:
@@ -236,18 +318,10 @@ class Engine:
             elif kind == "flush":
                 self._reset_caches()
                 item.set()
+            elif kind == "profile":
+                self._profile = _StepProfile(*item)
             elif (req := self._live.get(item)) is not None:
                 self._finish(req, "abort")
-
-    def _sample(self, reqs: list[Request], logits: torch.Tensor) -> None:
-        """One sampler call for a DP rank's step: row i of logits is reqs[i]'s last token; the
-        requests whose prompt is fully computed get a token (a chunked prefill's rows wait)."""
-        ready = [i for i, r in enumerate(reqs) if r.num_pending == 0]
-        if not ready:
-            return
-        rows = logits if len(ready) == len(reqs) else logits[ready]
-        for i, (token, lp) in zip(ready, sample_requests(rows, [reqs[i] for i in ready])):
-            self._append_token(reqs[i], token, lp)
 
     def _append_token(self, req: Request, token: int, lp: TokenLogprobs | None) -> None:
         req.output_ids.append(token)
@@ -278,6 +352,7 @@ class Engine:
     def _finish(self, req: Request, reason: str, last: StreamEvent | None = None) -> None:
         """Free and count `req`, then send its last event (`last`, or an empty one for abort and
         error): a client that has seen the end also sees it in the metrics."""
+        req.num_inflight = 0   # tokens still computing for it are dropped when read
         self.scheduler.finish(req, reason)
         self.metrics.finish(req, reason)
         self._emit(req, last or StreamEvent(-1, "", None, reason, len(req.prompt_ids),
@@ -297,7 +372,8 @@ class Engine:
             num_requests_running=len(self.scheduler.running), kv_pages_total=total,
             kv_pages_used=self.scheduler.num_pages_held,
             kv_pages_cached=sum(s.cache.num_cached_pages for s in ss),
-            kv_usage_ratio=sum(s.allocator.num_used for s in ss) / total)
+            kv_usage_ratio=sum(s.allocator.num_used for s in ss) / total,
+            kernel_binaries_compiled=self.runner.kernels.num_compiled() if self.runner.kernels else 0)
 
     # -- DP rank 0's parts (the only ones unless runner.num_dp > 1) ------------------------------
 
@@ -316,6 +392,35 @@ class Engine:
     @property
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting) + len(self._inbox)
+
+
+class _StepProfile:
+    """torch.profiler over the next `num_steps` engine steps that have work."""
+
+    def __init__(self, num_steps: int, path: str, done: threading.Event | None):
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        self.left, self.path, self.done = num_steps, path, done
+        self.prof = profile(activities=acts, record_shapes=False, with_stack=False)
+        self.prof.__enter__()
+        self.finished = False
+
+    def record(self, step) -> bool:
+        with torch.profiler.record_function("glmc.engine.step"):
+            busy = step()
+        self.left -= busy
+        if self.left <= 0:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self.prof.__exit__(None, None, None)
+            self.prof.export_chrome_trace(self.path)
+            with open(self.path + ".txt", "w") as f:
+                f.write(self.prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=60))
+            self.finished = True
+            if self.done is not None:
+                self.done.set()
+        return busy
 
 
 def _rank_scheduler(runner: ModelRunner, max_running: int, max_batch_tokens: int,

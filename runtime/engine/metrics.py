@@ -40,6 +40,8 @@ class Metrics:
         "kv_pages_used": "Pages held by requests.",
         "kv_pages_cached": "Pages held by the prefix cache.",
         "kv_usage_ratio": "Fraction of KV pages in use (held by requests or the prefix cache).",
+        "kernel_binaries_compiled": "Triton binaries compiled in this process (GPU plans); a rise "
+                                    "while serving is a request that waited for a compile.",
     }
     DERIVED = {
         "prefix_cache_hit_rate": "Prefix-cache hit tokens / prompt tokens, since start.",

@@ -1,6 +1,8 @@
 """Request state: the scheduler's ledger for one sequence.
 
-A request's tokens are `prompt_ids + output_ids`; the first `num_computed` of them have KV in the
+A request's tokens are `prompt_ids + output_ids`, then `num_inflight` tokens that a launched step
+is still sampling on the device (each stands as `FUTURE_TOKEN` in `all_ids`: the runner reads the
+real id from the device, see `ModelRunner.record_tokens`); the first `num_computed` of them have KV in the
 pool, on `pages` (slot of position i = pages[i // 64] * 64 + i % 64). A step computes some of the
 rest; when it reaches the last token, the step's logits give the next output token. So a decode is
 just a request with one pending token, a chunked prefill one with many, and a retracted request
@@ -16,6 +18,7 @@ from dataclasses import dataclass, field
 from glmc.runtime.engine.sampling import SamplingParams, TokenLogprobs
 
 _ids = itertools.count()
+FUTURE_TOKEN = -1  # an input id the device fills in: the token last sampled for the request's row
 
 
 class Status(enum.Enum):
@@ -45,6 +48,7 @@ class Request:
     num_computed: int = 0
     num_cached_tokens: int = 0  # prefix-cache hit of the latest admission
     num_retractions: int = 0
+    num_inflight: int = 0  # tokens sampled by launched steps whose ids the host has not read yet
     # The sampler's RNG seed (int64): the request's own, or one drawn when the engine made it.
     # With the number of output tokens as counter, a seeded request's draws do not depend on
     # what else shares its batches.
@@ -56,11 +60,16 @@ class Request:
 
     @property
     def all_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
+        return self.prompt_ids + self.output_ids + [FUTURE_TOKEN] * self.num_inflight
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        return len(self.prompt_ids) + len(self.output_ids) + self.num_inflight
+
+    @property
+    def num_generated(self) -> int:
+        """Output tokens sampled so far, read or still in flight (the sampler's RNG counter)."""
+        return len(self.output_ids) + self.num_inflight
 
     @property
     def num_pending(self) -> int:
@@ -69,7 +78,7 @@ class Request:
 
     @property
     def is_decoding(self) -> bool:
-        return self.num_pending == 1 and bool(self.output_ids)
+        return self.num_pending == 1 and self.num_generated > 0
 
     @property
     def finished(self) -> bool:
@@ -85,6 +94,7 @@ class Request:
         if token in self.params.stop_token_ids or (
                 token in self.eos_token_ids and not self.params.ignore_eos):
             return "stop"
-        if len(self.output_ids) >= self.params.max_tokens or self.num_tokens >= self.max_context:
+        if (len(self.output_ids) >= self.params.max_tokens
+                or len(self.prompt_ids) + len(self.output_ids) >= self.max_context):
             return "length"
         return None

@@ -53,6 +53,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from glmc.codegen import torch_ref
+from glmc.runtime.worker.forward_batch import to_device
 
 if TYPE_CHECKING:
     from glmc.runtime.engine.request import Request
@@ -124,6 +125,12 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def needs_history(self) -> bool:
+        """Whether the draw depends on the output so far (penalties): the engine must have read
+        every earlier token of the request before it samples the next."""
+        return self.repetition_penalty != 1.0 or bool(self.presence_penalty or self.frequency_penalty)
+
 
 @dataclass
 class TokenLogprobs:
@@ -142,8 +149,8 @@ def request_seed(seed: int | None) -> int:
 def _ids(rows_ids: list[tuple[int, list[int]]], device) -> tuple[torch.Tensor, torch.Tensor]:
     """(row, token) index tensors of every (row, ids) pair, for a scatter into [B, V]."""
     rows = [r for r, ids in rows_ids for _ in ids]
-    return (torch.tensor(rows, dtype=torch.int64, device=device),
-            torch.tensor([t for _, ids in rows_ids for t in ids], dtype=torch.int64, device=device))
+    return (to_device(torch.tensor(rows, dtype=torch.int64), device),
+            to_device(torch.tensor([t for _, ids in rows_ids for t in ids], dtype=torch.int64), device))
 
 
 @dataclass(frozen=True)
@@ -168,7 +175,7 @@ class SamplingBatch:
         ps = [r.params for r in reqs]
 
         def col(values, dtype):
-            return torch.tensor(values, dtype=dtype, device=device)
+            return to_device(torch.tensor(values, dtype=dtype), device)
         bias = [(i, p.logit_bias) for i, p in enumerate(ps) if p.logit_bias]
         rep = [(i, sorted(set(r.prompt_ids) | set(r.output_ids))) for i, r in enumerate(reqs)
                if r.params.repetition_penalty != 1.0]
@@ -177,7 +184,7 @@ class SamplingBatch:
         return cls(
             col([p.temperature for p in ps], torch.float32), col([p.top_k for p in ps], torch.int64),
             col([p.top_p for p in ps], torch.float32), col([p.min_p for p in ps], torch.float32),
-            col([r.seed for r in reqs], torch.int64), col([len(r.output_ids) for r in reqs], torch.int64),
+            col([r.seed for r in reqs], torch.int64), col([r.num_generated for r in reqs], torch.int64),
             bias=(*_ids([(i, list(b)) for i, b in bias], device),
                   col([v for _, b in bias for v in b.values()], torch.float32)) if bias else None,
             repetition=(col([p.repetition_penalty for p in ps], torch.float32), *_ids(rep, device))
@@ -211,21 +218,42 @@ def bias_and_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tens
 @dataclass
 class SampledTokens:
     """What leaves the device: token ids [B] int64 and, for the requests that asked, the raw
-    logprob of the chosen token and the top alternatives (None where no request asked)."""
+    logprob of the chosen token and the top alternatives (None where no request asked).
+
+    `start_copy()` queues the copies to pinned host memory behind the sampling kernels and returns
+    at once; `to_host` then waits for those copies only (not for work queued after them, such as
+    the next step's forward). Without `start_copy`, `to_host` reads the tensors directly."""
 
     token_ids: torch.Tensor
     logprob_rows: torch.Tensor | None = None  # [R] int64: the rows that asked
     chosen_logprobs: torch.Tensor | None = None  # [R] fp32
     top_logprobs: torch.return_types.topk | None = None  # values/indices [R, max asked]
+    _host: tuple | None = None
+    _copied: object = None  # torch.cuda.Event after the copies
+
+    def _tensors(self) -> tuple:
+        top = (self.top_logprobs.values, self.top_logprobs.indices) if self.top_logprobs is not None else ()
+        rest = (self.logprob_rows, self.chosen_logprobs) if self.logprob_rows is not None else ()
+        return (self.token_ids, *rest, *top)
+
+    def start_copy(self) -> SampledTokens:
+        if self.token_ids.is_cuda:
+            self._host = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+                               for t in self._tensors())
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        return self
 
     def to_host(self, top_logprobs: tuple[int | None, ...]) -> list[tuple[int, TokenLogprobs | None]]:
-        tokens = self.token_ids.tolist()
+        if self._copied is not None:
+            self._copied.synchronize()
+        host = self._host or self._tensors()
+        tokens = host[0].tolist()
         lps: list[TokenLogprobs | None] = [None] * len(tokens)
         if self.logprob_rows is not None:
-            chosen = self.chosen_logprobs.tolist()
-            top_v, top_i = ((self.top_logprobs.values.tolist(), self.top_logprobs.indices.tolist())
-                            if self.top_logprobs is not None else (None, None))
-            for j, row in enumerate(self.logprob_rows.tolist()):
+            rows, chosen = host[1].tolist(), host[2].tolist()
+            top_v, top_i = (host[3].tolist(), host[4].tolist()) if len(host) > 3 else (None, None)
+            for j, row in enumerate(rows):
                 n = top_logprobs[row]
                 top = list(zip(top_i[j][:n], top_v[j][:n])) if top_v is not None else []
                 lps[row] = TokenLogprobs(chosen[j], top)
@@ -252,7 +280,7 @@ def sample_batch(logits: torch.Tensor, batch: SamplingBatch, use_triton: bool | 
     asked = [i for i, n in enumerate(batch.top_logprobs) if n is not None]
     if not asked:
         return SampledTokens(tokens)
-    rows = torch.tensor(asked, dtype=torch.int64, device=logits.device)
+    rows = to_device(torch.tensor(asked, dtype=torch.int64), logits.device)
     raw = torch.log_softmax(logits[rows].float(), -1)
     num_top = max(batch.top_logprobs[i] for i in asked)
     return SampledTokens(tokens, rows, raw.gather(1, tokens[rows, None])[:, 0],

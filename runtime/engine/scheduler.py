@@ -40,7 +40,7 @@ class ScheduledBatch:
     def mode(self) -> str:
         """`decode` when every request feeds back its last sampled token, else `extend` (which
         also covers mixed prefill + decode batches)."""
-        decode = all(n == 1 and r.output_ids for r, n in zip(self.reqs, self.extend_lens))
+        decode = all(n == 1 and r.num_generated for r, n in zip(self.reqs, self.extend_lens))
         return "decode" if decode else "extend"
 
     @property
@@ -188,7 +188,9 @@ class Scheduler:
         batch.retracted.append(req)
 
     def _cache_pages(self, req: Request) -> None:
-        full = req.num_computed // self.page_size
+        """Offer the request's full computed pages to the prefix cache, as far as their token ids
+        are known (a token still in flight has KV but no id yet: its page waits for the release)."""
+        full = min(req.num_computed, req.num_tokens - req.num_inflight) // self.page_size
         if full:
             self.cache.insert(req.all_ids[:full * self.page_size], req.pages[:full])
 

@@ -7,6 +7,8 @@ every phase. Plans over several ranks need one process each (`engine.distributed
 """
 from __future__ import annotations
 
+import sys
+import time
 from pathlib import Path
 
 import torch
@@ -71,7 +73,10 @@ def load_weights(ckpt_dir: Path, config) -> dict[str, torch.Tensor]:
 
 
 def warm_up(engine: Engine) -> None:
-    """Run a short request per DP rank through every phase (prefill, decode), then forget them."""
+    """Run a short request per DP rank through every phase (prefill, decode), then forget them.
+    With a GPU plan, first compile the kernel variants serving hits (`warm_kernels`)."""
+    if engine.runner.kernels is not None and engine.runner.num_dp == 1:
+        warm_kernels(engine)
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     prompt = list(range(min(8, engine.runner.vocab_size)))
     reqs = [engine.make_request(prompt, params) for _ in range(engine.runner.num_dp)]
@@ -84,3 +89,53 @@ def warm_up(engine: Engine) -> None:
             bar.refresh()
     engine.flush_cache()
     engine.reset_metrics()
+
+
+def warm_lengths(max_batch_tokens: int, max_prompt: int) -> list[int]:
+    """Prompt lengths whose prefills reach the kernel variants serving can: Triton compiles a kernel
+    again for each class of its integer arguments (== 1, multiple of 16, other) and the plan has
+    tile classes by token count (MoE block_m, split counts), so: 1-3, 16 +- 1, and powers of two
+    with their neighbours up to the largest chunk."""
+    top = min(max_batch_tokens, max_prompt)
+    out = {1, 2, 3, 15, 16, 17}
+    n = 32
+    while n <= 2 * top:
+        out |= {n - 1, n, n + 1}
+        n *= 2
+    return sorted(v for v in out | {top} if 1 <= v <= top)
+
+
+def warm_kernels(engine: Engine) -> None:
+    """Compile every kernel variant a served request can hit before serving: prefills of every
+    `warm_lengths` length alone (each then decodes two tokens), the same prompts again (prefix
+    hits: prefills that start past 0) and all of them at once (mixed, chunked batches), with
+    greedy and with top-k/top-p sampling and logprobs. Prints how many binaries it compiled."""
+    t0 = time.perf_counter()
+    before = engine.runner.kernels.num_compiled()
+    top = min(engine.max_context - 4, engine.scheduler.ranks[0].max_batch_tokens)
+    lengths = warm_lengths(engine.scheduler.ranks[0].max_batch_tokens, engine.max_context - 4)
+    greedy = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    drawn = SamplingParams(max_tokens=3, temperature=0.7, top_k=20, top_p=0.9, min_p=0.01,
+                           logprobs=True, top_logprobs=2, ignore_eos=True, seed=0)
+    vocab = engine.runner.vocab_size
+
+    def prompt(n, salt):
+        return [(salt * 7919 + 31 * i) % vocab for i in range(n)]
+
+    waves = [[(prompt(n, 1), greedy)] for n in lengths]           # alone
+    waves += [[(prompt(n, 1)[:n - 1] + [0], drawn)] for n in lengths if n > 64]   # prefix hits
+    waves += [[(prompt(n, 2), drawn if i % 2 else greedy) for i, n in enumerate(lengths)]]  # mixed
+    with progress(total=len(waves), desc="compiling kernels", unit="wave") as bar:
+        for wave in waves:
+            reqs = [engine.make_request(p[:top], params) for p, params in wave]
+            for r in reqs:
+                engine.submit(r)
+            while not all(r.finished for r in reqs):
+                engine.step()
+            while engine.step():   # read the last queued step
+                pass
+            bar.update()
+    engine.flush_cache()
+    print(f"glmc: compiled {engine.runner.kernels.num_compiled() - before} kernel binaries for "
+          f"prompts of {lengths[0]}-{lengths[-1]} tokens in {time.perf_counter() - t0:.1f} s",
+          file=sys.stderr, flush=True)

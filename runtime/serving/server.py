@@ -21,6 +21,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
@@ -53,6 +54,7 @@ class ServerOptions:
     shutdown_timeout_s: float = 30.0  # --shutdown-timeout: grace for in-flight requests
     max_n: int = 16  # choices per request
     intake_threads: int = 4  # bodies parsed and tokenised at once
+    profile_dir: str | None = None  # --profile-dir: POST /start_profile writes traces there
 
 
 class _Api:
@@ -235,6 +237,26 @@ def create_app(engine: Engine, model_name: str = "glmc-tiny",
             raise APIError(503, "engine thread is not running", None, "engine_dead",
                            "server_error")
         return {"status": "ok"}
+
+    @app.post("/start_profile")
+    async def start_profile(http: HTTPRequest):
+        """Profile the next `num_steps` (body, default 3) engine steps with work; answers when the
+        trace is written (under --profile-dir) with its path."""
+        if options.profile_dir is None:
+            raise APIError(404, "profiling is off: start the server with --profile-dir DIR", None,
+                           "profiling_disabled")
+        try:
+            body = await http.json() if await http.body() else {}
+        except ValueError:
+            raise APIError(400, "the body must be JSON, e.g. {\"num_steps\": 3}", None, "invalid_json") from None
+        steps = body.get("num_steps", 3) if isinstance(body, dict) else None
+        if not isinstance(steps, int) or isinstance(steps, bool) or not 1 <= steps <= 1000:
+            raise APIError(400, f"num_steps must be an integer in [1, 1000], got {steps!r}", "num_steps",
+                           "invalid_value")
+        path = str(Path(options.profile_dir) / f"engine_steps_{int(time.time() * 1000)}.json")
+        Path(options.profile_dir).mkdir(parents=True, exist_ok=True)
+        await asyncio.to_thread(engine.profile, steps, path)
+        return {"trace": path, "table": path + ".txt", "num_steps": steps}
 
     @app.get("/metrics")
     async def metrics():

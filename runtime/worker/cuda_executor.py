@@ -4,7 +4,10 @@
 is `codegen.cuda_target.IMPLS` and whose step state (`GpuStep`) holds device index tensors. The
 runner owns a device copy of req_to_token (`r2t`, one spare row for padding): prefill copies its
 requests' rows in; every decode step (eager or replayed) first writes r2t[row, pos] = out_cache_loc
-itself, so the graph needs nothing from the host but four int64 vectors.
+itself, so the graph needs nothing from the host but four int64 vectors. An input id < 0
+(`FUTURE_TOKEN`) is the token last recorded for the token's row (`record_tokens`, called by the
+engine after sampling on the device): the graph reads it from `last_token`, so the host can queue
+step N+1 before it has read step N's tokens.
 
 `capture(buckets)` records, per bucket b of `graphs["decode"].meta["cuda_graph_buckets"]`, the decode
 graph over static buffers [ids | positions | slots | rows] x b (largest first, one memory pool).
@@ -24,7 +27,7 @@ from glmc.codegen.cuda_target import IMPLS as CUDA_IMPLS
 from glmc.codegen.triton_render import KernelLibrary
 from glmc.runtime.worker.comm import Comm
 from glmc.runtime.worker.executor import PlanExecutor, Step
-from glmc.runtime.worker.forward_batch import ForwardBatch
+from glmc.runtime.worker.forward_batch import ForwardBatch, to_device
 from glmc.runtime.worker.kv_cache import KVPool
 
 from glmc.plan import Plan
@@ -65,6 +68,7 @@ class GpuRunner(PlanExecutor):
                          stacks=stacks)
         self.max_context, self.pad_row, self.scratch = max_context, max_reqs, pool.num_slots - 1
         self.r2t = torch.full((max_reqs + 1, max_context), self.scratch, dtype=torch.int64, device=pool.device)
+        self.last_token = torch.zeros(max_reqs + 1, dtype=torch.int64, device=pool.device)
         # exactly the plan's kernels; a benchmark that sets MoE tile overrides (`moe_tiles`) also
         # swaps in a library that may render variants outside the plan
         self.moe_tiles: dict = {}
@@ -93,8 +97,15 @@ class GpuRunner(PlanExecutor):
         return {"logits": values[sample.operands[0]], "hidden": values[head.operands[0]],
                 "next_ids": values[graph.ops[-1].result]}
 
+    def record_tokens(self, rows: list[int], tokens: torch.Tensor) -> None:
+        """last_token[rows] = tokens (device), queued on the stream: later FUTURE_TOKEN ids read it."""
+        self.last_token.index_copy_(0, to_device(torch.tensor(rows, dtype=torch.int64), self.last_token.device),
+                                    tokens.to(self.last_token.device, torch.int64))
+
     def _decode_body(self, ids, pos, loc, rows) -> dict:
-        """The captured region: own slot into the device table, then every decode op."""
+        """The captured region: fill in FUTURE_TOKEN ids, own slot into the device table, then
+        every decode op."""
+        ids = torch.where(ids < 0, self.last_token[rows], ids)
         self.r2t[rows, pos] = loc
         graph = self.graphs["decode"]
         return self._outputs(graph, self.run_ops(graph, self._step(graph, None, ids, pos, loc, rows,
@@ -113,7 +124,8 @@ class GpuRunner(PlanExecutor):
         """Copy the batch's requests' req_to_token rows (up to max_context) into the device table."""
         rows = batch.req_pool_indices
         width = min(self.max_context, batch.req_to_token.shape[1])
-        self.r2t[rows.to(self.r2t.device), :width] = batch.req_to_token[rows, :width].to(self.r2t.device)
+        self.r2t[to_device(rows, self.r2t.device), :width] = to_device(batch.req_to_token[rows, :width],
+                                                                        self.r2t.device)
 
     # ------------------------------------------------------------------ forward
     @torch.no_grad()
@@ -131,12 +143,13 @@ class GpuRunner(PlanExecutor):
             if bucket is not None:
                 return self._replay(bucket, batch)
             self._load_rows(batch)
-            ids, pos, loc, rows = self._host_vectors(batch, need).to(self.r2t.device)
+            ids, pos, loc, rows = to_device(self._host_vectors(batch, need), self.r2t.device)
             return {k: v[:B] for k, v in self._decode_body(ids, pos, loc, rows).items()}
         self._load_rows(batch)
         size = self.padded_tokens(batch.num_tokens, dp_tokens)
-        ids, pos, loc, rows = self._host_vectors(batch, size).to(self.r2t.device)
-        last = (torch.cumsum(batch.extend_lens, 0) - 1).to(self.r2t.device)
+        ids, pos, loc, rows = to_device(self._host_vectors(batch, size), self.r2t.device)
+        ids = torch.where(ids < 0, self.last_token[rows], ids)
+        last = to_device(torch.cumsum(batch.extend_lens, 0) - 1, self.r2t.device)
         graph = self.graphs["prefill"]
         values = self.run_ops(graph, self._step(graph, batch, ids, pos, loc, rows, longest,
                                                 last), "prefill")

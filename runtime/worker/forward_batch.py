@@ -15,6 +15,16 @@ import torch
 MODES = ("extend", "decode", "idle")
 
 
+def to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """A host tensor on `device` without waiting for the device: on a GPU through pinned memory
+    and a non-blocking copy (a copy from pageable memory would wait for the work already queued,
+    which defeats queueing the next step while the current one runs)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def _i64(values) -> torch.Tensor:
     return torch.as_tensor(values, dtype=torch.int64)
 

@@ -7,6 +7,7 @@ one on an accelerator (`cuda_executor.GpuRunner`). Plan runners are made by
 """
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 
 import torch
@@ -18,16 +19,22 @@ class ModelRunner(ABC):
     """Runs one `ForwardBatch` on a device that owns the paged KV memory.
 
     Contract: `forward(batch)` writes the KV (and indexer keys) of every new token at
-    `batch.out_cache_loc`, reads earlier tokens through `batch.req_to_token`, and returns fp32 logits
-    [B, vocab_size] of each request's last new token. The runner never allocates slots: the
-    scheduler hands out pages 0..num_pages-1 (of `page_size` tokens) and positions below
-    `max_context`; a runner that needs scratch slots (e.g. padding tokens of a compiled plan)
-    keeps them in pages numbered num_pages and above.
+    `batch.out_cache_loc`, reads earlier tokens through `batch.req_to_token`, and returns logits
+    [B, vocab_size] of each request's last new token, on the runner's device (fp32 on the host; the
+    compute dtype on a GPU, where the engine samples them with `kernels`, the plan's sampler).
+    The runner never allocates slots: the scheduler hands out pages 0..num_pages-1 (of
+    `page_size` tokens) and positions below `max_context`; a runner that needs scratch slots
+    (e.g. padding tokens of a compiled plan) keeps them in pages numbered num_pages and above.
 
     With attention data parallelism (`num_dp` > 1) each DP rank has its own KV pool of
     `num_pages` pages and its own req_to_token rows: `forward_dp(batches)` runs batch i on DP
     rank i, all in one step (an idle rank gets `ForwardBatch.idle`, as collectives need every rank),
     and returns each rank's logits (an empty tensor for an idle rank).
+
+    Overlap (`supports_overlap`): the engine may queue step N+1 before it has read step N's tokens.
+    It then calls `record_tokens(rows, tokens)` after sampling each step (tokens still on the
+    device), and an input id `FUTURE_TOKEN` (-1) in a later batch means "the token last recorded for
+    this request's row": the runner fills it in where the tokens are, without a host round trip.
     """
 
     vocab_size: int
@@ -35,9 +42,14 @@ class ModelRunner(ABC):
     max_context: int
     page_size: int = PAGE_SIZE
     num_dp: int = 1
+    kernels = None  # the plan's KernelLibrary when the logits are on a GPU (its sampler kernel)
+    supports_overlap: bool = False
 
     @abstractmethod
     def forward(self, batch: ForwardBatch) -> torch.Tensor: ...
+
+    def record_tokens(self, rows: list[int], tokens: torch.Tensor) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not overlap steps")
 
     def forward_dp(self, batches: list[ForwardBatch]) -> list[torch.Tensor]:
         if len(batches) != 1:
@@ -88,6 +100,24 @@ class PlanRunner(ModelRunner):
         self.executor, c = executor, executor.config
         self.vocab_size, self.num_pages = c.vocab_size, executor.pool.num_pages - 1
         self.max_context = context_limit(c.max_position_embeddings, self.num_pages, max_context)
+        self.supports_overlap = executor.comm.world == 1   # followers of a group never sample
+        self._last = torch.zeros(0, dtype=torch.int64)   # row -> last recorded token (host)
+
+    def record_tokens(self, rows: list[int], tokens: torch.Tensor) -> None:
+        if rows and max(rows) >= len(self._last):
+            self._last = torch.cat([self._last, torch.zeros(max(rows) + 1 - len(self._last),
+                                                            dtype=torch.int64)])
+        self._last[rows] = tokens.cpu()
+
+    def _resolve(self, batch: ForwardBatch) -> ForwardBatch:
+        """`batch` with its FUTURE_TOKEN ids replaced by the recorded tokens of their rows."""
+        future = batch.input_ids < 0
+        if not bool(future.any()):
+            return batch
+        rows = batch.req_pool_indices.repeat_interleave(batch.extend_lens)
+        ids = batch.input_ids.clone()
+        ids[future] = self._last[rows[future]]
+        return dataclasses.replace(batch, input_ids=ids)
 
     @staticmethod
     def phase_of(batches: list[ForwardBatch]) -> str:
@@ -95,7 +125,7 @@ class PlanRunner(ModelRunner):
         return "decode" if all(b.mode in ("decode", "idle") for b in batches) else "prefill"
 
     def run(self, phase: str, batch: ForwardBatch, dp_tokens: list[int] | None = None):
-        return self.executor.forward(phase, batch, dp_tokens=dp_tokens)["logits"]
+        return self.executor.forward(phase, self._resolve(batch), dp_tokens=dp_tokens)["logits"]
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         return self.run(self.phase_of([batch]), batch)
@@ -106,12 +136,19 @@ class PlanRunner(ModelRunner):
 
 
 class DevicePlanRunner(PlanRunner):
-    """`PlanRunner` over an executor whose tensors live on an accelerator (`gpu_runner.GpuRunner`,
-    one rank, tp1). The scheduler hands batches of any size: the executor pads a decode batch to
-    its smallest CUDA-graph bucket (eager above the largest) and slices the padding off again. Its
-    logits are device tensors in the compute dtype, and for a replayed graph views of a static
-    buffer that the next step overwrites: `run` copies them to the host in fp32, as the sampler
-    expects (and as the `ModelRunner` contract says)."""
+    """`PlanRunner` over an executor whose tensors live on an accelerator (`gpu_runner.GpuRunner`).
+    The scheduler hands batches of any size: the executor pads a decode batch to its smallest
+    CUDA-graph bucket (eager above the largest) and slices the padding off again. Its logits stay
+    on the device in the compute dtype (for a replayed graph, views of a static buffer that the next
+    step overwrites: the engine samples them, on the device, before it queues the next step), and
+    FUTURE_TOKEN ids are filled in on the device (inside the decode graph)."""
+
+    @property
+    def kernels(self):
+        return self.executor.kernels
+
+    def record_tokens(self, rows: list[int], tokens: torch.Tensor) -> None:
+        self.executor.record_tokens(rows, tokens)
 
     def run(self, phase: str, batch: ForwardBatch, dp_tokens: list[int] | None = None):
-        return super().run(phase, batch, dp_tokens).cpu().float()
+        return self.executor.forward(phase, batch, dp_tokens=dp_tokens)["logits"]
