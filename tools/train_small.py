@@ -1,21 +1,24 @@
-"""Train glmc's small GLM: a ~7.6M-parameter `glm_moe_dsa` checkpoint with every GLM-5.3 feature active.
+"""Train glmc's small GLM: a 7.5M-parameter `glm_moe_dsa` checkpoint with every GLM-5.3 feature active.
 
-    python tools/train_small.py --out models/small --minutes 4     # one GPU, bf16 autocast (~6 min in all)
+    python tools/train_small.py --out models/small --minutes 4     # one GPU, bf16 autocast (< 6 min in all)
     python tools/train_small.py --smoke --out /tmp/small_smoke     # CPU, tiny size, a few steps (tests)
 
 One command builds the corpus, trains the tokenizer, trains the model and writes a Hugging Face
 checkpoint that transformers (`GlmMoeDsaForCausalLM`) and glmc (`glmc run --weights DIR`) load. It
 needs torch, transformers (>= 5.17), tokenizers and safetensors, not glmc (the GPU image lacks
-glmc's dependencies). Seeds are fixed; with `--minutes` the number of steps depends on the machine's
-speed (the LR schedule follows the elapsed fraction of the budget), with `--steps N` it does not.
+glmc's dependencies). Seeds are fixed. Training stops after `--minutes` of wall clock or `--epochs`
+passes over the training tokens, whichever comes first, and the LR schedule follows the nearer of
+the two, so the number of steps depends on the machine's speed unless `--steps N` fixes it.
 
 Corpus: the `.py` sources of the Python standard library of the interpreter running this script
 (`sysconfig.get_paths()["stdlib"]`) without site-packages, test suites (`test/`, `tests/`,
 `idlelib/idle_test/`) and files over 200 KB, sorted by relative path. It is on every machine with
 Python (no download), public (PSF licence), and real, varied text: code, docstrings, comments
-(~11 MB, ~3.2M tokens). Files whose relative path hashes to 0 mod 50 (sha256, ~2%) are held out;
-the first ~64 KB of them go to `heldout.txt`, so held-out checks never depend on the stdlib version of
-the machine that runs them (the checkpoint is trained on one Python, tested on another).
+(~11 MB, ~3.2M tokens). Files whose relative path hashes to 0 mod 50 (sha256, ~2%) are held out:
+they score the final model, and their first ~64 KB go to `heldout.txt`, so held-out checks never
+depend on the stdlib version of the machine that runs them (the checkpoint is trained on one Python,
+tested on another). Files at 1 mod 50 (another ~2%) are the validation split: their loss, measured
+every ~30 s, picks the weights that are saved (the corpus is small enough to overfit on a fast GPU).
 
 Tokenizer: byte-level BPE (HF `tokenizers`) trained on the training files, 4096 tokens: common
 identifiers, keywords and indentation runs become single tokens (~3.5 characters per token) while
@@ -30,8 +33,9 @@ shared expert), MLA with 4 heads (q_lora 128, kv_lora 128, nope 64, rope 32, v 6
 previous full layer's top-k and own no indexer), untied lm_head (as GLM-5.3), one MTP layer at
 `model.layers.4.*`. Every dim is a power of two >= 16, so the GPU kernels run it too.
 
-Training (AdamW, warmup + cosine, 512-token packed windows of the token stream, files separated by
-<|endoftext|>; bf16 autocast on CUDA, fp32 on CPU), per step:
+Training (AdamW, peak LR 2e-3, 2% warm-up then cosine to 10%, 32 windows of 512 tokens per step drawn
+at random from the packed token stream, files separated by <|endoftext|>; bf16 autocast on CUDA,
+fp32 on CPU), per step:
 - LM loss: transformers' `GlmMoeDsaForCausalLM`, next-token cross-entropy.
 - MTP loss (weight 0.3, DeepSeek-V3's lambda): `MtpLayer` predicts token t+2 from the main model's
   final (post-norm) hidden h_t and token t+1, exactly the reference numerics: eh_proj(cat[enorm(
@@ -84,7 +88,7 @@ from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as hf
 REPO = Path(__file__).resolve().parents[1]
 EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test"})
 MAX_FILE_BYTES = 200_000
-HELDOUT_MODULUS = 50            # a file is held out when sha256(relative path) % 50 == 0: ~2%
+HELDOUT_MODULUS = 50            # sha256(relative path) % 50: 0 held out, 1 validation (~2% each)
 HELDOUT_TEXT_CHARS = 64 * 1024
 EOT = "<|endoftext|>"
 MTP_WEIGHT = 0.3
@@ -93,6 +97,7 @@ DENSE_WARMUP = 0.1              # fraction of the run with dense attention
 WARMUP = 0.02                   # fraction of the run with a linear LR warm-up
 PROBE_WINDOWS = 4               # heldout.txt windows of the fp32 probe in train_log.json
 LOG_EVERY_S = 10.0
+VALIDATE_EVERY_S = 30.0
 
 
 def _load_make_tokenizer():
@@ -133,7 +138,7 @@ class Size:
 SIZES = {
     "small": Size(hidden=256, heads=4, q_lora=128, kv_lora=128, nope=64, rope=32, v=64, dense_inter=512,
                   moe_inter=64, experts=16, top_k=4, index_heads=8, index_dim=64, index_topk=64,
-                  vocab=4096, seq_len=512, batch=64, lr=2e-3, train_chars=None),
+                  vocab=4096, seq_len=512, batch=32, lr=2e-3, train_chars=None),
     "smoke": Size(hidden=64, heads=2, q_lora=32, kv_lora=32, nope=16, rope=16, v=16, dense_inter=128,
                   moe_inter=16, experts=8, top_k=2, index_heads=4, index_dim=32, index_topk=16,
                   vocab=512, seq_len=64, batch=4, lr=3e-3, train_chars=300_000),
@@ -155,17 +160,21 @@ def stdlib_sources() -> list[tuple[str, str]]:
     return sorted(out)
 
 
-def is_heldout(rel: str) -> bool:
-    return int(hashlib.sha256(rel.encode()).hexdigest(), 16) % HELDOUT_MODULUS == 0
+def split_of(rel: str) -> str:
+    """"heldout" (sha256 of the path = 0 mod 50), "validation" (= 1: picks the checkpoint) or "train"."""
+    return {0: "heldout", 1: "validation"}.get(int(hashlib.sha256(rel.encode()).hexdigest(), 16) % HELDOUT_MODULUS,
+                                               "train")
 
 
-def split_corpus(sources, train_chars: int | None) -> tuple[list[str], list[str]]:
-    """Training and held-out texts; `train_chars` keeps the first files up to that many characters."""
-    train = [text for rel, text in sources if not is_heldout(rel)]
+def split_corpus(sources, train_chars: int | None) -> dict[str, list[str]]:
+    """Texts per split; `train_chars` keeps the first training files up to that many characters."""
+    splits = {"train": [], "validation": [], "heldout": []}
+    for rel, text in sources:
+        splits[split_of(rel)].append(text)
     if train_chars is not None:
-        sizes = torch.tensor([len(t) for t in train]).cumsum(0)
-        train = train[: max(1, int((sizes <= train_chars).sum()))]
-    return train, [text for rel, text in sources if is_heldout(rel)]
+        sizes = torch.tensor([len(t) for t in splits["train"]]).cumsum(0)
+        splits["train"] = splits["train"][: max(1, int((sizes <= train_chars).sum()))]
+    return splits
 
 
 def heldout_text(docs: list[str]) -> str:
@@ -335,6 +344,23 @@ class IndexerDistillation:
         self.inputs.clear()
         return total / len(self.groups)
 
+    @torch.no_grad()
+    def recall(self, k: int) -> dict[str, dict[str, float]]:
+        """Per indexer: the share of its layers' dense attention mass on its top-k keys, and (for
+        scale) on the k most recent keys, averaged over the queries that see more than k keys."""
+        out = {}
+        for group in self.groups:
+            target = sum(mla_probs(a, *self.inputs[a]) for a in group) / len(group)
+            n = target.shape[-1]
+            causal = torch.ones(n, n, dtype=torch.bool, device=target.device).tril()
+            scores = index_scores(group[0], *self.inputs[group[0]]).masked_fill(~causal, float("-inf"))
+            chosen = target.gather(-1, scores.topk(k, dim=-1).indices).sum(-1)[:, k:]
+            recent = (target * causal.triu(1 - k)).sum(-1)[:, k:]
+            name = "mtp" if group[0] is self.groups[-1][0] else str(group[0].layer_idx)
+            out[name] = {"topk": round(chosen.mean().item(), 4), "recent": round(recent.mean().item(), 4)}
+        self.inputs.clear()
+        return out
+
     def set_dense(self, dense: bool, index_topk: int) -> None:
         """Dense attention (top-k over every key) during the warm-up, else the model's index_topk."""
         for group in self.groups:
@@ -413,30 +439,31 @@ def autocast(device) -> contextlib.AbstractContextManager:
     return torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda" else contextlib.nullcontext()
 
 
-def train(model, mtp, balance: RouterBalance, ids: torch.Tensor, size: Size, args, device) -> dict:
-    """The training loop: until `--steps` steps or `--minutes` of wall clock; a line every ~10 s."""
-    distill = IndexerDistillation(model, mtp)
+def train(model, mtp, distill: IndexerDistillation, balance: RouterBalance, ids: torch.Tensor,
+          val_ids: torch.Tensor, size: Size, args, device) -> dict:
+    """The training loop: `--steps` steps, or until `--minutes` of wall clock or `--epochs` passes over
+    the training tokens, whichever comes first (the LR schedule follows the nearer one). A line every
+    ~10 s, the validation loss every ~30 s; ends with the weights of the lowest validation loss."""
     opt = optimizer(model, mtp, size.lr)
     gen = torch.Generator().manual_seed(args.seed)
-    span = torch.arange(size.seq_len + 1, device=device)
-    ids = ids.to(device)
-    budget = args.minutes * 60.0
-    start = last_log = time.time()
-    step, history = 0, []
+    span, ids = torch.arange(size.seq_len + 1, device=device), ids.to(device)
+    tokens_per_step = size.batch * size.seq_len
+    start = last_log = last_val = time.time()
+    step, history, curve, best = 0, [], [], None
     model.train(), mtp.train()
     while True:
         elapsed = time.time() - start
-        progress = step / args.steps if args.steps else elapsed / budget
+        progress = step / args.steps if args.steps else max(
+            elapsed / (60 * args.minutes), step * tokens_per_step / (args.epochs * ids.numel()))
         if progress >= 1:
             break
         distill.set_dense(progress < DENSE_WARMUP, model.config.index_topk)
         for group in opt.param_groups:
             group["lr"] = lr_at(progress, size.lr)
         offsets = torch.randint(0, ids.numel() - size.seq_len - 1, (size.batch,), generator=gen)
-        windows = ids[offsets.to(device)[:, None] + span]
         distill.active = True
         with autocast(device):
-            lm, mtp_loss, _, _ = losses(model, mtp, windows)
+            lm, mtp_loss, _, _ = losses(model, mtp, ids[offsets.to(device)[:, None] + span])
             kl = distill.loss()
         distill.active = False
         opt.zero_grad(set_to_none=True)
@@ -446,21 +473,40 @@ def train(model, mtp, balance: RouterBalance, ids: torch.Tensor, size: Size, arg
         balance.update(BIAS_RATE)
         history.append(torch.stack([lm.detach(), mtp_loss.detach(), kl.detach()]))
         step += 1
-        if time.time() - last_log >= LOG_EVERY_S or step == args.steps or step == 1:
+        if time.time() - last_log >= LOG_EVERY_S or step == 1:
             last_log = time.time()
-            _log_progress(step, time.time() - start, history, size, opt, progress < DENSE_WARMUP)
-    losses_hist = torch.stack(history).float().cpu()
-    tail = losses_hist[-max(1, min(50, len(history) // 10)):].mean(0)
-    return {"steps": step, "tokens": step * size.batch * size.seq_len, "minutes": (time.time() - start) / 60,
-            "loss_first": losses_hist[0, 0].item(), "loss_last": tail[0].item(),
-            "mtp_loss_last": tail[1].item(), "indexer_kl_last": tail[2].item()}
+            _log_progress(step, last_log - start, history, tokens_per_step, opt, progress < DENSE_WARMUP)
+        if time.time() - last_val >= VALIDATE_EVERY_S:
+            best, last_val = _validate(model, mtp, balance, val_ids, size, device, step, curve, best), time.time()
+    _log_progress(step, time.time() - start, history, tokens_per_step, opt, False)
+    best = _validate(model, mtp, balance, val_ids, size, device, step, curve, best)
+    model.load_state_dict(best["state"][0]), mtp.load_state_dict(best["state"][1])
+    tail = torch.stack(history).float().cpu()
+    last = tail[-max(1, min(50, len(history) // 10)):].mean(0)
+    return {"steps": step, "tokens": step * tokens_per_step, "minutes": (time.time() - start) / 60,
+            "loss_first": tail[0, 0].item(), "loss_last": last[0].item(), "mtp_loss_last": last[1].item(),
+            "indexer_kl_last": last[2].item(), "selected_step": best["step"], "validation": curve}
 
 
-def _log_progress(step, elapsed, history, size, opt, dense) -> None:
+def _validate(model, mtp, balance, ids, size, device, step, curve, best) -> dict:
+    """LM loss on the validation files; keeps a CPU copy of the weights when it is the lowest yet."""
+    loss = evaluate(model, mtp, ids, size.seq_len, size.batch, device, max_windows=64)["lm_loss"]
+    balance.counts.clear()  # validation tokens do not steer the router biases
+    model.train(), mtp.train()
+    curve.append({"step": step, "lm_loss": round(loss, 4)})
+    if best is None or loss < best["lm_loss"]:
+        state = [{k: v.detach().to("cpu", copy=True) for k, v in m.state_dict().items()} for m in (model, mtp)]
+        best = {"step": step, "lm_loss": loss, "state": state}
+    print(f"validation at step {step}: LM loss {loss:.3f}{' (lowest yet)' if best['step'] == step else ''}",
+          flush=True)
+    return best
+
+
+def _log_progress(step, elapsed, history, tokens_per_step, opt, dense) -> None:
     lm, mtp_loss, kl = history[-1].tolist()
-    rate = step * size.batch * size.seq_len / max(elapsed, 1e-9)
+    rate = step * tokens_per_step / max(elapsed, 1e-9)
     print(f"step {step:5d} | {elapsed:6.1f} s | loss {lm:.3f} | mtp {mtp_loss:.3f} | indexer kl {kl:.4f} | "
-          f"lr {opt.param_groups[0]['lr']:.2e} | {rate / 1e3:.0f}k tok/s{' | dense warm-up' if dense else ''}",
+          f"lr {opt.param_groups[0]['lr']:.2e} | {rate / 1e3:.1f}k tok/s{' | dense warm-up' if dense else ''}",
           flush=True)
 
 
@@ -478,6 +524,18 @@ def evaluate(model, mtp, ids: torch.Tensor, seq_len: int, batch: int, device, ma
     lm, mtp_loss, lm_top1, mtp_top1 = (sums / n).tolist()
     return {"lm_loss": lm, "lm_ppl": math.exp(lm), "mtp_loss": mtp_loss, "mtp_ppl": math.exp(mtp_loss),
             "lm_top1": lm_top1, "mtp_top1": mtp_top1, "windows": n, "tokens": n * seq_len}
+
+
+@torch.no_grad()
+def indexer_recall(model, mtp, distill: IndexerDistillation, ids: torch.Tensor, size: Size, device) -> dict:
+    """`IndexerDistillation.recall` on one batch of windows of `ids`."""
+    model.eval(), mtp.eval()
+    windows = ids[: size.batch * size.seq_len + 1].to(device).unfold(0, size.seq_len + 1, size.seq_len)
+    distill.active = True
+    with autocast(device):
+        losses(model, mtp, windows)
+    distill.active = False
+    return distill.recall(model.config.index_topk)
 
 
 # ---- checkpoint -------------------------------------------------------------------------------
@@ -558,13 +616,13 @@ def probe_windows(ckpt_dir, windows: int = PROBE_WINDOWS, seq_len: int | None = 
 
 
 @torch.no_grad()
-def probe(ckpt_dir, device) -> dict:
+def probe(ckpt_dir, device, seq_len: int) -> dict:
     """fp32 LM and MTP loss on heldout.txt's first windows, from the files just written."""
     model, mtp = load_small(ckpt_dir, device)
     tf32 = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
     try:
-        windows = probe_windows(ckpt_dir).to(device)
+        windows = probe_windows(ckpt_dir, seq_len=seq_len).to(device)
         lm, mtp_loss, _, _ = losses(model, mtp, windows)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = tf32
@@ -577,6 +635,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=REPO / "models" / "small")
     p.add_argument("--minutes", type=float, default=4.0, help="wall-clock budget of the training loop")
+    p.add_argument("--epochs", type=float, default=8.0, help="at most this many passes over the training tokens")
     p.add_argument("--steps", type=int, default=0, help="train exactly this many steps instead")
     p.add_argument("--smoke", action="store_true", help="tiny model, small corpus, 8 steps (CPU tests)")
     p.add_argument("--batch", type=int, default=0, help="override the size's batch (sequences per step)")
@@ -588,24 +647,33 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def prepare_data(size: Size, out: Path):
+    """Corpus splits -> the tokenizer (written to `out` with heldout.txt) and each split's token stream."""
+    splits = split_corpus(stdlib_sources(), size.train_chars)
+    root = sysconfig.get_paths()["stdlib"]
+    if sum(map(len, splits["train"])) < (size.train_chars or 10 * 10**6) // 2 or not all(splits.values()):
+        raise SystemExit(f"{root} holds too few .py sources: " + str({k: len(v) for k, v in splits.items()}))
+    print(f"corpus: {len(splits['train'])} training files ({sum(map(len, splits['train'])) / 1e6:.1f} M chars), "
+          f"{len(splits['validation'])} validation, {len(splits['heldout'])} held out; from {root}", flush=True)
+    tok = make_tokenizer.train_bpe(splits["train"], size.vocab)
+    out.mkdir(parents=True, exist_ok=True)
+    make_tokenizer.write_tokenizer(tok, out)
+    (out / "heldout.txt").write_text(heldout_text(splits["heldout"]))
+    ids = {name: encode(tok, texts) for name, texts in splits.items()}
+    files = {name: len(texts) for name, texts in splits.items()}
+    return tok, ids, files
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     size = SIZES["smoke" if args.smoke else "small"]
     if args.batch:
         size = Size(**{**asdict(size), "batch": args.batch})
     t0 = time.time()
-    train_docs, heldout_docs = split_corpus(stdlib_sources(), size.train_chars)
-    print(f"corpus: {len(train_docs)} training files ({sum(map(len, train_docs)) / 1e6:.1f} M chars), "
-          f"{len(heldout_docs)} held out, from {sysconfig.get_paths()['stdlib']}", flush=True)
-    tok = make_tokenizer.train_bpe(train_docs, size.vocab)
-    args.out.mkdir(parents=True, exist_ok=True)
-    make_tokenizer.write_tokenizer(tok, args.out)
-    (args.out / "heldout.txt").write_text(heldout_text(heldout_docs))
-    train_ids, heldout_ids = encode(tok, train_docs), encode(tok, heldout_docs)
+    tok, ids, files = prepare_data(size, args.out)
     t_data = time.time() - t0
-    print(f"tokenizer: {tok.get_vocab_size()} tokens; {train_ids.numel() / 1e6:.2f} M training tokens, "
-          f"{heldout_ids.numel() / 1e3:.0f} k held out ({t_data:.0f} s)", flush=True)
-
+    print(f"tokenizer: {tok.get_vocab_size()} tokens; tokens per split: "
+          f"{ {k: v.numel() for k, v in ids.items()} } ({t_data:.0f} s)", flush=True)
     config = model_config(size, 4, tok)
     model, mtp = build_model(config, args.seed, args.device)
     params = count_parameters(model, mtp)
@@ -614,11 +682,12 @@ def main(argv=None) -> dict:
           f"indexer layers {config.indexer_types}", flush=True)
     if args.device.startswith("cuda"):
         torch.backends.cuda.matmul.allow_tf32 = True
-    balance = RouterBalance(model, mtp)
-    run = train(model, mtp, balance, train_ids, size, args, args.device)
-    heldout = evaluate(model, mtp, heldout_ids, size.seq_len, size.batch, args.device,
+    distill, balance = IndexerDistillation(model, mtp), RouterBalance(model, mtp)
+    run = train(model, mtp, distill, balance, ids["train"], ids["validation"], size, args, args.device)
+    heldout = evaluate(model, mtp, ids["heldout"], size.seq_len, size.batch, args.device,
                        max_windows=32 if args.smoke else 256)
     expert_load = balance.report()  # counted over the held-out windows
+    heldout["indexer_recall"] = indexer_recall(model, mtp, distill, ids["heldout"], size, args.device)
     save_checkpoint(args.out, model, mtp)
     log = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "command": " ".join(["tools/train_small.py", *(argv if argv is not None else sys.argv[1:])]),
@@ -626,13 +695,11 @@ def main(argv=None) -> dict:
            "versions": {"python": platform.python_version(), "torch": torch.__version__,
                         "transformers": transformers.__version__},
            "seed": args.seed, "size": asdict(size), "parameters": params,
-           "corpus": {"train_files": len(train_docs), "heldout_files": len(heldout_docs),
-                      "train_tokens": train_ids.numel(), "heldout_tokens": heldout_ids.numel(),
+           "corpus": {"files": files, "tokens": {k: v.numel() for k, v in ids.items()},
                       "tokenizer_vocab": tok.get_vocab_size(), "data_seconds": round(t_data, 1)},
-           "train": {**run, "epochs": run["tokens"] / train_ids.numel()},
+           "train": {**run, "epochs": run["tokens"] / ids["train"].numel()},
            "heldout": heldout, "expert_load": expert_load}
-    (args.out / "train_log.json").write_text(json.dumps(log, indent=2) + "\n")
-    log["probe"] = probe(args.out, args.device)
+    log["probe"] = probe(args.out, args.device, size.seq_len)
     (args.out / "train_log.json").write_text(json.dumps(log, indent=2) + "\n")
     _summary(log)
     return log
@@ -641,9 +708,13 @@ def main(argv=None) -> dict:
 def _summary(log: dict) -> None:
     h, r = log["heldout"], log["train"]
     print(f"trained {r['steps']} steps, {r['tokens'] / 1e6:.1f} M tokens ({r['epochs']:.1f} epochs) in "
-          f"{r['minutes']:.1f} min: train loss {r['loss_first']:.3f} -> {r['loss_last']:.3f}", flush=True)
+          f"{r['minutes']:.1f} min: train loss {r['loss_first']:.3f} -> {r['loss_last']:.3f}; weights of step "
+          f"{r['selected_step']} (lowest validation loss)", flush=True)
     print(f"held-out ({h['tokens']} tokens): LM loss {h['lm_loss']:.3f} (ppl {h['lm_ppl']:.2f}, top-1 "
           f"{h['lm_top1']:.1%}); MTP loss {h['mtp_loss']:.3f} (ppl {h['mtp_ppl']:.2f}, top-1 {h['mtp_top1']:.1%})")
+    for name, recall in h["indexer_recall"].items():
+        print(f"indexer {name}: top-{log['size']['index_topk']} keys hold {recall['topk']:.1%} of the dense "
+              f"attention (the {log['size']['index_topk']} most recent keys: {recall['recent']:.1%})")
     for name, load in log["expert_load"].items():
         print(f"expert load, layer {name}: max/mean {load['max_over_mean']:.2f}, min/mean {load['min_over_mean']:.2f}")
     print(f"probe (fp32, from the saved files): {log['probe']}")
