@@ -65,7 +65,7 @@ def test_smoke_run_learns_and_writes_a_glm_checkpoint(smoke):
     assert set(dtypes) == set(expected_tensors(spec.config, mtp=True))
     assert {name for name, dt in dtypes.items() if dt != "BF16"} == \
         {f"model.layers.{i}.mlp.gate.e_score_correction_bias" for i in (1, 2, 3, 4)}
-    assert (out / "heldout.txt").read_text().count(train_small.EOT) >= 1
+    assert (out / "heldout.txt").read_text(encoding="utf-8").count(train_small.EOT) >= 1
 
 
 def glmc_scores(ckpt_dir, windows: torch.Tensor):

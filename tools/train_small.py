@@ -7,7 +7,7 @@ One command builds the corpus, trains the tokenizer, trains the model and writes
 checkpoint that transformers (`GlmMoeDsaForCausalLM`) and glmc (`glmc run --weights DIR`) load. It
 needs torch, transformers (>= 5.17), tokenizers and safetensors, not glmc (the GPU image lacks
 glmc's dependencies). Seeds are fixed. Training stops after `--minutes` of wall clock or `--epochs`
-passes over the training tokens, whichever comes first, and the LR schedule follows the nearer of
+(default 8) passes over the training tokens, whichever comes first, and the LR schedule follows the nearer of
 the two, so the number of steps depends on the machine's speed unless `--steps N` fixes it.
 
 Corpus: the `.py` sources of the Python standard library of the interpreter running this script
@@ -257,8 +257,8 @@ class MtpLayer(hf.GlmMoeDsaDecoderLayer):
 def build_model(config: GlmMoeDsaConfig, seed: int, device) -> tuple[GlmMoeDsaForCausalLM, MtpLayer]:
     """transformers' model and the MTP layer, both with transformers' initialisation (std 0.02)."""
     torch.manual_seed(seed)
-    # sdpa: the top-k mask as a bool mask; eager experts: a loop over experts under autocast, where
-    # transformers' default grouped_mm would need the fp32 master weights in bf16
+    # sdpa: fused attention under the top-k mask. Eager experts: F.linear per expert, which autocast
+    # runs in bf16; transformers' default grouped_mm bypasses autocast (it would run on the fp32 weights)
     config._attn_implementation, config._experts_implementation = "sdpa", "eager"
     model = GlmMoeDsaForCausalLM(config)
     mtp = MtpLayer(model.config)
@@ -611,7 +611,7 @@ def probe_windows(ckpt_dir, windows: int = PROBE_WINDOWS, seq_len: int | None = 
     ckpt_dir = Path(ckpt_dir)
     seq_len = seq_len or json.loads((ckpt_dir / "train_log.json").read_text())["size"]["seq_len"]
     tok = Tokenizer.from_file(str(ckpt_dir / "tokenizer.json"))
-    ids = torch.tensor(tok.encode((ckpt_dir / "heldout.txt").read_text()).ids)
+    ids = torch.tensor(tok.encode((ckpt_dir / "heldout.txt").read_text(encoding="utf-8")).ids)
     return ids[: windows * seq_len + 1].unfold(0, seq_len + 1, seq_len)
 
 
@@ -626,7 +626,8 @@ def probe(ckpt_dir, device, seq_len: int) -> dict:
         lm, mtp_loss, _, _ = losses(model, mtp, windows)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = tf32
-    return {"windows": len(windows), "tokens": windows[:, 1:].numel(), "lm_loss": lm.item(), "mtp_loss": mtp_loss.item()}
+    return {"windows": len(windows), "seq_len": seq_len, "tokens": windows[:, 1:].numel(),
+            "lm_loss": lm.item(), "mtp_loss": mtp_loss.item()}
 
 
 # ---- main -------------------------------------------------------------------------------------
@@ -658,7 +659,7 @@ def prepare_data(size: Size, out: Path):
     tok = make_tokenizer.train_bpe(splits["train"], size.vocab)
     out.mkdir(parents=True, exist_ok=True)
     make_tokenizer.write_tokenizer(tok, out)
-    (out / "heldout.txt").write_text(heldout_text(splits["heldout"]))
+    (out / "heldout.txt").write_text(heldout_text(splits["heldout"]), encoding="utf-8")
     ids = {name: encode(tok, texts) for name, texts in splits.items()}
     files = {name: len(texts) for name, texts in splits.items()}
     return tok, ids, files

@@ -132,7 +132,8 @@ def write_tokenizer(tok, out_dir: Path, model_max_length: int = 4096) -> None:
     data = json.loads(tok.to_str())
     for added in data["added_tokens"]:  # the trainer makes every added token special
         added["special"] = added["content"] not in MARKER_TOKENS
-    (out_dir / "tokenizer.json").write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
+    text = json.dumps(data, indent=2, ensure_ascii=False) + "\n"
+    (out_dir / "tokenizer.json").write_text(text, encoding="utf-8")  # byte-level BPE tokens are not ASCII
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "model_max_length": model_max_length,
