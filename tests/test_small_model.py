@@ -68,6 +68,34 @@ def test_smoke_run_learns_and_writes_a_glm_checkpoint(smoke):
     assert (out / "heldout.txt").read_text(encoding="utf-8").count(train_small.EOT) >= 1
 
 
+def test_indexer_training_signal_is_transformers_numerics(smoke):
+    """The script's indexer KL reads transformers' own numbers: with top-k off, its dense attention
+    distribution is HF's eager attention weights (summed over heads); HF's top-k is a top-k of its
+    index scores. And the LM loss leaves every indexer without a gradient (HF's indexer runs under
+    no_grad), which is why the script trains the indexers with that KL."""
+    out, _ = smoke
+    model, mtp = train_small.load_small(out)
+    distill = train_small.IndexerDistillation(model, mtp)
+    distill.active = True
+    lm, mtp_loss, _, _ = train_small.losses(model, mtp, train_small.probe_windows(out, 2))
+    (lm + mtp_loss).backward()
+    indexers = [layer.self_attn.indexer for layer in [*model.model.layers, mtp] if layer.self_attn.indexer]
+    assert len(indexers) == 3 and all(p.grad is None for i in indexers for p in i.parameters())
+    attn = model.model.layers[0].self_attn
+    x, pos_emb = distill.inputs[attn]
+    k, n = attn.indexer.index_topk, x.shape[1]
+    mask = train_small.causal_mask(n, "eager", x.device)
+    with torch.no_grad():
+        q_resid = attn.q_a_layernorm(attn.q_a_proj(x))
+        scores = train_small.index_scores(attn, x, pos_emb)
+        chosen = attn.indexer(x, q_resid, pos_emb, mask[:, 0], None).long()[:, k:]
+        kth = scores[:, k:].masked_fill(mask[0, 0, k:] < 0, float("-inf")).topk(k, dim=-1).values[..., -1:]
+        assert (scores[:, k:].gather(-1, chosen) >= kth - 1e-5).all()
+        attn.indexer.index_topk = n
+        weights = attn(hidden_states=x, position_embeddings=pos_emb, attention_mask=mask)[1]
+        assert (weights.sum(1) / weights.shape[1] - train_small.mla_probs(attn, x, pos_emb)).abs().max() < 1e-5
+
+
 def glmc_scores(ckpt_dir, windows: torch.Tensor):
     """glmc's logits at every position of each window [W, S+1] (verify phase) and its MTP draft
     logits (draft phase over the verify pass's hidden states): ([W, S, V], [W, S-1, V])."""

@@ -1,7 +1,7 @@
 """Train glmc's small GLM: a 7.5M-parameter `glm_moe_dsa` checkpoint with every GLM-5.3 feature active.
 
     python tools/train_small.py --out models/small --minutes 4     # one GPU, bf16 autocast (< 6 min in all)
-    python tools/train_small.py --smoke --out /tmp/small_smoke     # CPU, tiny size, a few steps (tests)
+    python tools/train_small.py --smoke                            # CPU, tiny size, 8 steps, into a temp dir
 
 One command builds the corpus, trains the tokenizer, trains the model and writes a Hugging Face
 checkpoint that transformers (`GlmMoeDsaForCausalLM`) and glmc (`glmc run --weights DIR`) load. It
@@ -72,6 +72,7 @@ import math
 import platform
 import sys
 import sysconfig
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -634,7 +635,7 @@ def probe(ckpt_dir, device, seq_len: int) -> dict:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", type=Path, default=REPO / "models" / "small")
+    p.add_argument("--out", type=Path, help="checkpoint directory (default models/small; --smoke: a new temp dir)")
     p.add_argument("--minutes", type=float, default=4.0, help="wall-clock budget of the training loop")
     p.add_argument("--epochs", type=float, default=8.0, help="at most this many passes over the training tokens")
     p.add_argument("--steps", type=int, default=0, help="train exactly this many steps instead")
@@ -645,6 +646,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.smoke and not args.steps:
         args.steps = 8
+    if args.out is None:
+        args.out = Path(tempfile.mkdtemp(prefix="small_smoke_")) if args.smoke else REPO / "models" / "small"
     return args
 
 
@@ -703,6 +706,7 @@ def main(argv=None) -> dict:
     log["probe"] = probe(args.out, args.device, size.seq_len)
     (args.out / "train_log.json").write_text(json.dumps(log, indent=2) + "\n")
     _summary(log)
+    print(f"wrote {args.out}: {', '.join(sorted(f.name for f in args.out.iterdir()))}")
     return log
 
 
