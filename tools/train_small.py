@@ -478,9 +478,10 @@ def train(model, mtp, distill: IndexerDistillation, balance: RouterBalance, ids:
             last_log = time.time()
             _log_progress(step, last_log - start, history, tokens_per_step, opt, progress < DENSE_WARMUP)
         if time.time() - last_val >= VALIDATE_EVERY_S:
-            best, last_val = _validate(model, mtp, balance, val_ids, size, device, step, curve, best), time.time()
+            best = _validate(model, mtp, distill, balance, val_ids, size, device, step, curve, best)
+            last_val = time.time()
     _log_progress(step, time.time() - start, history, tokens_per_step, opt, False)
-    best = _validate(model, mtp, balance, val_ids, size, device, step, curve, best)
+    best = _validate(model, mtp, distill, balance, val_ids, size, device, step, curve, best)
     model.load_state_dict(best["state"][0]), mtp.load_state_dict(best["state"][1])
     tail = torch.stack(history).float().cpu()
     last = tail[-max(1, min(50, len(history) // 10)):].mean(0)
@@ -489,8 +490,10 @@ def train(model, mtp, distill: IndexerDistillation, balance: RouterBalance, ids:
             "indexer_kl_last": last[2].item(), "selected_step": best["step"], "validation": curve}
 
 
-def _validate(model, mtp, balance, ids, size, device, step, curve, best) -> dict:
-    """LM loss on the validation files; keeps a CPU copy of the weights when it is the lowest yet."""
+def _validate(model, mtp, distill, balance, ids, size, device, step, curve, best) -> dict:
+    """LM loss on the validation files (sparse attention, also during the dense warm-up); keeps a
+    CPU copy of the weights when it is the lowest yet."""
+    distill.set_dense(False, model.config.index_topk)
     loss = evaluate(model, mtp, ids, size.seq_len, size.batch, device, max_windows=64)["lm_loss"]
     balance.counts.clear()  # validation tokens do not steer the router biases
     model.train(), mtp.train()
