@@ -641,14 +641,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, help="checkpoint directory (default models/small; --smoke: a new temp dir)")
     p.add_argument("--minutes", type=float, default=4.0, help="wall-clock budget of the training loop")
     p.add_argument("--epochs", type=float, default=8.0, help="at most this many passes over the training tokens")
-    p.add_argument("--steps", type=int, default=0, help="train exactly this many steps instead")
+    p.add_argument("--steps", type=int, help="train exactly this many steps instead (--smoke: 8; 0: time/epochs)")
     p.add_argument("--smoke", action="store_true", help="tiny model, small corpus, 8 steps (CPU tests)")
     p.add_argument("--batch", type=int, default=0, help="override the size's batch (sequences per step)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    if args.smoke and not args.steps:
-        args.steps = 8
+    if args.steps is None:
+        args.steps = 8 if args.smoke else 0
     if args.out is None:
         args.out = Path(tempfile.mkdtemp(prefix="small_smoke_")) if args.smoke else REPO / "models" / "small"
     return args
