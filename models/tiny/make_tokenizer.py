@@ -3,7 +3,8 @@
 Run `python models/tiny/make_tokenizer.py` to regenerate `tokenizer.json` and
 `tokenizer_config.json` next to this file. Training is deterministic (fixed corpus below, single
 thread), so the output is byte-identical on every run; the tiny model's vocab_size (512 in
-`config.json`) must stay >= the tokenizer's size.
+`config.json`) must stay >= the tokenizer's size. `train_bpe` and `write_tokenizer` are also the
+small trained model's tokenizer (`tools/train_small.py`, trained on its own corpus).
 """
 from __future__ import annotations
 
@@ -107,26 +108,35 @@ Temperature, top-p, top-k and penalties shape the distribution; a seed makes sam
 """
 
 
-def build(out_dir: Path) -> None:
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # single-threaded merges: deterministic ties
+def train_bpe(texts, vocab_size: int):
+    """A byte-level BPE (`tokenizers`) with GLM's control and marker tokens first (ids 0..19),
+    trained on the strings `texts`; single-threaded merges, so ties break the same on every run."""
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size,
                                   special_tokens=SPECIAL_TOKENS + MARKER_TOKENS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
-    tok.train_from_iterator([line for line in CORPUS.splitlines() if line] * 4, trainer)
+    tok.train_from_iterator(texts, trainer)
+    return tok
+
+
+def write_tokenizer(tok, out_dir: Path, model_max_length: int = 4096) -> None:
+    """Write `tok` as `tokenizer.json` (markers not special) and a `tokenizer_config.json` with
+    GLM's eos tokens and chat template, the files glmc's tokenizer and transformers read."""
     out_dir.mkdir(parents=True, exist_ok=True)
     data = json.loads(tok.to_str())
     for added in data["added_tokens"]:  # the trainer makes every added token special
         added["special"] = added["content"] not in MARKER_TOKENS
-    (out_dir / "tokenizer.json").write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
+    text = json.dumps(data, indent=2, ensure_ascii=False) + "\n"
+    (out_dir / "tokenizer.json").write_text(text, encoding="utf-8")  # byte-level BPE tokens are not ASCII
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "model_max_length": 4096,
+        "model_max_length": model_max_length,
         "eos_token": EOS_TOKENS[0],
         "pad_token": EOS_TOKENS[0],
         "additional_special_tokens": SPECIAL_TOKENS[1:],
@@ -134,6 +144,11 @@ def build(out_dir: Path) -> None:
         "chat_template": CHAT_TEMPLATE,
     }
     (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def build(out_dir: Path) -> None:
+    tok = train_bpe([line for line in CORPUS.splitlines() if line] * 4, VOCAB_SIZE)
+    write_tokenizer(tok, out_dir)
     print(f"wrote {out_dir}/tokenizer.json ({tok.get_vocab_size()} tokens) and tokenizer_config.json")
 
 
