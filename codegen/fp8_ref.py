@@ -63,7 +63,7 @@ def fp8_gemm(xq, xs, wq, ws, block=BLOCK):
     return y
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)   # tensors: identity, not element-wise equality
 class Fp8Weight:
     """A block-scaled FP8 weight as the CUDA target holds it: `q` float8_e4m3fn [..., N, K] and
     `scale_inv` fp32 [..., ceil(N/128), ceil(K/128)] (W = q * scale_inv per 128 x 128 block; a

@@ -17,7 +17,7 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from tiny_hf import fp8_quantize, save_tiny
+from tiny_hf import fp8_quantize, save_tiny, save_tiny_fp8
 
 from glmc.codegen import fp8_torch_target
 from glmc.codegen.fp8_ref import Fp8Weight
@@ -34,28 +34,11 @@ from glmc.runtime.worker.kv_cache import PAGE_SIZE
 from glmc.runtime.worker.loader import load_runner
 from glmc.spec import load_spec, quantized
 
-UNQUANTISED = ("embed_tokens.weight", "lm_head.weight", "mlp.gate.weight", "weights_proj.weight")
-FP8_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
-
-
-def make_fp8_checkpoint(path):
-    """The tiny fp32 HF model saved with its linear weights block-FP8 (config: fp32 compute)."""
-    save_tiny(path, "grouped", seed=3)
-    out = {}
-    for name, t in load_file(path / "model.safetensors").items():
-        if t.dim() == 2 and not name.endswith(UNQUANTISED):
-            out[name], out[name + "_scale_inv"] = fp8_quantize(t)
-        else:
-            out[name] = t
-    save_file(out, path / "model.safetensors", metadata={"format": "pt"})
-    cfg = json.loads((path / "config.json").read_text())
-    (path / "config.json").write_text(json.dumps({**cfg, "quantization_config": FP8_CONFIG}))
-    return path
-
-
 @pytest.fixture(scope="module")
 def fp8_ckpt(tmp_path_factory):
-    return make_fp8_checkpoint(tmp_path_factory.mktemp("fp8"))
+    path = tmp_path_factory.mktemp("fp8")
+    save_tiny_fp8(path, "grouped", seed=3)
+    return path
 
 
 def cuda_plan(spec, parallel="tp1"):
@@ -150,3 +133,17 @@ def test_cuda_target_fp8_matches_the_w8a8_torch_target(fp8_ckpt, one_torch_threa
     assert torch.equal(got, want)
     for a, b in zip(got_logits, want_logits):
         assert float((a - b).norm() / b.norm()) < 1e-4
+
+
+def test_compile_and_run_take_quantize(tmp_path, capsys):
+    """`glmc compile --quantize fp8` writes an FP8 plan of an unquantised checkpoint; serving that
+    plan dir asks for the same (`plan_for`, what `glmc run` calls)."""
+    from glmc.api import plan_for
+    from glmc.cli import main as glmc
+    save_tiny(tmp_path / "ckpt", "grouped", seed=3)
+    assert glmc(["compile", "--model", str(tmp_path / "ckpt"), "--quantize", "fp8", "-o", str(tmp_path / "p")]) == 0
+    assert json.loads((tmp_path / "p" / "plan.json").read_text())["weights"]["fp8_ops"]
+    assert plan_for(tmp_path / "ckpt", tmp_path / "p", device="cuda", quantize="fp8").dtypes.weight == "fp8"
+    assert glmc(["compile", "--model", str(tmp_path / "ckpt"), "-o", str(tmp_path / "bf")]) == 0
+    with pytest.raises(ValueError, match="compiled with fp32 weights, not fp8; compile with `glmc compile --quantize fp8`"):
+        plan_for(tmp_path / "ckpt", tmp_path / "bf", device="cuda", quantize="fp8")
