@@ -9,7 +9,11 @@ loop over requests. That lets `runtime/worker/cuda_executor.py` capture a decode
 re-laid out once.
 
 Ops not listed here (views, slices, concat, elt.add, io.input, collectives) use torch_target's.
-Dense GEMMs go to cuBLAS (torch.matmul) in the weights' dtype; the router GEMM stays fp32.
+Dense GEMMs go to cuBLAS (torch.matmul) in the weights' dtype; the router GEMM stays fp32. Weights
+an FP8 plan stores FP8 (`fp8_ref.Fp8Weight`, `codegen/weight_formats.py`) run the block-scaled w8a8
+GEMM (`triton_fp8`): the activation quantised once per token per 128 columns, one FP8 GEMM per run
+of row parts whose scale blocks line up (`fp8_ref.fp8_row_groups`), each into its columns of one
+output; the routed experts run `triton_moe.moe_experts_fp8`.
 """
 from __future__ import annotations
 
@@ -17,9 +21,11 @@ import torch
 import torch.nn.functional as F
 from glmc.codegen import torch_ref as ref
 from glmc.codegen import torch_target
+from glmc.codegen import triton_fp8 as tf
 from glmc.codegen import triton_moe as tm
 from glmc.codegen import triton_target as tt
 from glmc.codegen.context import CudaStepContext
+from glmc.codegen.fp8_ref import Fp8Weight, fp8_row_groups
 from glmc.codegen.triton_contexts import TOPK_CHUNK
 from glmc.ir.types import DTYPE_BYTES
 
@@ -77,9 +83,54 @@ def _rope(op, args, ctx: CudaStepContext):
                    scaling=op.attr("scaling"), lib=ctx.kernels)
 
 
+def fp8_parts(weights: list) -> tuple[list, int]:
+    """Row parts of one output (FP8 weights and plain ones, in column order) -> ([(first column,
+    weight)], width): consecutive FP8 parts joined where their scale blocks line up, plain ones
+    concatenated. The kernel set lists one FP8 GEMM per joined part (`kernel_set._fp8_gemms`)."""
+    out, col, i = [], 0, 0
+    while i < len(weights):
+        j = i
+        while j < len(weights) and isinstance(weights[j], Fp8Weight) == isinstance(weights[i], Fp8Weight):
+            j += 1
+        run = weights[i:j]
+        if isinstance(run[0], Fp8Weight):
+            joined = [Fp8Weight.cat_rows([run[k] for k in g]) if len(g) > 1 else run[g[0]]
+                      for g in fp8_row_groups([w.shape[0] for w in run])]
+        else:
+            joined = [torch.cat(run) if len(run) > 1 else run[0]]
+        for w in joined:
+            out.append((col, w))
+            col += w.shape[0]
+        i = j
+    return out, col
+
+
+def _parts_mm(x, parts, width, lib):
+    """x @ W^T over `fp8_parts`: x quantised once, each part into its columns, in x's dtype."""
+    xq, xs = tf.quantize_tokens(x, lib)
+    y = torch.empty(x.shape[0], width, dtype=x.dtype, device=x.device)
+    for col, w in parts:
+        dst = y[:, col:col + w.shape[0]]
+        if isinstance(w, Fp8Weight):
+            tf.fp8_block_gemm(xq, xs, w.q, w.scale_inv, lib=lib, out=dst)
+        else:
+            dst.copy_(_mm(x, w))
+    return y
+
+
+def _fp8_mm(x, names: tuple, ctx: CudaStepContext):
+    """x @ W^T for the rows of `names`, or None when none of them is FP8 (a bf16 plan)."""
+    if not any(isinstance(ctx.w(n), Fp8Weight) for n in names):
+        return None
+    parts, width = ctx.derived(("fp8_parts", names), lambda: fp8_parts([ctx.w(n) for n in names]))
+    return _parts_mm(x, parts, width, ctx.kernels)
+
+
 @impl("linear", "mla.a_proj", "lm.head")
 def _linear(op, args, ctx: CudaStepContext):
-    return _mm(args[0], ctx.w(op.attr("weight")))
+    name = op.attr("weight")
+    y = _fp8_mm(args[0], name if isinstance(name, tuple) else (name,), ctx)
+    return _mm(args[0], ctx.w(name)) if y is None else y
 
 
 @impl("tensor.select_last")
@@ -163,6 +214,9 @@ def _moe_topk(op, args, ctx: CudaStepContext):
 def _experts(op, args, ctx: CudaStepContext):
     x, w, ids = args
     gate, up, down = ctx.experts(op)
+    if isinstance(gate, Fp8Weight):
+        return tm.moe_experts_fp8(x, ids, w, gate, up, down, expert_offset=ctx.expert_offset(op),
+                                  lib=ctx.kernels).to(x.dtype)
     return tm.moe_experts(x, ids, w, gate, up, down, expert_offset=ctx.expert_offset(op),
                           tiles=ctx.moe_tiles, lib=ctx.kernels).to(x.dtype)
 
@@ -171,6 +225,10 @@ def _experts(op, args, ctx: CudaStepContext):
 def _swiglu(op, args, ctx: CudaStepContext):
     """down(silu(gate x) * up x) with gate and up as one GEMM over a fused [2I, H] weight."""
     p = op.attr("weight")
+    gu = _fp8_mm(args[0], (f"{p}.gate_proj.weight", f"{p}.up_proj.weight"), ctx)
+    if gu is not None:      # FP8: the product quantised per token group for the down GEMM
+        inter = gu.shape[1] // 2
+        return _fp8_mm(F.silu(gu[:, :inter]) * gu[:, inter:], (f"{p}.down_proj.weight",), ctx)
     gate_up = ctx.derived(("gate_up", p), lambda: torch.cat([ctx.w(f"{p}.gate_proj.weight"),
                                                             ctx.w(f"{p}.up_proj.weight")]))
     gu = _mm(args[0], gate_up)

@@ -11,6 +11,8 @@ checkpoints and the per-token-group activation quantisation of the w8a8 GEMM.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 FP8_MAX = 448.0   # largest finite float8_e4m3fn
@@ -59,3 +61,92 @@ def fp8_gemm(xq, xs, wq, ws, block=BLOCK):
         part = xq[:, cols].float() @ wq[:, cols].float().T
         y += part * xs[:, kb, None] * ws[torch.arange(n, device=wq.device) // block, kb][None, :]
     return y
+
+
+@dataclass(frozen=True, eq=False)   # tensors: identity, not element-wise equality
+class Fp8Weight:
+    """A block-scaled FP8 weight as the CUDA target holds it: `q` float8_e4m3fn [..., N, K] and
+    `scale_inv` fp32 [..., ceil(N/128), ceil(K/128)] (W = q * scale_inv per 128 x 128 block; a
+    leading dim stacks experts). Carried through the loader and the op table in place of a tensor."""
+    q: torch.Tensor
+    scale_inv: torch.Tensor
+
+    def __post_init__(self):
+        blocks = tuple(-(-d // BLOCK) for d in self.q.shape[-2:])
+        if (self.q.dtype != torch.float8_e4m3fn or self.q.shape[:-2] != self.scale_inv.shape[:-2]
+                or tuple(self.scale_inv.shape[-2:]) != blocks):
+            raise ValueError(f"Fp8Weight: {self.q.dtype} {tuple(self.q.shape)} with scales "
+                             f"{tuple(self.scale_inv.shape)}: want float8_e4m3fn and scales {blocks}")
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.nbytes + self.scale_inv.nbytes
+
+    def to(self, device) -> "Fp8Weight":
+        return Fp8Weight(self.q.to(device), self.scale_inv.to(device, torch.float32))
+
+    def dequant(self, dtype=torch.float32) -> torch.Tensor:
+        """W in `dtype` (fp32 math, then one rounding)."""
+        if self.q.dim() == 2:
+            return fp8_block_dequant(self.q, self.scale_inv).to(dtype)
+        return torch.stack([Fp8Weight(q, s).dequant(dtype) for q, s in zip(self.q, self.scale_inv)])
+
+    @classmethod
+    def quantize(cls, w) -> "Fp8Weight":
+        """`quantize_weight_blocks` per [N, K] matrix (one expert at a time for a stack)."""
+        if w.dim() == 2:
+            return cls(*quantize_weight_blocks(w))
+        parts = [quantize_weight_blocks(m) for m in w]
+        return cls(torch.stack([q for q, _ in parts]), torch.stack([s for _, s in parts]))
+
+    @classmethod
+    def stack(cls, weights: list["Fp8Weight"]) -> "Fp8Weight":
+        """[N, K] weights of one shape -> one [E, N, K] stack."""
+        return cls(torch.stack([w.q for w in weights]), torch.stack([w.scale_inv for w in weights]))
+
+    @classmethod
+    def cat_rows(cls, weights: list["Fp8Weight"]) -> "Fp8Weight":
+        """Rows of several weights as one (the fused gate_up, the A-projection): every part but the
+        last must end on a 128-row block boundary, or the scale rows would not line up."""
+        bad = [tuple(w.shape) for w in weights[:-1] if w.shape[-2] % BLOCK]
+        if bad:
+            raise ValueError(f"Fp8Weight.cat_rows: parts {bad} do not end on a {BLOCK}-row block")
+        return cls(torch.cat([w.q for w in weights], -2), torch.cat([w.scale_inv for w in weights], -2))
+
+
+def fp8_row_groups(rows: list[int]) -> list[list[int]]:
+    """Indices of row parts that can share one FP8 GEMM (`Fp8Weight.cat_rows`): consecutive parts
+    while each part before the last of a group is a multiple of 128 rows."""
+    groups: list[list[int]] = []
+    for i, r in enumerate(rows):
+        if groups and rows[groups[-1][-1]] % BLOCK == 0:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+def moe_experts_fp8(x, ids, weights, w_gate: Fp8Weight, w_up: Fp8Weight, w_down: Fp8Weight, expert_offset=0):
+    """`torch_ref.moe_experts`'s contract on block-FP8 expert stacks, computed as the w8a8 kernels do:
+    x quantised per token per 128 columns; per route g, u = fp8_gemm(x, gate/up); h = silu(g) * u
+    rounded to x's dtype, then quantised per 128 columns; y = w * fp8_gemm(h, down), summed over the
+    token's routes in slot order -> fp32 [T, H]. Routes to experts outside [offset, offset + E) add 0."""
+    T, k = ids.shape
+    E = w_gate.shape[0]
+    xq, xs = quantize_token_groups(x)
+    out = torch.zeros(T, w_down.shape[1], dtype=torch.float32, device=x.device)
+    for t in range(T):
+        for j in range(k):
+            e = int(ids[t, j]) - expert_offset
+            if not 0 <= e < E:
+                continue
+            g = fp8_gemm(xq[t:t + 1], xs[t:t + 1], w_gate.q[e], w_gate.scale_inv[e])
+            u = fp8_gemm(xq[t:t + 1], xs[t:t + 1], w_up.q[e], w_up.scale_inv[e])
+            h = (g / (1.0 + torch.exp(-g)) * u).to(x.dtype).float()
+            y = fp8_gemm(*quantize_token_groups(h), w_down.q[e], w_down.scale_inv[e])
+            out[t] += float(weights[t, j]) * y[0]
+    return out

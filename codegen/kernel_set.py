@@ -10,7 +10,11 @@ and the GPU choose grids and split counts at launch:
   key-major one (>= 32 tokens); its split-K combine: one per power-of-two split bound (<= MAX_SPLITS);
 - MoE experts: gate/up and down at each row-block class (16, 32, 64 rows);
 - top-k select: one pass width (TOPK_CHUNK); the sampler at the full vocabulary (the IR's
-  `sample.tokens`, and the engine's per-request sampler).
+  `sample.tokens`, and the engine's per-request sampler);
+- FP8 weights (a plan whose `dtypes.weight` is fp8, `weight_formats`): per linear-type op the token
+  quantiser at its input width and the block-scaled GEMM per joined FP8 part (`cuda_target.fp8_parts`)
+  at both row classes; the routed experts' FP8 grouped GEMMs instead of the bf16 ones. A bf16 plan
+  carries none of them.
 
 `render_kernels(plan)` names them `<template>_<n>` and renders each: `glmc compile --device cuda`
 writes them to `kernels/<name>.py` with their contexts in plan.json, and the runtime runs exactly
@@ -22,7 +26,10 @@ from __future__ import annotations
 import torch
 from glmc.codegen import torch_ref as ref
 from glmc.codegen import triton_contexts as tc
-from glmc.codegen.triton_moe import MoeExpertsCtx
+from glmc.codegen.fp8_ref import fp8_row_groups
+from glmc.codegen.triton_fp8 import Fp8BlockGemmCtx, Fp8QuantTokensCtx
+from glmc.codegen.triton_moe import MoeExpertsCtx, MoeExpertsFp8Ctx
+from glmc.codegen.weight_formats import is_fp8_name, op_weight_names
 from glmc.codegen.triton_render import render
 from glmc.ir import Graph, Op
 
@@ -101,8 +108,58 @@ NO_TRITON = frozenset({
 })
 
 
-def op_kernels(op: Op, graph: Graph, dtype: torch.dtype) -> list:
-    """The kernel contexts `op`'s CUDA implementation may launch."""
+def _fp8_gemms(k: int, rows: list) -> list:
+    """x [T, k] times row parts (their row counts; None for an unquantised part): the quantiser and
+    one GEMM per joined run of FP8 parts, as `cuda_target.fp8_parts` joins them."""
+    out, run = [Fp8QuantTokensCtx.make(k)], []
+    for r in rows + [None]:
+        if r is not None:
+            run.append(r)
+            continue
+        for g in fp8_row_groups(run):
+            out += Fp8BlockGemmCtx.variants(sum(run[i] for i in g), k)
+        run = []
+    return out
+
+
+def _a_proj_rows(name: str, config) -> int:
+    """Rows of one A-projection part (`mla.a_proj`'s weight tuple) in the checkpoint."""
+    c = config
+    rows = {"q_a_proj.weight": c.q_lora_rank, "kv_a_proj_with_mqa.weight": c.kv_lora_rank + c.qk_rope_head_dim,
+            "indexer.wk.weight": c.index_head_dim, "indexer.weights_proj.weight": c.index_n_heads}
+    return next(r for suffix, r in rows.items() if name.endswith(suffix))
+
+
+def _fp8_linear(op, graph, dtype, config):
+    if op.kind == "mla.a_proj":
+        names = op_weight_names(op)
+        return _fp8_gemms(_dims(graph, op.operands[0])[-1],
+                          [_a_proj_rows(n, config) if is_fp8_name(n) else None for n in names])
+    return _fp8_gemms(_dims(graph, op.operands[0])[-1], [_dims(graph, op.results[0])[-1]])
+
+
+def _fp8_swiglu(op, graph, dtype, config):
+    hidden, inter = int(op.attr("hidden")), int(op.attr("inter")) // int(op.attr("tp", 1))
+    return _fp8_gemms(hidden, [inter, inter]) + _fp8_gemms(inter, [hidden])
+
+
+def _fp8_experts(op, graph, dtype, config):
+    inter = int(op.attr("inter")) // int(op.attr("moe_tp", 1))
+    hidden = int(op.attr("hidden"))
+    return [Fp8QuantTokensCtx.make(hidden)] + MoeExpertsFp8Ctx.variants(hidden, inter,
+                                                                         _dims(graph, op.operands[2])[-1], dtype)
+
+
+# op kind -> its kernel contexts when the plan stores its weights FP8 (`weight_formats.FP8_KINDS`)
+FP8_KERNELS_OF = {"linear": _fp8_linear, "mla.a_proj": _fp8_linear, "mlp.swiglu": _fp8_swiglu,
+                  "moe.experts": _fp8_experts}
+
+
+def op_kernels(op: Op, graph: Graph, dtype: torch.dtype, fp8_config=None) -> list:
+    """The kernel contexts `op`'s CUDA implementation may launch; `fp8_config` (the plan's config
+    when its weights are FP8) selects the FP8 kernels of the ops in FP8_KERNELS_OF."""
+    if fp8_config is not None and op.kind in FP8_KERNELS_OF:
+        return FP8_KERNELS_OF[op.kind](op, graph, dtype, fp8_config)
     if op.kind in NO_TRITON:
         return []
     if op.kind not in KERNELS_OF:
@@ -114,10 +171,11 @@ def plan_kernels(plan) -> dict[str, object]:
     """{name: context} of every kernel the plan's CUDA target can launch, named `<template>_<n>`
     in order of first use (phase by phase, op by op)."""
     dtype = compute_dtype(plan.dtypes)
+    fp8_config = plan.config if plan.dtypes.weight == "fp8" else None
     seen: dict = {}
     for graph in plan.graphs.values():
         for op in graph.ops:
-            for ctx in op_kernels(op, graph, dtype):
+            for ctx in op_kernels(op, graph, dtype, fp8_config):
                 seen.setdefault(ctx, None)
     counts: dict[str, int] = {}
     out = {}

@@ -9,7 +9,7 @@ activations quantised per token per 128 columns) and runs as
 2. `fp8_block_gemm.py.j2`: one output tile per program; per 128-wide K block, one FP8 tensor-core dot
    (exact products, fp32 sums), scaled by the token's and the weight block's scales, accumulated in fp32.
 
-Not yet wired into the CUDA target (issue 10): the plan's linears still run cuBLAS on dequantised bf16.
+The CUDA target runs them for every weight an FP8 plan stores FP8 (`codegen/weight_formats.py`).
 """
 from __future__ import annotations
 
@@ -77,15 +77,19 @@ def quantize_tokens(x, lib: KernelLibrary = JIT):
     return q, s
 
 
-def fp8_block_gemm(xq, xs, wq, ws, out_dtype=torch.bfloat16, lib: KernelLibrary = JIT, **tiles):
-    """fp8_ref.fp8_gemm on Triton: -> [M, N] in `out_dtype`. `tiles` override Fp8BlockGemmCtx.make's."""
+def fp8_block_gemm(xq, xs, wq, ws, out_dtype=torch.bfloat16, lib: KernelLibrary = JIT, out=None, **tiles):
+    """fp8_ref.fp8_gemm on Triton: -> [M, N] in `out_dtype`, or written into `out` (an [M, N] view
+    with unit column stride, e.g. some columns of a wider output). `tiles` override
+    Fp8BlockGemmCtx.make's."""
     m, k = xq.shape
     n = wq.shape[0]
     if wq.shape[1] != k or tuple(ws.shape) != (-(-n // BLOCK), -(-k // BLOCK)):
         raise ValueError(f"fp8_block_gemm: x {tuple(xq.shape)}, weight {tuple(wq.shape)} and its scales "
                          f"{tuple(ws.shape)} do not fit 128 x 128 blocks")
     ctx = Fp8BlockGemmCtx.make(n, k, m, **tiles)
-    y = torch.empty(m, n, dtype=out_dtype, device=xq.device)
+    y = torch.empty(m, n, dtype=out_dtype, device=xq.device) if out is None else out
+    if tuple(y.shape) != (m, n) or (n > 1 and y.stride(1) != 1):
+        raise ValueError(f"fp8_block_gemm: out {tuple(y.shape)} / {y.stride()} is not a [{m}, {n}] row-major view")
     if m:
         lib(ctx)[(-(-m // ctx.block_m), -(-n // ctx.block_n))](
             xq, xq.stride(0), xs, xs.stride(0), wq, wq.stride(0), ws, ws.stride(0), y, y.stride(0), m,

@@ -139,3 +139,83 @@ def moe_experts(x, ids, weights, w_gate, w_up, w_down, expert_offset=0, tiles=No
     local = ((ids >= expert_offset) & (ids < expert_offset + E)).view(T, k, 1)
     torch.sum(torch.where(local, y.view(T, k, hidden), 0.0), dim=1, out=out)
     return out
+
+
+# ----------------------------------------------------------------------------- FP8 experts
+_ACT = {torch.float32: "tl.float32", torch.bfloat16: "tl.bfloat16", torch.float16: "tl.float16"}
+
+
+@dataclass(frozen=True)
+class MoeExpertsFp8Ctx:
+    """moe_experts_fp8.py.j2: one (row block, output tile) per program over block-FP8 expert stacks.
+    K runs in 128-wide blocks (one weight scale per block); an output tile lies inside one 128-row
+    scale block (block_n divides 128), and the gate/up stage's tile is one whole 128-column group
+    of h (its quantisation for the down stage is fused there)."""
+    template: ClassVar[str] = "moe_experts_fp8"
+    down: bool
+    n_in: int
+    n_out: int
+    top_k: int
+    block_m: int
+    block_n: int
+    k_blocks: int
+    act_dtype: str
+    num_warps: int
+    num_stages: int
+
+    @classmethod
+    def make(cls, down, n_in, n_out, top_k, dtype, block_m):
+        if down:
+            block_n = min(64 if block_m <= 16 else 128, max(16, next_pow2(n_out)))
+        else:                   # one quantisation group of h per tile
+            block_n = 128 if n_out >= 128 else max(16, next_pow2(n_out))
+        num_warps = 4 if block_m * block_n <= 16 * 128 else 8
+        return cls(bool(down), int(n_in), int(n_out), int(top_k), int(block_m), block_n, -(-int(n_in) // 128),
+                   _ACT[dtype], num_warps, 3)
+
+    @classmethod
+    def variants(cls, hidden, inter, top_k, dtype) -> list["MoeExpertsFp8Ctx"]:
+        """Both stages at every row-block class: every context `moe_experts_fp8` makes."""
+        return [cls.make(down, *((inter, hidden) if down else (hidden, inter)), top_k, dtype, bm)
+                for bm in BLOCK_MS for down in (False, True)]
+
+
+def moe_experts_fp8(x, ids, weights, w_gate, w_up, w_down, expert_offset=0, lib: KernelLibrary = JIT):
+    """`moe_experts` on block-FP8 expert stacks (`fp8_ref.Fp8Weight` [E, out, in]): x quantised per
+    token per 128 columns, h quantised in the gate/up kernel, fp32 accumulation; -> fp32 [T, H]
+    (reference: `fp8_ref.moe_experts_fp8`)."""
+    from glmc.codegen.triton_fp8 import quantize_tokens
+    if w_gate.shape != w_up.shape or tuple(w_down.shape) != (w_gate.shape[0], w_gate.shape[2], w_gate.shape[1]):
+        raise ValueError(f"moe_experts_fp8: gate {tuple(w_gate.shape)}, up {tuple(w_up.shape)}, "
+                         f"down {tuple(w_down.shape)} are not [E, I, H], [E, I, H], [E, H, I]")
+    if w_gate.q.stride() != w_up.q.stride() or w_gate.q.stride(2) != 1 or w_down.q.stride(2) != 1:
+        raise ValueError(f"moe_experts_fp8: gate/up stacks {w_gate.q.stride()} / {w_up.q.stride()} and down "
+                         f"{w_down.q.stride()} must be row-major with equal gate/up strides")
+    T, k = ids.shape
+    E, inter, hidden = w_gate.shape
+    n = T * k
+    out = torch.empty(T, hidden, dtype=torch.float32, device=x.device)
+    if not T:
+        return out
+    bm = block_m_for(n, E)
+    sorted_rows, block_expert = align_rows(ids, E, bm, expert_offset)
+    nb = block_expert.shape[0]
+    xq, xs = quantize_tokens(x, lib)
+    up = MoeExpertsFp8Ctx.make(False, hidden, inter, k, x.dtype, bm)
+    hq = torch.empty(nb * bm, inter, dtype=torch.float8_e4m3fn, device=x.device)
+    hs = torch.empty(nb * bm, -(-inter // 128), dtype=torch.float32, device=x.device)
+    gq, gs = w_gate.q, w_gate.scale_inv
+    lib(up)[(nb, -(-inter // up.block_n))](
+        xq, xq.stride(0), xs, xs.stride(0), gq, gq.stride(0), gq.stride(1), gs, gs.stride(0), gs.stride(1),
+        w_up.q, w_up.scale_inv, hq, hq.stride(0), hs, hs.stride(0), sorted_rows, block_expert, n,
+        num_warps=up.num_warps, num_stages=up.num_stages)
+    y = torch.empty(n, hidden, dtype=torch.float32, device=x.device)
+    dn = MoeExpertsFp8Ctx.make(True, inter, hidden, k, x.dtype, bm)
+    dq, ds = w_down.q, w_down.scale_inv
+    lib(dn)[(nb, -(-hidden // dn.block_n))](
+        hq, hq.stride(0), hs, hs.stride(0), dq, dq.stride(0), dq.stride(1), ds, ds.stride(0), ds.stride(1),
+        weights.reshape(-1).float().contiguous(), y, y.stride(0), sorted_rows, block_expert, n,
+        num_warps=dn.num_warps, num_stages=dn.num_stages)
+    local = ((ids >= expert_offset) & (ids < expert_offset + E)).view(T, k, 1)
+    torch.sum(torch.where(local, y.view(T, k, hidden), 0.0), dim=1, out=out)
+    return out

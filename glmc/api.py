@@ -30,7 +30,7 @@ from glmc.runtime.worker.executor import PlanExecutor
 from glmc.runtime.worker.forward_batch import ForwardBatch
 from glmc.runtime.worker.kv_cache import PAGE_SIZE
 from glmc.runtime.worker.loader import load_runner, progress
-from glmc.spec import load_spec
+from glmc.spec import load_spec, quantized
 
 
 @dataclass
@@ -93,11 +93,12 @@ def load(ckpt_dir, parallel: str = "tp1", moe_a2a=None, max_requests: int = 8,
 
 
 def plan_for(ckpt_dir, plan_dir=None, parallel: str | None = None, device: str = "cpu",
-             max_running: int = 32) -> Plan:
+             max_running: int = 32, quantize: str | None = None) -> Plan:
     """The plan in `plan_dir` (checked against the checkpoint's config.json), or the checkpoint's
     model compiled now for `parallel` (default tp1) and `device`'s target (cuda: CUDA-graph
-    buckets up to `max_running`, the scheduler's largest decode batch)."""
-    spec = load_spec(ckpt_dir)
+    buckets up to `max_running`, the scheduler's largest decode batch). `quantize` ("fp8"):
+    the linear weights block-FP8, quantised on load where the checkpoint holds them unquantised."""
+    spec = quantized(load_spec(ckpt_dir), quantize)
     if plan_dir is None:
         par = parse_parallel(parallel or "tp1", spec.config)
         opts = Options(device=device) if device == "cpu" else Options(device=device,
@@ -117,6 +118,9 @@ def plan_for(ckpt_dir, plan_dir=None, parallel: str | None = None, device: str =
     if parallel is not None and parallel != plan.parallel:
         raise ValueError(f"{plan_dir} is compiled for {plan.parallel}, not {parallel}; drop "
                          f"--parallel or compile for {parallel}")
+    if quantize is not None and plan.dtypes.weight != quantize:
+        raise ValueError(f"{plan_dir} is compiled with {plan.dtypes.weight} weights, not {quantize}; "
+                         f"compile with `glmc compile --quantize {quantize}`")
     if plan.target != device:
         raise ValueError(f"{plan_dir} is compiled for device {plan.target!r}, not {device!r}; "
                          f"compile with `glmc compile --device {device}`")

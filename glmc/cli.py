@@ -9,6 +9,9 @@ from pathlib import Path
 DEFAULT_MODEL = "glm_moe_dsa_tiny"  # small, random weights: what `glmc run` serves by default
 CARD_MODEL = "glm_moe_dsa"          # GLM-5.3: what `glmc compile` and `glmc diff` compile by default
 
+QUANTIZE_HELP = ("fp8: store the linear weights block-FP8 (e4m3, a fp32 scale per 128x128 block, as GLM-5 "
+                 "FP8 checkpoints ship them), quantising an unquantised checkpoint on load")
+
 
 def _model_path(arg: str | None) -> str:
     """A model file, a checkpoint dir, or the name of a packaged model (default: the tiny one)."""
@@ -23,8 +26,8 @@ def cmd_compile(a) -> int:
     from glmc.parallel import parse_parallel
     from glmc.passes import PASS_NAMES
     from glmc.report import render
-    from glmc.spec import load_spec
-    spec = load_spec(_model_path(a.model or CARD_MODEL))
+    from glmc.spec import load_spec, quantized
+    spec = quantized(load_spec(_model_path(a.model or CARD_MODEL)), a.quantize)
     par = parse_parallel(a.parallel, spec.config)
     dump = None
     if a.dump_after:
@@ -79,7 +82,7 @@ def cmd_run(a) -> int:
             raise ValueError(f"--weights {ckpt}: not a checkpoint directory (no config.json)")
     else:  # the tiny default model; a plan dir without --weights must be a plan of it
         ckpt = make_tiny_checkpoint(Path(a.cache_dir or default_cache_dir()) / "tiny")
-    plan = plan_for(ckpt, a.plan, a.parallel, a.device, a.max_running)
+    plan = plan_for(ckpt, a.plan, a.parallel, a.device, a.max_running, a.quantize)
     engine_kwargs = dict(max_running=a.max_running, max_batch_tokens=a.max_batch_tokens,
                          max_waiting=a.max_waiting, enable_prefix_cache=not a.no_prefix_cache,
                          overlap=False if a.no_overlap else None)
@@ -107,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--dump-after", help="comma-separated pass names, or 'all'")
     c.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     c.add_argument("--topk-broadcast", action="store_true", help="broadcast top-k from attn_tp rank 0")
+    c.add_argument("--quantize", choices=("fp8",), help=QUANTIZE_HELP)
     g = c.add_mutually_exclusive_group()
     g.add_argument("--moe-a2a", dest="moe_a2a", action="store_true", default=None,
                    help="force the all-to-all (dispatch/combine) MoE lowering")
@@ -159,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
                    "requests get to finish after SIGINT/SIGTERM before they are aborted (a second "
                    "signal exits at once)")
     r.add_argument("--no-prefix-cache", action="store_true")
+    r.add_argument("--quantize", choices=("fp8",), help=QUANTIZE_HELP)
     r.add_argument("--no-warmup", action="store_true", help="skip the warm-up (on a GPU it compiles "
                    "every kernel variant serving hits; without it first requests wait for compiles)")
     r.add_argument("--no-overlap", action="store_true", help="read each step's tokens before "

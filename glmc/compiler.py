@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 from glmc.codegen.kernel_set import render_kernels
+from glmc.codegen.weight_formats import weight_formats
 from glmc.config import Options
 from glmc.ir import Graph, IRError, print_graph, verify
 from glmc.parallel import Parallel
@@ -71,6 +72,7 @@ def compile_plan(spec: ModelSpec, parallel: Parallel, options: Options = Options
             if dump_after is not None and ("all" in dump_after or name in dump_after):
                 plan.dumps.setdefault(names[name], {})[phase] = g
         plan.graphs[phase] = compile_phase(spec, parallel, phase, options, dump)
+    plan.weight_formats = weight_formats(plan)   # how the runtime holds the weights (block-FP8 or not)
     if plan.target == "cuda":
         render_kernels(plan)   # codegen: the Triton kernels the plan can launch, rendered
     if env_dir:

@@ -95,6 +95,7 @@ def explain_plan(plan: Plan, batch: int = 32, context: int = 4096,
     out["fusions"] = {ph: {k: v for k, v in m.get("rewrites", {}).items() if k in FUSIONS}
                       for ph, m in meta["phases"].items()}
     out["fused_ops"] = {ph: _fused_where(g) for ph, g in graphs.items()}
+    out["weights"] = plan.weight_formats   # block-FP8 or not, per op kind (codegen.weight_formats)
     out["kernels"] = dict(sorted(plan.kernel_contexts.items()))   # cuda target: kernels/<name>.py -> context
     if calibration is not None:
         t = _env("decode", batch, context, par.attn_dp, cfg.index_topk)["T"]

@@ -5,7 +5,8 @@
 
     <phase>.ir        the phase graph (prefill, decode, mtp_draft, mtp_verify), with its metadata
                       (mesh, CUDA-graph buckets, memory plan, cost, fusions fired) as `#!` lines
-    plan.json         model, parallel spec, mesh and world, options, dtypes, config, the spec
+    plan.json         model, parallel spec, mesh and world, options, dtypes, config, the spec,
+                      how the weights are held (`weights`: which ops' weights are block-FP8)
     kernels/*.py      (cuda target) every Triton kernel the plan can launch, rendered; the runtime
                       imports exactly these files (plan.json maps each to its kernel context)
     report.md         `glmc explain` of the plan
@@ -49,6 +50,7 @@ class Plan:
     kernels: dict[str, str] = field(default_factory=dict)   # kernels/<name>.py -> source
     kernel_contexts: dict[str, str] = field(default_factory=dict)  # name -> repr of its kernel context
     spec: dict = field(default_factory=dict)   # the model spec as data, for tools that recompile
+    weight_formats: dict = field(default_factory=dict)  # codegen.weight_formats of the plan
     dumps: dict[str, dict[str, Graph]] = field(default_factory=dict)  # "NN-pass" -> phase -> graph
     directory: Path | None = None    # where `Plan.load` read it from (None: compiled in memory)
 
@@ -105,7 +107,7 @@ class Plan:
             "parallel": {"spec": self.parallel, **self.mesh, "world": self.world},
             "options": asdict(self.options), "dtypes": self.dtypes.model_dump(),
             "config": self.config.model_dump(mode="json"), "spec": self.spec,
-            "kernels": dict(sorted(self.kernel_contexts.items())),
+            "kernels": dict(sorted(self.kernel_contexts.items())), "weights": self.weight_formats,
             "phases": {ph: {"ir": f"{ph}.ir", "num_ops": len(g.ops),
                             **{k: v for k, v in g.meta.items() if k not in ("mesh", "model", "parallel")}}
                        for ph, g in self.graphs.items()},
@@ -152,7 +154,8 @@ class Plan:
                        dtypes=DTypes.model_validate(meta["dtypes"]), parallel=par["spec"],
                        mesh={k: int(par[k]) for k in ("attn_dp", "attn_tp", "ep", "moe_tp")},
                        options=Options(**meta["options"]), graphs=graphs, kernels=kernels,
-                       kernel_contexts=dict(contexts), spec=meta.get("spec", {}), directory=plan_dir)
+                       kernel_contexts=dict(contexts), spec=meta.get("spec", {}),
+                       weight_formats=meta.get("weights", {}), directory=plan_dir)
         except (KeyError, TypeError, ValueError, OSError) as e:
             if isinstance(e, PlanError):
                 raise

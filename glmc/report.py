@@ -83,6 +83,14 @@ def _predicted(p: dict) -> list[str]:
     return [*out, "", "Assumptions:", *(f"- {a}" for a in p["assumptions"])]
 
 
+def _formats(w: dict) -> str:
+    """How the weights are held (plan.json's `weights`), after the weight bytes."""
+    if not w.get("fp8_ops"):
+        return f" (linear weights {w['linear_weights']})" if w else ""
+    return (f"; {', '.join(w['fp8_ops'])} weights {w['linear_weights']} ({w['fp8_tensors']:,} tensors); "
+            + "; ".join(w["not_fp8"]))
+
+
 def render(d: dict) -> str:
     p, m, f = d["params"], d["memory"], d["flops_per_token"]
     out = [f"# glmc explain: {d['model']} on {d['parallel']['spec']} (world {d['parallel']['world']})",
@@ -90,7 +98,7 @@ def render(d: dict) -> str:
            f"- total: {p['total'] / 1e9:.1f} B (+ MTP layer {p['mtp'] / 1e9:.2f} B)",
            f"- active per token: {p['active_per_token'] / 1e9:.1f} B",
            f"- per rank: {p['per_rank'] / 1e9:.1f} B", "", "## Memory per rank",
-           f"- weights: {_b(m['weights_bytes_per_rank'])}",
+           f"- weights: {_b(m['weights_bytes_per_rank'])}{_formats(d.get('weights') or {})}",
            f"- KV cache: {m['kv_elements_per_token_per_layer']} elements per token per layer, "
            f"{_b(m['kv_bytes_per_token'])} per token (all layers)",
            f"- indexer cache: {_b(m['index_bytes_per_token'])} per token "

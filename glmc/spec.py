@@ -236,8 +236,9 @@ def config_from_hf(raw: dict, where: str = "config.json") -> GlmConfig:
 
 
 def _hf_dtypes(raw: dict, where: str = "config.json") -> DTypes:
-    """Storage dtypes: fp32 checkpoints compute in fp32; block-FP8 ones (128 x 128 blocks, what the
-    loader dequantises) or plain ones in bf16. Other quantisations are refused."""
+    """Storage dtypes: fp32 checkpoints compute in fp32; block-FP8 ones (128 x 128 blocks: weights
+    "fp8", `codegen.weight_formats`) or plain ones in bf16 (an fp32 FP8 checkpoint, as tests make,
+    computes in fp32 on FP8 weights). Other quantisations are refused."""
     quant = raw.get("quantization_config") or {}
     method = quant.get("quant_method", "fp8" if quant.get("fmt") == "e4m3" else None)
     if quant and method != "fp8":
@@ -247,9 +248,23 @@ def _hf_dtypes(raw: dict, where: str = "config.json") -> DTypes:
         raise SpecError(f"{where}: field quantization_config.weight_block_size: "
                         f"{quant['weight_block_size']!r} is not supported; glmc's FP8 blocks are [128, 128]")
     if (raw.get("dtype") or raw.get("torch_dtype")) == "float32":
-        return DTypes(activation="fp32", weight="fp32", kv_cache="fp32", index_cache="fp32")
+        return DTypes(activation="fp32", weight="fp8" if quant else "fp32", kv_cache="fp32",
+                      index_cache="fp32")
     return DTypes(activation="bf16", weight="fp8" if quant else "bf16", kv_cache="fp8",
                   index_cache="fp8")
+
+
+QUANTIZE = ("fp8",)
+
+
+def quantized(spec: ModelSpec, quantize: str | None) -> ModelSpec:
+    """The spec with its linear weights stored as `quantize` ("fp8": e4m3 with 128 x 128 block
+    scales, quantised on load where the checkpoint is unquantised); None leaves it as it is."""
+    if quantize is None or spec.dtypes.weight == quantize:
+        return spec
+    if quantize not in QUANTIZE:
+        raise SpecError(f"--quantize {quantize!r}: glmc quantises to {', '.join(QUANTIZE)}")
+    return spec.model_copy(update={"dtypes": spec.dtypes.model_copy(update={"weight": quantize})})
 
 
 def model_path(name: str) -> str:

@@ -57,9 +57,9 @@ def params_of(op: Op) -> tuple[int, int, int, str]:
     if k in ("linear", "mla.a_proj"):
         n = _i(a("in_features")) * _i(a("out_features"))
         return n, n // tp, n, "weight"
-    if k.startswith("attn."):
+    if k.startswith("attn."):   # kv_b_proj: absorbed MLA's per-head GEMMs run it in bf16 (weight_formats)
         n = _i(a("kv_lora")) * _i(a("heads")) * (_i(a("dn")) + _i(a("dv")))
-        return n, n // tp, n, "weight"
+        return n, n // tp, n, "dense16"
     if k == "mlp.swiglu":
         n = 3 * _i(a("hidden")) * _i(a("inter"))
         return n, n // tp, n, "weight"

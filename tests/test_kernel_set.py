@@ -26,16 +26,22 @@ def test_every_cuda_op_lists_its_kernels():
 
 @pytest.mark.parametrize("parallel,heads,key_major", [("tp1", 64, True), ("tp8", 8, False)])
 def test_glm53_kernel_set_is_small_and_fits_the_rank(parallel, heads, key_major):
-    """GLM-5.3: a few dozen kernels, attention specialised to the rank's heads; the key-major decode
-    tile only where a rank holds >= 64 heads."""
+    """GLM-5.3 (FP8 weights): a few dozen kernels, attention specialised to the rank's heads; the
+    key-major decode tile only where a rank holds >= 64 heads; the FP8 experts and GEMMs at the
+    rank's widths (A-projection: q_a | kv_a joined, wk alone, as their 128-row scale blocks allow)."""
     kernels = plan_kernels(compiled("glm_moe_dsa", parallel, device="cuda"))
-    assert 15 <= len(kernels) <= 40
+    assert 15 <= len(kernels) <= 60
     attn = [c for c in kernels.values() if c.template == "sparse_mla_decode"]
     assert {c.num_heads for c in attn} == {heads} and {c.topk for c in attn} == {2048}
     assert any(c.key_major for c in attn) == key_major
-    experts = [c for c in kernels.values() if c.template == "moe_experts"]
+    assert not [c for c in kernels.values() if c.template == "moe_experts"]
+    experts = [c for c in kernels.values() if c.template == "moe_experts_fp8"]
     assert {(c.block_m, c.down) for c in experts} == {(m, d) for m in (16, 32, 64) for d in (False, True)}
-    assert {c.n_out for c in experts if not c.down} == {2048 // (8 if parallel == "tp8" else 1)}
+    tp = 8 if parallel == "tp8" else 1
+    assert {c.n_out for c in experts if not c.down} == {2048 // tp}
+    gemms = {(c.n, c.k) for c in kernels.values() if c.template == "fp8_block_gemm"}
+    assert {(2048 + 576, 6144), (128, 6144), (64 * 256 // tp, 2048), (6144, 64 * 256 // tp),
+            (2 * 12288 // tp, 6144), (6144, 12288 // tp)} <= gemms
     assert [c.vocab for c in kernels.values() if c.template == "sample"] == [154880]
 
 

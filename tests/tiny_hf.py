@@ -144,3 +144,26 @@ def fp8_quantize(w: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch
     scale = blocks.abs().amax(dim=(1, 3)).clamp_min(1e-12) / 448.0
     q = (blocks / scale[:, None, :, None]).view(nb_r * block, nb_c * block)[:rows, :cols]
     return q.to(torch.float8_e4m3fn), scale
+
+
+FP8_UNQUANTISED = ("embed_tokens.weight", "lm_head.weight", "mlp.gate.weight", "weights_proj.weight")
+FP8_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
+
+
+def save_tiny_fp8(path: Path, name: str = "grouped", seed: int = 0, **overrides):
+    """`save_tiny`, then its linear weights rewritten block-FP8 as GLM-5 FP8 checkpoints ship them
+    (e4m3 + `weight_scale_inv`; embed, lm_head, router, indexer weights_proj and norms unquantised) and
+    `quantization_config` added (config dtype unchanged: fp32 compute on FP8 weights). Returns the model."""
+    import json
+    from safetensors.torch import load_file, save_file
+    model = save_tiny(path, name, seed, **overrides)
+    out = {}
+    for n, t in load_file(path / "model.safetensors").items():
+        if t.dim() == 2 and not n.endswith(FP8_UNQUANTISED):
+            out[n], out[n + "_scale_inv"] = fp8_quantize(t)
+        else:
+            out[n] = t
+    save_file(out, path / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, "quantization_config": FP8_CONFIG}))
+    return model

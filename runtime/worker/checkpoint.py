@@ -4,7 +4,9 @@
 saves them, full shapes) for a `glmc.config.GlmConfig` (the one config type; `glmc.spec` fills it
 from config.json). `load_checkpoint` checks a checkpoint against it BEFORE reading any data - every
 missing, unexpected or mis-shaped tensor is reported at once in a `WeightError` - then reads only
-this rank's slice of each tensor (`safe_open(...).get_slice`) and dequantises FP8 blocks on the way.
+this rank's slice of each tensor (`safe_open(...).get_slice`) and dequantises FP8 blocks on the way,
+except for the names asked to stay FP8 (`keep_fp8`), which come back as `Fp8Weight` (e4m3 + their
+scale blocks, the shard cut 128-aligned).
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from glmc.codegen.fp8_ref import fp8_block_dequant
+from glmc.codegen.fp8_ref import Fp8Weight, fp8_block_dequant
 from safetensors import safe_open
 
 from glmc.config import GlmConfig
@@ -154,12 +156,30 @@ def _read(f, scale_f, name, shape, dtype_str, spec) -> torch.Tensor:
     return part.float() * s[: part.shape[0], : part.shape[1]]
 
 
+def _read_fp8(f, scale_f, name, shape, spec) -> Fp8Weight:
+    """This rank's slice of an FP8 tensor kept FP8, with the scale blocks that cover it. The cut
+    must start on a 128 block (or lie inside one), so that the slice's blocks are the checkpoint's."""
+    dim, rank, world = spec if spec else (0, 0, 1)
+    n = shape[dim] // world
+    lo, hi = rank * n, (rank + 1) * n
+    b0, b1 = lo // FP8_BLOCK, (hi - 1) // FP8_BLOCK + 1
+    if lo % FP8_BLOCK and b1 - b0 > 1:
+        raise WeightError(f"tensor {name} {tuple(shape)}: rank {rank} of {world} holds [{lo}, {hi}) of dim {dim}, "
+                          f"which starts inside a {FP8_BLOCK}-block and spans {b1 - b0}: an FP8 shard must be "
+                          f"{FP8_BLOCK}-aligned ({shape[dim]} / {world} = {n} is not a multiple of {FP8_BLOCK})")
+    index = tuple(slice(lo, hi) if d == dim else slice(None) for d in range(len(shape)))
+    sidx = tuple(slice(b0, b1) if d == dim else slice(None) for d in range(len(shape)))
+    return Fp8Weight(f.get_slice(name)[index], scale_f.get_slice(name + SCALE_SUFFIX)[sidx].float())
+
+
 def load_checkpoint(ckpt_dir, expected: dict[str, tuple[int, ...]], shard: ShardFn | None = None,
-                    dtype: torch.dtype = torch.float32, only=None) -> dict[str, torch.Tensor]:
+                    dtype: torch.dtype = torch.float32, only=None, keep_fp8=frozenset()
+                    ) -> dict[str, "torch.Tensor | Fp8Weight"]:
     """Load exactly `expected` (HF name -> FULL shape); shard(name) -> (dim, rank, world) | None
     picks the slice this rank reads; `only` (a set of names) limits what is read to what this rank
     needs (e.g. its own experts) while the whole checkpoint is still checked.
-    FP8 (float8_e4m3fn + <name>_scale_inv) comes back dequantised."""
+    FP8 (float8_e4m3fn + <name>_scale_inv) comes back dequantised, or as `Fp8Weight` for the
+    names in `keep_fp8`."""
     ckpt_dir = Path(ckpt_dir)
     files = _files(ckpt_dir)
     found = _found_shapes(files)
@@ -177,6 +197,9 @@ def load_checkpoint(ckpt_dir, expected: dict[str, tuple[int, ...]], shard: Shard
         fp8 = found[name][1] == "F8_E4M3"
         scale_f = handle(files[name + SCALE_SUFFIX]) if fp8 else None
         spec = shard(name) if shard else None
+        if fp8 and name in keep_fp8:
+            out[name] = _read_fp8(handle(files[name]), scale_f, name, tuple(shape), spec)
+            continue
         out[name] = _read(handle(files[name]), scale_f, name, tuple(shape), found[name][1], spec).to(dtype)
     return out
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 from glmc.codegen.cuda_target import IMPLS as CUDA_IMPLS
+from glmc.codegen.fp8_ref import Fp8Weight
 from glmc.codegen.triton_render import KernelLibrary
 from glmc.runtime.worker.comm import Comm
 from glmc.runtime.worker.executor import PlanExecutor, Step
@@ -205,5 +206,7 @@ class GpuRunner(PlanExecutor):
 
 
 def to_device_weights(weights: dict, device, dtype) -> dict:
-    """Checkpoint tensors on `device` in the compute dtype; the router weight and bias stay fp32."""
-    return {n: w.to(device, torch.float32 if n.endswith(FP32_WEIGHTS) else dtype) for n, w in weights.items()}
+    """Checkpoint tensors on `device` in the compute dtype; the router weight and bias stay fp32;
+    FP8 weights (`Fp8Weight`) stay FP8 with their fp32 block scales."""
+    return {n: w.to(device) if isinstance(w, Fp8Weight) else
+            w.to(device, torch.float32 if n.endswith(FP32_WEIGHTS) else dtype) for n, w in weights.items()}

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from glmc.codegen.fp8_ref import Fp8Weight
 from glmc.codegen.torch_target import IMPLS
 from glmc.ir import Graph
 from glmc.runtime.worker.comm import Comm
@@ -69,6 +70,11 @@ class Step:
         return self.graph.type_of(value)
 
 
+def _stack(weights: list):
+    """Per-expert weights -> one [E, ...] stack (FP8 ones with their scales)."""
+    return Fp8Weight.stack(weights) if isinstance(weights[0], Fp8Weight) else torch.stack(weights)
+
+
 class PlanExecutor:
     def __init__(self, plan: Plan, weights: dict, pool: KVPool, comm: Comm | None = None,
                  impls: dict | None = None, device=None, stacks: dict | None = None):
@@ -95,8 +101,8 @@ class PlanExecutor:
             ep = int(op.attr("ep", 1))
             per = int(op.attr("experts")) // ep
             first = self.comm.coords.of("ep") * per if ep > 1 else 0
-            self._stacks[key] = tuple(torch.stack([self.weights[f"{key}.{e}.{n}_proj.weight"]
-                                                   for e in range(first, first + per)])
+            self._stacks[key] = tuple(_stack([self.weights[f"{key}.{e}.{n}_proj.weight"]
+                                              for e in range(first, first + per)])
                                       for n in ("gate", "up", "down"))
         return self._stacks[key]
 

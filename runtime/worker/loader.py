@@ -4,9 +4,12 @@ Every way of running a plan goes through `load_runner`: `glmc run` (one rank or 
 API (`glmc.api`), the multi-rank server's ranks and the bench scripts. It
 
 1. makes this rank's collectives (`Comm` over the plan's process groups) unless given one,
-2. reads this rank's shard of the weights: from a HF checkpoint directory (`shards.load_rank_weights`,
-   FP8 dequantised) or from full tensors held in memory (`shards.cut_rank_weights`, for
-   benchmarks with random weights),
+2. reads this rank's shard of the weights: from a HF checkpoint directory (`shards.load_rank_weights`)
+   or from full tensors held in memory (`shards.cut_rank_weights`, for benchmarks with random
+   weights), in the formats the plan states (`codegen.weight_formats`): under an FP8 plan its FP8
+   weights stay e4m3 + 128 x 128 block scales (`Fp8Weight`; quantised on load where the checkpoint
+   holds them unquantised, `--quantize fp8`), FP8 tensors of other weights are dequantised; the
+   torch target holds the FP8 weights' values dequantised in fp32,
 3. sizes the KV pool from the plan (`KVPool.for_plan`: the MTP layer exactly when the plan has MTP
    phases) with one scratch page for padding tokens on top of `num_pages`,
 4. builds the executor of the plan's target: the torch target in fp32 (`executor.PlanExecutor`)
@@ -24,7 +27,9 @@ import time
 from collections.abc import Mapping
 
 import torch
+from glmc.codegen.fp8_ref import Fp8Weight
 from glmc.codegen.kernel_set import compute_dtype
+from glmc.codegen.weight_formats import fp8_weights
 from glmc.runtime.worker.comm import Comm
 from glmc.runtime.worker.executor import PlanExecutor
 from glmc.runtime.worker.kv_cache import KVPool
@@ -57,10 +62,12 @@ def load_runner(plan: Plan, weights: Weights, *, device: str | torch.device | No
     target = target or plan.target
     device = torch.device(device or ("cuda" if target == "cuda" else "cpu"))
     comm = comm or Comm(plan.mesh, plan.groups)
-    stacks = cut_rank_stacks(stacks, plan, comm.coords) if stacks else None
+    fp8 = fp8_weights(plan)
+    stacks = _rank_stacks(cut_rank_stacks(stacks, plan, comm.coords), fp8, target) if stacks else None
     t0 = time.perf_counter()
     if target != "cuda":
-        local = {n: w.to(device) for n, w in _rank_weights(plan, weights, comm, torch.float32).items()}
+        local = {n: w.to(device) for n, w in _rank_weights(plan, weights, comm, torch.float32, fp8,
+                                                          keep_fp8=False).items()}
         pool = KVPool.for_plan(plan, num_pages + 1, torch.float32, device)
         executor = PlanExecutor(plan, local, pool, comm, device=device, stacks=stacks)
         return PlanRunner(executor, max_context)
@@ -68,7 +75,7 @@ def load_runner(plan: Plan, weights: Weights, *, device: str | torch.device | No
 
     dtype = compute_dtype(plan.dtypes)
     max_ctx = context_limit(plan.config.max_position_embeddings, num_pages, max_context)
-    local = to_device_weights(_rank_weights(plan, weights, comm, dtype), device, dtype)
+    local = to_device_weights(_rank_weights(plan, weights, comm, dtype, fp8, keep_fp8=True), device, dtype)
     pool = KVPool.for_plan(plan, num_pages + 1, dtype, device)
     gpu = GpuRunner(plan, local, pool, comm, max_reqs=max_running, max_context=max_ctx,
                     stacks=stacks)
@@ -83,12 +90,31 @@ def load_runner(plan: Plan, weights: Weights, *, device: str | torch.device | No
     return DevicePlanRunner(gpu, max_ctx)
 
 
-def _rank_weights(plan: Plan, weights: Weights, comm: Comm, dtype: torch.dtype) -> dict:
+def _rank_weights(plan: Plan, weights: Weights, comm: Comm, dtype: torch.dtype, fp8: frozenset,
+                  keep_fp8: bool) -> dict:
+    """This rank's weights in `dtype`; the names in `fp8` as `Fp8Weight` (keep_fp8) or as the
+    values of their FP8 form in `dtype` (quantised and dequantised when they come unquantised)."""
     with progress(total=1, desc="loading weights", unit="shard") as bar:
         if isinstance(weights, Mapping):
-            local = {n: w.to(dtype) if w.is_floating_point() else w
+            local = {n: w.to(dtype) if w.is_floating_point() and n not in fp8 else w
                      for n, w in cut_rank_weights(weights, plan, comm.coords).items()}
         else:
-            local = load_rank_weights(weights, plan, comm.coords, dtype)
+            local = load_rank_weights(weights, plan, comm.coords, dtype, keep_fp8=fp8)
+        for name in fp8 & local.keys():
+            w = local[name] if isinstance(local[name], Fp8Weight) else Fp8Weight.quantize(local[name])
+            local[name] = w if keep_fp8 else w.dequant(dtype)
         bar.update()
     return local
+
+
+def _rank_stacks(stacks: dict, fp8: frozenset, target: str) -> dict:
+    """Expert stacks in the plan's format: under an FP8 plan quantised per expert (`Fp8Weight`
+    stacks on the CUDA target, their dequantised values in the stacks' dtype on the torch target)."""
+    if not fp8:
+        return stacks
+    out = {}
+    for key, parts in stacks.items():
+        quantised = [Fp8Weight.quantize(w) for w in parts]
+        out[key] = tuple(quantised if target == "cuda" else
+                         [q.dequant(w.dtype) for q, w in zip(quantised, parts)])
+    return out

@@ -62,15 +62,15 @@ def rank_shards(graphs, coords: Coords) -> dict:
     return out
 
 
-def load_rank_weights(ckpt_dir, plan, coords: Coords, dtype: torch.dtype = torch.float32
-                      ) -> dict[str, torch.Tensor]:
+def load_rank_weights(ckpt_dir, plan, coords: Coords, dtype: torch.dtype = torch.float32,
+                      keep_fp8=frozenset()) -> dict:
     """This rank's weights for the plan's phase graphs, read from a HF checkpoint directory in
-    `dtype` (FP8 dequantised on the way)."""
+    `dtype` (FP8 dequantised on the way, except the names in `keep_fp8`: `Fp8Weight`s)."""
     shards = rank_shards(plan.graphs.values(), coords)
     expected = expected_tensors(plan.config, **detect_mtp(ckpt_dir))
     needed = {n for n in shards if n in expected}
     return load_checkpoint(ckpt_dir, expected, shard=lambda n: shards.get(n), dtype=dtype,
-                           only=needed)
+                           only=needed, keep_fp8=keep_fp8)
 
 
 def cut_rank_weights(weights, plan, coords: Coords) -> dict[str, torch.Tensor]:
