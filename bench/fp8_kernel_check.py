@@ -34,7 +34,8 @@ def main():
     x = torch.randn(7, 300, generator=g) * torch.logspace(-3, 3, 7)[:, None]
     q, s = tf.quantize_tokens(x.to(dev))
     wq_, ws_ = fp8_ref.quantize_token_groups(x)
-    rows.append({"case": "quant_tokens 7x300", "bytes_equal": torch.equal(q.cpu().view(torch.uint8), wq_.view(torch.uint8)),
+    same_bytes = torch.equal(q.cpu().view(torch.uint8), wq_.view(torch.uint8))
+    rows.append({"case": "quant_tokens 7x300", "bytes_equal": same_bytes,
                  "scales_equal": torch.equal(s.cpu(), ws_), "pass": None})
     rows[-1]["pass"] = rows[-1]["bytes_equal"] and rows[-1]["scales_equal"]
     for m, n, k, bn in [(5, 160, 300, 32), (20, 96, 256, 64), (1, 256, 128, 128), (1, 2048, 6144, None),
