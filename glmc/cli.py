@@ -72,21 +72,24 @@ def cmd_run(a) -> int:
     from glmc.runtime.serving.launch import ServeConfig, serve_model
     from glmc.runtime.serving.server import ServerOptions
     from glmc.runtime.worker.launch import RankFailed
-    from glmc.tiny import TINY_NAME, default_cache_dir, make_tiny_checkpoint
+    from glmc.tiny import SMALL_DIR, SMALL_NAME, TINY_NAME, default_cache_dir, make_tiny_checkpoint
     if a.device == "cuda":  # before anything slow: a GPU torch can see
         from glmc.runtime.engine.startup import require_cuda
         require_cuda()
-    if a.weights:
-        ckpt = Path(a.weights)
+    weights = a.weights or SMALL_NAME
+    if weights == SMALL_NAME:     # the trained small model, shipped with glmc
+        ckpt = SMALL_DIR
+    elif weights == TINY_NAME:    # random weights, made on first use (tests)
+        ckpt = make_tiny_checkpoint(Path(a.cache_dir or default_cache_dir()) / "tiny")
+    else:
+        ckpt = Path(weights)
         if not (ckpt / "config.json").exists():
             raise ValueError(f"--weights {ckpt}: not a checkpoint directory (no config.json)")
-    else:  # the tiny default model; a plan dir without --weights must be a plan of it
-        ckpt = make_tiny_checkpoint(Path(a.cache_dir or default_cache_dir()) / "tiny")
     plan = plan_for(ckpt, a.plan, a.parallel, a.device, a.max_running, a.quantize)
     engine_kwargs = dict(max_running=a.max_running, max_batch_tokens=a.max_batch_tokens,
                          max_waiting=a.max_waiting, enable_prefix_cache=not a.no_prefix_cache,
                          overlap=False if a.no_overlap else None)
-    name = a.served_model_name or (ckpt.name if a.weights else TINY_NAME)
+    name = a.served_model_name or (weights if weights in (SMALL_NAME, TINY_NAME) else ckpt.name)
     server = ServerOptions(max_body_bytes=int(a.max_body_mb * 2**20),
                            shutdown_timeout_s=a.shutdown_timeout, profile_dir=a.profile_dir)
     try:
@@ -136,11 +139,12 @@ def main(argv: list[str] | None = None) -> int:
     x.add_argument("-o", "--output", help="directory (default: the plan directory)")
     x.set_defaults(fn=cmd_export_onnx)
     r = sub.add_parser("run", help="serve a model over an OpenAI-compatible HTTP API "
-                       "(default: the tiny model, compiled for tp1)")
+                       "(default: glmc-small, the trained small model, compiled for tp1)")
     r.add_argument("plan", nargs="?", help="plan directory from `glmc compile` (default: compile "
                    "the model of --weights for --parallel)")
-    r.add_argument("--weights", help="HF checkpoint dir: config.json, safetensors, tokenizer.json, "
-                   "tokenizer_config.json (default: the tiny model, random weights)")
+    r.add_argument("--weights", help="HF checkpoint dir (config.json, safetensors, tokenizer.json, "
+                   "tokenizer_config.json) or a packaged model: glmc-small (the default: trained, "
+                   "7.5M parameters, it writes Python) or glmc-tiny (random weights, for tests)")
     r.add_argument("--parallel", help="parallel spec, one process per rank (default tp1, or the "
                    "plan's)")
     r.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu: the torch "
@@ -155,8 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--max-waiting", type=int, default=256, help="queued requests before 503s")
     r.add_argument("--max-context", type=int, help="longest sequence (default: the model's, "
                    "capped by the KV pool)")
-    r.add_argument("--served-model-name", help="the API's model id (default glmc-tiny or the "
-                   "checkpoint directory's name)")
+    r.add_argument("--served-model-name", help="the API's model id (default: glmc-small, "
+                   "glmc-tiny or the checkpoint directory's name)")
     r.add_argument("--max-body-mb", type=float, default=8.0, help="largest request body in MiB; "
                    "larger ones get 413")
     r.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds in-flight "
@@ -171,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
                    "runs step N, where the runner supports it)")
     r.add_argument("--profile-dir", help="enable POST /start_profile {\"num_steps\": N}: "
                    "torch.profiler traces of the next N engine steps are written here")
-    r.add_argument("--cache-dir", help="where the tiny model's weights are made (default "
+    r.add_argument("--cache-dir", help="where glmc-tiny's weights are made (default "
                    "$GLMC_CACHE or ~/.cache/glmc)")
     r.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     r.set_defaults(fn=cmd_run)

@@ -1,4 +1,9 @@
-"""The tiny default model: `glmc run` with no arguments serves it.
+"""The packaged models `glmc run --weights NAME` serves by name.
+
+`glmc-small` (the default of `glmc run`): models/small, a trained glm_moe_dsa checkpoint (7.5M
+parameters, every feature active, trained on the Python standard library's sources by
+tools/train_small.py), so a newcomer sees real text. `glmc-tiny`: the random-weight tiny model the
+tests use, written on first use:
 
 `make_tiny_checkpoint(dir)` writes models/glm_moe_dsa_tiny.yaml (the compiler goldens' tiny GLM:
 same architecture as GLM-5, MTP layer included) as a HF checkpoint with deterministic random
@@ -28,6 +33,8 @@ TINY_SPECIAL = {"bos_token_id": 2, "pad_token_id": 0}   # ids in models/tiny/tok
 TINY_SEED = 0
 TINY_STAMP = f"glmc tiny weights: seed {TINY_SEED}, init v1\n"  # bump when _tiny_init changes
 TINY_NAME = "glmc-tiny"
+SMALL_NAME = "glmc-small"
+SMALL_DIR = Path(str(resources.files("glmc.models") / "small"))
 
 
 def default_cache_dir() -> Path:

@@ -107,7 +107,7 @@ async def ask_all(url: str) -> list[list[str]]:
 @pytest.mark.parametrize("parallel", ["tp2", "dp2ep2"])
 def test_parallel_server_gives_tp1_greedy_output(ckpt, tp1_answers, tmp_path, parallel):
     args = ["--parallel", parallel, "--port", "0", "--log-level", "warning", "--num-pages", "16",
-            "--max-running", "4", "--cache-dir", str(ckpt.parent)]
+            "--max-running", "4", "--weights", "glmc-tiny", "--cache-dir", str(ckpt.parent)]
     with GlmcRun(args, tmp_path / "log") as run:
         assert asyncio.run(ask_all(run.url)) == tp1_answers
         one = run.client.completions.create(model=TINY_NAME, prompt="Hi", max_tokens=3)

@@ -1,6 +1,7 @@
-"""`glmc run` for real: a subprocess serving the tiny model (made on first run into a cache dir) or
-a compiled plan with a checkpoint, called with the official `openai` client, then stopped with
-SIGTERM, which must end it (and every process it started) cleanly."""
+"""`glmc run` for real: a subprocess serving the packaged small model (the default), the tiny one
+(made on first run into a cache dir) or a compiled plan with a checkpoint, called with the official
+`openai` client, then stopped with SIGTERM, which must end it (and every process it started)
+cleanly."""
 import os
 import re
 import signal
@@ -17,7 +18,7 @@ from glmc.runtime.engine.sampling import SamplingParams
 
 from glmc.api import build_engine
 from glmc.cli import main as glmc
-from glmc.tiny import TINY_NAME, make_tiny_checkpoint
+from glmc.tiny import SMALL_DIR, SMALL_NAME, TINY_NAME, make_tiny_checkpoint
 
 START_TIMEOUT_S = 120
 GREEDY = dict(temperature=0, max_tokens=8, extra_body={"ignore_eos": True})
@@ -119,11 +120,27 @@ def offline(ckpt, prompt_ids: list[int], max_tokens: int = 8) -> str:
     return engine.generate([prompt_ids], params)[0].output_text
 
 
-def test_glmc_run_serves_the_tiny_model_by_default(tmp_path):
-    cache, port = tmp_path / "cache", free_port()
-    with GlmcRun(["--port", str(port), "--log-level", "warning"], tmp_path / "log",
-                 {"GLMC_CACHE": str(cache)}) as run:
+def test_glmc_run_serves_the_trained_small_model_by_default(tmp_path):
+    port = free_port()
+    with GlmcRun(["--port", str(port), "--log-level", "warning"], tmp_path / "log") as run:
         assert run.url == f"http://127.0.0.1:{port}/v1"
+        c = run.client
+        assert [m.id for m in c.models.list().data] == [SMALL_NAME]
+        prompt = "import os\nimport sys\n\n\ndef main():\n    "
+        got = c.completions.create(model=SMALL_NAME, prompt=prompt, max_tokens=24, temperature=0,
+                                   extra_body={"ignore_eos": True})
+        engine = build_engine(SMALL_DIR, warmup=False)
+        assert got.choices[0].text == offline(SMALL_DIR, engine.tokenizer.encode(prompt), 24)
+        assert got.usage.completion_tokens == 24 and got.choices[0].text.strip()
+        chunks = list(c.completions.create(model=SMALL_NAME, prompt=prompt, stream=True, **GREEDY))
+        whole = c.completions.create(model=SMALL_NAME, prompt=prompt, **GREEDY)
+        assert "".join(ch.choices[0].text for ch in chunks) == whole.choices[0].text
+
+
+def test_glmc_run_serves_the_tiny_model_by_name(tmp_path):
+    cache, port = tmp_path / "cache", free_port()
+    with GlmcRun(["--weights", TINY_NAME, "--port", str(port), "--log-level", "warning"],
+                 tmp_path / "log", {"GLMC_CACHE": str(cache)}) as run:
         assert (cache / "tiny" / "model.safetensors").exists()  # made at first run
         c = run.client
         assert [m.id for m in c.models.list().data] == [TINY_NAME]
@@ -133,10 +150,6 @@ def test_glmc_run_serves_the_tiny_model_by_default(tmp_path):
         ids = engine.tokenizer.encode(engine.tokenizer.apply_chat_template(messages))
         assert got.choices[0].message.content == offline(cache / "tiny", ids)
         assert got.usage.prompt_tokens == len(ids) and got.usage.completion_tokens == 8
-        chunks = list(c.completions.create(model=TINY_NAME, prompt="Once upon", stream=True,
-                                           **GREEDY))
-        whole = c.completions.create(model=TINY_NAME, prompt="Once upon", **GREEDY)
-        assert "".join(ch.choices[0].text for ch in chunks) == whole.choices[0].text
 
 
 def test_glmc_run_serves_a_compiled_plan_with_a_checkpoint(tmp_path):

@@ -53,7 +53,7 @@ class Stream(threading.Thread):
 
 def start(args: list[str], log, cache) -> GlmcRun:
     run = GlmcRun(["--port", "0", "--log-level", "warning", "--num-pages", "64",
-                   "--cache-dir", str(cache), *args], log)
+                   "--weights", "glmc-tiny", "--cache-dir", str(cache), *args], log)
     return run.__enter__()
 
 
@@ -113,7 +113,8 @@ def test_start_up_interrupted_cleanly(tmp_path, cache, parallel):
     log = tmp_path / "log"
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "glmc.cli", "run", "--parallel", parallel,
-                                 "--port", "0", "--cache-dir", str(cache)], stdout=out,
+                                 "--port", "0", "--weights", "glmc-tiny", "--cache-dir", str(cache)],
+                                stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True,
                                 env={**os.environ, "OMP_NUM_THREADS": "1"})
         try:
