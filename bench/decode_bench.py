@@ -258,7 +258,7 @@ def setup_glmc(model, batches, ctx, dev, dtype, info):
     """Plan, runner over the HF parameters, MoE tile sweep, prefill, capture."""
     import torch
     t = now()
-    plan = pc.glmc_plan(model, max(batches), "bfloat16")
+    plan = pc.glmc_plan(model, max(batches), "float32" if dtype == torch.float32 else "bfloat16")
     info["compile_s"] = now() - t
     c, max_ctx = plan.config, ctx + 64
     weights, stacks = pc.glmc_weights(model)

@@ -4,10 +4,11 @@
     python bench/serve_bench.py --launch "--parallel dp2ep2"      # start `glmc run` here
 
 Workload (same for a given --seed): --num-requests chat requests, all streamed; prompt lengths
-drawn from short / medium / long buckets, output lengths uniform in [--min-tokens,
---max-tokens] (ignore_eos, so every request produces exactly that many); a --shared-frac share of
-them open with one of --num-prefixes long system prompts (prefix-cache hits). Requests arrive as a
-Poisson process at --request-rate per second (inf: all at once), at most --concurrency in flight.
+drawn from short / medium / long buckets (or one --prompt-words LO,HI range), output lengths
+uniform in [--min-tokens, --max-tokens] (ignore_eos, so every request produces exactly that
+many); a --shared-frac share of them open with one of --num-prefixes long system prompts
+(prefix-cache hits). Requests arrive as a Poisson process at --request-rate per second (inf: all
+at once), at most --concurrency in flight.
 
 Measured on the client: TTFT (request sent -> first content chunk), ITL (gaps between content
 chunks; a token whose text is held back, e.g. half a UTF-8 character, merges into the next chunk),
@@ -47,9 +48,10 @@ def make_workload(a) -> list[dict]:
     rng = random.Random(a.seed)
     prefixes = [" ".join(rng.choice(WORDS) for _ in range(a.prefix_words))
                 for _ in range(a.num_prefixes)]
+    buckets = (tuple(a.prompt_words),) if getattr(a, "prompt_words", None) else BUCKETS
     reqs = []
     for i in range(a.num_requests):
-        lo, hi = rng.choice(BUCKETS)
+        lo, hi = rng.choice(buckets)
         user = f"Request {i}: " + " ".join(rng.choice(WORDS) for _ in range(rng.randint(lo, hi)))
         messages = [{"role": "user", "content": user}]
         shared = rng.random() < a.shared_frac
@@ -205,6 +207,9 @@ def main(argv=None) -> int:
     ap.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (Poisson)")
     ap.add_argument("--min-tokens", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--prompt-words", type=lambda v: [int(x) for x in v.split(",")], metavar="LO,HI",
+                    help="user-prompt words uniform in [LO, HI] (default: the buckets " +
+                    ", ".join(f"{lo}-{hi}" for lo, hi in BUCKETS) + ", one drawn per request)")
     ap.add_argument("--shared-frac", type=float, default=0.5)
     ap.add_argument("--num-prefixes", type=int, default=2)
     ap.add_argument("--prefix-words", type=int, default=160)

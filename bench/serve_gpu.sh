@@ -1,14 +1,19 @@
 #!/usr/bin/env bash
-# Serving on the H200 in one device call (bench/serve_gpu.py says what runs):
-#   run(command="bash bench/serve_gpu.sh", carry=[".whl"], timeout_s=470)
+# Issue 11's serving benchmark on the H200 in one device call (bench/serve_gpu.py says what runs):
+#   run(command="bash bench/serve_gpu.sh", carry=[".whl"], timeout_s=600)
 # .whl holds the wheels the image lacks (pydantic, pydantic-core, annotated-types, typing-inspection,
 # typing-extensions, fastapi, starlette, uvicorn, annotated-doc, opentelemetry-api) and glmc's own,
-# built here just before: `pip wheel --no-deps --no-build-isolation -w .whl .`.
+# built here just before from the tree being measured: `pip wheel --no-deps --no-build-isolation -w .whl .`.
+# BUDGET (s, default 540) bounds serve_gpu.py; with the install before it the call ends well inside 600 s.
+# The commit recorded: $GLMC_COMMIT, else .whl/COMMIT (write it with the wheel: `git describe --always
+# --dirty > .whl/COMMIT`; the device copy has no .git).
 set -u
+ls .whl/glmc-*.whl >/dev/null 2>&1 || { echo "no glmc wheel in .whl: pip wheel --no-deps --no-build-isolation -w .whl ."; exit 3; }
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
     .whl/*.whl || exit 3
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+export GLMC_COMMIT=${GLMC_COMMIT:-$(cat .whl/COMMIT 2>/dev/null || echo unknown)}
 OUT=${OUT:-/tmp/serve_gpu_out}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-python3 "$PWD/bench/serve_gpu.py" --out-dir "$OUT" --budget "${BUDGET:-400}" 2>&1 | tee "$OUT/serve_gpu.log"
+python3 "$PWD/bench/serve_gpu.py" --out-dir "$OUT" --budget "${BUDGET:-540}" 2>&1 | tee "$OUT/serve_gpu.log"

@@ -88,7 +88,8 @@ def cmd_run(a) -> int:
     plan = plan_for(ckpt, a.plan, a.parallel, a.device, a.max_running, a.quantize)
     engine_kwargs = dict(max_running=a.max_running, max_batch_tokens=a.max_batch_tokens,
                          max_waiting=a.max_waiting, enable_prefix_cache=not a.no_prefix_cache,
-                         overlap=False if a.no_overlap else None)
+                         overlap=False if a.no_overlap else None,
+                         mixed_prefill_tokens=a.mixed_prefill_tokens)
     name = a.served_model_name or (weights if weights in (SMALL_NAME, TINY_NAME) else ckpt.name)
     server = ServerOptions(max_body_bytes=int(a.max_body_mb * 2**20),
                            shutdown_timeout_s=a.shutdown_timeout, profile_dir=a.profile_dir)
@@ -156,6 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--max-running", type=int, default=32, help="running requests per DP rank")
     r.add_argument("--max-batch-tokens", type=int, default=256, help="tokens per step and DP rank "
                    "(the chunked-prefill size)")
+    r.add_argument("--mixed-prefill-tokens", type=int, help="prefill tokens a step may carry while "
+                   "requests decode (default: a quarter of --max-batch-tokens), so running streams "
+                   "never wait behind a full-size chunk")
     r.add_argument("--max-waiting", type=int, default=256, help="queued requests before 503s")
     r.add_argument("--max-context", type=int, help="longest sequence (default: the model's, "
                    "capped by the KV pool)")

@@ -28,8 +28,17 @@ def run(e, specs):
         e.step()
     while e.step():   # a queued step of finished requests is read and dropped
         pass
-    return [(r.output_ids, r.finish_reason, r.output_text,
-             [(round(lp.logprob, 4), lp.top) for lp in r.output_logprobs]) for r in reqs]
+    return [(r.output_ids, r.finish_reason, r.output_text, r.output_logprobs) for r in reqs]
+
+
+def same(got, want) -> bool:
+    """Equal tokens, finish reasons and text; logprobs equal up to float summation order (the two
+    loops may cut prefill chunks differently: a request found finished one step late still takes a
+    decode slot in the step after)."""
+    def close(a, b):
+        return (len(a) == len(b) and all(abs(x.logprob - y.logprob) < 1e-3 and [t for t, _ in x.top] ==
+                                          [t for t, _ in y.top] for x, y in zip(a, b)))
+    return all(g[:3] == w[:3] and close(g[3], w[3]) for g, w in zip(got, want)) and len(got) == len(want)
 
 
 def leaks(e) -> list[str]:
@@ -62,7 +71,7 @@ def test_overlap_serves_what_the_synchronous_loop_does(tiny_ckpt):
     want = run(engine(tiny_ckpt, False, max_batch_tokens=48), specs)
     e = engine(tiny_ckpt, True, max_batch_tokens=48)
     assert e.overlap
-    assert run(e, specs) == want
+    assert same(run(e, specs), want)
     assert want[0][1] == "stop" and len(want[0][0]) < 14
     assert e.metrics.counters["prefix_cache_hit_tokens_total"] >= 128
     keys = _cache_keys(e)
@@ -75,7 +84,7 @@ def test_overlap_with_retraction_and_abort(tiny_ckpt):
     ps = prompts(60, 61, 62, 63)
     want = run(engine(tiny_ckpt, False), [(p, params) for p in ps])
     tight = engine(tiny_ckpt, True, num_pages=5)
-    assert run(tight, [(p, params) for p in ps]) == want
+    assert same(run(tight, [(p, params) for p in ps]), want)
     assert tight.metrics.counters["requests_retracted_total"] > 0
     assert not leaks(tight)
 

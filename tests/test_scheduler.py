@@ -59,17 +59,30 @@ def run(s, reqs):
 
 
 def test_chunked_prefill_rides_along_with_decodes():
+    """While a request decodes, a prompt prefills in chunks of mixed_prefill_tokens (default a
+    quarter of the budget) next to it; alone, it takes the whole budget."""
     s = scheduler(64, max_batch_tokens=64)
-    a, b = req(10, max_tokens=20), req(300, base=7)
+    a, b = req(10, max_tokens=4), req(300, base=7)
     s.add(a)
     step(s)
     s.add(b)
     batch = step(s)
-    assert batch.mode == "extend" and batch.reqs == [a, b] and batch.extend_lens == [1, 63]
-    while b.num_pending > 1 or not b.output_ids:
+    assert batch.mode == "extend" and batch.reqs == [a, b] and batch.extend_lens == [1, 16]
+    while not a.finished:
         batch = step(s)
-        assert batch.num_tokens <= 64 and batch.extend_lens[0] == 1
+        assert batch.extend_lens[0] == 1 and batch.num_tokens <= 1 + 16
+    batch = step(s)
+    assert batch.reqs == [b] and batch.extend_lens == [64]   # alone: full chunks
+    while b.num_pending > 1 or not b.output_ids:
+        step(s)
     assert step(s).mode == "decode"
+    wide = scheduler(64, max_batch_tokens=64)
+    wide.mixed_prefill_tokens = 63
+    c, d = req(10, max_tokens=20), req(300, base=7)
+    wide.add(c)
+    step(wide)
+    wide.add(d)
+    assert step(wide).extend_lens == [1, 63]
 
 
 def test_admission_waits_for_pages():

@@ -86,7 +86,8 @@ class Engine:
 
     def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, *, max_running: int = 32,
                  max_batch_tokens: int = 256, max_waiting: int = 256,
-                 enable_prefix_cache: bool = True, overlap: bool | None = None):
+                 enable_prefix_cache: bool = True, overlap: bool | None = None,
+                 mixed_prefill_tokens: int | None = None):
         if runner.page_size != PAGE_SIZE:
             raise ValueError(f"runner page_size {runner.page_size} != runtime PAGE_SIZE {PAGE_SIZE}")
         if tokenizer.vocab_size > runner.vocab_size:
@@ -94,7 +95,7 @@ class Engine:
                              f"{runner.vocab_size}")
         self.runner, self.tokenizer, self.max_waiting = runner, tokenizer, max_waiting
         self.scheduler = DataParallelScheduler([  # one per DP rank: pages, rows, cache
-            _rank_scheduler(runner, max_running, max_batch_tokens, enable_prefix_cache)
+            _rank_scheduler(runner, max_running, max_batch_tokens, enable_prefix_cache, mixed_prefill_tokens)
             for _ in range(runner.num_dp)])
         self.metrics = Metrics()
         self.max_context = runner.max_context
@@ -298,7 +299,9 @@ class Engine:
             done = threading.Event()
             self._inbox.append(("profile", (num_steps, path, done), None))
             self._wake.set()
-            if not done.wait(timeout):
+            if not done.wait(timeout):   # stop it where it is (no trace), so no later step runs profiled
+                self._inbox.append(("profile", None, None))
+                self._wake.set()
                 raise TimeoutError(f"profile: {num_steps} steps did not run within {timeout:g} s")
             return path
         self._profile = _StepProfile(num_steps, path, None)
@@ -319,7 +322,12 @@ class Engine:
                 self._reset_caches()
                 item.set()
             elif kind == "profile":
-                self._profile = _StepProfile(*item)
+                if item is None:      # cancelled (the caller timed out)
+                    if self._profile is not None:
+                        self._profile.cancel()
+                    self._profile = None
+                else:
+                    self._profile = _StepProfile(*item)
             elif (req := self._live.get(item)) is not None:
                 self._finish(req, "abort")
 
@@ -406,6 +414,9 @@ class _StepProfile:
         self.prof.__enter__()
         self.finished = False
 
+    def cancel(self) -> None:
+        self.prof.__exit__(None, None, None)
+
     def record(self, step) -> bool:
         with torch.profiler.record_function("glmc.engine.step"):
             busy = step()
@@ -424,8 +435,9 @@ class _StepProfile:
 
 
 def _rank_scheduler(runner: ModelRunner, max_running: int, max_batch_tokens: int,
-                    enable_prefix_cache: bool) -> Scheduler:
+                    enable_prefix_cache: bool, mixed_prefill_tokens: int | None) -> Scheduler:
     allocator = PageAllocator(runner.num_pages)
     cache = RadixCache(allocator) if enable_prefix_cache else NoPrefixCache()
     return Scheduler(allocator, ReqToTokenPool(max_running, runner.max_context), cache,
-                     max_running=max_running, max_batch_tokens=max_batch_tokens)
+                     max_running=max_running, max_batch_tokens=max_batch_tokens,
+                     mixed_prefill_tokens=mixed_prefill_tokens)

@@ -2,11 +2,15 @@
 
 Each step gets a token budget (`max_batch_tokens`, also the chunked-prefill size). Running requests
 go first, oldest first: a decode costs one token, an unfinished prefill takes what budget is left
-(a chunk). Then waiting requests are admitted FIFO while budget, request rows and KV pages allow:
-admission needs pages for the whole remaining prompt plus one page of headroom per running request,
-counting pages the prefix cache could evict. Pages are allocated per step as sequences grow; when
-the pool runs dry, the newest running request is retracted (its computed pages go to the prefix
-cache, the rest is freed) and later resumes by prefilling prompt and outputs so far.
+(a chunk). While any request is decoding, the step's prefill tokens are capped at
+`mixed_prefill_tokens` (default: a quarter of the budget): a step that carries decodes stays short,
+so a long prompt arriving never stalls the running streams for a whole full-size chunk, and a
+prompt alone still prefills at full chunk size. Then waiting requests are admitted FIFO while
+budget, request rows and KV pages allow: admission needs pages for the whole remaining prompt plus
+one page of headroom per running request, counting pages the prefix cache could evict. Pages are
+allocated per step as sequences grow; when the pool runs dry, the newest running request is
+retracted (its computed pages go to the prefix cache, the rest is freed) and later resumes by
+prefilling prompt and outputs so far.
 
 Pure Python; the engine turns a `ScheduledBatch` into a `ForwardBatch`.
 """
@@ -57,7 +61,8 @@ class Scheduler:
     """Waiting queue + running set over a page allocator, a req_to_token pool and a prefix cache."""
 
     def __init__(self, allocator: PageAllocator, req_pool: ReqToTokenPool, cache: PrefixCache, *,
-                 max_running: int = 64, max_batch_tokens: int = 512):
+                 max_running: int = 64, max_batch_tokens: int = 512,
+                 mixed_prefill_tokens: int | None = None):
         if max_batch_tokens < 1 or max_running < 1:
             raise ValueError(f"max_batch_tokens ({max_batch_tokens}) and max_running "
                              f"({max_running}) must be >= 1")
@@ -65,6 +70,7 @@ class Scheduler:
         self.page_size = allocator.page_size
         self.max_running = min(max_running, req_pool.max_reqs)
         self.max_batch_tokens = max_batch_tokens
+        self.mixed_prefill_tokens = max(1, mixed_prefill_tokens or max_batch_tokens // 4)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -99,18 +105,23 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch | None:
         batch, budget = ScheduledBatch(), self.max_batch_tokens
+        decoding = sum(r.is_decoding for r in self.running)
+        prefill = min(budget, self.mixed_prefill_tokens) if decoding else budget  # prefill tokens left
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = self._grow(req, min(req.num_pending, budget), batch)
+            want = 1 if req.is_decoding else min(req.num_pending, prefill, budget - decoding)
+            n = self._grow(req, max(want, 0), batch) if want > 0 else 0
             if n:
                 batch.add(req, n)
                 budget -= n
-                i += 1
-        while (not batch.retracted and budget > 0 and self.waiting
+                decoding -= req.is_decoding
+                prefill -= 0 if req.is_decoding else n
+            i += 1 if n or want <= 0 else 0
+        while (not batch.retracted and prefill > 0 and budget > 0 and self.waiting
                and len(self.running) < self.max_running):
             req = self.waiting[0]
-            n = self._admit(req, budget)
+            n = self._admit(req, min(budget, prefill))
             if not n:
                 break
             self.waiting.popleft()
@@ -118,6 +129,7 @@ class Scheduler:
             batch.admitted.append(req)
             batch.add(req, n)
             budget -= n
+            prefill -= n
         return batch if batch.reqs or batch.retracted else None
 
     def commit(self, batch: ScheduledBatch) -> None:
