@@ -114,8 +114,12 @@ class KernelLibrary:
         per specialisation: a kernel launched with new constexprs or new integer-argument classes
         compiles again). 0 under TRITON_INTERPRET. A server that counts a change while serving was
         caught by a compile; `startup.warm_up` compiles what serving hits."""
-        return sum(len(cache[0]) for fn in self._fns.values()
-                   for cache in getattr(fn, "device_caches", {}).values())
+        return sum(self.compiled_by_kernel().values())
+
+    def compiled_by_kernel(self) -> dict[str, int]:
+        """`num_compiled` per kernel file (its stem, e.g. sparse_mla_decode_3)."""
+        return {self.path(ctx).stem: sum(len(c[0]) for c in getattr(fn, "device_caches", {}).values())
+                for ctx, fn in self._fns.items()}
 
     def loaded(self) -> list[Path]:
         """The files of the kernels launched (imported) so far."""

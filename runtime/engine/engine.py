@@ -26,6 +26,7 @@ Engines are started by `runtime/engine/startup.py`; runners live in `runtime/wor
 """
 from __future__ import annotations
 
+import sys
 import threading
 import traceback
 from collections import deque
@@ -111,6 +112,7 @@ class Engine:
         self.overlap = runner.supports_overlap if overlap is None else overlap
         self._inflight: list | None = None   # the queued step whose tokens are not read yet
         self._profile: _StepProfile | None = None
+        self._compiled: tuple[int, dict | None] = (0, None)   # binaries; per kernel once serving
         self._update_gauges()
 
     # -- submission (any thread) -----------------------------------------------------------------
@@ -275,8 +277,10 @@ class Engine:
             [r.row for r in batch.reqs], batch.prefix_lens, s.req_pool.table)
 
     def reset_metrics(self) -> None:
-        """Start counting afresh (e.g. after warm-up)."""
+        """Start counting afresh (e.g. after warm-up); from now on a kernel compile is logged."""
         self.metrics = Metrics()
+        if self.runner.kernels is not None:
+            self._compiled = (self.runner.kernels.num_compiled(), self.runner.kernels.compiled_by_kernel())
         self._update_gauges()
 
     def flush_cache(self, timeout: float = 10.0) -> None:
@@ -381,7 +385,21 @@ class Engine:
             kv_pages_used=self.scheduler.num_pages_held,
             kv_pages_cached=sum(s.cache.num_cached_pages for s in ss),
             kv_usage_ratio=sum(s.allocator.num_used for s in ss) / total,
-            kernel_binaries_compiled=self.runner.kernels.num_compiled() if self.runner.kernels else 0)
+            kernel_binaries_compiled=self._kernel_binaries())
+
+    def _kernel_binaries(self) -> int:
+        """Triton binaries compiled so far; after warm-up (`reset_metrics`) a new one is a request
+        that waited for a compile: say which kernel on stderr."""
+        if self.runner.kernels is None:
+            return 0
+        n = self.runner.kernels.num_compiled()
+        if n != self._compiled[0]:
+            now = self.runner.kernels.compiled_by_kernel()
+            if self._compiled[1] is not None:
+                new = {k: v - self._compiled[1].get(k, 0) for k, v in now.items() if v != self._compiled[1].get(k, 0)}
+                print(f"glmc: compiled while serving (a request waited): {new}", file=sys.stderr, flush=True)
+            self._compiled = (n, now if self._compiled[1] is not None else None)
+        return n
 
     # -- DP rank 0's parts (the only ones unless runner.num_dp > 1) ------------------------------
 

@@ -86,6 +86,7 @@ class ReqToTokenPool:
     def __init__(self, max_reqs: int, max_context: int):
         self.max_reqs, self.max_context = max_reqs, max_context
         self.table = torch.zeros(max_reqs, max_context, dtype=torch.int64)
+        self._table = self.table.numpy()   # shares the memory
         self._free = list(range(max_reqs - 1, -1, -1))
 
     @property
@@ -104,4 +105,4 @@ class ReqToTokenPool:
         end = start + len(slots)
         if end > self.max_context:
             raise ValueError(f"position {end} exceeds max_context {self.max_context}")
-        self.table[row, start:end] = torch.tensor(slots, dtype=torch.int64)
+        self._table[row, start:end] = slots   # the numpy view: no tensor made per write

@@ -181,10 +181,13 @@ class SamplingBatch:
                if r.params.repetition_penalty != 1.0]
         occ = [(i, r.output_ids) for i, r in enumerate(reqs)
                if r.params.presence_penalty or r.params.frequency_penalty]
+        # the per-request columns travel as two tensors (one copy each to a GPU), then split
+        floats = col([[p.temperature for p in ps], [p.top_p for p in ps], [p.min_p for p in ps]],
+                     torch.float32)
+        ints = col([[p.top_k for p in ps], [r.seed for r in reqs], [r.num_generated for r in reqs]],
+                   torch.int64)
         return cls(
-            col([p.temperature for p in ps], torch.float32), col([p.top_k for p in ps], torch.int64),
-            col([p.top_p for p in ps], torch.float32), col([p.min_p for p in ps], torch.float32),
-            col([r.seed for r in reqs], torch.int64), col([r.num_generated for r in reqs], torch.int64),
+            floats[0], ints[0], floats[1], floats[2], ints[1], ints[2],
             bias=(*_ids([(i, list(b)) for i, b in bias], device),
                   col([v for _, b in bias for v in b.values()], torch.float32)) if bias else None,
             repetition=(col([p.repetition_penalty for p in ps], torch.float32), *_ids(rep, device))

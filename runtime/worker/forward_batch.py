@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 MODES = ("extend", "decode", "idle")
@@ -22,7 +23,9 @@ def to_device(t: torch.Tensor, device) -> torch.Tensor:
     device = torch.device(device)
     if device.type != "cuda":
         return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
+    staged = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)   # (t.pin_memory() first asks
+    staged.copy_(t)                                                  # CUDA whether t is pinned: slow)
+    return staged.to(device, non_blocking=True)
 
 
 def _i64(values) -> torch.Tensor:
@@ -61,22 +64,21 @@ class ForwardBatch:
         `input_ids` is a list (one entry per request) of that request's new token ids; the slots of
         positions [prefix_len, prefix_len + extend_len) must already be written into `req_to_token`.
         """
-        extend_lens = [len(ids) for ids in input_ids]
-        positions, locs = [], []
-        for row, prefix, n in zip(req_pool_indices, prefix_lens, extend_lens):
-            span = torch.arange(int(prefix), int(prefix) + n)
-            positions.append(span)
-            locs.append(req_to_token[int(row), span].long())
-        flat_ids = [int(t) for ids in input_ids for t in ids]
+        extend = np.fromiter((len(ids) for ids in input_ids), np.int64, len(input_ids))
+        prefix = np.asarray(prefix_lens, dtype=np.int64).reshape(-1)
+        rows = np.asarray(req_pool_indices, dtype=np.int64).reshape(-1)
+        starts = np.cumsum(extend) - extend
+        positions = np.arange(int(extend.sum()), dtype=np.int64) + np.repeat(prefix - starts, extend)
+        locs = req_to_token.numpy()[np.repeat(rows, extend), positions]
         return cls(
             mode=mode,
-            input_ids=_i64(flat_ids),
-            positions=torch.cat(positions).long() if positions else _i64([]),
-            req_pool_indices=_i64(list(req_pool_indices)),
-            seq_lens=_i64([int(p) + n for p, n in zip(prefix_lens, extend_lens)]),
-            prefix_lens=_i64(list(prefix_lens)),
-            extend_lens=_i64(extend_lens),
-            out_cache_loc=torch.cat(locs).long() if locs else _i64([]),
+            input_ids=_i64([int(t) for ids in input_ids for t in ids]),
+            positions=torch.from_numpy(positions),
+            req_pool_indices=torch.from_numpy(rows),
+            seq_lens=torch.from_numpy(prefix + extend),
+            prefix_lens=torch.from_numpy(prefix),
+            extend_lens=torch.from_numpy(extend),
+            out_cache_loc=torch.from_numpy(np.ascontiguousarray(locs, dtype=np.int64)),
             req_to_token=req_to_token,
         )
 
