@@ -181,11 +181,14 @@ class SamplingBatch:
                if r.params.repetition_penalty != 1.0]
         occ = [(i, r.output_ids) for i, r in enumerate(reqs)
                if r.params.presence_penalty or r.params.frequency_penalty]
-        # the per-request columns travel as two tensors (one copy each to a GPU), then split
-        floats = col([[p.temperature for p in ps], [p.top_p for p in ps], [p.min_p for p in ps]],
-                     torch.float32)
-        ints = col([[p.top_k for p in ps], [r.seed for r in reqs], [r.num_generated for r in reqs]],
-                   torch.int64)
+        # the per-request columns travel as two tensors (one copy each to a GPU), then split; rows
+        # padded to 4 entries so each starts 16-byte aligned (Triton compiles again for a pointer
+        # that is not)
+        pad = [0] * (-len(reqs) % 4)
+        floats = col([[p.temperature for p in ps] + pad, [p.top_p for p in ps] + pad,
+                      [p.min_p for p in ps] + pad], torch.float32)[:, :len(reqs)]
+        ints = col([[p.top_k for p in ps] + pad, [r.seed for r in reqs] + pad,
+                    [r.num_generated for r in reqs] + pad], torch.int64)[:, :len(reqs)]
         return cls(
             floats[0], ints[0], floats[1], floats[2], ints[1], ints[2],
             bias=(*_ids([(i, list(b)) for i, b in bias], device),
