@@ -122,9 +122,11 @@ def warm_kernels(engine: Engine) -> None:
     def prompt(n, salt):
         return [(salt * 7919 + 31 * i) % vocab for i in range(n)]
 
-    waves = [[(prompt(n, 1), greedy)] for n in lengths]           # alone
-    waves += [[(prompt(n, 1)[:n - 1] + [0], drawn)] for n in lengths if n > 64]   # prefix hits
-    waves += [[(prompt(n, 2), drawn if i % 2 else greedy) for i, n in enumerate(lengths)]]  # mixed
+    # prompts of different lengths must not share a prefix, or the prefix cache would cut their
+    # prefills short (each length is its own salt)
+    waves = [[(prompt(n, n), greedy)] for n in lengths]           # alone
+    waves += [[(prompt(n, n)[:n - 1] + [0], drawn)] for n in lengths if n > 64]   # prefix hits
+    waves += [[(prompt(n, n + top + 1), drawn if i % 2 else greedy) for i, n in enumerate(lengths)]]  # mixed
     with progress(total=len(waves), desc="compiling kernels", unit="wave") as bar:
         for wave in waves:
             reqs = [engine.make_request(p[:top], params) for p, params in wave]
