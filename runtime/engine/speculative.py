@@ -1,0 +1,156 @@
+"""Speculative decoding with the model's MTP layer: EAGLE-style chains of N draft tokens, greedy.
+
+`Engine(runner, tokenizer, speculative_num_steps=N)` (N >= 1) runs every step through
+`MtpSpeculator.step` instead of the plain loop. The runner must `supports_speculative` (the torch
+target on one rank so far) and the engine does not overlap steps in this mode: acceptance decides
+the next step's inputs, so each step's tokens are read before the next is scheduled.
+
+The MTP layer at position i reads the target's final hidden state at i and the token at i + 1 and
+guesses the token at i + 2; its KV lives in its own pool layer at the slot of position i. One step,
+for a request whose first n tokens have KV, token n pending and drafts d_1..d_D from the last step:
+
+1. verify: one target forward over [t_n, d_1, .., d_D] at positions n..n+D (the `mtp_verify`
+   phase: logits and hidden states at every position; prefill chunks of other requests share it);
+2. accept: g_j = the sampler's token at position n+j; keep the longest prefix with d_{j+1} == g_j
+   (a of them) and append g_0..g_a (the accepted drafts and the target's own next token); the
+   target's KV of positions n+a+1.. is rejected: the scheduler rolls back to n+a+1 computed tokens
+   (pages past the next token's freed, slots in the last page overwritten later; only pages full of
+   accepted tokens reach the prefix cache);
+3. draft-extend: the MTP layer over the positions the target just computed and kept (n..n+a, or a
+   prefill chunk's), fed the target's hidden states there and the tokens one further: this writes
+   the MTP layer's KV (its own indexer keys included) and its last position guesses d'_1;
+4. draft: D' - 1 more MTP steps, one token each, fed the MTP layer's own hidden state (the input of
+   the shared head, as SGLang's EAGLE worker does); positions n+a+1.. get MTP KV that the next
+   draft-extend overwrites. D' = min(N, tokens the request may still generate); their pages are
+   reserved now, and a request whose pages do not fit drafts nothing (it decodes plainly).
+
+Greedy output equals the plain engine's token for token: every appended token is the sampler's
+choice at a position whose context holds only accepted tokens. Requests that sample (temperature
+> 0) or use penalties are served in the same steps without drafts (one token per step, the plain
+sampler); standard speculative sampling for them is not built yet.
+
+Approximations that only cost acceptance, never correctness: a prefix-cache hit reuses the MTP
+KV of its pages as computed by the request that filled them (the last position of a page was fed
+that request's next token); draft steps k >= 1 see MTP KV of drafts, as in every EAGLE chain.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from glmc.runtime.engine.request import Request
+from glmc.runtime.engine.sampling import SamplingBatch, sample_batch
+from glmc.runtime.engine.scheduler import ScheduledBatch, Scheduler
+from glmc.runtime.worker.forward_batch import ForwardBatch
+
+if TYPE_CHECKING:
+    from glmc.runtime.engine.engine import Engine
+
+
+def drafts_for(req: Request) -> bool:
+    """Whether `req` is served with drafts: greedy and history-free (see the module docstring)."""
+    return req.params.greedy and not req.params.needs_history
+
+
+class MtpSpeculator:
+    """The engine's step in speculative mode (module docstring); owns no state of its own: drafts
+    ride on `Request.draft_ids`, pages and rows on the engine's one `Scheduler`."""
+
+    def __init__(self, engine: Engine, num_steps: int):
+        if engine.runner.num_dp != 1:
+            raise ValueError(f"speculative decoding runs on one DP rank, the runner has "
+                             f"{engine.runner.num_dp}")
+        self.engine, self.num_steps = engine, num_steps
+
+    def step(self) -> bool:
+        """Schedule, verify + accept, draft; False when there was nothing to do."""
+        e = self.engine
+        batches = e.scheduler.schedule()
+        if batches is not None:
+            e.metrics.step([b for b in batches if b is not None])
+            if batches[0].reqs:
+                self._run(e.scheduler.ranks[0], batches[0])
+        e._update_gauges()
+        return batches is not None
+
+    def _run(self, s: Scheduler, batch: ScheduledBatch) -> None:
+        reqs = batch.reqs
+        drafts = [r.draft_ids[:max(n - r.num_pending, 0)] for r, n in zip(reqs, batch.extend_lens)]
+        own = [n - len(d) for n, d in zip(batch.extend_lens, drafts)]  # tokens known for sure
+        ready = [p + n == r.num_tokens for r, p, n in zip(reqs, batch.prefix_lens, own)]
+        for r in reqs:
+            r.draft_ids = []
+        fb = ForwardBatch.build(batch.mode, [r.all_ids[p:p + n] + d for r, p, n, d in
+                                             zip(reqs, batch.prefix_lens, own, drafts)],
+                                [r.row for r in reqs], batch.prefix_lens, s.req_pool.table)
+        logits, hidden = self.engine.runner.verify(fb)
+        s.commit(batch)
+        tokens = self._sample(logits, fb, reqs, own, drafts, ready)
+        kept = [self._accept(s, r, p, n, d, tokens.get(i)) if ready[i] else n
+                for i, (r, p, n, d) in enumerate(zip(reqs, batch.prefix_lens, own, drafts))]
+        self._draft(s, reqs, batch.prefix_lens, kept, hidden, fb)
+
+    def _sample(self, logits, fb: ForwardBatch, reqs, own, drafts, ready) -> dict[int, list]:
+        """The sampler's token (and logprobs) at every verified position of the ready requests:
+        {request index: [(token, logprobs)] * (1 + drafts)}."""
+        picks = [(i, start + own[i] - 1 + j) for i, start, _ in fb.token_ranges() if ready[i]
+                 for j in range(len(drafts[i]) + 1)]
+        if not picks:
+            return {}
+        rows = torch.tensor([row for _, row in picks], device=logits.device)
+        sb = SamplingBatch.from_requests([reqs[i] for i, _ in picks], logits.device)
+        out = sample_batch(logits.index_select(0, rows), sb,
+                           kernels=self.engine.runner.kernels).to_host(sb.top_logprobs)
+        tokens: dict[int, list] = {}
+        for (i, _), token in zip(picks, out):
+            tokens.setdefault(i, []).append(token)
+        return tokens
+
+    def _accept(self, s: Scheduler, req: Request, start: int, num_own: int, draft: list[int],
+                tokens: list) -> int:
+        """Keep the drafts the target agrees with, append them and its own next token, roll the
+        KV back to them; -> target positions of this step whose KV is kept."""
+        accepted = 0
+        while accepted < len(draft) and draft[accepted] == tokens[accepted][0]:
+            accepted += 1
+        s.rollback(req, start + num_own + accepted)
+        if draft:
+            self.engine.metrics.verify(len(draft), accepted)
+        for token, logprobs in tokens[:accepted + 1]:
+            self.engine._append_token(req, token, logprobs)
+            if req.finished:
+                break
+        if not req.finished:
+            s.offer_pages(req)
+        return num_own + accepted
+
+    def _draft(self, s: Scheduler, reqs, starts, kept, hidden, fb: ForwardBatch) -> None:
+        """Draft-extend every drafting request over its kept positions, then chain the drafts."""
+        idx = [i for i, r in enumerate(reqs) if not r.finished and drafts_for(r)]
+        if not idx:
+            return
+        ranges = fb.token_ranges()
+        batch = ForwardBatch.build("extend", [reqs[i].all_ids[starts[i] + 1:starts[i] + kept[i] + 1]
+                                              for i in idx], [reqs[i].row for i in idx],
+                                   [starts[i] for i in idx], s.req_pool.table)
+        rows = torch.cat([torch.arange(ranges[i][1], ranges[i][1] + kept[i]) for i in idx])
+        logits, out = self.engine.runner.draft(batch, hidden.index_select(0, rows.to(hidden.device)))
+        last = torch.cumsum(batch.extend_lens, 0) - 1
+        chains: dict[Request, tuple[int, torch.Tensor]] = {}   # request -> (length, last hidden)
+        for j, i in enumerate(idx):
+            req = reqs[i]
+            length = min(self.num_steps, req.max_total_tokens - req.num_tokens)
+            if req.num_pending == 1 and length > 0 and s.reserve(req, req.num_computed + length + 1):
+                req.draft_ids = [int(logits[last[j]].argmax())]
+                chains[req] = (length, out[last[j]])
+        for k in range(1, self.num_steps):
+            live = [r for r, (length, _) in chains.items() if length > k]
+            if not live:
+                break
+            batch = ForwardBatch.build("extend", [[r.draft_ids[-1]] for r in live],
+                                       [r.row for r in live], [r.num_computed - 1 + k for r in live],
+                                       s.req_pool.table)
+            logits, out = self.engine.runner.draft(batch, torch.stack([chains[r][1] for r in live]))
+            for j, r in enumerate(live):
+                r.draft_ids.append(int(logits[j].argmax()))
+                chains[r] = (chains[r][0], out[j])
