@@ -1,0 +1,135 @@
+"""MTP speculative decoding in the engine (`runtime/engine/speculative.py`), torch target, tp1.
+
+Greedy output with drafts equals the plain engine's token for token (with chunked prefill, prefix
+hits, stop tokens and strings, logprobs, sampled and penalised requests served alongside without
+drafts, and retraction), for N = 1, 2, 3; every page comes back; the prefix cache holds only token
+sequences some request really produced. The tiny random model's MTP layer guesses almost nothing
+(so rejection and rollback run on nearly every step); the trained small model's guesses mostly
+hold: its acceptance length on held-out text is measured through the metrics.
+"""
+from pathlib import Path
+
+import pytest
+from glmc.runtime.engine.engine import Engine
+from glmc.runtime.engine.sampling import SamplingParams
+
+from glmc.api import build_engine
+
+SMALL = Path(__file__).resolve().parents[1] / "models" / "small"
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def prompts(*lengths):
+    return [[(37 * i + 11 * n) % 500 + 10 for i in range(n)] for n in lengths]
+
+
+def run(e, specs):
+    """Submit (prompt, params) pairs at once; step until all finished; -> what each returned
+    (token ids, finish reason, text, logprobs: [(chosen, alternative ids, their logprobs)])."""
+    reqs = [e.make_request(p, params) for p, params in specs]
+    for r in reqs:
+        e.submit(r)
+    while not all(r.finished for r in reqs):
+        e.step()
+    return [(r.output_ids, r.finish_reason, r.output_text,
+             [(lp.logprob, [t for t, _ in lp.top], [v for _, v in lp.top])
+              for lp in r.output_logprobs]) for r in reqs]
+
+
+def same(got, want) -> bool:
+    """Equal outputs; logprobs to 1e-4 (the verify phase computes attention in another order than decode: ~1e-5 apart)."""
+    def values(out):
+        return [v for lps in out for chosen, _, top in lps[3] for v in (chosen, *top)]
+
+    def exact(out):
+        return [(ids, reason, text, [alts for _, alts, _ in lps]) for ids, reason, text, lps in out]
+    return exact(got) == exact(want) and values(got) == pytest.approx(values(want), abs=1e-4)
+
+
+def cache_keys(e) -> list[list[int]]:
+    """Every token sequence the prefix cache would match (root-to-node paths)."""
+    out, stack = [], [(e.cache.root, [])]
+    while stack:
+        node, path = stack.pop()
+        path = path + list(node.key or [])
+        out += [path] if node.key else []
+        stack.extend((child, path) for child in node.children.values())
+    return out
+
+
+def check_clean(e, specs, outputs) -> None:
+    """Cached sequences are prefixes of what requests produced; no page or row is held after."""
+    produced = [p + out[0] for (p, _), out in zip(specs, outputs)]
+    keys = cache_keys(e)
+    assert keys and all(any(seq[:len(k)] == k for seq in produced) for k in keys)
+    e.flush_cache()
+    assert e.allocator.num_free == e.allocator.num_pages
+    assert e.req_pool.num_free == e.req_pool.max_reqs
+
+
+def test_greedy_with_mtp_is_greedy_without(tiny_ckpt):
+    ps = prompts(150, 9, 100, 70, 33)
+    greedy = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)
+    plain = build_engine(tiny_ckpt, warmup=False, overlap=False, max_batch_tokens=48)
+    probe = run(plain, [(p, greedy) for p in ps])
+    stop_id, stop_text = probe[0][0][5], probe[1][2][3:6]
+    specs = [
+        (ps[0], SamplingParams(max_tokens=14, temperature=0.0, stop_token_ids=[stop_id])),
+        (ps[1], SamplingParams(max_tokens=14, temperature=0.0, stop=[stop_text] if stop_text else [])),
+        (ps[2], SamplingParams(max_tokens=14, temperature=0.0, logprobs=True, top_logprobs=2)),
+        (ps[3], SamplingParams(max_tokens=9, temperature=0.8, seed=3, repetition_penalty=1.3)),
+        (ps[4], SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=7)),
+        (ps[0][:130] + [5, 6], greedy),  # a prefix hit on request 0's pages
+        (ps[2][:40], SamplingParams(max_tokens=1, temperature=0.0)),
+    ]
+    want = run(build_engine(tiny_ckpt, warmup=False, overlap=False, max_batch_tokens=48), specs)
+    assert want[0][1] == "stop" and len(want[0][0]) < 14
+    for n in (1, 2, 3):
+        e = build_engine(tiny_ckpt, warmup=False, max_batch_tokens=48, speculative_num_steps=n)
+        assert not e.overlap
+        assert same(run(e, specs), want), f"N={n}"
+        counters = e.metrics.counters
+        assert counters["prefix_cache_hit_tokens_total"] >= 128
+        assert counters["spec_verify_steps_total"] > 0
+        assert counters["spec_draft_tokens_total"] > counters["spec_verify_steps_total"] * (n - 1)
+        check_clean(e, specs, want)
+
+
+def test_retraction_under_speculation(tiny_ckpt):
+    params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    specs = [(p, params) for p in prompts(60, 61, 62, 63)]
+    want = run(build_engine(tiny_ckpt, warmup=False, overlap=False), specs)
+    tight = build_engine(tiny_ckpt, warmup=False, num_pages=5, speculative_num_steps=2)
+    assert same(run(tight, specs), want)
+    assert tight.metrics.counters["requests_retracted_total"] > 0
+    check_clean(tight, specs, want)
+
+
+def test_speculation_needs_a_runner_that_drafts(tiny_ckpt):
+    with pytest.raises(ValueError, match="without overlap"):
+        build_engine(tiny_ckpt, warmup=False, overlap=True, speculative_num_steps=1)
+    with pytest.raises(ValueError, match="ReferenceRunner cannot run speculative decoding"):
+        build_engine(tiny_ckpt, warmup=False, runner="reference", speculative_num_steps=1)
+    e = build_engine(tiny_ckpt, warmup=False, overlap=False)
+    with pytest.raises(ValueError, match=">= 0"):
+        Engine(e.runner, e.tokenizer, speculative_num_steps=-1)
+
+
+@pytest.mark.skipif(not (SMALL / "model.safetensors").exists(), reason="models/small is absent")
+def test_small_model_accepts_most_drafts_on_heldout_text():
+    """models/small's MTP layer on held-out text: greedy outputs equal plain decoding, and the
+    mean tokens per verify (accepted drafts + 1) at N=3 is well above 1 (measured 2.9 on 8
+    prompts; 1.9 at N=1, 2.4 at N=2); `/metrics` exposes it as a histogram."""
+    e = build_engine(SMALL, warmup=False, overlap=False)
+    ids = e.tokenizer.encode((SMALL / "heldout.txt").read_text(encoding="utf-8"))
+    stride = len(ids) // 4
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    specs = [(ids[i * stride:i * stride + 80], params) for i in range(4)]
+    want = run(e, specs)
+    spec = build_engine(SMALL, warmup=False, speculative_num_steps=3)
+    assert same(run(spec, specs), want)
+    m = spec.metrics
+    assert m.accept_length > 2.0, m.counters
+    assert m.value("spec_accept_length_count") == m.counters["spec_verify_steps_total"]
+    assert "glmc_spec_accept_length_bucket" in m.render()
