@@ -23,7 +23,7 @@ With attention data parallelism (`runner.num_dp` > 1) every DP rank has its own 
 req_to_token rows, prefix cache and `Scheduler`; a new request goes to the least loaded rank, and
 each step runs every rank's batch at once (`ModelRunner.forward_dp`; idle ranks step too).
 Speculative decoding (`speculative_num_steps=N` > 0): each step verifies the MTP layer's N draft
-tokens per greedy request and drafts the next ones (`runtime/engine/speculative.py`); it needs a
+tokens per request and drafts the next ones (`runtime/engine/speculative.py`); it needs a
 runner that `supports_speculative` and runs without overlap.
 Engines are started by `runtime/engine/startup.py`; runners live in `runtime/worker/`.
 """

@@ -1,4 +1,4 @@
-"""Speculative decoding with the model's MTP layer: EAGLE-style chains of N draft tokens, greedy.
+"""Speculative decoding with the model's MTP layer: EAGLE-style chains of N draft tokens.
 
 `Engine(runner, tokenizer, speculative_num_steps=N)` (N >= 1) runs every step through
 `MtpSpeculator.step` instead of the plain loop. The runner must `supports_speculative` (the torch
@@ -24,10 +24,17 @@ for a request whose first n tokens have KV, token n pending and drafts d_1..d_D 
    draft-extend overwrites. D' = min(N, tokens the request may still generate); their pages are
    reserved now, and a request whose pages do not fit drafts nothing (it decodes plainly).
 
-Greedy output equals the plain engine's token for token: every appended token is the sampler's
-choice at a position whose context holds only accepted tokens. Requests that sample (temperature
-> 0) or use penalties are served in the same steps without drafts (one token per step, the plain
-sampler); standard speculative sampling for them is not built yet.
+Output equals the plain engine's token for token, greedy or sampled: every appended token is the
+plain sampler's draw (`sampling.sample_batch`, one semantics) at its position, with the context,
+history (penalties) and RNG counter it has there when every draft before it holds. The sampler is
+a pure function of (logits, parameters, seed, counter), so position n+j is sampled as if the
+request had generated d_1..d_j (counter + j) and d_{j+1} is kept only if it is that draw. For
+temperature > 0 this is a coupling, not the rejection rule of standard speculative sampling
+(accept d with probability min(1, p(d)/q(d)), else resample from max(0, p - q)): the output
+distribution is the plain sampler's exactly (the outputs are identical), and since the drafts are
+the MTP layer's argmax (q a point mass) a draft holds with probability p(d), what the standard rule
+accepts too. Standard sampling with drafts drawn from q would accept more (sum_x min(p, q)); it
+needs the draft's probabilities kept per token: not built yet.
 
 Approximations that only cost acceptance, never correctness: a prefix-cache hit reuses the MTP
 KV of its pages as computed by the request that filled them (the last position of a page was fed
@@ -35,6 +42,7 @@ that request's next token); draft steps k >= 1 see MTP KV of drafts, as in every
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 import torch
@@ -47,9 +55,10 @@ if TYPE_CHECKING:
     from glmc.runtime.engine.engine import Engine
 
 
-def drafts_for(req: Request) -> bool:
-    """Whether `req` is served with drafts: greedy and history-free (see the module docstring)."""
-    return req.params.greedy and not req.params.needs_history
+def as_if_accepted(req: Request, draft: list[int]) -> Request:
+    """`req` as the sampler sees it after `draft` was appended: its history (penalties) and RNG
+    counter one further per draft token (a copy; `req` is not changed)."""
+    return dataclasses.replace(req, output_ids=req.output_ids + draft) if draft else req
 
 
 class MtpSpeculator:
@@ -98,7 +107,9 @@ class MtpSpeculator:
         if not picks:
             return {}
         rows = torch.tensor([row for _, row in picks], device=logits.device)
-        sb = SamplingBatch.from_requests([reqs[i] for i, _ in picks], logits.device)
+        first = {i: row for i, row in reversed(picks)}
+        sb = SamplingBatch.from_requests([as_if_accepted(reqs[i], drafts[i][:row - first[i]])
+                                          for i, row in picks], logits.device)
         out = sample_batch(logits.index_select(0, rows), sb,
                            kernels=self.engine.runner.kernels).to_host(sb.top_logprobs)
         tokens: dict[int, list] = {}
@@ -126,7 +137,7 @@ class MtpSpeculator:
 
     def _draft(self, s: Scheduler, reqs, starts, kept, hidden, fb: ForwardBatch) -> None:
         """Draft-extend every drafting request over its kept positions, then chain the drafts."""
-        idx = [i for i, r in enumerate(reqs) if not r.finished and drafts_for(r)]
+        idx = [i for i, r in enumerate(reqs) if not r.finished]
         if not idx:
             return
         ranges = fb.token_ranges()
