@@ -135,3 +135,11 @@ def test_small_model_accepts_most_drafts_on_heldout_text(temperature, min_accept
     assert m.accept_length > min_accept_length, m.counters
     assert m.value("spec_accept_length_count") == m.counters["spec_verify_steps_total"]
     assert "glmc_spec_accept_length_bucket" in m.render()
+
+
+def test_glmc_run_refuses_speculation_where_it_does_not_run_yet(tmp_path, capsys):
+    from glmc.cli import main
+    assert main(["run", "--speculative-num-steps", "2", "--parallel", "tp2",
+                 "--cache-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "--speculative-num-steps runs on the torch target" in err and "tp2 (2 ranks)" in err
