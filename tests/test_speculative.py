@@ -143,3 +143,20 @@ def test_glmc_run_refuses_speculation_where_it_does_not_run_yet(tmp_path, capsys
                  "--cache-dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "--speculative-num-steps runs on the torch target" in err and "tp2 (2 ranks)" in err
+
+
+def test_abort_mid_draft_frees_everything(tiny_ckpt):
+    e = build_engine(tiny_ckpt, warmup=False, speculative_num_steps=3)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    reqs = [e.make_request(p, params) for p in prompts(70, 20)]
+    for r in reqs:
+        e.submit(r)
+    while not reqs[0].draft_ids:
+        e.step()
+    e.abort(reqs[0].rid)
+    while not reqs[1].finished:
+        e.step()
+    assert reqs[0].finish_reason == "abort" and not reqs[0].draft_ids and reqs[0].row is None
+    assert len(reqs[1].output_ids) == 40
+    e.flush_cache()
+    assert e.allocator.num_free == e.allocator.num_pages and e.req_pool.num_free == e.req_pool.max_reqs
