@@ -7,6 +7,7 @@ sequences some request really produced. The tiny random model's MTP layer guesse
 (so rejection and rollback run on nearly every step); the trained small model's guesses mostly
 hold: its acceptance length on held-out text is measured through the metrics.
 """
+import re
 from pathlib import Path
 
 import pytest
@@ -139,10 +140,10 @@ def test_small_model_accepts_most_drafts_on_heldout_text(temperature, min_accept
 
 def test_glmc_run_refuses_speculation_where_it_does_not_run_yet(tmp_path, capsys):
     from glmc.cli import main
-    assert main(["run", "--speculative-num-steps", "2", "--parallel", "tp2",
+    assert main(["run", "--speculative-num-steps", "2", "--parallel", "dp2ep2",
                  "--cache-dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err
-    assert "--speculative-num-steps runs on the torch target" in err and "tp2 (2 ranks)" in err
+    assert "--speculative-num-steps runs on the torch target" in err and "attention DP 2" in err
 
 
 def test_abort_mid_draft_frees_everything(tiny_ckpt):
@@ -160,3 +161,23 @@ def test_abort_mid_draft_frees_everything(tiny_ckpt):
     assert len(reqs[1].output_ids) == 40
     e.flush_cache()
     assert e.allocator.num_free == e.allocator.num_pages and e.req_pool.num_free == e.req_pool.max_reqs
+
+
+def test_tp2_server_with_mtp_gives_tp1_greedy_output(tiny_ckpt, tmp_path):
+    """`glmc run --parallel tp2 --speculative-num-steps 2`: two gloo ranks, rank 0 drafting and
+    verifying through `DistRunner`, answer what the one-process plain engine does."""
+    import asyncio
+
+    import httpx
+    from test_dist_serving import MAX_TOKENS, QUESTIONS, GlmcRun, ask_all
+    plain = build_engine(tiny_ckpt, warmup=False)
+    tok = plain.tokenizer
+    ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}])) for q in QUESTIONS]
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    want = [[tok.id_to_token(t) for t in r.output_ids] for r in plain.generate(ids, params)]
+    args = ["--parallel", "tp2", "--speculative-num-steps", "2", "--port", "0", "--log-level",
+            "warning", "--num-pages", "16", "--max-running", "4", "--cache-dir", str(tiny_ckpt.parent)]
+    with GlmcRun(args, tmp_path / "log") as run:
+        assert asyncio.run(ask_all(run.url)) == want
+        metrics = httpx.get(run.url.removesuffix("/v1") + "/metrics").text
+    assert float(re.search(r"^glmc_spec_verify_steps_total (\S+)$", metrics, re.M).group(1)) > 0

@@ -13,6 +13,11 @@ req_to_token cut to its own rows. Every rank runs the same phase graph on its DP
 `dp_tokens` = every DP rank's token count, so padding and collectives line up; rank 1 sends its
 logits back for rank 0 to sample. A `None` message ends the loop.
 
+Speculative decoding (attention TP only: one DP rank): `verify` and `draft` send the MTP phases
+the same way, a draft step with rank 0's hidden states (the followers' copies are the same
+replicated values; shipping them keeps every rank's draft input identical); every rank has the
+full logits after the lm_head all-gather, so nothing comes back.
+
 Processes, the HTTP server on rank 0 and shutdown live in `runtime/serving/launch.py`.
 """
 from __future__ import annotations
@@ -35,6 +40,7 @@ class DistRunner(ModelRunner):
         self.vocab_size, self.num_pages = local.vocab_size, local.num_pages
         self.max_context = local.max_context
         self.kernels = local.kernels   # rank 0 samples every DP rank's logits on its own device
+        self.supports_speculative = self.num_dp == 1 and local.runs_mtp
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         return self.forward_dp([batch])[0]
@@ -49,6 +55,14 @@ class DistRunner(ModelRunner):
         dist.gather_object(logits.cpu(), got, dst=0, group=self.group)  # gloo moves host objects
         return [logits if d == 0 else got[d * self.attn_tp].to(logits.device) for d in range(self.num_dp)]
 
+    def verify(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        _send(self.group, ("mtp_verify", [compact(batch)]))
+        return self.local.verify(batch)
+
+    def draft(self, batch: ForwardBatch, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        _send(self.group, ("mtp_draft", [compact(batch)], hidden.cpu()))
+        return self.local.draft(batch, hidden)
+
     def close(self) -> None:
         """Tell the other ranks to exit (call once, after the last step)."""
         _send(self.group, None)
@@ -60,8 +74,14 @@ def follow(local: PlanRunner, group) -> None:
     dp_rank = local.executor.comm.coords.of("attn_dp")
     mirror = RowMirror()
     while (msg := _recv(group)) is not None:
-        phase, batches = msg
+        phase, batches, *hidden = msg
         batches[dp_rank] = mirror.apply(batches[dp_rank])
+        if phase == "mtp_verify":
+            local.verify(batches[dp_rank])
+            continue
+        if phase == "mtp_draft":
+            local.draft(batches[dp_rank], hidden[0])
+            continue
         logits = _run(local, phase, batches)
         if len(batches) > 1:
             mine = logits.cpu() if first_of_dp else None  # gloo moves host objects

@@ -116,9 +116,10 @@ class PlanRunner(ModelRunner):
         self.vocab_size, self.num_pages = c.vocab_size, executor.pool.num_pages - 1
         self.max_context = context_limit(c.max_position_embeddings, self.num_pages, max_context)
         self.supports_overlap = executor.comm.world == 1   # followers of a group never sample
-        # MTP on one rank, torch target (GPU: issue 17 item 3; gloo tp2/dp2ep2: not yet)
-        self.supports_speculative = (executor.comm.world == 1 and "mtp_draft" in executor.graphs
-                                     and "mtp_verify" in executor.graphs)
+        # the MTP phases on the torch target (GPU: issue 17 item 3); over several ranks the
+        # engine drives them through `distributed.DistRunner`
+        self.runs_mtp = "mtp_draft" in executor.graphs and "mtp_verify" in executor.graphs
+        self.supports_speculative = executor.comm.world == 1 and self.runs_mtp
         self._last = torch.zeros(0, dtype=torch.int64)   # row -> last recorded token (host)
 
     def record_tokens(self, rows: list[int], tokens: torch.Tensor) -> None:
@@ -173,7 +174,7 @@ class DevicePlanRunner(PlanRunner):
 
     def __init__(self, executor, max_context: int | None = None):
         super().__init__(executor, max_context)
-        self.supports_speculative = False
+        self.runs_mtp = self.supports_speculative = False
 
     def verify(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError("speculative decoding (MTP) runs on the torch target only so far; "
