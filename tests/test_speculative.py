@@ -98,7 +98,7 @@ def test_output_with_mtp_is_output_without(tiny_ckpt):
 
 
 def test_retraction_under_speculation(tiny_ckpt):
-    params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     specs = [(p, params) for p in prompts(60, 61, 62, 63)]
     want = run(build_engine(tiny_ckpt, warmup=False, overlap=False), specs)
     tight = build_engine(tiny_ckpt, warmup=False, num_pages=5, speculative_num_steps=2)
