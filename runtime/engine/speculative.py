@@ -38,7 +38,9 @@ needs the draft's probabilities kept per token: not built yet.
 
 Approximations that only cost acceptance, never correctness: a prefix-cache hit reuses the MTP
 KV of its pages as computed by the request that filled them (the last position of a page was fed
-that request's next token); draft steps k >= 1 see MTP KV of drafts, as in every EAGLE chain.
+that request's next token; a request that finished skips its last draft-extend, so its last
+step's positions keep the chain's MTP KV); draft steps k >= 1 see MTP KV of drafts, as in every
+EAGLE chain.
 """
 from __future__ import annotations
 
@@ -63,7 +65,8 @@ def as_if_accepted(req: Request, draft: list[int]) -> Request:
 
 class MtpSpeculator:
     """The engine's step in speculative mode (module docstring); owns no state of its own: drafts
-    ride on `Request.draft_ids`, pages and rows on the engine's one `Scheduler`."""
+    ride on `Request.draft_ids`, pages and rows on the engine's one `Scheduler`, and tokens reach
+    clients through the engine's `_append_token` (detokenize, stream, stop), as in plain steps."""
 
     def __init__(self, engine: Engine, num_steps: int):
         if engine.runner.num_dp != 1:
@@ -136,7 +139,9 @@ class MtpSpeculator:
         return num_own + accepted
 
     def _draft(self, s: Scheduler, reqs, starts, kept, hidden, fb: ForwardBatch) -> None:
-        """Draft-extend every drafting request over its kept positions, then chain the drafts."""
+        """Draft-extend every unfinished request over its kept positions; requests whose next
+        token is pending then get a chain of drafts (as many as they may still generate and
+        their pages allow)."""
         idx = [i for i, r in enumerate(reqs) if not r.finished]
         if not idx:
             return
@@ -146,22 +151,27 @@ class MtpSpeculator:
                                    [starts[i] for i in idx], s.req_pool.table)
         rows = torch.cat([torch.arange(ranges[i][1], ranges[i][1] + kept[i]) for i in idx])
         logits, out = self.engine.runner.draft(batch, hidden.index_select(0, rows.to(hidden.device)))
-        last = torch.cumsum(batch.extend_lens, 0) - 1
-        chains: dict[Request, tuple[int, torch.Tensor]] = {}   # request -> (length, last hidden)
+        last = (torch.cumsum(batch.extend_lens, 0) - 1).to(logits.device)
+        guesses = logits.index_select(0, last).argmax(-1).tolist()
+        lengths, hiddens = {}, {}   # per drafting request: its draft length, the MTP hidden state
         for j, i in enumerate(idx):
             req = reqs[i]
             length = min(self.num_steps, req.max_total_tokens - req.num_tokens)
             if req.num_pending == 1 and length > 0 and s.reserve(req, req.num_computed + length + 1):
-                req.draft_ids = [int(logits[last[j]].argmax())]
-                chains[req] = (length, out[last[j]])
+                req.draft_ids, lengths[req], hiddens[req] = [guesses[j]], length, out[last[j]]
+        self._chain(s, lengths, hiddens)
+
+    def _chain(self, s: Scheduler, lengths: dict, hidden: dict) -> None:
+        """Draft steps 1..N-1: each request's last draft at its position, fed the MTP layer's own
+        hidden state from the step before; writes MTP KV on the pages `reserve` gave."""
         for k in range(1, self.num_steps):
-            live = [r for r, (length, _) in chains.items() if length > k]
+            live = [r for r, length in lengths.items() if length > k]
             if not live:
-                break
+                return
             batch = ForwardBatch.build("extend", [[r.draft_ids[-1]] for r in live],
                                        [r.row for r in live], [r.num_computed - 1 + k for r in live],
                                        s.req_pool.table)
-            logits, out = self.engine.runner.draft(batch, torch.stack([chains[r][1] for r in live]))
-            for j, r in enumerate(live):
-                r.draft_ids.append(int(logits[j].argmax()))
-                chains[r] = (chains[r][0], out[j])
+            logits, out = self.engine.runner.draft(batch, torch.stack([hidden[r] for r in live]))
+            for j, (r, guess) in enumerate(zip(live, logits.argmax(-1).tolist())):
+                r.draft_ids.append(guess)
+                hidden[r] = out[j]
