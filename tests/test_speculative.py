@@ -1,9 +1,10 @@
-"""MTP speculative decoding in the engine (`runtime/engine/speculative.py`), torch target, tp1.
+"""MTP speculative decoding in the engine (`runtime/engine/speculative.py`), torch target, tp1
+and tp2 (gloo).
 
 Output with drafts equals the plain engine's token for token, greedy and sampled (seeded, with
 penalties: the verify step samples each position as the plain sampler would there), with chunked
-prefill, prefix hits, stop tokens and strings, logprobs and retraction, for N = 1, 2, 3; every page comes back; the prefix cache holds only token
-sequences some request really produced. The tiny random model's MTP layer guesses almost nothing
+prefill, prefix hits, stop tokens and strings, logprobs, aborts and retraction, for N = 1, 2, 3;
+every page comes back; the prefix cache holds only token sequences some request really produced. The tiny random model's MTP layer guesses almost nothing
 (so rejection and rollback run on nearly every step); the trained small model's guesses mostly
 hold: its acceptance length on held-out text is measured through the metrics.
 """
@@ -39,7 +40,8 @@ def run(e, specs):
 
 
 def same(got, want) -> bool:
-    """Equal outputs; logprobs to 1e-4 (the verify phase computes attention in another order than decode: ~1e-5 apart)."""
+    """Equal outputs; logprobs to 1e-4 (the verify phase computes attention in another order
+    than decode: ~1e-5 apart)."""
     def values(out):
         return [v for lps in out for chosen, _, top in lps[3] for v in (chosen, *top)]
 
