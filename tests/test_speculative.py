@@ -4,9 +4,10 @@ and tp2 (gloo).
 Output with drafts equals the plain engine's token for token, greedy and sampled (seeded, with
 penalties: the verify step samples each position as the plain sampler would there), with chunked
 prefill, prefix hits, stop tokens and strings, logprobs, aborts and retraction, for N = 1, 2, 3;
-every page comes back; the prefix cache holds only token sequences some request really produced. The tiny random model's MTP layer guesses almost nothing
-(so rejection and rollback run on nearly every step); the trained small model's guesses mostly
-hold: its acceptance length on held-out text is measured through the metrics.
+every page comes back; the prefix cache holds only token sequences some request really produced.
+The tiny random model's MTP layer guesses almost nothing (so rejection and rollback run on nearly
+every step); the trained small model's guesses mostly hold: its acceptance length on held-out
+text is measured through the metrics.
 """
 import re
 from pathlib import Path
