@@ -83,12 +83,10 @@ def cmd_run(a) -> int:
     else:  # the tiny default model; a plan dir without --weights must be a plan of it
         ckpt = make_tiny_checkpoint(Path(a.cache_dir or default_cache_dir()) / "tiny")
     plan = plan_for(ckpt, a.plan, a.parallel, a.device, a.max_running, a.quantize)
-    if a.speculative_num_steps and (a.device != "cpu" or plan.mesh["attn_dp"] != 1
-                                    or not plan.has_mtp):
-        raise ValueError(f"--speculative-num-steps runs on the torch target (--device cpu), "
-                         f"without attention DP, with a checkpoint that has an MTP layer so far; "
-                         f"this is --device {a.device}, {plan.parallel} (attention DP "
-                         f"{plan.mesh['attn_dp']}), MTP phases: {'yes' if plan.has_mtp else 'no'}")
+    if a.speculative_num_steps and (a.device != "cpu" or not plan.has_mtp):
+        raise ValueError(f"--speculative-num-steps runs on the torch target (--device cpu) with a "
+                         f"checkpoint that has an MTP layer so far; this is --device {a.device}, "
+                         f"MTP phases: {'yes' if plan.has_mtp else 'no'}")
     engine_kwargs = dict(max_running=a.max_running, max_batch_tokens=a.max_batch_tokens,
                          max_waiting=a.max_waiting, enable_prefix_cache=not a.no_prefix_cache,
                          overlap=False if a.no_overlap or a.speculative_num_steps else None,
@@ -179,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--speculative-num-steps", type=int, default=0, metavar="N", help="MTP "
                    "speculative decoding: draft N tokens per step with the model's MTP layer and "
                    "verify them in one forward (0: off); the output equals plain decoding's, greedy "
-                   "or sampled; runs without overlap; torch target, no attention DP, so far)")
+                   "or sampled; runs without overlap; torch target so far)")
     r.add_argument("--profile-dir", help="enable POST /start_profile {\"num_steps\": N}: "
                    "torch.profiler traces of the next N engine steps are written here")
     r.add_argument("--cache-dir", help="where the tiny model's weights are made (default "

@@ -1,5 +1,5 @@
-"""MTP speculative decoding in the engine (`runtime/engine/speculative.py`), torch target, tp1
-and tp2 (gloo).
+"""MTP speculative decoding in the engine (`runtime/engine/speculative.py`), torch target, tp1,
+and tp2 / dp2ep2 as gloo processes.
 
 Output with drafts equals the plain engine's token for token, greedy and sampled (seeded, with
 penalties: the verify step samples each position as the plain sampler would there), with chunked
@@ -141,14 +141,6 @@ def test_small_model_accepts_most_drafts_on_heldout_text(temperature, min_accept
     assert "glmc_spec_accept_length_bucket" in m.render()
 
 
-def test_glmc_run_refuses_speculation_where_it_does_not_run_yet(tmp_path, capsys):
-    from glmc.cli import main
-    assert main(["run", "--speculative-num-steps", "2", "--parallel", "dp2ep2",
-                 "--cache-dir", str(tmp_path)]) == 2
-    err = capsys.readouterr().err
-    assert "--speculative-num-steps runs on the torch target" in err and "attention DP 2" in err
-
-
 def test_abort_mid_draft_frees_everything(tiny_ckpt):
     e = build_engine(tiny_ckpt, warmup=False, speculative_num_steps=3)
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
@@ -166,9 +158,11 @@ def test_abort_mid_draft_frees_everything(tiny_ckpt):
     assert e.allocator.num_free == e.allocator.num_pages and e.req_pool.num_free == e.req_pool.max_reqs
 
 
-def test_tp2_server_with_mtp_gives_tp1_greedy_output(tiny_ckpt, tmp_path):
-    """`glmc run --parallel tp2 --speculative-num-steps 2`: two gloo ranks, rank 0 drafting and
-    verifying through `DistRunner`, answer what the one-process plain engine does."""
+@pytest.mark.parametrize("parallel", ["tp2", "dp2ep2"])
+def test_parallel_server_with_mtp_gives_tp1_greedy_output(tiny_ckpt, tmp_path, parallel):
+    """`glmc run --parallel tp2|dp2ep2 --speculative-num-steps 2`: two gloo ranks, rank 0 drafting
+    and verifying through `DistRunner` (every rank steps every draft step), answer what the
+    one-process plain engine does."""
     import asyncio
 
     import httpx
@@ -178,7 +172,7 @@ def test_tp2_server_with_mtp_gives_tp1_greedy_output(tiny_ckpt, tmp_path):
     ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}])) for q in QUESTIONS]
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     want = [[tok.id_to_token(t) for t in r.output_ids] for r in plain.generate(ids, params)]
-    args = ["--parallel", "tp2", "--speculative-num-steps", "2", "--port", "0", "--log-level",
+    args = ["--parallel", parallel, "--speculative-num-steps", "2", "--port", "0", "--log-level",
             "warning", "--num-pages", "16", "--max-running", "4", "--cache-dir", str(tiny_ckpt.parent)]
     with GlmcRun(args, tmp_path / "log") as run:
         assert asyncio.run(ask_all(run.url)) == want

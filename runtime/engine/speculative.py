@@ -45,6 +45,7 @@ EAGLE chain.
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -63,15 +64,34 @@ def as_if_accepted(req: Request, draft: list[int]) -> Request:
     return dataclasses.replace(req, output_ids=req.output_ids + draft) if draft else req
 
 
+@dataclass
+class _Verify:
+    """One DP rank's verify step: its batch, each request's drafts and whether its next token is
+    due (a prefill chunk short of the prompt's end is not)."""
+    s: Scheduler
+    batch: ScheduledBatch
+    drafts: list[list[int]]
+    own: list[int]   # tokens per request known for sure: the batch's minus the drafts
+    ready: list[bool]
+    fb: ForwardBatch
+
+
+@dataclass
+class _Extend:
+    """One DP rank's draft-extend: its unfinished requests, their batch and target hidden states."""
+    s: Scheduler
+    reqs: list[Request]
+    fb: ForwardBatch
+    hidden: torch.Tensor
+
+
 class MtpSpeculator:
     """The engine's step in speculative mode (module docstring); owns no state of its own: drafts
-    ride on `Request.draft_ids`, pages and rows on the engine's one `Scheduler`, and tokens reach
-    clients through the engine's `_append_token` (detokenize, stream, stop), as in plain steps."""
+    ride on `Request.draft_ids`, pages and rows on the engine's schedulers (one per attention-DP
+    rank: every rank steps every forward, idle ones with an empty batch), and tokens reach clients
+    through the engine's `_append_token` (detokenize, stream, stop), as in plain steps."""
 
     def __init__(self, engine: Engine, num_steps: int):
-        if engine.runner.num_dp != 1:
-            raise ValueError(f"speculative decoding runs on one DP rank, the runner has "
-                             f"{engine.runner.num_dp}")
         self.engine, self.num_steps = engine, num_steps
 
     def step(self) -> bool:
@@ -80,38 +100,55 @@ class MtpSpeculator:
         batches = e.scheduler.schedule()
         if batches is not None:
             e.metrics.step([b for b in batches if b is not None])
-            if batches[0].reqs:
-                self._run(e.scheduler.ranks[0], batches[0])
+            work = [self._prepare(s, b) if b is not None and b.reqs else None
+                    for s, b in zip(e.scheduler.ranks, batches)]
+            if any(work):
+                self._run(work)
         e._update_gauges()
         return batches is not None
 
-    def _run(self, s: Scheduler, batch: ScheduledBatch) -> None:
+    def _idle(self) -> list[ForwardBatch]:
+        return [ForwardBatch.idle(s.req_pool.table) for s in self.engine.scheduler.ranks]
+
+    @staticmethod
+    def _prepare(s: Scheduler, batch: ScheduledBatch) -> _Verify:
         reqs = batch.reqs
         drafts = [r.draft_ids[:max(n - r.num_pending, 0)] for r, n in zip(reqs, batch.extend_lens)]
-        own = [n - len(d) for n, d in zip(batch.extend_lens, drafts)]  # tokens known for sure
+        own = [n - len(d) for n, d in zip(batch.extend_lens, drafts)]
         ready = [p + n == r.num_tokens for r, p, n in zip(reqs, batch.prefix_lens, own)]
         for r in reqs:
             r.draft_ids = []
         fb = ForwardBatch.build(batch.mode, [r.all_ids[p:p + n] + d for r, p, n, d in
                                              zip(reqs, batch.prefix_lens, own, drafts)],
                                 [r.row for r in reqs], batch.prefix_lens, s.req_pool.table)
-        logits, hidden = self.engine.runner.verify(fb)
-        s.commit(batch)
-        tokens = self._sample(logits, fb, reqs, own, drafts, ready)
-        kept = [self._accept(s, r, p, n, d, tokens.get(i)) if ready[i] else n
-                for i, (r, p, n, d) in enumerate(zip(reqs, batch.prefix_lens, own, drafts))]
-        self._draft(s, reqs, batch.prefix_lens, kept, hidden, fb)
+        return _Verify(s, batch, drafts, own, ready, fb)
 
-    def _sample(self, logits, fb: ForwardBatch, reqs, own, drafts, ready) -> dict[int, list]:
+    def _run(self, work: list[_Verify | None]) -> None:
+        fbs = [w.fb if w else idle for w, idle in zip(work, self._idle())]
+        extends = []
+        for w, (logits, hidden) in zip(work, self.engine.runner.verify_dp(fbs)):
+            if w is None:
+                extends.append(None)
+                continue
+            w.s.commit(w.batch)
+            tokens = self._sample(logits, w)
+            kept = [self._accept(w.s, r, p, n, d, tokens.get(i)) if w.ready[i] else n
+                    for i, (r, p, n, d) in enumerate(zip(w.batch.reqs, w.batch.prefix_lens, w.own,
+                                                         w.drafts))]
+            extends.append(self._extend(w, kept, hidden))
+        if any(extends):
+            self._draft(extends)
+
+    def _sample(self, logits, w: _Verify) -> dict[int, list]:
         """The sampler's token (and logprobs) at every verified position of the ready requests:
         {request index: [(token, logprobs)] * (1 + drafts)}."""
-        picks = [(i, start + own[i] - 1 + j) for i, start, _ in fb.token_ranges() if ready[i]
-                 for j in range(len(drafts[i]) + 1)]
+        picks = [(i, start + w.own[i] - 1 + j) for i, start, _ in w.fb.token_ranges() if w.ready[i]
+                 for j in range(len(w.drafts[i]) + 1)]
         if not picks:
             return {}
         rows = torch.tensor([row for _, row in picks], device=logits.device)
         first = {i: row for i, row in reversed(picks)}
-        sb = SamplingBatch.from_requests([as_if_accepted(reqs[i], drafts[i][:row - first[i]])
+        sb = SamplingBatch.from_requests([as_if_accepted(w.batch.reqs[i], w.drafts[i][:row - first[i]])
                                           for i, row in picks], logits.device)
         out = sample_batch(logits.index_select(0, rows), sb,
                            kernels=self.engine.runner.kernels).to_host(sb.top_logprobs)
@@ -138,40 +175,56 @@ class MtpSpeculator:
             s.offer_pages(req)
         return num_own + accepted
 
-    def _draft(self, s: Scheduler, reqs, starts, kept, hidden, fb: ForwardBatch) -> None:
-        """Draft-extend every unfinished request over its kept positions; requests whose next
-        token is pending then get a chain of drafts (as many as they may still generate and
-        their pages allow)."""
-        idx = [i for i, r in enumerate(reqs) if not r.finished]
+    @staticmethod
+    def _extend(w: _Verify, kept: list[int], hidden: torch.Tensor) -> _Extend | None:
+        """The draft-extend of a rank's unfinished requests over the positions the target kept:
+        the token one further at each, with the target's hidden state there."""
+        idx = [i for i, r in enumerate(w.batch.reqs) if not r.finished]
         if not idx:
-            return
-        ranges = fb.token_ranges()
-        batch = ForwardBatch.build("extend", [reqs[i].all_ids[starts[i] + 1:starts[i] + kept[i] + 1]
-                                              for i in idx], [reqs[i].row for i in idx],
-                                   [starts[i] for i in idx], s.req_pool.table)
+            return None
+        reqs, starts, ranges = w.batch.reqs, w.batch.prefix_lens, w.fb.token_ranges()
+        fb = ForwardBatch.build("extend", [reqs[i].all_ids[starts[i] + 1:starts[i] + kept[i] + 1]
+                                           for i in idx], [reqs[i].row for i in idx],
+                                [starts[i] for i in idx], w.s.req_pool.table)
         rows = torch.cat([torch.arange(ranges[i][1], ranges[i][1] + kept[i]) for i in idx])
-        logits, out = self.engine.runner.draft(batch, hidden.index_select(0, rows.to(hidden.device)))
-        last = (torch.cumsum(batch.extend_lens, 0) - 1).to(logits.device)
-        guesses = logits.index_select(0, last).argmax(-1).tolist()
-        lengths, hiddens = {}, {}   # per drafting request: its draft length, the MTP hidden state
-        for j, i in enumerate(idx):
-            req = reqs[i]
-            length = min(self.num_steps, req.max_total_tokens - req.num_tokens)
-            if req.num_pending == 1 and length > 0 and s.reserve(req, req.num_computed + length + 1):
-                req.draft_ids, lengths[req], hiddens[req] = [guesses[j]], length, out[last[j]]
-        self._chain(s, lengths, hiddens)
+        return _Extend(w.s, [reqs[i] for i in idx], fb, hidden.index_select(0, rows.to(hidden.device)))
 
-    def _chain(self, s: Scheduler, lengths: dict, hidden: dict) -> None:
-        """Draft steps 1..N-1: each request's last draft at its position, fed the MTP layer's own
-        hidden state from the step before; writes MTP KV on the pages `reserve` gave."""
+    def _draft(self, extends: list[_Extend | None]) -> None:
+        """Draft-extend on every DP rank; requests whose next token is pending then get a chain
+        of drafts (as many as they may still generate and their pages allow)."""
+        some = next(x.hidden for x in extends if x)
+        empty = some.new_zeros(0, some.shape[1])
+        outs = self.engine.runner.draft_dp([x.fb if x else idle for x, idle in zip(extends, self._idle())],
+                                           [x.hidden if x else empty for x in extends])
+        lengths, hiddens = {}, {}   # per drafting request: its draft length, the MTP hidden state
+        for x, (logits, out) in zip(extends, outs):
+            if x is None:
+                continue
+            last = (torch.cumsum(x.fb.extend_lens, 0) - 1).to(logits.device)
+            guesses = logits.index_select(0, last).argmax(-1).tolist()
+            for j, req in enumerate(x.reqs):
+                length = min(self.num_steps, req.max_total_tokens - req.num_tokens)
+                if (req.num_pending == 1 and length > 0
+                        and x.s.reserve(req, req.num_computed + length + 1)):
+                    req.draft_ids, lengths[req], hiddens[req] = [guesses[j]], length, out[last[j]]
+        self._chain(lengths, hiddens, empty)
+
+    def _chain(self, lengths: dict, hiddens: dict, empty: torch.Tensor) -> None:
+        """Draft steps 1..N-1 on every DP rank: each request's last draft at its position, fed the
+        MTP layer's own hidden state from the step before; writes MTP KV on the pages `reserve`
+        gave."""
+        ranks = self.engine.scheduler.ranks
         for k in range(1, self.num_steps):
-            live = [r for r, length in lengths.items() if length > k]
-            if not live:
+            live = [[r for r, n in lengths.items() if n > k and r.dp_rank == d]
+                    for d in range(len(ranks))]
+            if not any(live):
                 return
-            batch = ForwardBatch.build("extend", [[r.draft_ids[-1]] for r in live],
-                                       [r.row for r in live], [r.num_computed - 1 + k for r in live],
-                                       s.req_pool.table)
-            logits, out = self.engine.runner.draft(batch, torch.stack([hidden[r] for r in live]))
-            for j, (r, guess) in enumerate(zip(live, logits.argmax(-1).tolist())):
-                r.draft_ids.append(guess)
-                hidden[r] = out[j]
+            fbs = [ForwardBatch.build("extend", [[r.draft_ids[-1]] for r in rs], [r.row for r in rs],
+                                      [r.num_computed - 1 + k for r in rs], s.req_pool.table)
+                   if rs else ForwardBatch.idle(s.req_pool.table) for s, rs in zip(ranks, live)]
+            outs = self.engine.runner.draft_dp(
+                fbs, [torch.stack([hiddens[r] for r in rs]) if rs else empty for rs in live])
+            for rs, (logits, out) in zip(live, outs):
+                for j, (r, guess) in enumerate(zip(rs, logits.argmax(-1).tolist())):
+                    r.draft_ids.append(guess)
+                    hiddens[r] = out[j]

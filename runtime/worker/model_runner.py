@@ -66,6 +66,19 @@ class ModelRunner(ABC):
     def draft(self, batch: ForwardBatch, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError(f"{type(self).__name__} does not run speculative decoding")
 
+    def verify_dp(self, batches: list[ForwardBatch]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """`verify` on every DP rank at once (idle ranks get `ForwardBatch.idle`)."""
+        if len(batches) != 1:
+            raise ValueError(f"{type(self).__name__} has one DP rank, got {len(batches)} batches")
+        return [self.verify(batches[0])]
+
+    def draft_dp(self, batches: list[ForwardBatch], hiddens: list[torch.Tensor]
+                 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """`draft` on every DP rank at once (idle ranks: an idle batch and an empty hidden)."""
+        if len(batches) != 1:
+            raise ValueError(f"{type(self).__name__} has one DP rank, got {len(batches)} batches")
+        return [self.draft(batches[0], hiddens[0])]
+
     def forward_dp(self, batches: list[ForwardBatch]) -> list[torch.Tensor]:
         if len(batches) != 1:
             raise ValueError(f"{type(self).__name__} has one DP rank, got {len(batches)} batches")
@@ -149,12 +162,12 @@ class PlanRunner(ModelRunner):
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         return self.run(self.phase_of([batch]), batch)
 
-    def verify(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        out = self.executor.forward("mtp_verify", self._resolve(batch))
+    def verify(self, batch: ForwardBatch, dp_tokens: list[int] | None = None):
+        out = self.executor.forward("mtp_verify", self._resolve(batch), dp_tokens=dp_tokens)
         return out["logits"], out["hidden"]
 
-    def draft(self, batch: ForwardBatch, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        out = self.executor.forward("mtp_draft", batch, hidden=hidden)
+    def draft(self, batch: ForwardBatch, hidden: torch.Tensor, dp_tokens: list[int] | None = None):
+        out = self.executor.forward("mtp_draft", batch, hidden=hidden, dp_tokens=dp_tokens)
         return out["logits"], out["hidden"]
 
     def close(self) -> None:
@@ -176,11 +189,11 @@ class DevicePlanRunner(PlanRunner):
         super().__init__(executor, max_context)
         self.runs_mtp = self.supports_speculative = False
 
-    def verify(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def verify(self, batch: ForwardBatch, dp_tokens: list[int] | None = None):
         raise NotImplementedError("speculative decoding (MTP) runs on the torch target only so far; "
                                   "the CUDA target's verify/draft graphs are issue 17 item 3")
 
-    def draft(self, batch: ForwardBatch, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def draft(self, batch: ForwardBatch, hidden: torch.Tensor, dp_tokens: list[int] | None = None):
         raise NotImplementedError("speculative decoding (MTP) runs on the torch target only so far; "
                                   "the CUDA target's verify/draft graphs are issue 17 item 3")
 
