@@ -325,8 +325,8 @@ class Engine:
             raise ValueError("speculative decoding runs without overlap (overlap=True was asked)")
         if not runner.supports_speculative:
             raise ValueError(f"{type(runner).__name__} cannot run speculative decoding: it needs a "
-                             "plan with MTP phases (mtp_draft, mtp_verify) on the torch target, one "
-                             "rank (CUDA target and gloo tp2/dp2ep2: not yet)")
+                             "plan with MTP phases (mtp_draft, mtp_verify) run on the torch target "
+                             "(the CUDA target: not yet)")
         from glmc.runtime.engine.speculative import MtpSpeculator
 
         self.overlap = False

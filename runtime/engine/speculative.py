@@ -2,8 +2,9 @@
 
 `Engine(runner, tokenizer, speculative_num_steps=N)` (N >= 1) runs every step through
 `MtpSpeculator.step` instead of the plain loop. The runner must `supports_speculative` (the torch
-target on one rank so far) and the engine does not overlap steps in this mode: acceptance decides
-the next step's inputs, so each step's tokens are read before the next is scheduled.
+target, on one rank or several through `distributed.DistRunner`; the CUDA target not yet) and the
+engine does not overlap steps in this mode: acceptance decides the next step's inputs, so each
+step's tokens are read before the next is scheduled.
 
 The MTP layer at position i reads the target's final hidden state at i and the token at i + 1 and
 guesses the token at i + 2; its KV lives in its own pool layer at the slot of position i. One step,
