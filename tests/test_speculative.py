@@ -52,8 +52,12 @@ def same(got, want) -> bool:
 
 
 def cache_keys(e) -> list[list[int]]:
+    return cache_keys_of(e.cache)
+
+
+def cache_keys_of(cache) -> list[list[int]]:
     """Every token sequence the prefix cache would match (root-to-node paths)."""
-    out, stack = [], [(e.cache.root, [])]
+    out, stack = [], [(cache.root, [])]
     while stack:
         node, path = stack.pop()
         path = path + list(node.key or [])
@@ -178,3 +182,37 @@ def test_parallel_server_with_mtp_gives_tp1_greedy_output(tiny_ckpt, tmp_path, p
         assert asyncio.run(ask_all(run.url)) == want
         metrics = httpx.get(run.url.removesuffix("/v1") + "/metrics").text
     assert float(re.search(r"^glmc_spec_verify_steps_total (\S+)$", metrics, re.M).group(1)) > 0
+
+
+def test_scheduler_reserves_draft_pages_and_rolls_them_back():
+    """Drafts ride on the pending token's step; a rollback frees pages wholly past the accepted
+    sequence and leaves the prefix cache with accepted tokens only."""
+    from glmc.runtime.engine.pages import PageAllocator, ReqToTokenPool, slots_for
+    from glmc.runtime.engine.prefix_cache import RadixCache
+    from glmc.runtime.engine.request import Request
+    from glmc.runtime.engine.scheduler import Scheduler
+    allocator = PageAllocator(4)
+    s = Scheduler(allocator, ReqToTokenPool(2, 512), RadixCache(allocator))
+    req = Request(list(range(62)), SamplingParams(max_tokens=20))
+    s.add(req)
+    s.commit(s.schedule())
+    req.output_ids.append(7)                            # token 62 pending; drafts for 63..66
+    assert s.reserve(req, 62 + 4 + 1) and len(req.pages) == 2 and allocator.num_free == 2
+    req.draft_ids = [1, 2, 3, 4]
+    batch = s.schedule()
+    assert batch.extend_lens == [5] and batch.prefix_lens == [62]
+    assert s.req_pool.table[req.row, :67].tolist() == slots_for(req.pages, 0, 67)
+    req.draft_ids = []                                  # the engine takes them for the step
+    s.commit(batch)
+    assert s.cache.num_cached_pages == 0                # page 0's last token is not known yet
+    s.rollback(req, 63)                                 # draft 1 rejected: 62 and the bonus kept
+    req.output_ids.append(9)
+    s.offer_pages(req)
+    assert len(req.pages) == 1 and allocator.num_free == 3   # positions 64.. were drafts only
+    assert s.cache.num_cached_pages == 0                # 63 computed tokens: no page full yet
+    s.commit(s.schedule())                              # the bonus token's KV: page 0 is full
+    assert len(req.pages) == 1 and s.cache.num_cached_pages == 1
+    assert cache_keys_of(s.cache) == [list(range(62)) + [7, 9]]
+    s.finish(req, "length")
+    s.cache.reset()
+    assert allocator.num_free == 4
