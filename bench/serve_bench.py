@@ -13,7 +13,10 @@ at once), at most --concurrency in flight.
 Measured on the client: TTFT (request sent -> first content chunk), ITL (gaps between content
 chunks; a token whose text is held back, e.g. half a UTF-8 character, merges into the next chunk),
 TPOT (per request: (e2e - TTFT) / (output tokens - 1)), end-to-end latency, requests/s and output
-tokens/s over the whole run (token counts from the server's usage). The JSON (config, device,
+tokens/s over the whole run (token counts from the server's usage). From the server's /metrics
+(difference over the run): with speculative decoding (`--launch "... --speculative-num-steps N"`),
+drafts verified, draft and accepted tokens and the accept length (accepted drafts + 1 per verify).
+The JSON (config, device,
 date, git commit, summary, per-request rows) goes to bench/results/serve_<device>_<date>.json
 unless --out says otherwise.
 """
@@ -137,6 +140,23 @@ def summarize(rows: list[dict]) -> dict:
     return s
 
 
+SPEC_COUNTERS = ("spec_verify_steps_total", "spec_draft_tokens_total", "spec_accepted_tokens_total")
+
+
+def spec_counters(url: str) -> dict[str, float]:
+    """The server's speculative-decoding counters (0 where absent: a server without them)."""
+    text = httpx.get(url.removesuffix("/v1") + "/metrics", timeout=30).text
+    return {k: float(m.group(1)) if (m := re.search(rf"^glmc_{k} (\S+)$", text, re.M)) else 0.0
+            for k in SPEC_COUNTERS}
+
+
+def spec_summary(before: dict, after: dict) -> dict | None:
+    d = {k.removeprefix("spec_").removesuffix("_total"): after[k] - before[k] for k in SPEC_COUNTERS}
+    if not d["verify_steps"]:
+        return None
+    return {**d, "accept_length": d["accepted_tokens"] / d["verify_steps"] + 1}
+
+
 def device_name() -> str:
     try:
         import torch
@@ -225,12 +245,19 @@ def main(argv=None) -> int:
     try:
         model = a.model or httpx.get(url + "/models", timeout=30).json()["data"][0]["id"]
         workload = make_workload(a)
+        before = spec_counters(url)
         rows = asyncio.run(replay(a, url, model, workload))
+        spec = spec_summary(before, spec_counters(url))
     finally:
         if proc is not None:
             stop(proc)
     summary = summarize(rows)
+    summary["speculative"] = spec
     print(report(summary))
+    if spec:
+        print(f"speculative: {spec['verify_steps']:.0f} verifies, {spec['draft_tokens']:.0f} draft "
+              f"tokens, {spec['accepted_tokens']:.0f} accepted, accept length "
+              f"{spec['accept_length']:.2f}")
     device = a.device or device_name()
     date = datetime.datetime.now(datetime.timezone.utc)
     result = {"device": device, "date": date.isoformat(timespec="seconds"), "commit": git_commit(),

@@ -86,10 +86,15 @@ def cmd_run(a) -> int:
         if not (ckpt / "config.json").exists():
             raise ValueError(f"--weights {ckpt}: not a checkpoint directory (no config.json)")
     plan = plan_for(ckpt, a.plan, a.parallel, a.device, a.max_running, a.quantize)
+    if a.speculative_num_steps and (a.device != "cpu" or not plan.has_mtp):
+        raise ValueError(f"--speculative-num-steps runs on the torch target (--device cpu) with a "
+                         f"checkpoint that has an MTP layer so far; this is --device {a.device}, "
+                         f"MTP phases: {'yes' if plan.has_mtp else 'no'}")
     engine_kwargs = dict(max_running=a.max_running, max_batch_tokens=a.max_batch_tokens,
                          max_waiting=a.max_waiting, enable_prefix_cache=not a.no_prefix_cache,
-                         overlap=False if a.no_overlap else None,
-                         mixed_prefill_tokens=a.mixed_prefill_tokens)
+                         overlap=False if a.no_overlap or a.speculative_num_steps else None,
+                         mixed_prefill_tokens=a.mixed_prefill_tokens,
+                         speculative_num_steps=a.speculative_num_steps)
     name = a.served_model_name or (weights if weights in (SMALL_NAME, TINY_NAME) else ckpt.name)
     server = ServerOptions(max_body_bytes=int(a.max_body_mb * 2**20),
                            shutdown_timeout_s=a.shutdown_timeout, profile_dir=a.profile_dir)
@@ -177,6 +182,10 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--no-overlap", action="store_true", help="read each step's tokens before "
                    "scheduling the next (default: the host prepares step N+1 while the device "
                    "runs step N, where the runner supports it)")
+    r.add_argument("--speculative-num-steps", type=int, default=0, metavar="N", help="MTP "
+                   "speculative decoding: draft N tokens per step with the model's MTP layer and "
+                   "verify them in one forward (0: off); the output equals plain decoding's, greedy "
+                   "or sampled; runs without overlap; torch target so far)")
     r.add_argument("--profile-dir", help="enable POST /start_profile {\"num_steps\": N}: "
                    "torch.profiler traces of the next N engine steps are written here")
     r.add_argument("--cache-dir", help="where glmc-tiny's weights are made (default "

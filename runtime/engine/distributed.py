@@ -13,6 +13,12 @@ req_to_token cut to its own rows. Every rank runs the same phase graph on its DP
 `dp_tokens` = every DP rank's token count, so padding and collectives line up; rank 1 sends its
 logits back for rank 0 to sample. A `None` message ends the loop.
 
+Speculative decoding: `verify_dp` and `draft_dp` send the MTP phases the same way (every rank
+steps every draft step, idle DP ranks too), a draft step with the hidden states rank 0 holds for
+each DP rank (with attention TP the followers' own copies are the same replicated values; shipping
+them keeps every rank's draft input identical); with attention DP the first rank of each DP rank
+sends its logits and hidden states back.
+
 Processes, the HTTP server on rank 0 and shutdown live in `runtime/serving/launch.py`.
 """
 from __future__ import annotations
@@ -35,6 +41,7 @@ class DistRunner(ModelRunner):
         self.vocab_size, self.num_pages = local.vocab_size, local.num_pages
         self.max_context = local.max_context
         self.kernels = local.kernels   # rank 0 samples every DP rank's logits on its own device
+        self.supports_speculative = local.runs_mtp
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         return self.forward_dp([batch])[0]
@@ -49,6 +56,29 @@ class DistRunner(ModelRunner):
         dist.gather_object(logits.cpu(), got, dst=0, group=self.group)  # gloo moves host objects
         return [logits if d == 0 else got[d * self.attn_tp].to(logits.device) for d in range(self.num_dp)]
 
+    def verify(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.verify_dp([batch])[0]
+
+    def draft(self, batch: ForwardBatch, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.draft_dp([batch], [hidden])[0]
+
+    def verify_dp(self, batches: list[ForwardBatch]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return self._mtp_dp("mtp_verify", batches, None)
+
+    def draft_dp(self, batches: list[ForwardBatch], hiddens: list[torch.Tensor]
+                 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return self._mtp_dp("mtp_draft", batches, [h.cpu() for h in hiddens])
+
+    def _mtp_dp(self, phase: str, batches: list[ForwardBatch], hiddens) -> list[tuple]:
+        _send(self.group, (phase, [compact(b) for b in batches], hiddens))
+        out = _run_mtp(self.local, phase, batches, hiddens)
+        if self.num_dp == 1:
+            return [out]
+        got = [None] * dist.get_world_size()
+        dist.gather_object(tuple(t.cpu() for t in out), got, dst=0, group=self.group)
+        return [out if d == 0 else tuple(t.to(out[0].device) for t in got[d * self.attn_tp])
+                for d in range(self.num_dp)]
+
     def close(self) -> None:
         """Tell the other ranks to exit (call once, after the last step)."""
         _send(self.group, None)
@@ -60,8 +90,14 @@ def follow(local: PlanRunner, group) -> None:
     dp_rank = local.executor.comm.coords.of("attn_dp")
     mirror = RowMirror()
     while (msg := _recv(group)) is not None:
-        phase, batches = msg
+        phase, batches, *hiddens = msg
         batches[dp_rank] = mirror.apply(batches[dp_rank])
+        if phase.startswith("mtp"):
+            out = _run_mtp(local, phase, batches, hiddens[0])
+            if len(batches) > 1:
+                dist.gather_object(tuple(t.cpu() for t in out) if first_of_dp else None, None,
+                                   dst=0, group=group)
+            continue
         logits = _run(local, phase, batches)
         if len(batches) > 1:
             mine = logits.cpu() if first_of_dp else None  # gloo moves host objects
@@ -104,6 +140,15 @@ def _run(local: PlanRunner, phase: str, batches: list[ForwardBatch]) -> torch.Te
     dp_rank = local.executor.comm.coords.of("attn_dp")
     dp_tokens = [b.num_tokens for b in batches] if len(batches) > 1 else None
     return local.run(phase, batches[dp_rank], dp_tokens)
+
+
+def _run_mtp(local: PlanRunner, phase: str, batches: list[ForwardBatch], hiddens) -> tuple:
+    """This rank's share of an MTP phase step: (logits, hidden) of its DP rank's batch."""
+    dp_rank = local.executor.comm.coords.of("attn_dp")
+    dp_tokens = [b.num_tokens for b in batches] if len(batches) > 1 else None
+    if phase == "mtp_verify":
+        return local.verify(batches[dp_rank], dp_tokens)
+    return local.draft(batches[dp_rank], hiddens[dp_rank], dp_tokens)
 
 
 def _send(group, msg) -> None:

@@ -22,6 +22,9 @@ Tests may instead call `step()`/`generate()` directly with no thread.
 With attention data parallelism (`runner.num_dp` > 1) every DP rank has its own pages,
 req_to_token rows, prefix cache and `Scheduler`; a new request goes to the least loaded rank, and
 each step runs every rank's batch at once (`ModelRunner.forward_dp`; idle ranks step too).
+Speculative decoding (`speculative_num_steps=N` > 0): each step verifies the MTP layer's N draft
+tokens per request and drafts the next ones (`runtime/engine/speculative.py`); it needs a
+runner that `supports_speculative` and runs without overlap.
 Engines are started by `runtime/engine/startup.py`; runners live in `runtime/worker/`.
 """
 from __future__ import annotations
@@ -88,7 +91,7 @@ class Engine:
     def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, *, max_running: int = 32,
                  max_batch_tokens: int = 256, max_waiting: int = 256,
                  enable_prefix_cache: bool = True, overlap: bool | None = None,
-                 mixed_prefill_tokens: int | None = None):
+                 mixed_prefill_tokens: int | None = None, speculative_num_steps: int = 0):
         if runner.page_size != PAGE_SIZE:
             raise ValueError(f"runner page_size {runner.page_size} != runtime PAGE_SIZE {PAGE_SIZE}")
         if tokenizer.vocab_size > runner.vocab_size:
@@ -110,6 +113,7 @@ class Engine:
         if overlap and not runner.supports_overlap:
             raise ValueError(f"{type(runner).__name__} cannot overlap steps (overlap=True)")
         self.overlap = runner.supports_overlap if overlap is None else overlap
+        self.speculator = self._speculator(runner, speculative_num_steps, overlap)
         self._inflight: list | None = None   # the queued step whose tokens are not read yet
         self._profile: _StepProfile | None = None
         self._compiled: tuple[int, dict | None] = (0, None)   # binaries; per kernel once serving
@@ -213,6 +217,8 @@ class Engine:
         return self._step()
 
     def _step(self) -> bool:
+        if self.speculator is not None:
+            return self.speculator.step()
         if self._inflight is not None and any(r.params.needs_history for r in self.scheduler.running):
             self._read(self._inflight)   # a penalised request needs every earlier token first
             self._inflight = None
@@ -314,6 +320,23 @@ class Engine:
         return path
 
     # -- internals -------------------------------------------------------------------------------
+
+    def _speculator(self, runner: ModelRunner, num_steps: int, overlap: bool | None):
+        """The MTP speculator for `num_steps` > 0 (None: plain decoding); turns overlap off."""
+        if num_steps < 0:
+            raise ValueError(f"speculative_num_steps must be >= 0, got {num_steps}")
+        if not num_steps:
+            return None
+        if overlap:
+            raise ValueError("speculative decoding runs without overlap (overlap=True was asked)")
+        if not runner.supports_speculative:
+            raise ValueError(f"{type(runner).__name__} cannot run speculative decoding: it needs a "
+                             "plan with MTP phases (mtp_draft, mtp_verify) run on the torch target "
+                             "(the CUDA target: not yet)")
+        from glmc.runtime.engine.speculative import MtpSpeculator
+
+        self.overlap = False
+        return MtpSpeculator(self, num_steps)
 
     def _drain_inbox(self) -> None:
         while self._inbox:

@@ -32,6 +32,9 @@ class Metrics:
         "requests_retracted_total": "Requests retracted because the KV pool ran out.",
         "requests_rejected_total": "Requests answered with an error status (bad input, overload).",
         "steps_total": "Forward steps run.",
+        "spec_verify_steps_total": "Speculative decoding: drafts verified (one per request per step).",
+        "spec_draft_tokens_total": "Speculative decoding: draft tokens the MTP layer proposed.",
+        "spec_accepted_tokens_total": "Speculative decoding: draft tokens the target accepted.",
     }
     GAUGES = {
         "num_requests_waiting": "Requests in the waiting queue.",
@@ -53,6 +56,7 @@ class Metrics:
         "e2e_request_latency_seconds": "Time from arrival to the last token.",
     }
     WINDOW_S = 10.0
+    ACCEPT_BUCKETS = (1, 2, 3, 4, 5, 6, 8)
 
     def __init__(self):
         self.registry = r = CollectorRegistry()
@@ -60,6 +64,9 @@ class Metrics:
         self._gauges = {n: Gauge(PREFIX + n, h, registry=r) for n, h in self.GAUGES.items()}
         self._histograms = {n: Histogram(PREFIX + n, h, buckets=LATENCY_BUCKETS, registry=r)
                             for n, h in self.HISTOGRAMS.items()}
+        self._accept_length = Histogram(
+            PREFIX + "spec_accept_length", "Speculative decoding: tokens a verify step yields per "
+            "request (accepted drafts + 1).", buckets=self.ACCEPT_BUCKETS, registry=r)
         self._finished = Counter(PREFIX + "requests_finished_total",
                                  "Finished requests by finish_reason.", ["finish_reason"],
                                  registry=r)
@@ -108,6 +115,19 @@ class Metrics:
         self.inc("generation_tokens_total")
         with self._lock:
             self._recent.append(now)
+
+    def verify(self, num_draft: int, num_accepted: int) -> None:
+        """One request's draft of `num_draft` tokens was verified; the first `num_accepted` held."""
+        self.inc("spec_verify_steps_total")
+        self.inc("spec_draft_tokens_total", num_draft)
+        self.inc("spec_accepted_tokens_total", num_accepted)
+        self._accept_length.observe(num_accepted + 1)
+
+    @property
+    def accept_length(self) -> float:
+        """Mean tokens per verify step (accepted drafts + the target's own token); 0 before any."""
+        steps = self.value("spec_verify_steps_total")
+        return self.value("spec_accepted_tokens_total") / steps + 1 if steps else 0.0
 
     def finish(self, req, reason: str) -> None:
         self._finished.labels(finish_reason=reason).inc()

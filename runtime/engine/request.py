@@ -49,6 +49,9 @@ class Request:
     num_cached_tokens: int = 0  # prefix-cache hit of the latest admission
     num_retractions: int = 0
     num_inflight: int = 0  # tokens sampled by launched steps whose ids the host has not read yet
+    # Speculative decoding: the MTP layer's guesses for the tokens after the pending one; the next
+    # step verifies them with the pending token (the scheduler grants up to 1 + len(draft_ids)).
+    draft_ids: list[int] = field(default_factory=list)
     # The sampler's RNG seed (int64): the request's own, or one drawn when the engine made it.
     # With the number of output tokens as counter, a seeded request's draws do not depend on
     # what else shares its batches.

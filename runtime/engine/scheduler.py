@@ -12,6 +12,12 @@ allocated per step as sequences grow; when the pool runs dry, the newest running
 retracted (its computed pages go to the prefix cache, the rest is freed) and later resumes by
 prefilling prompt and outputs so far.
 
+Speculative decoding: a decoding request with `draft_ids` asks for its pending token plus the
+drafts (verified in one step). The engine `reserve`s the drafts' pages when it drafts (never
+retracting anyone: no pages, no draft), and after verification `rollback`s to the accepted length:
+rejected positions' pages wholly past the sequence are freed, slots inside its last page are
+overwritten by the next step, and only pages full of accepted tokens ever reach the prefix cache.
+
 Pure Python; the engine turns a `ScheduledBatch` into a `ForwardBatch`.
 """
 from __future__ import annotations
@@ -110,7 +116,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            want = 1 if req.is_decoding else min(req.num_pending, prefill, budget - decoding)
+            want = (min(1 + len(req.draft_ids), budget) if req.is_decoding else    # drafts ride along
+                    min(req.num_pending, prefill, budget - decoding))
             n = self._grow(req, max(want, 0), batch) if want > 0 else 0
             if n:
                 batch.add(req, n)
@@ -138,6 +145,29 @@ class Scheduler:
             req.num_computed = start + n
             if req.num_computed // self.page_size > start // self.page_size:
                 self._cache_pages(req)
+
+    def reserve(self, req: Request, num_tokens: int) -> bool:
+        """Hold pages for positions < `num_tokens` of running `req` (its draft tokens) if the pool
+        (free or evictable pages) has them; never retracts. False: nothing changed."""
+        need = num_pages_for(num_tokens, self.page_size) - len(req.pages)
+        if need > self.allocator.num_free + self.cache.num_evictable_pages():
+            return False
+        return self._ensure_pages(req, num_tokens)
+
+    def rollback(self, req: Request, num_computed: int) -> None:
+        """After verification: only the first `num_computed` positions of `req` hold accepted KV.
+        Pages past the one its next token goes to are freed (they were never cached: only pages
+        full of computed, known tokens are)."""
+        req.num_computed = num_computed
+        keep = num_pages_for(num_computed + 1, self.page_size)
+        if len(req.pages) > keep:
+            self.allocator.decref(req.pages[keep:])
+            req.pages = req.pages[:keep]
+
+    def offer_pages(self, req: Request) -> None:
+        """Offer `req`'s pages that are now full of computed, known tokens to the prefix cache
+        (after a rollback and the accepted tokens' append: `commit` saw the drafts as unknown)."""
+        self._cache_pages(req)
 
     # -- internals -------------------------------------------------------------------------------
 
@@ -207,6 +237,7 @@ class Scheduler:
             self.cache.insert(req.all_ids[:full * self.page_size], req.pages[:full])
 
     def _release(self, req: Request) -> None:
+        req.draft_ids = []   # drafts live in the MTP layer's KV on these pages
         self._cache_pages(req)
         self.allocator.decref(req.pages)
         self.req_pool.free(req.row)

@@ -35,6 +35,14 @@ class ModelRunner(ABC):
     It then calls `record_tokens(rows, tokens)` after sampling each step (tokens still on the
     device), and an input id `FUTURE_TOKEN` (-1) in a later batch means "the token last recorded for
     this request's row": the runner fills it in where the tokens are, without a host round trip.
+
+    Speculative decoding (`supports_speculative`: the plan has MTP phases and the runner runs them):
+    `verify(batch)` is a target forward like `forward` that returns the logits and the final hidden
+    states of every new token ([T, vocab], [T, hidden]: the `mtp_verify` phase), and
+    `draft(batch, hidden)` runs the MTP layer: new token t of `batch` sits at position p, carries the
+    id of the token at p + 1 and `hidden[t]` (the target's, or the MTP layer's own from the previous
+    draft step), writes the MTP layer's KV at `out_cache_loc[t]` (its own pool layer, paged in
+    lockstep with the target's) and returns its logits (the guess for p + 2) and its hidden states.
     """
 
     vocab_size: int
@@ -44,12 +52,32 @@ class ModelRunner(ABC):
     num_dp: int = 1
     kernels = None  # the plan's KernelLibrary when the logits are on a GPU (its sampler kernel)
     supports_overlap: bool = False
+    supports_speculative: bool = False
 
     @abstractmethod
     def forward(self, batch: ForwardBatch) -> torch.Tensor: ...
 
     def record_tokens(self, rows: list[int], tokens: torch.Tensor) -> None:
         raise NotImplementedError(f"{type(self).__name__} does not overlap steps")
+
+    def verify(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError(f"{type(self).__name__} does not run speculative decoding")
+
+    def draft(self, batch: ForwardBatch, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError(f"{type(self).__name__} does not run speculative decoding")
+
+    def verify_dp(self, batches: list[ForwardBatch]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """`verify` on every DP rank at once (idle ranks get `ForwardBatch.idle`)."""
+        if len(batches) != 1:
+            raise ValueError(f"{type(self).__name__} has one DP rank, got {len(batches)} batches")
+        return [self.verify(batches[0])]
+
+    def draft_dp(self, batches: list[ForwardBatch], hiddens: list[torch.Tensor]
+                 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """`draft` on every DP rank at once (idle ranks: an idle batch and an empty hidden)."""
+        if len(batches) != 1:
+            raise ValueError(f"{type(self).__name__} has one DP rank, got {len(batches)} batches")
+        return [self.draft(batches[0], hiddens[0])]
 
     def forward_dp(self, batches: list[ForwardBatch]) -> list[torch.Tensor]:
         if len(batches) != 1:
@@ -101,6 +129,10 @@ class PlanRunner(ModelRunner):
         self.vocab_size, self.num_pages = c.vocab_size, executor.pool.num_pages - 1
         self.max_context = context_limit(c.max_position_embeddings, self.num_pages, max_context)
         self.supports_overlap = executor.comm.world == 1   # followers of a group never sample
+        # the MTP phases on the torch target (GPU: issue 17 item 3); over several ranks the
+        # engine drives them through `distributed.DistRunner`
+        self.runs_mtp = "mtp_draft" in executor.graphs and "mtp_verify" in executor.graphs
+        self.supports_speculative = executor.comm.world == 1 and self.runs_mtp
         self._last = torch.zeros(0, dtype=torch.int64)   # row -> last recorded token (host)
 
     def record_tokens(self, rows: list[int], tokens: torch.Tensor) -> None:
@@ -130,6 +162,14 @@ class PlanRunner(ModelRunner):
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         return self.run(self.phase_of([batch]), batch)
 
+    def verify(self, batch: ForwardBatch, dp_tokens: list[int] | None = None):
+        out = self.executor.forward("mtp_verify", self._resolve(batch), dp_tokens=dp_tokens)
+        return out["logits"], out["hidden"]
+
+    def draft(self, batch: ForwardBatch, hidden: torch.Tensor, dp_tokens: list[int] | None = None):
+        out = self.executor.forward("mtp_draft", batch, hidden=hidden, dp_tokens=dp_tokens)
+        return out["logits"], out["hidden"]
+
     def close(self) -> None:
         """Release device state (captured graphs) before the process group goes away."""
         self.executor.release()
@@ -141,7 +181,21 @@ class DevicePlanRunner(PlanRunner):
     CUDA-graph bucket (eager above the largest) and slices the padding off again. Its logits stay
     on the device in the compute dtype (for a replayed graph, views of a static buffer that the next
     step overwrites: the engine samples them, on the device, before it queues the next step), and
-    FUTURE_TOKEN ids are filled in on the device (inside the decode graph)."""
+    FUTURE_TOKEN ids are filled in on the device (inside the decode graph). No speculative
+    decoding yet: the verify and draft phases have no CUDA graphs or kernels wired here (issue 17
+    item 3)."""
+
+    def __init__(self, executor, max_context: int | None = None):
+        super().__init__(executor, max_context)
+        self.runs_mtp = self.supports_speculative = False
+
+    def verify(self, batch: ForwardBatch, dp_tokens: list[int] | None = None):
+        raise NotImplementedError("speculative decoding (MTP) runs on the torch target only so far; "
+                                  "the CUDA target's verify/draft graphs are issue 17 item 3")
+
+    def draft(self, batch: ForwardBatch, hidden: torch.Tensor, dp_tokens: list[int] | None = None):
+        raise NotImplementedError("speculative decoding (MTP) runs on the torch target only so far; "
+                                  "the CUDA target's verify/draft graphs are issue 17 item 3")
 
     @property
     def kernels(self):

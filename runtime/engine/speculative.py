@@ -1,0 +1,231 @@
+"""Speculative decoding with the model's MTP layer: EAGLE-style chains of N draft tokens.
+
+`Engine(runner, tokenizer, speculative_num_steps=N)` (N >= 1) runs every step through
+`MtpSpeculator.step` instead of the plain loop. The runner must `supports_speculative` (the torch
+target, on one rank or several through `distributed.DistRunner`; the CUDA target not yet) and the
+engine does not overlap steps in this mode: acceptance decides the next step's inputs, so each
+step's tokens are read before the next is scheduled.
+
+The MTP layer at position i reads the target's final hidden state at i and the token at i + 1 and
+guesses the token at i + 2; its KV lives in its own pool layer at the slot of position i. One step,
+for a request whose first n tokens have KV, token n pending and drafts d_1..d_D from the last step:
+
+1. verify: one target forward over [t_n, d_1, .., d_D] at positions n..n+D (the `mtp_verify`
+   phase: logits and hidden states at every position; prefill chunks of other requests share it);
+2. accept: g_j = the sampler's token at position n+j; keep the longest prefix with d_{j+1} == g_j
+   (a of them) and append g_0..g_a (the accepted drafts and the target's own next token); the
+   target's KV of positions n+a+1.. is rejected: the scheduler rolls back to n+a+1 computed tokens
+   (pages past the next token's freed, slots in the last page overwritten later; only pages full of
+   accepted tokens reach the prefix cache);
+3. draft-extend: the MTP layer over the positions the target just computed and kept (n..n+a, or a
+   prefill chunk's), fed the target's hidden states there and the tokens one further: this writes
+   the MTP layer's KV (its own indexer keys included) and its last position guesses d'_1;
+4. draft: D' - 1 more MTP steps, one token each, fed the MTP layer's own hidden state (the input of
+   the shared head, as SGLang's EAGLE worker does); positions n+a+1.. get MTP KV that the next
+   draft-extend overwrites. D' = min(N, tokens the request may still generate); their pages are
+   reserved now, and a request whose pages do not fit drafts nothing (it decodes plainly).
+
+Output equals the plain engine's token for token, greedy or sampled: every appended token is the
+plain sampler's draw (`sampling.sample_batch`, one semantics) at its position, with the context,
+history (penalties) and RNG counter it has there when every draft before it holds. The sampler is
+a pure function of (logits, parameters, seed, counter), so position n+j is sampled as if the
+request had generated d_1..d_j (counter + j) and d_{j+1} is kept only if it is that draw. For
+temperature > 0 this is a coupling, not the rejection rule of standard speculative sampling
+(accept d with probability min(1, p(d)/q(d)), else resample from max(0, p - q)): the output
+distribution is the plain sampler's exactly (the outputs are identical), and since the drafts are
+the MTP layer's argmax (q a point mass) a draft holds with probability p(d), what the standard rule
+accepts too. Standard sampling with drafts drawn from q would accept more (sum_x min(p, q)); it
+needs the draft's probabilities kept per token: not built yet.
+
+Approximations that only cost acceptance, never correctness: a prefix-cache hit reuses the MTP
+KV of its pages as computed by the request that filled them (the last position of a page was fed
+that request's next token; a request that finished skips its last draft-extend, so its last
+step's positions keep the chain's MTP KV); draft steps k >= 1 see MTP KV of drafts, as in every
+EAGLE chain.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from glmc.runtime.engine.request import Request
+from glmc.runtime.engine.sampling import SamplingBatch, sample_batch
+from glmc.runtime.engine.scheduler import ScheduledBatch, Scheduler
+from glmc.runtime.worker.forward_batch import ForwardBatch
+
+if TYPE_CHECKING:
+    from glmc.runtime.engine.engine import Engine
+
+
+def as_if_accepted(req: Request, draft: list[int]) -> Request:
+    """`req` as the sampler sees it after `draft` was appended: its history (penalties) and RNG
+    counter one further per draft token (a copy; `req` is not changed)."""
+    return dataclasses.replace(req, output_ids=req.output_ids + draft) if draft else req
+
+
+@dataclass
+class _Verify:
+    """One DP rank's verify step: its batch, each request's drafts and whether its next token is
+    due (a prefill chunk short of the prompt's end is not)."""
+    s: Scheduler
+    batch: ScheduledBatch
+    drafts: list[list[int]]
+    own: list[int]   # tokens per request known for sure: the batch's minus the drafts
+    ready: list[bool]
+    fb: ForwardBatch
+
+
+@dataclass
+class _Extend:
+    """One DP rank's draft-extend: its unfinished requests, their batch and target hidden states."""
+    s: Scheduler
+    reqs: list[Request]
+    fb: ForwardBatch
+    hidden: torch.Tensor
+
+
+class MtpSpeculator:
+    """The engine's step in speculative mode (module docstring); owns no state of its own: drafts
+    ride on `Request.draft_ids`, pages and rows on the engine's schedulers (one per attention-DP
+    rank: every rank steps every forward, idle ones with an empty batch), and tokens reach clients
+    through the engine's `_append_token` (detokenize, stream, stop), as in plain steps."""
+
+    def __init__(self, engine: Engine, num_steps: int):
+        self.engine, self.num_steps = engine, num_steps
+
+    def step(self) -> bool:
+        """Schedule, verify + accept, draft; False when there was nothing to do."""
+        e = self.engine
+        batches = e.scheduler.schedule()
+        if batches is not None:
+            e.metrics.step([b for b in batches if b is not None])
+            work = [self._prepare(s, b) if b is not None and b.reqs else None
+                    for s, b in zip(e.scheduler.ranks, batches)]
+            if any(work):
+                self._run(work)
+        e._update_gauges()
+        return batches is not None
+
+    def _idle(self) -> list[ForwardBatch]:
+        return [ForwardBatch.idle(s.req_pool.table) for s in self.engine.scheduler.ranks]
+
+    @staticmethod
+    def _prepare(s: Scheduler, batch: ScheduledBatch) -> _Verify:
+        reqs = batch.reqs
+        drafts = [r.draft_ids[:max(n - r.num_pending, 0)] for r, n in zip(reqs, batch.extend_lens)]
+        own = [n - len(d) for n, d in zip(batch.extend_lens, drafts)]
+        ready = [p + n == r.num_tokens for r, p, n in zip(reqs, batch.prefix_lens, own)]
+        for r in reqs:
+            r.draft_ids = []
+        fb = ForwardBatch.build(batch.mode, [r.all_ids[p:p + n] + d for r, p, n, d in
+                                             zip(reqs, batch.prefix_lens, own, drafts)],
+                                [r.row for r in reqs], batch.prefix_lens, s.req_pool.table)
+        return _Verify(s, batch, drafts, own, ready, fb)
+
+    def _run(self, work: list[_Verify | None]) -> None:
+        fbs = [w.fb if w else idle for w, idle in zip(work, self._idle())]
+        extends = []
+        for w, (logits, hidden) in zip(work, self.engine.runner.verify_dp(fbs)):
+            if w is None:
+                extends.append(None)
+                continue
+            w.s.commit(w.batch)
+            tokens = self._sample(logits, w)
+            kept = [self._accept(w.s, r, p, n, d, tokens.get(i)) if w.ready[i] else n
+                    for i, (r, p, n, d) in enumerate(zip(w.batch.reqs, w.batch.prefix_lens, w.own,
+                                                         w.drafts))]
+            extends.append(self._extend(w, kept, hidden))
+        if any(extends):
+            self._draft(extends)
+
+    def _sample(self, logits, w: _Verify) -> dict[int, list]:
+        """The sampler's token (and logprobs) at every verified position of the ready requests:
+        {request index: [(token, logprobs)] * (1 + drafts)}."""
+        picks = [(i, start + w.own[i] - 1 + j) for i, start, _ in w.fb.token_ranges() if w.ready[i]
+                 for j in range(len(w.drafts[i]) + 1)]
+        if not picks:
+            return {}
+        rows = torch.tensor([row for _, row in picks], device=logits.device)
+        first = {i: row for i, row in reversed(picks)}
+        sb = SamplingBatch.from_requests([as_if_accepted(w.batch.reqs[i], w.drafts[i][:row - first[i]])
+                                          for i, row in picks], logits.device)
+        out = sample_batch(logits.index_select(0, rows), sb,
+                           kernels=self.engine.runner.kernels).to_host(sb.top_logprobs)
+        tokens: dict[int, list] = {}
+        for (i, _), token in zip(picks, out):
+            tokens.setdefault(i, []).append(token)
+        return tokens
+
+    def _accept(self, s: Scheduler, req: Request, start: int, num_own: int, draft: list[int],
+                tokens: list) -> int:
+        """Keep the drafts the target agrees with, append them and its own next token, roll the
+        KV back to them; -> target positions of this step whose KV is kept."""
+        accepted = 0
+        while accepted < len(draft) and draft[accepted] == tokens[accepted][0]:
+            accepted += 1
+        s.rollback(req, start + num_own + accepted)
+        if draft:
+            self.engine.metrics.verify(len(draft), accepted)
+        for token, logprobs in tokens[:accepted + 1]:
+            self.engine._append_token(req, token, logprobs)
+            if req.finished:
+                break
+        if not req.finished:
+            s.offer_pages(req)
+        return num_own + accepted
+
+    @staticmethod
+    def _extend(w: _Verify, kept: list[int], hidden: torch.Tensor) -> _Extend | None:
+        """The draft-extend of a rank's unfinished requests over the positions the target kept:
+        the token one further at each, with the target's hidden state there."""
+        idx = [i for i, r in enumerate(w.batch.reqs) if not r.finished]
+        if not idx:
+            return None
+        reqs, starts, ranges = w.batch.reqs, w.batch.prefix_lens, w.fb.token_ranges()
+        fb = ForwardBatch.build("extend", [reqs[i].all_ids[starts[i] + 1:starts[i] + kept[i] + 1]
+                                           for i in idx], [reqs[i].row for i in idx],
+                                [starts[i] for i in idx], w.s.req_pool.table)
+        rows = torch.cat([torch.arange(ranges[i][1], ranges[i][1] + kept[i]) for i in idx])
+        return _Extend(w.s, [reqs[i] for i in idx], fb, hidden.index_select(0, rows.to(hidden.device)))
+
+    def _draft(self, extends: list[_Extend | None]) -> None:
+        """Draft-extend on every DP rank; requests whose next token is pending then get a chain
+        of drafts (as many as they may still generate and their pages allow)."""
+        some = next(x.hidden for x in extends if x)
+        empty = some.new_zeros(0, some.shape[1])
+        outs = self.engine.runner.draft_dp([x.fb if x else idle for x, idle in zip(extends, self._idle())],
+                                           [x.hidden if x else empty for x in extends])
+        lengths, hiddens = {}, {}   # per drafting request: its draft length, the MTP hidden state
+        for x, (logits, out) in zip(extends, outs):
+            if x is None:
+                continue
+            last = (torch.cumsum(x.fb.extend_lens, 0) - 1).to(logits.device)
+            guesses = logits.index_select(0, last).argmax(-1).tolist()
+            for j, req in enumerate(x.reqs):
+                length = min(self.num_steps, req.max_total_tokens - req.num_tokens)
+                if (req.num_pending == 1 and length > 0
+                        and x.s.reserve(req, req.num_computed + length + 1)):
+                    req.draft_ids, lengths[req], hiddens[req] = [guesses[j]], length, out[last[j]]
+        self._chain(lengths, hiddens, empty)
+
+    def _chain(self, lengths: dict, hiddens: dict, empty: torch.Tensor) -> None:
+        """Draft steps 1..N-1 on every DP rank: each request's last draft at its position, fed the
+        MTP layer's own hidden state from the step before; writes MTP KV on the pages `reserve`
+        gave."""
+        ranks = self.engine.scheduler.ranks
+        for k in range(1, self.num_steps):
+            live = [[r for r, n in lengths.items() if n > k and r.dp_rank == d]
+                    for d in range(len(ranks))]
+            if not any(live):
+                return
+            fbs = [ForwardBatch.build("extend", [[r.draft_ids[-1]] for r in rs], [r.row for r in rs],
+                                      [r.num_computed - 1 + k for r in rs], s.req_pool.table)
+                   if rs else ForwardBatch.idle(s.req_pool.table) for s, rs in zip(ranks, live)]
+            outs = self.engine.runner.draft_dp(
+                fbs, [torch.stack([hiddens[r] for r in rs]) if rs else empty for rs in live])
+            for rs, (logits, out) in zip(live, outs):
+                for j, (r, guess) in enumerate(zip(rs, logits.argmax(-1).tolist())):
+                    r.draft_ids.append(guess)
+                    hiddens[r] = out[j]
