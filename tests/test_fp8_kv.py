@@ -188,3 +188,17 @@ def test_cuda_target_fp8_kv_matches_the_emulating_torch_target(ckpt, one_torch_t
     assert torch.equal(got, want)
     for a, b in zip(got_logits, want_logits):
         assert float((a - b).norm() / b.norm()) < 1e-3
+
+
+def test_compile_and_run_take_kv_dtype(ckpt, tmp_path):
+    """`glmc compile --kv-dtype fp8` writes an FP8-KV plan (the fp32 checkpoint's default is fp32);
+    serving a plan dir asks for the same (`plan_for`, what `glmc run` calls)."""
+    from glmc.api import plan_for
+    from glmc.cli import main as glmc
+    assert glmc(["compile", "--model", str(ckpt), "--kv-dtype", "fp8", "-o", str(tmp_path / "p")]) == 0
+    dtypes = json.loads((tmp_path / "p" / "plan.json").read_text())["dtypes"]
+    assert (dtypes["kv_cache"], dtypes["index_cache"]) == ("fp8", "fp8")
+    assert plan_for(ckpt, tmp_path / "p", device="cuda", kv_dtype="fp8").dtypes.kv_cache == "fp8"
+    with pytest.raises(ValueError, match="compiled with a fp8 KV cache, not bf16; compile with `glmc compile "
+                                         "--kv-dtype bf16`"):
+        plan_for(ckpt, tmp_path / "p", device="cuda", kv_dtype="bf16")

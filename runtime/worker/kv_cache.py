@@ -138,6 +138,16 @@ class KVPool:
             return keys[page, off].float() * scales[page, off][:, None]
         return self.index_k[layer][slots]
 
+    def randomize_(self, generator: torch.Generator | None = None) -> None:
+        """Every slot of every cache holds N(0, 1) values, through the writers (so an FP8 pool holds
+        valid e4m3 rows and scales): benchmarks that attend over a long context without prefilling it."""
+        slots = torch.arange(self.num_slots, device=self.device)
+        normal = lambda n: torch.randn(self.num_slots, n, generator=generator, device=self.device)  # noqa: E731
+        for layer in range(self.num_layers):
+            self.write_kv(layer, slots, normal(self.kv_lora_rank), normal(self.qk_rope_head_dim))
+        for layer in self.full_layers:
+            self.write_index_k(layer, slots, normal(self.index_head_dim))
+
     def bytes_per_token_per_layer(self) -> tuple[int, int]:
         """(latent-cache bytes, indexer-cache bytes) one token occupies in one layer, from the
         tensors allocated: 656 / 132 in FP8, 1152 / 256 in bf16 at GLM-5 shapes."""
