@@ -17,21 +17,28 @@ import json
 
 import pytest
 import torch
-from tiny_hf import save_tiny
-
 from glmc.codegen import fp8_ref
 from glmc.codegen import torch_ref as ref
 from glmc.codegen import triton_target as tt
 from glmc.codegen.kernel_set import plan_kernels
+from glmc.runtime.worker.kv_cache import PAGE_SIZE, KVPool
+from glmc.runtime.worker.loader import load_runner
+from test_fp8_plan import _greedy
+from test_triton_kernels import (
+    DI,
+    DR,
+    R,
+    _indexer_inputs,
+    _same_selection,
+    make_batch,
+)
+from tiny_hf import save_tiny
+
 from glmc.compiler import compile_plan
 from glmc.config import Options
 from glmc.explain import explain
 from glmc.parallel import parse_parallel
-from glmc.runtime.worker.kv_cache import PAGE_SIZE, KVPool
-from glmc.runtime.worker.loader import load_runner
 from glmc.spec import kv_dtyped, load_spec
-from test_fp8_plan import _greedy
-from test_triton_kernels import DI, DR, HI, R, _indexer_inputs, _same_selection, make_batch
 
 
 def fp8_pool(layers=2):
@@ -202,3 +209,33 @@ def test_compile_and_run_take_kv_dtype(ckpt, tmp_path):
     with pytest.raises(ValueError, match="compiled with a fp8 KV cache, not bf16; compile with `glmc compile "
                                          "--kv-dtype bf16`"):
         plan_for(ckpt, tmp_path / "p", device="cuda", kv_dtype="bf16")
+
+
+def test_prefill_attention_reads_fp8_rows():
+    """codegen/triton_prefill.py (the MHA-form prefill kernel) expands keys from dequantised FP8 rows."""
+    from test_triton_prefill import DN, DV, H, make_inputs, triton_mha
+    from test_triton_prefill import make_batch as prefill_batch
+    batch = prefill_batch([0, 21, 5], [19, 3, 9], 128)
+    _, q_nope, q_pe, w = make_inputs(batch)
+    pool = KVPool(1, {0}, num_pages=2, kv_lora_rank=R, qk_rope_head_dim=q_pe.shape[-1], index_head_dim=DI,
+                  kv_format="fp8")
+    pool.randomize_()
+    args = (q_nope, q_pe, pool, 0, w, None, batch, 0.25, DN, DV)
+    got = triton_mha(*args, block_m=8, block_n=16)
+    assert got.shape == (batch.num_tokens, H * DV)
+    torch.testing.assert_close(got, ref.mla_attention_mha(*args), rtol=1e-4, atol=1e-4)
+
+
+def test_fp8_source_is_specialised_for_glm53():
+    from filecheck import check
+    qkv = tt.QkvNormRopeWriteCtx.make(2048, 512, 64, 1e-5, True, 128, kv_fp8=True, index_fp8=True)
+    check(tt.render("qkv_norm_rope_write", qkv), "def _e4m3_round", "def _bf16_round", "tl.static_range(4)",
+          "og < 512", "kv_scale_ptr + loc * kv_scale_stride + g", "(loc // 64) * ik_cache_stride",
+          "(loc % 64) * 128", "ik_scale_ptr + (loc // 64)")
+    plain = tt.QkvNormRopeWriteCtx.make(2048, 512, 64, 1e-5, True, 128)
+    check(tt.render("qkv_norm_rope_write", plain), "dst + 512 + j", absent=("_e4m3_round", "kv_scale_ptr"))
+    mla = tt.SparseMlaDecodeCtx.make(64, 512, 64, 2048, 1 / 16, torch.bfloat16, 1, kv_fp8=True)
+    check(tt.render("sparse_mla_decode", mla), "kv_scale_ptr, kv_scale_stride, kv_pe_ptr", "(r // 128)",
+          "kv_pe_ptr + slot[:, None] * kv_pe_stride", absent=("+ 512 + dr",))
+    check(tt.render("indexer_scores", tt.IndexerScoresCtx.make(32, 128, torch.bfloat16, fp8=True)),
+          "slot // 64", "(slot % 64) * 128", "k = k * ks[:, None]")

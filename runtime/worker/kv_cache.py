@@ -164,5 +164,6 @@ class KVPool:
     def __repr__(self) -> str:
         return (
             f"KVPool(layers={self.num_layers}, full={sorted(self.full_layers)}, pages={self.num_pages}x{PAGE_SIZE},"
-            f" kv={self.kv_lora_rank}+{self.qk_rope_head_dim}, index_k={self.index_head_dim}, {self.dtype}, {self.kv_format}/{self.index_format})"
+            f" kv={self.kv_lora_rank}+{self.qk_rope_head_dim}, index_k={self.index_head_dim}, {self.dtype},"
+            f" {self.kv_format}/{self.index_format})"
         )
