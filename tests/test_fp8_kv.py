@@ -8,9 +8,11 @@
   torch's norms differ in the last fp32 bit: at most one e4m3 step); the indexer scores and the
   sparse MLA kernel dequantise in registers and match the torch reference reading the same bytes.
 - Plan level: the CUDA target with FP8 KV against the torch target whose pool rounds the same
-  values through FP8 (`KVPool` format "fp8-emulated"): the same greedy tokens, logits within 1e-3
-  relative (both compute in fp32 from identical cache values, except where a write's e4m3 rounding
-  flips one step; the w8a8-free fp32 tiny model keeps that small).
+  values through FP8 (`KVPool` format "fp8-emulated"): the same greedy tokens, logits within 1e-4
+  relative (measured <= 1.8e-5: both compute in fp32 from the same cache values, except where the
+  kernel's and torch's fp32 norms / RoPE differ in a last bit that moves a value across an e4m3 or
+  bf16 rounding tie). Against the plain fp32 KV the same model's logits move by 4-6% in the first
+  steps (FP8's 3 mantissa bits on a random model), which is why the oracle must emulate.
 - The plan, plan.json, `glmc explain` and the pool the loader allocates agree on the KV bytes.
 """
 import json
@@ -194,7 +196,7 @@ def test_cuda_target_fp8_kv_matches_the_emulating_torch_target(ckpt, one_torch_t
     want, want_logits = _greedy(oracle, prompts, 4, table)
     assert torch.equal(got, want)
     for a, b in zip(got_logits, want_logits):
-        assert float((a - b).norm() / b.norm()) < 1e-3
+        assert float((a - b).norm() / b.norm()) < 1e-4
 
 
 def test_compile_and_run_take_kv_dtype(ckpt, tmp_path):
