@@ -171,6 +171,7 @@ def test_plan_explain_and_pool_agree(ckpt, tmp_path):
         mem = plan.graphs["decode"].meta["memory"]
         assert mem["kv_bytes_per_token"] == kv_row * mem["kv_layers"]
         assert mem["index_bytes_per_token"] == index_row * mem["index_layers"]
+        assert pool.bytes_per_token() == mem["kv_bytes_per_token"] + mem["index_bytes_per_token"]   # no MTP layer here
         plan.save(tmp_path / plan.dtypes.kv_cache)
         saved = json.loads((tmp_path / plan.dtypes.kv_cache / "plan.json").read_text())
         assert saved["dtypes"]["kv_cache"] == plan.dtypes.kv_cache
