@@ -88,12 +88,12 @@ def op_cost(op, args, rt, ctx):
     if k.startswith("attn."):
         keys, H = min(ctx, int(args[3].shape[1]) if args[3] is not None else ctx), int(op.attr("heads"))
         R, dr, dn, dv = int(op.attr("kv_lora")), int(op.attr("dr")), int(op.attr("dn")), int(op.attr("dv"))
-        kv = T * keys * (R + dr) * rt.pool.kv[0].element_size()
+        kv = T * keys * rt.pool.bytes_per_token_per_layer()[0]   # 656 B per key in FP8, (R + dr) x 2 in bf16
         return wb(op.attr("weight")) + kv, act, 2 * T * H * (dn * R + R * dv + keys * (2 * R + dr))
     if k == "idx.topk":
-        ik = rt.pool.index_k[args[2]]
         hi, di = int(op.attr("heads")), int(op.attr("head_dim"))
-        return T * ctx * di * ik.element_size(), act + 8 * T * rt.max_len, 2 * T * hi * di * ctx
+        row = rt.pool.bytes_per_token_per_layer()[1]   # 132 B per key in FP8, di x 2 in bf16
+        return T * ctx * row, act + 8 * T * rt.max_len, 2 * T * hi * di * ctx
     return 0, act, 0
 
 
@@ -258,7 +258,8 @@ def setup_glmc(model, batches, ctx, dev, dtype, info):
     """Plan, runner over the HF parameters, MoE tile sweep, prefill, capture."""
     import torch
     t = now()
-    plan = pc.glmc_plan(model, max(batches), "float32" if dtype == torch.float32 else "bfloat16")
+    plan = pc.glmc_plan(model, max(batches), "float32" if dtype == torch.float32 else "bfloat16",
+                        kv_dtype="bf16")   # the bf16 baseline: bf16 KV too
     info["compile_s"] = now() - t
     c, max_ctx = plan.config, ctx + 64
     weights, stacks = pc.glmc_weights(model)

@@ -190,7 +190,7 @@ def bench_indexer(b):
         with poisoned():
             scores = tt.indexer_scores(q, w, cache, r2t, rows, pos, max_len)
             got = tt.topk_select(scores, pos + 1, d.topk)
-        want = ref.indexer_topk(cpu(q), cpu(w), SimpleNamespace(index_k={0: cpu(cache)}), 0, batch, d.topk)
+        want = ref.indexer_topk(cpu(q), cpu(w), SimpleNamespace(index_keys=lambda l, s: cpu(cache)[s]), 0, batch, d.topk)
         overlap = min(len(set(g[g >= 0].tolist()) & set(r[r >= 0].tolist())) / max(1, int((r >= 0).sum()))
                       for g, r in zip(got.cpu(), want))
         t = int(torch.randint(0, T, ()))  # one token's scores against an fp32 recomputation

@@ -3,6 +3,7 @@
     python bench/gpu_plan_check.py --out results.json     # CUDA (the H200)
     python bench/gpu_plan_check.py --cpu                  # CPU dry run under TRITON_INTERPRET=1, tiny shapes
     python bench/gpu_plan_check.py --fp8 --out fp8.json   # the same checks with block-FP8 weights
+    python bench/gpu_plan_check.py --kv-dtype fp8          # FP8 KV cache (also for the fp32 tiny checkpoint)
 
 1. tiny: greedy tokens of the GPU plan (fp32 tiny checkpoint from tests/tiny_hf.py, 16 indexer heads, rope 16,
    3 requests padded into the 4-bucket graph) == transformers `generate` on the same device.
@@ -18,6 +19,10 @@ differing step reported: FP8 rounding is discontinuous, so a summation-order dif
 quantised value and then a route; width logits within tol); width also reports
 each step's error and top-1 agreement against the plain torch target on the dequantised weights
 (`vs_dequantised`: what FP8 activations cost), which has no pass criterion.
+KV cache (`--kv-dtype fp8|bf16`, default the plan's: fp8 for the bf16 width slice, fp32 for the fp32
+tiny checkpoint): where the plan stores it fp8 (FlashMLA's 656-byte rows, 132-byte indexer keys) the
+oracles are the torch target whose pool rounds the same values through FP8 (`kv_fp8="emulate"`); tiny
+then passes on the first half of the steps, as with FP8 weights.
 The helpers here (slice config, model, glmc weights, greedy loop) are shared with bench/decode_bench.py.
 """
 from __future__ import annotations
@@ -101,20 +106,21 @@ def randomize_on_device_(model, seed):
 FP8_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
 
 
-def glmc_plan(model, max_reqs, dtype_name, parallel="tp1", fp8=False, **options):
+def glmc_plan(model, max_reqs, dtype_name, parallel="tp1", fp8=False, kv_dtype=None, **options):
     """The CUDA-target `Plan` of the model's config (written as config.json to a temp dir); fp8:
-    with block-FP8 linear weights (the loader quantises unquantised weights on load)."""
+    with block-FP8 linear weights (the loader quantises unquantised weights on load); kv_dtype:
+    `spec.kv_dtyped` (None: the config's default)."""
     from glmc.compiler import compile_plan
     from glmc.config import Options
     from glmc.parallel import parse_parallel
-    from glmc.spec import load_spec
+    from glmc.spec import kv_dtyped, load_spec
     d = Path(tempfile.mkdtemp(prefix="glmc_slice_"))
     raw = model.config.to_dict()
     raw.update(model_type="glm_moe_dsa", dtype=dtype_name, num_nextn_predict_layers=0)
     if fp8:
         raw["quantization_config"] = FP8_CONFIG
     (d / "config.json").write_text(json.dumps(raw))
-    spec = load_spec(d)
+    spec = kv_dtyped(load_spec(d), kv_dtype)
     return compile_plan(spec, parse_parallel(parallel, spec.config),
                         Options(device="cuda", max_batch=max_reqs, **options))
 
@@ -205,36 +211,41 @@ def w8a8_twin(plan, runner, num_pages):
     from glmc.codegen import fp8_torch_target
     from glmc.runtime.worker.executor import PlanExecutor
     from glmc.runtime.worker.kv_cache import KVPool
-    pool = KVPool.for_plan(plan, num_pages, runner.pool.dtype, runner.pool.device)
+    pool = KVPool.for_plan(plan, num_pages, runner.pool.dtype, runner.pool.device, fp8="emulate")
     return PlanExecutor(plan, runner.weights, pool, runner.comm, impls=fp8_torch_target.IMPLS,
                         device=runner.device, stacks=runner._stacks)
 
 
-def check_tiny(dev, capture, steps=16, fp8=False):
+def check_tiny(dev, capture, steps=16, fp8=False, kv_dtype=None):
     import torch
     from tiny_hf import save_tiny, save_tiny_fp8
 
     from glmc.compiler import compile_plan
     from glmc.config import Options
     from glmc.parallel import parse_parallel
-    from glmc.spec import load_spec
+    from glmc.spec import kv_dtyped, load_spec
     tmp = Path(tempfile.mkdtemp(prefix="glmc_tiny_"))
     # 16 indexer heads: with tiny's 4, keys whose every head is ReLU'd to 0 tie exactly at the top-k
     # threshold, and torch.topk breaks such ties differently on CPU and CUDA (HF itself is ambiguous there).
     # RoPE dim 16 (index head 32): Triton's tl.dot needs K >= 16 on a GPU (tiny's 8 runs only interpreted).
     save = save_tiny_fp8 if fp8 else save_tiny
     model = save(tmp, "grouped", seed=3, index_n_heads=16, qk_rope_head_dim=16, index_head_dim=32).to(dev)
-    spec = load_spec(tmp)
+    spec = kv_dtyped(load_spec(tmp), kv_dtype)
     plan = compile_plan(spec, parse_parallel("tp1", spec.config), Options(device="cuda", max_batch=4))
+    kv_fp8 = plan.dtypes.kv_cache == "fp8"
+    approx = fp8 or kv_fp8
     runner = gpu_runner(plan, tmp, dev, 4, 128)
     t0 = time.perf_counter()
     cap = runner.capture() if capture else {}
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 256, (26,), generator=g).tolist() for _ in range(3)]
     got = greedy(runner, prompts, steps, req_table(4, 2))
-    if fp8:   # the oracle: the torch target with the FP8 plan's activation quantisation
+    if fp8:   # the oracle: the torch target with the FP8 plan's activation quantisation (and KV rounding)
         ref = gpu_runner(plan, tmp, dev, 4, 128, target="cpu")
         want, name = greedy(w8a8_twin(plan, ref, ref.pool.num_pages), prompts, steps, req_table(4, 2)), "w8a8 torch target"
+    elif kv_fp8:   # the oracle: the torch target whose pool rounds through FP8 as the GPU's stores
+        ref = gpu_runner(plan, tmp, dev, 4, 128, target="cpu", kv_fp8="emulate")
+        want, name = greedy(ref, prompts, steps, req_table(4, 2)), "torch target (FP8 KV emulated)"
     else:
         want = model.generate(torch.tensor(prompts, device=dev), max_new_tokens=steps, min_new_tokens=steps,
                               do_sample=False)[:, 26:].cpu()
@@ -242,24 +253,26 @@ def check_tiny(dev, capture, steps=16, fp8=False):
     # first differing step per request (steps: none). FP8 rounding is discontinuous: a summation-order
     # difference can flip one quantised value, then a route, so FP8 passes on the first half of the steps.
     first = [next((i for i in range(steps) if a[i] != b[i]), steps) for a, b in zip(got.tolist(), want.tolist())]
-    ok = min(first) >= steps // 2 if fp8 else bool(torch.equal(got, want))
-    return {"check": f"tiny greedy == {name}" + (f" (first {steps // 2} steps)" if fp8 else ""), "pass": ok,
+    ok = min(first) >= steps // 2 if approx else bool(torch.equal(got, want))
+    return {"check": f"tiny greedy == {name}" + (f" (first {steps // 2} steps)" if approx else ""), "pass": ok,
+            "kv_cache": plan.dtypes.kv_cache,
             "first_diff": first,
             "agree": float((got == want).float().mean()), "buckets_captured": sorted(cap),
             "capture_s": round(time.perf_counter() - t0, 2), "tokens": got[0].tolist()[:8]}
 
 
-def check_width(dev, dtype, narrow, lengths, steps=3, tol=2e-2, fp8=False):
+def check_width(dev, dtype, narrow, lengths, steps=3, tol=2e-2, fp8=False, kv_dtype=None):
     import torch
     model = slice_model(dev, dtype, seed=0, narrow=narrow)
     B, max_ctx = len(lengths), -(-(max(lengths) + steps + 1) // 64) * 64
-    plan = glmc_plan(model, B, "float32" if dtype == torch.float32 else "bfloat16", fp8=fp8)
+    plan = glmc_plan(model, B, "float32" if dtype == torch.float32 else "bfloat16", fp8=fp8, kv_dtype=kv_dtype)
     c = plan.config
     weights, stacks = glmc_weights(model)
     runner = gpu_runner(plan, weights, dev, B, max_ctx, stacks=stacks)
     # The oracle: the torch target (fp32) on the same bf16-rounded weights and GPU; its
-    # torch_ref.moe_experts upcasts one expert at a time, so the bf16 stacks are shared.
-    ref = gpu_runner(plan, weights, dev, B, max_ctx, target="cpu", stacks=stacks)
+    # torch_ref.moe_experts upcasts one expert at a time, so the bf16 stacks are shared. Caches the
+    # plan stores fp8 hold the values the GPU's FP8 pool gives back (emulated).
+    ref = gpu_runner(plan, weights, dev, B, max_ctx, target="cpu", stacks=stacks, kv_fp8="emulate")
     plain = None
     if fp8:    # decide against the w8a8 torch target; report the plain one on the dequantised weights
         plain, ref = ref, w8a8_twin(plan, ref, ref.pool.num_pages)
@@ -281,6 +294,7 @@ def check_width(dev, dtype, narrow, lengths, steps=3, tol=2e-2, fp8=False):
     ok = all(r["rel_err"] < tol for r in rows)
     what = "w8a8 torch target" if fp8 else "torch target"
     return {"check": f"width logits vs {what} (tol {tol})", "pass": ok, "lengths": list(lengths),
+            "kv_cache": plan.dtypes.kv_cache, "kv_bytes_per_token_per_layer": runner.pool.bytes_per_token_per_layer(),
             "weights": plan.weight_formats["linear_weights"], "graphs": sorted(runner.captured), "rows": rows}
 
 
@@ -301,6 +315,8 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--skip-width", action="store_true")
     ap.add_argument("--fp8", action="store_true", help="block-FP8 linear weights (see the module doc)")
+    ap.add_argument("--kv-dtype", choices=("fp8", "bf16"), default=None,
+                    help="KV cache dtype (default: the plan's; see the module doc)")
     args = ap.parse_args()
     if args.cpu:
         os.environ["TRITON_INTERPRET"] = "1"
@@ -310,10 +326,11 @@ def main():
     dev = "cpu" if args.cpu else "cuda"
     results = {"device": "cpu-interpreter" if args.cpu else torch.cuda.get_device_name(),
                "date": time.strftime("%Y-%m-%d %H:%M:%S"), "torch": torch.__version__, "checks": []}
-    jobs = [("tiny", lambda: check_tiny(dev, not args.cpu, fp8=args.fp8))]
+    jobs = [("tiny", lambda: check_tiny(dev, not args.cpu, fp8=args.fp8, kv_dtype=args.kv_dtype))]
     if not args.skip_width:
         jobs.append(("width", lambda: check_width(dev, torch.float32 if args.cpu else torch.bfloat16, args.cpu,
-                                                  (40, 21) if args.cpu else (2100, 300), fp8=args.fp8)))
+                                                  (40, 21) if args.cpu else (2100, 300), fp8=args.fp8,
+                                                  kv_dtype=args.kv_dtype)))
     for name, job in jobs:
         t0 = time.perf_counter()
         try:

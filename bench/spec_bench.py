@@ -118,8 +118,7 @@ def one_spec(plan, weights, stacks, job, comm):
     gpu = load_runner(plan, weights, device=dev, comm=comm, num_pages=max_b * max_ctx // 64 + 1,
                       max_context=max_ctx, max_running=max_b, capture=False, stacks=stacks).executor
     g = torch.Generator(device=dev).manual_seed(comm.rank)
-    for t in gpu.pool.kv + list(gpu.pool.index_k.values()):
-        t.normal_(generator=g)
+    gpu.pool.randomize_(g)
     dp = plan.mesh["attn_dp"]
     need = {B: gpu.padded_tokens(B, [B] * dp if dp > 1 else None) for B in batches}
     buckets = sorted({next(b for b in gpu.buckets if b >= n) for n in need.values()})

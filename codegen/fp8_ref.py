@@ -150,3 +150,70 @@ def moe_experts_fp8(x, ids, weights, w_gate: Fp8Weight, w_up: Fp8Weight, w_down:
             y = fp8_gemm(*quantize_token_groups(h), w_down.q[e], w_down.scale_inv[e])
             out[t] += float(weights[t, j]) * y[0]
     return out
+
+
+# ----------------------------------------------------------------------------- FP8 KV caches
+# FlashMLA's sparse FP8 latent cache: one 656-byte row per token = the latent's kv_lora e4m3 values,
+# then one fp32 scale per 128 of them, then the RoPE'd key in bf16. The indexer's key cache
+# (DeepGEMM `fp8_paged_mqa_logits`, SGLang `nsa_indexer`): per page of PAGE tokens, all PAGE x dim
+# e4m3 key bytes first, then the PAGE fp32 scales (132 bytes per token at dim 128). Both quantise
+# with `quantize_token_groups` (s = amax / 448 per group of 128).
+KV_PAGE = 64
+
+
+def kv_fp8_row_bytes(kv_lora: int, rope_dim: int) -> int:
+    """Bytes of one token's latent-cache row: 656 for GLM-5 / DeepSeek-V3.2 (512 + 4 x 4 + 64 x 2)."""
+    return kv_lora + 4 * -(-kv_lora // BLOCK) + 2 * rope_dim
+
+
+def index_fp8_row_bytes(dim: int) -> int:
+    """Bytes per token of the FP8 indexer key cache: 132 at dim 128 (keys + one fp32 scale)."""
+    return dim + 4
+
+
+def kv_fp8_views(rows: torch.Tensor, kv_lora: int):
+    """(latent e4m3 [n, kv_lora], scales fp32 [n, kv_lora/128], k_pe bf16 [n, rope]) views of uint8
+    rows [n, 656] (contiguous rows: each view keeps the row's byte stride in its own element size)."""
+    n, width = rows.shape
+    groups = -(-kv_lora // BLOCK)
+    pe0 = kv_lora + 4 * groups
+    if width % 4 or pe0 % 4:
+        raise ValueError(f"kv_fp8_views: a {width}-byte row with the scales at {kv_lora} cannot be viewed as fp32")
+    return (rows.view(torch.float8_e4m3fn)[:, :kv_lora], rows.view(torch.float32)[:, kv_lora // 4:pe0 // 4],
+            rows.view(torch.bfloat16)[:, pe0 // 2:])
+
+
+def kv_fp8_pack(c_kv: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
+    """uint8 rows [n, kv_fp8_row_bytes] holding quantised c_kv [n, kv_lora] and k_pe [n, rope] in bf16."""
+    n, kv_lora = c_kv.shape
+    rows = torch.empty(n, kv_fp8_row_bytes(kv_lora, k_pe.shape[1]), dtype=torch.uint8, device=c_kv.device)
+    q, s, pe = kv_fp8_views(rows, kv_lora)
+    q[:], s[:] = quantize_token_groups(c_kv)
+    pe[:] = k_pe.to(torch.bfloat16)
+    return rows
+
+
+def kv_fp8_unpack(rows: torch.Tensor, kv_lora: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(c_kv fp32 [n, kv_lora], k_pe fp32 [n, rope]) of packed rows: q * s per group of 128."""
+    q, s, pe = kv_fp8_views(rows, kv_lora)
+    return q.float() * s.repeat_interleave(BLOCK, 1)[:, :kv_lora], pe.float()
+
+
+def kv_fp8_round(c_kv: torch.Tensor, k_pe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The values an FP8 latent cache gives back for (c_kv, k_pe): the torch target's emulation."""
+    return kv_fp8_unpack(kv_fp8_pack(c_kv, k_pe), c_kv.shape[1])
+
+
+def index_fp8_round(k: torch.Tensor) -> torch.Tensor:
+    """The values an FP8 indexer key cache gives back for keys k [n, dim] (fp32)."""
+    q, s = quantize_token_groups(k, group=k.shape[1])
+    return q.float() * s
+
+
+def index_fp8_views(pages: torch.Tensor, dim: int):
+    """(keys e4m3 [num_pages, KV_PAGE, dim], scales fp32 [num_pages, KV_PAGE]) views of the uint8 page
+    tensor [num_pages, KV_PAGE * (dim + 4)] (a page's keys first, then its scales): slot s is
+    [s // KV_PAGE, s % KV_PAGE]."""
+    keys = pages[:, :KV_PAGE * dim].view(torch.float8_e4m3fn).unflatten(1, (KV_PAGE, dim))
+    scales = pages.view(torch.float32)[:, KV_PAGE * dim // 4:]
+    return keys, scales

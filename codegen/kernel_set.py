@@ -15,6 +15,9 @@ and the GPU choose grids and split counts at launch:
   quantiser at its input width and the block-scaled GEMM per joined FP8 part (`cuda_target.fp8_parts`)
   at both row classes; the routed experts' FP8 grouped GEMMs instead of the bf16 ones. A bf16 plan
   carries none of them.
+- FP8 KV (a plan whose `dtypes.kv_cache` is fp8, `kv_fp8`): the KV-write, indexer-scores and sparse
+  MLA kernels in their FP8-cache variants (quantise / dequantise in registers) instead of the plain
+  ones; the indexer cache follows `dtypes.index_cache`.
 
 `render_kernels(plan)` names them `<template>_<n>` and renders each: `glmc compile --device cuda`
 writes them to `kernels/<name>.py` with their contexts in plan.json, and the runtime runs exactly
@@ -40,55 +43,61 @@ def compute_dtype(dtypes) -> torch.dtype:
     return torch.float32 if dtypes.activation == "fp32" else torch.bfloat16
 
 
+def kv_fp8(dtypes) -> tuple[bool, bool]:
+    """(latent cache FP8, indexer cache FP8) on the CUDA target: the plan's dtypes say so."""
+    return dtypes.kv_cache == "fp8", dtypes.index_cache == "fp8"
+
+
 def _dims(graph: Graph, value: str) -> list[int]:
     """The static dims of a value's type (the token dim `T` and other symbols dropped)."""
     return [int(d.coeff) for d in graph.type_of(value).shape if d.sym is None]
 
 
-def _rms(op, graph, dtype):
+def _rms(op, graph, dtype, kv=(False, False)):
     return [tc.RmsNormCtx.make(_dims(graph, op.results[0])[-1], op.attr("eps"), op.kind == "fused.add_rms")]
 
 
-def _rope(op, graph, dtype):
+def _rope(op, graph, dtype, kv=(False, False)):
     *heads, dim = _dims(graph, op.operands[0])
     return [tc.RopeCtx.make(heads[0] if heads else 1, dim, int(op.attr("dims")), op.attr("interleaved", True),
                          ref.rope_attention_factor(op.attr("scaling")))]
 
 
-def _qkv(op, graph, dtype):
+def _qkv(op, graph, dtype, kv=(False, False)):
     index = op.kind.endswith("_index")
     return [tc.QkvNormRopeWriteCtx.make(
         int(op.attr("q_lora")), int(op.attr("kv_lora")), int(op.attr("rope_dim")), op.attr("eps"),
         op.attr("interleaved", True), int(op.attr("index_dim")) if index else 0,
         op.attr("index_eps") if index else 1e-6, op.attr("index_interleaved", True) if index else True,
-        ref.rope_attention_factor(op.attr("scaling")))]
+        ref.rope_attention_factor(op.attr("scaling")), kv[0], kv[1])]
 
 
-def _topk(op, graph, dtype):
+def _topk(op, graph, dtype, kv=(False, False)):
     heads, dim = _dims(graph, op.operands[0])
-    return [tc.IndexerScoresCtx.make(heads, dim, dtype), tc.TopkSelectCtx.make(int(op.attr("k")), chunk=tc.TOPK_CHUNK)]
+    return [tc.IndexerScoresCtx.make(heads, dim, dtype, fp8=kv[1]),
+            tc.TopkSelectCtx.make(int(op.attr("k")), chunk=tc.TOPK_CHUNK)]
 
 
-def _attn(op, graph, dtype):
+def _attn(op, graph, dtype, kv=(False, False)):
     heads = int(op.attr("heads")) // int(op.attr("tp", 1))
     kv_lora = int(op.attr("kv_lora"))
     topk = _dims(graph, op.operands[3])[-1] if len(op.operands) > 3 else None
-    return (tc.SparseMlaDecodeCtx.variants(heads, kv_lora, int(op.attr("dr")), topk, op.attr("scale"), dtype)
+    return (tc.SparseMlaDecodeCtx.variants(heads, kv_lora, int(op.attr("dr")), topk, op.attr("scale"), dtype, kv[0])
             + tc.MlaCombineCtx.variants(heads, kv_lora))
 
 
-def _router(op, graph, dtype):
+def _router(op, graph, dtype, kv=(False, False)):
     return [tc.MoeRouterCtx.make(_dims(graph, op.operands[0])[-1], int(op.attr("n_group")), int(op.attr("topk_group")),
                               int(op.attr("top_k")), op.attr("norm_topk_prob"), op.attr("scale"))]
 
 
-def _experts(op, graph, dtype):
+def _experts(op, graph, dtype, kv=(False, False)):
     """Routes per row from the ids operand: top_k, or 1 after an a2a dispatch (one row per route)."""
     inter = int(op.attr("inter")) // int(op.attr("moe_tp", 1))
     return MoeExpertsCtx.variants(int(op.attr("hidden")), inter, _dims(graph, op.operands[2])[-1], dtype)
 
 
-def _sample(op, graph, dtype):
+def _sample(op, graph, dtype, kv=(False, False)):
     return [tc.SampleCtx.make(_dims(graph, op.operands[0])[-1])]
 
 
@@ -155,16 +164,17 @@ FP8_KERNELS_OF = {"linear": _fp8_linear, "mla.a_proj": _fp8_linear, "mlp.swiglu"
                   "moe.experts": _fp8_experts}
 
 
-def op_kernels(op: Op, graph: Graph, dtype: torch.dtype, fp8_config=None) -> list:
+def op_kernels(op: Op, graph: Graph, dtype: torch.dtype, fp8_config=None, kv=(False, False)) -> list:
     """The kernel contexts `op`'s CUDA implementation may launch; `fp8_config` (the plan's config
-    when its weights are FP8) selects the FP8 kernels of the ops in FP8_KERNELS_OF."""
+    when its weights are FP8) selects the FP8 kernels of the ops in FP8_KERNELS_OF, `kv`
+    (`kv_fp8`) the FP8-cache variants of the attention kernels."""
     if fp8_config is not None and op.kind in FP8_KERNELS_OF:
         return FP8_KERNELS_OF[op.kind](op, graph, dtype, fp8_config)
     if op.kind in NO_TRITON:
         return []
     if op.kind not in KERNELS_OF:
         raise ValueError(f"{op.where()}: the CUDA target has no kernel list for {op.kind!r}")
-    return KERNELS_OF[op.kind](op, graph, dtype)
+    return KERNELS_OF[op.kind](op, graph, dtype, kv)
 
 
 def plan_kernels(plan) -> dict[str, object]:
@@ -175,7 +185,7 @@ def plan_kernels(plan) -> dict[str, object]:
     seen: dict = {}
     for graph in plan.graphs.values():
         for op in graph.ops:
-            for ctx in op_kernels(op, graph, dtype, fp8_config):
+            for ctx in op_kernels(op, graph, dtype, fp8_config, kv_fp8(plan.dtypes)):
                 seen.setdefault(ctx, None)
     counts: dict[str, int] = {}
     out = {}

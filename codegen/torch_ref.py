@@ -107,13 +107,14 @@ def rope(x, positions, theta, interleaved=True, scaling=None):
 
 
 def kv_write(pool: KVPool, layer, loc, c_kv, k_pe):
-    """pool.kv[layer][loc] = [c_kv | k_pe] (normalised latent, then RoPE'd shared key)."""
-    pool.kv[layer][loc] = torch.cat([c_kv, k_pe], dim=-1).to(pool.dtype)
+    """pool.kv[layer][loc] = [c_kv | k_pe] (normalised latent, then RoPE'd shared key; `KVPool.write_kv`
+    quantises where the pool is FP8 or emulates it)."""
+    pool.write_kv(layer, loc, c_kv, k_pe)
 
 
 def index_k_write(pool: KVPool, layer, loc, k):
     """pool.index_k[layer][loc] = k (the RoPE'd, LayerNorm'd indexer key; full layers only)."""
-    pool.index_k[layer][loc] = k.to(pool.dtype)
+    pool.write_index_k(layer, loc, k)
 
 
 def _requests(batch: ForwardBatch):
@@ -150,7 +151,7 @@ def indexer_topk(q_idx, weights, pool: KVPool, layer, batch: ForwardBatch, topk)
     scale = q_idx.shape[-1] ** -0.5
     for tok, slots, qpos in _requests(batch):
         slots, qpos = _on(slots, dev), _on(qpos, dev)
-        k = pool.index_k[layer][slots].float()  # [L, Di]
+        k = pool.index_keys(layer, slots).float()  # [L, Di]
         scores = torch.relu(torch.einsum("thd,ld->thl", q_idx[tok].float(), k) * scale)
         index = torch.einsum("th,thl->tl", weights[tok].float(), scores)  # [n, L]
         future = torch.arange(k.shape[0], device=dev)[None, :] > qpos[:, None]

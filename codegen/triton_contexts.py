@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from glmc.codegen.cuda_kernels import TOPK_CHUNK
+from glmc.codegen.fp8_ref import BLOCK as FP8_GROUP
+from glmc.codegen.fp8_ref import KV_PAGE
 from glmc.codegen.triton_render import _DOT, _warps, next_pow2
 
 
@@ -106,15 +108,25 @@ class QkvNormRopeWriteCtx:
     block_half: int
     block_index: int
     num_warps: int
+    # FP8 caches (`codegen.fp8_ref`): the latent quantised per `group` values (`num_groups` scales),
+    # the indexer keys per key, in pages of `page` slots
+    kv_fp8: bool = False
+    index_fp8: bool = False
+    any_fp8: bool = False
+    group: int = FP8_GROUP
+    num_groups: int = 0
+    page: int = KV_PAGE
 
     @classmethod
     def make(cls, q_lora, kv_lora, rope_dim, eps, interleaved, index_dim=0, index_eps=1e-6,
-             index_interleaved=True, attention_factor=1.0):
+             index_interleaved=True, attention_factor=1.0, kv_fp8=False, index_fp8=False):
         half = rope_dim // 2
+        index_fp8 = bool(index_fp8 and index_dim > 0)
         return cls(q_lora, kv_lora, rope_dim, half, kv_lora + half, float(eps), bool(interleaved),
                    index_dim > 0, index_dim, float(index_eps), bool(index_interleaved), float(attention_factor),
                    attention_factor != 1.0, next_pow2(q_lora), next_pow2(kv_lora), next_pow2(half),
-                   next_pow2(max(index_dim, 1)), _warps(q_lora, 512, 4))
+                   next_pow2(max(index_dim, 1)), _warps(q_lora, 512, 4), bool(kv_fp8), index_fp8,
+                   bool(kv_fp8) or index_fp8, FP8_GROUP, -(-kv_lora // FP8_GROUP) if kv_fp8 else 0, KV_PAGE)
 
 
 @dataclass(frozen=True)
@@ -129,13 +141,15 @@ class IndexerScoresCtx:
     dot_dtype: str
     dot_precision: str
     num_warps: int
+    fp8: bool = False   # keys from the FP8 page layout, dequantised in registers
+    page: int = KV_PAGE
 
     @classmethod
-    def make(cls, num_heads, index_dim, dtype, block_n=None):
+    def make(cls, num_heads, index_dim, dtype, block_n=None, fp8=False):
         dot_dtype, precision = _DOT[dtype]
         block_n = block_n or 64
         return cls(num_heads, index_dim, index_dim ** -0.5, max(16, next_pow2(num_heads)), block_n,
-                   dot_dtype, precision, 4)
+                   dot_dtype, precision, 4, bool(fp8), KV_PAGE)
 
 
 
@@ -187,10 +201,12 @@ class SparseMlaDecodeCtx:
     dot_precision: str
     num_warps: int
     num_stages: int
+    kv_fp8: bool = False   # FlashMLA FP8 rows: c_kv dequantised in registers (one scale per `group`)
+    group: int = FP8_GROUP
 
     @classmethod
     def make(cls, num_heads, kv_lora, rope_dim, topk, scale, dtype, num_tokens, block_h=None, block_n=None,
-             num_warps=None, num_stages=None, key_major=None):
+             num_warps=None, num_stages=None, key_major=None, kv_fp8=False):
         if kv_lora != next_pow2(kv_lora) or rope_dim != next_pow2(rope_dim):
             raise ValueError(f"sparse_mla_decode needs power-of-two kv_lora/rope dims, got {kv_lora}/{rope_dim}")
         dot_dtype, precision = _DOT[dtype]
@@ -205,12 +221,13 @@ class SparseMlaDecodeCtx:
         num_warps = num_warps or (8 if block_h > 16 else 4)
         num_stages = num_stages or (1 if wide else 2)
         return cls(num_heads, kv_lora, rope_dim, topk is not None, topk or 0, block_h, block_n, bool(key_major),
-                   float(scale) * 1.4426950408889634, dot_dtype, precision, num_warps, num_stages)
+                   float(scale) * 1.4426950408889634, dot_dtype, precision, num_warps, num_stages, bool(kv_fp8),
+                   FP8_GROUP)
 
     @classmethod
-    def variants(cls, num_heads, kv_lora, rope_dim, topk, scale, dtype) -> list["SparseMlaDecodeCtx"]:
+    def variants(cls, num_heads, kv_lora, rope_dim, topk, scale, dtype, kv_fp8=False) -> list["SparseMlaDecodeCtx"]:
         """Every context `make` gives for some token count (the token classes)."""
-        out = [cls.make(num_heads, kv_lora, rope_dim, topk, scale, dtype, t) for t in (1, 32)]
+        out = [cls.make(num_heads, kv_lora, rope_dim, topk, scale, dtype, t, kv_fp8=kv_fp8) for t in (1, 32)]
         return list(dict.fromkeys(out))
 
 

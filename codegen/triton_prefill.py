@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
+from glmc.codegen import fp8_ref
 from glmc.codegen.triton_render import _DOT, JIT, next_pow2
 
 LOG2E = 1.4426950408889634
@@ -177,10 +178,15 @@ def prefill_keys(reqs: Requests, req_to_token, topk, block_m, block_n, device) -
 
 
 def expand_keys(kv_cache, w_kv_b, slots, kv_lora):
-    """Step 2: (kv [U, H*(dn+dv)] = c_kv(slots) @ w_kv_b.T in w_kv_b's dtype, k_pe [U, dr] same dtype)."""
+    """Step 2: (kv [U, H*(dn+dv)] = c_kv(slots) @ w_kv_b.T in w_kv_b's dtype, k_pe [U, dr] same dtype).
+    FP8 rows (uint8, `fp8_ref.kv_fp8_views`) are dequantised first."""
     rows = kv_cache[slots]
-    kv = rows[:, :kv_lora].to(w_kv_b.dtype) @ w_kv_b.T
-    return kv, rows[:, kv_lora:].to(kv.dtype).contiguous()
+    if rows.dtype == torch.uint8:
+        c_kv, k_pe = fp8_ref.kv_fp8_unpack(rows, kv_lora)
+    else:
+        c_kv, k_pe = rows[:, :kv_lora], rows[:, kv_lora:]
+    kv = c_kv.to(w_kv_b.dtype) @ w_kv_b.T
+    return kv, k_pe.to(kv.dtype).contiguous()
 
 
 def sparse_mla_prefill(q_nope, q_pe, kv, k_pe, keys: PrefillKeys, positions, scale, dv, **tiles):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 from glmc.codegen import torch_ref as ref
+from glmc.codegen import fp8_ref
 from glmc.codegen.triton_contexts import (  # noqa: F401  (re-exported)
     IndexerScoresCtx,
     MlaCombineCtx,
@@ -136,21 +137,43 @@ def qkv_norm_rope_write(q_a, kv_a, positions, out_cache_loc, kv_cache, q_norm_w,
     out_cache_loc, kv_cache = [rms_norm(kv_a[:, :R]) | rope(kv_a[:, R:])] (R = kv_cache width - rope
     dims) and (full layers, index_k given) index_cache = [rope(layer_norm(index_k)[:, :dr]) |
     layer_norm(index_k)[:, dr:]]. Both RoPEs use the same angles (theta, `scaling`); each has its own
-    pairing (interleaved or halves).
+    pairing (interleaved or halves). A uint8 kv_cache / index_cache is the FP8 layout of
+    `codegen.fp8_ref` (`KVPool` format "fp8"): the rows are quantised in registers.
     """
     T, dr = q_a.shape[0], kv_a.shape[1] - kv_norm_w.shape[0]
     R = kv_norm_w.shape[0]
     has_ik = index_k is not None
+    kv_fp8, index_fp8 = kv_cache.dtype == torch.uint8, has_ik and index_cache.dtype == torch.uint8
     ctx = QkvNormRopeWriteCtx.make(q_a.shape[1], R, dr, eps, interleaved, index_k.shape[1] if has_ik else 0,
-                                   index_eps, index_interleaved, ref.rope_attention_factor(scaling))
+                                   index_eps, index_interleaved, ref.rope_attention_factor(scaling), kv_fp8,
+                                   index_fp8)
     c_q = torch.empty(q_a.shape, dtype=q_a.dtype, device=q_a.device)
     args = [q_a, q_a.stride(0), q_norm_w, c_q, c_q.stride(0), kv_a, kv_a.stride(0), kv_norm_w, positions,
-            out_cache_loc, _inv_freq(theta, dr, q_a.device, scaling), kv_cache, kv_cache.stride(0)]
+            out_cache_loc, _inv_freq(theta, dr, q_a.device, scaling)]
+    args += _kv_args(kv_cache, R)
     if has_ik:
-        args += [index_k, index_k.stride(0), k_norm_w, k_norm_b, index_cache, index_cache.stride(0)]
+        args += [index_k, index_k.stride(0), k_norm_w, k_norm_b]
+        args += _index_args(index_cache, index_k.shape[1])
     if T:
         lib(ctx)[(T,)](*args, num_warps=ctx.num_warps)
     return c_q
+
+
+def _kv_args(kv_cache, kv_lora) -> list:
+    """Kernel arguments of one layer's latent cache: the rows, or for FP8 rows (uint8) their three
+    views (e4m3 latent, fp32 scales, bf16 k_pe), each with its row stride."""
+    if kv_cache.dtype != torch.uint8:
+        return [kv_cache, kv_cache.stride(0)]
+    return [a for v in fp8_ref.kv_fp8_views(kv_cache, kv_lora) for a in (v, v.stride(0))]
+
+
+def _index_args(index_cache, dim) -> list:
+    """Kernel arguments of one layer's indexer cache: the rows, or for the FP8 pages (uint8) the
+    e4m3 keys and fp32 scales, each with its page stride."""
+    if index_cache.dtype != torch.uint8:
+        return [index_cache, index_cache.stride(0)]
+    keys, scales = fp8_ref.index_fp8_views(index_cache, dim)
+    return [keys, keys.stride(0), scales, scales.stride(0)]
 
 
 def indexer_topk(q_idx, weights, index_cache, req_to_token, rows, pos, topk, max_len, block_n=None, chunk=None,
@@ -167,12 +190,13 @@ def indexer_scores(q_idx, weights, k_cache, req_to_token, rows, pos, max_len, bl
     """[T, >= max_len] fp32 index scores of every key position (-inf after the token's own position).
     Graph-safe: no host sync; max_len (>= every seq_len) fixes the workspace shape."""
     T, Hi, Di = q_idx.shape
-    ctx = IndexerScoresCtx.make(Hi, Di, k_cache.dtype, block_n)
+    fp8 = k_cache.dtype == torch.uint8
+    ctx = IndexerScoresCtx.make(Hi, Di, q_idx.dtype if fp8 else k_cache.dtype, block_n, fp8)
     width = -(-max_len // ctx.block_n) * ctx.block_n
     scores = torch.empty(T, width, dtype=torch.float32, device=q_idx.device)
     if T:
         lib(ctx)[(T, width // ctx.block_n)](
-            q_idx, q_idx.stride(0), q_idx.stride(1), weights, weights.stride(0), k_cache, k_cache.stride(0),
+            q_idx, q_idx.stride(0), q_idx.stride(1), weights, weights.stride(0), *_index_args(k_cache, Di),
             req_to_token, req_to_token.stride(0), rows, pos, scores, scores.stride(0), num_warps=ctx.num_warps)
     return scores
 
@@ -202,8 +226,9 @@ def sparse_mla_latent(q_lat, q_pe, kv_cache, req_to_token, rows, pos, topk, scal
         num_keys = topk.shape[1]
     elif num_keys is None:
         num_keys = int(pos.max()) + 1 if T else 1
+    fp8 = kv_cache.dtype == torch.uint8
     ctx = SparseMlaDecodeCtx.make(H, R, q_pe.shape[-1], None if topk is None else topk.shape[1], scale,
-                                  kv_cache.dtype, T, **tiles)
+                                  q_lat.dtype if fp8 else kv_cache.dtype, T, kv_fp8=fp8, **tiles)
     S = num_splits or mla_num_splits(T, H, ctx.block_h, num_keys, ctx.block_n, _num_sms(dev))
     per_split = -(-(-(-num_keys // S)) // ctx.block_n) * ctx.block_n
     o_part = torch.empty(T, H, S, R, dtype=torch.float32, device=dev)
@@ -211,8 +236,8 @@ def sparse_mla_latent(q_lat, q_pe, kv_cache, req_to_token, rows, pos, topk, scal
     out = torch.empty(T, H, R, dtype=q_lat.dtype, device=dev)
     if not T:
         return out
-    args = [q_lat, q_lat.stride(0), q_lat.stride(1), q_pe, q_pe.stride(0), q_pe.stride(1), kv_cache,
-            kv_cache.stride(0), req_to_token, req_to_token.stride(0), rows, pos]
+    args = [q_lat, q_lat.stride(0), q_lat.stride(1), q_pe, q_pe.stride(0), q_pe.stride(1),
+            *_kv_args(kv_cache, R), req_to_token, req_to_token.stride(0), rows, pos]
     if topk is not None:
         slots = topk_slots(topk, req_to_token, rows, pos) if slots is None else slots
         args += [slots, slots.stride(0)]

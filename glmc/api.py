@@ -30,7 +30,7 @@ from glmc.runtime.worker.executor import PlanExecutor
 from glmc.runtime.worker.forward_batch import ForwardBatch
 from glmc.runtime.worker.kv_cache import PAGE_SIZE
 from glmc.runtime.worker.loader import load_runner, progress
-from glmc.spec import load_spec, quantized
+from glmc.spec import kv_dtyped, load_spec, quantized
 
 
 @dataclass
@@ -93,12 +93,13 @@ def load(ckpt_dir, parallel: str = "tp1", moe_a2a=None, max_requests: int = 8,
 
 
 def plan_for(ckpt_dir, plan_dir=None, parallel: str | None = None, device: str = "cpu",
-             max_running: int = 32, quantize: str | None = None) -> Plan:
+             max_running: int = 32, quantize: str | None = None, kv_dtype: str | None = None) -> Plan:
     """The plan in `plan_dir` (checked against the checkpoint's config.json), or the checkpoint's
     model compiled now for `parallel` (default tp1) and `device`'s target (cuda: CUDA-graph
     buckets up to `max_running`, the scheduler's largest decode batch). `quantize` ("fp8"):
-    the linear weights block-FP8, quantised on load where the checkpoint holds them unquantised."""
-    spec = quantized(load_spec(ckpt_dir), quantize)
+    the linear weights block-FP8, quantised on load where the checkpoint holds them unquantised.
+    `kv_dtype` ("fp8", "bf16"; `spec.kv_dtyped`): the KV and indexer caches' dtype."""
+    spec = kv_dtyped(quantized(load_spec(ckpt_dir), quantize), kv_dtype)
     if plan_dir is None:
         par = parse_parallel(parallel or "tp1", spec.config)
         opts = Options(device=device) if device == "cpu" else Options(device=device,
@@ -121,6 +122,9 @@ def plan_for(ckpt_dir, plan_dir=None, parallel: str | None = None, device: str =
     if quantize is not None and plan.dtypes.weight != quantize:
         raise ValueError(f"{plan_dir} is compiled with {plan.dtypes.weight} weights, not {quantize}; "
                          f"compile with `glmc compile --quantize {quantize}`")
+    if kv_dtype is not None and plan.dtypes.kv_cache != spec.dtypes.kv_cache:
+        raise ValueError(f"{plan_dir} is compiled with a {plan.dtypes.kv_cache} KV cache, not {kv_dtype}; "
+                         f"compile with `glmc compile --kv-dtype {kv_dtype}`")
     if plan.target != device:
         raise ValueError(f"{plan_dir} is compiled for device {plan.target!r}, not {device!r}; "
                          f"compile with `glmc compile --device {device}`")

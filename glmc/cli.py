@@ -11,6 +11,10 @@ CARD_MODEL = "glm_moe_dsa"          # GLM-5.3: what `glmc compile` and `glmc dif
 
 QUANTIZE_HELP = ("fp8: store the linear weights block-FP8 (e4m3, a fp32 scale per 128x128 block, as GLM-5 "
                  "FP8 checkpoints ship them), quantising an unquantised checkpoint on load")
+KV_DTYPE_HELP = ("KV and indexer caches: fp8 (FlashMLA's 656-byte latent rows, 132-byte indexer keys, "
+                 "quantised by the KV-write kernel on the CUDA target) or bf16 (unquantised, in the compute "
+                 "dtype); default: what the checkpoint's config gives (fp8 for bf16 and FP8 checkpoints, as "
+                 "GLM-5.3's card; fp32 checkpoints keep fp32). The torch target computes in fp32 either way")
 
 
 def _model_path(arg: str | None) -> str:
@@ -26,8 +30,8 @@ def cmd_compile(a) -> int:
     from glmc.parallel import parse_parallel
     from glmc.passes import PASS_NAMES
     from glmc.report import render
-    from glmc.spec import load_spec, quantized
-    spec = quantized(load_spec(_model_path(a.model or CARD_MODEL)), a.quantize)
+    from glmc.spec import kv_dtyped, load_spec, quantized
+    spec = kv_dtyped(quantized(load_spec(_model_path(a.model or CARD_MODEL)), a.quantize), a.kv_dtype)
     par = parse_parallel(a.parallel, spec.config)
     dump = None
     if a.dump_after:
@@ -85,7 +89,7 @@ def cmd_run(a) -> int:
         ckpt = Path(weights)
         if not (ckpt / "config.json").exists():
             raise ValueError(f"--weights {ckpt}: not a checkpoint directory (no config.json)")
-    plan = plan_for(ckpt, a.plan, a.parallel, a.device, a.max_running, a.quantize)
+    plan = plan_for(ckpt, a.plan, a.parallel, a.device, a.max_running, a.quantize, a.kv_dtype)
     if a.speculative_num_steps and (a.device != "cpu" or not plan.has_mtp):
         raise ValueError(f"--speculative-num-steps runs on the torch target (--device cpu) with a "
                          f"checkpoint that has an MTP layer so far; this is --device {a.device}, "
@@ -120,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     c.add_argument("--topk-broadcast", action="store_true", help="broadcast top-k from attn_tp rank 0")
     c.add_argument("--quantize", choices=("fp8",), help=QUANTIZE_HELP)
+    c.add_argument("--kv-dtype", choices=("fp8", "bf16"), help=KV_DTYPE_HELP)
     g = c.add_mutually_exclusive_group()
     g.add_argument("--moe-a2a", dest="moe_a2a", action="store_true", default=None,
                    help="force the all-to-all (dispatch/combine) MoE lowering")
@@ -177,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
                    "signal exits at once)")
     r.add_argument("--no-prefix-cache", action="store_true")
     r.add_argument("--quantize", choices=("fp8",), help=QUANTIZE_HELP)
+    r.add_argument("--kv-dtype", choices=("fp8", "bf16"), help=KV_DTYPE_HELP)
     r.add_argument("--no-warmup", action="store_true", help="skip the warm-up (on a GPU it compiles "
                    "every kernel variant serving hits; without it first requests wait for compiles)")
     r.add_argument("--no-overlap", action="store_true", help="read each step's tokens before "

@@ -1,8 +1,9 @@
 """`glmc explain`: parameters, memory, FLOPs and the communication bill of a plan directory.
 
 JSON keys (stable): `model`, `parallel`, `params` {total, mtp, active_per_token, per_rank},
-`memory` {weights_bytes_per_rank, kv_bytes_per_token, kv_elements_per_token_per_layer,
-index_bytes_per_token, full_indexer_layers, shared_indexer_layers, hbm_bytes, kv_tokens_per_rank,
+`memory` {weights_bytes_per_rank, kv_bytes_per_token, kv_elements_per_token_per_layer, kv_dtype,
+index_dtype, kv_bytes_per_token_per_layer, index_bytes_per_token_per_layer (what the runtime's pool
+allocates per layer: 656 / 132 for fp8 caches), index_bytes_per_token, full_indexer_layers, shared_indexer_layers, hbm_bytes, kv_tokens_per_rank,
 max_context_at_batch}, `flops_per_token` {decode, executed_decode}, `comm` {prefill, decode}: each
 {point, per_step {kind: {count, message_bytes, wire_bytes}}, per_layer {layer: {kind: {count,
 message_bytes}}}}, `moe_lowering` {phase: decision}, `moe_alternatives` {gather, a2a: per_step},
@@ -70,6 +71,10 @@ def explain_plan(plan: Plan, batch: int = 32, context: int = 4096,
     out["memory"] = {
         "weights_bytes_per_rank": weights, "kv_bytes_per_token": mem["kv_bytes_per_token"],
         "kv_elements_per_token_per_layer": cfg.kv_lora_rank + cfg.qk_rope_head_dim,
+        "kv_dtype": dtypes.kv_cache, "index_dtype": dtypes.index_cache,
+        # what the runtime's pool allocates per layer (KVPool.bytes_per_token_per_layer): 656 / 132 in fp8
+        "kv_bytes_per_token_per_layer": mem["kv_bytes_per_token"] // max(1, mem["kv_layers"]),
+        "index_bytes_per_token_per_layer": mem["index_bytes_per_token"] // max(1, mem["index_layers"]),
         "index_bytes_per_token": mem["index_bytes_per_token"], "full_indexer_layers": len(full),
         "shared_indexer_layers": cfg.num_hidden_layers - len(full), "hbm_bytes": hbm_bytes,
         "kv_tokens_per_rank": free // kv_tok if kv_tok else 0,

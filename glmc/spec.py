@@ -267,6 +267,22 @@ def quantized(spec: ModelSpec, quantize: str | None) -> ModelSpec:
     return spec.model_copy(update={"dtypes": spec.dtypes.model_copy(update={"weight": quantize})})
 
 
+KV_DTYPES = ("fp8", "bf16")
+
+
+def kv_dtyped(spec: ModelSpec, kv_dtype: str | None) -> ModelSpec:
+    """The spec with its KV and indexer caches stored as `kv_dtype`: "fp8" (FlashMLA's 656-byte
+    latent rows and 132-byte indexer keys on the CUDA target) or "bf16" (unquantised, in the
+    activation dtype: bf16, or fp32 for an fp32 checkpoint); None leaves the spec's (a bf16 or
+    FP8 HF checkpoint: fp8, as GLM-5.3's card; an fp32 one: fp32)."""
+    if kv_dtype is None:
+        return spec
+    if kv_dtype not in KV_DTYPES:
+        raise SpecError(f"--kv-dtype {kv_dtype!r}: glmc stores the KV cache as {', '.join(KV_DTYPES)}")
+    dtype = "fp8" if kv_dtype == "fp8" else spec.dtypes.activation
+    return spec.model_copy(update={"dtypes": spec.dtypes.model_copy(update={"kv_cache": dtype, "index_cache": dtype})})
+
+
 def model_path(name: str) -> str:
     """A model file or checkpoint dir as given, else the packaged model of that name
     (`glm_moe_dsa`, `glm_moe_dsa_tiny`: models/<name>.yaml)."""

@@ -165,6 +165,7 @@ def comm_of(op: Op, graph: Graph, env: dict) -> tuple[str, int, float] | None:
 # Kinds whose results alias their operands or host values: no kernel, no HBM traffic.
 VIEW_KINDS = frozenset({"io.input", "tensor.view", "tensor.slice", "tensor.shard", "idx.reuse", "comm.reshard"})
 SCALE_BYTES = {"fp8": 4}   # one fp32 scale per token row of an fp8 indexer cache
+FP8_KV_GROUP = 128         # an fp8 latent row carries one fp32 scale per 128 values (FlashMLA)
 
 
 def touched_experts(local: int, top_k: int, experts: int, tokens: float) -> float:
@@ -192,6 +193,34 @@ def _row_bytes(t, indexer: bool = False) -> int:
     return t.nbytes({"S": 1}) + (SCALE_BYTES.get(t.dtype, 0) if indexer else 0)
 
 
+def kv_row_bytes(t, kv_lora: int) -> int:
+    """Bytes of one token row of a latent cache type [S, kv_lora + rope]: as the type says, or for
+    fp8 FlashMLA's row: kv_lora e4m3 + a fp32 scale per 128 + the rope part in bf16 (656 for GLM-5)."""
+    if t.dtype != "fp8":
+        return _row_bytes(t)
+    rope = t.numel({"S": 1}) - kv_lora
+    return kv_lora + 4 * -(-kv_lora // FP8_KV_GROUP) + 2 * rope
+
+
+def cache_row_bytes(op: Op, graph: Graph) -> list[tuple[bool, int]]:
+    """(indexer cache?, bytes per token row) of each cache a KV-writing op (`mem.kv_write`,
+    `mem.index_k_write`, `fused.qkv*`) writes; [] for other ops."""
+    k = op.kind
+    if not k.startswith(("mem.kv_write", "mem.index_k_write", "fused.qkv")):
+        return []
+    out = []
+    for i, t in enumerate(op.types):
+        if t is None or not _is_cache(t):
+            continue
+        if k == "mem.index_k_write" or (k.endswith("_index") and i == len(op.types) - 1):
+            out.append((True, _row_bytes(t, indexer=True)))
+        else:
+            kv_lora = _i(op.attr("kv_lora")) if k.startswith("fused") else \
+                graph.type_of(op.operands[0]).numel({"S": 1, "T": 1})
+            out.append((False, kv_row_bytes(t, kv_lora)))
+    return out
+
+
 def _weights_read(op: Op, graph: Graph, env: dict, weight_bytes: dict[str, int]) -> float:
     _, local, _, cls = params_of(op)
     if op.kind == "embed.lookup":
@@ -212,15 +241,13 @@ def _cache_bytes(op: Op, graph: Graph, env: dict) -> float:
     prefill = rows > 1 and env.get("prefill")
     if k.startswith("attn."):
         keys = _causal_keys(rows, env["S"], env["K"]) if prefill else rows * min(env["S"], env["K"])
-        return keys * _row_bytes(graph.type_of(op.operands[2]))
+        return keys * kv_row_bytes(graph.type_of(op.operands[2]), _i(op.attr("kv_lora")))
     if k == "idx.topk":
         keys = _causal_keys(rows, env["S"], env["S"]) if prefill else rows * env["S"]
         return keys * _row_bytes(graph.type_of(op.operands[2]), indexer=True)
     if k.startswith(("fused.qkv", "mem.")):
         tokens = graph.type_of(op.operands[0]).shape[0].eval(env)
-        caches = [(t, k == "mem.index_k_write" or (k.endswith("_index") and i == len(op.types) - 1))
-                  for i, t in enumerate(op.types) if t is not None and _is_cache(t)]
-        return tokens * sum(_row_bytes(t, indexer) for t, indexer in caches)
+        return tokens * sum(b for _, b in cache_row_bytes(op, graph))
     return 0.0
 
 

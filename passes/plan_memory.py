@@ -2,17 +2,19 @@
 
 Assumes: a lowered, sharded graph with buckets. Guarantees: `meta.memory` with
 `weights_bytes` (this phase's graph, one rank), `kv_bytes_per_token` (c_kv | k_pe per layer, all
-layers), `index_bytes_per_token` (indexer keys + fp8 scale, full layers only), the layer counts,
+layers; an fp8 row is FlashMLA's: e4m3 latent + a fp32 scale per 128 + bf16 k_pe, `costs.kv_row_bytes`),
+`index_bytes_per_token` (indexer keys + fp8 scale, full layers only), the layer counts,
 `indexer_workspace_bytes` (fp32 score tiles + running top-k for the largest step) and
 `graph_bytes` per bucket (the largest per-layer activation set at that batch, plus logits).
-GLM-5.3: 576 fp8 bytes of KV per token on each of 78 layers, 128 + 4 on each of 21 indexer layers:
+GLM-5.3: 656 bytes of fp8 KV per token on each of 78 layers (512 + 4 x 4 + 64 x 2), 128 + 4 on each
+of 21 indexer layers:
 
 Example (GLM-5.3, tp1, decode):
 
  -> #! memory = {
     #!   index_bytes_per_token: 2772,
     #!   index_layers: 21,
-    #!   kv_bytes_per_token: 44928,
+    #!   kv_bytes_per_token: 51168,
     #!   kv_layers: 78,
 """
 from __future__ import annotations
@@ -20,7 +22,7 @@ from __future__ import annotations
 from glmc.ir import Graph
 
 from .base import Pass, PassContext
-from .costs import SCALE_BYTES, params_of, weight_bytes_for
+from .costs import cache_row_bytes, params_of, weight_bytes_for
 
 TILE_KEYS = 4096
 
@@ -48,11 +50,10 @@ class PlanMemory(Pass):
         for op in graph.ops:
             _, local, _, cls = params_of(op)
             weights += local * wb[cls]
-        kv = [op for op in graph.ops if op.kind.startswith(("mem.kv_write", "fused.qkv"))]
-        kv_tok = sum(op.types[1 if op.kind.startswith("fused") else 0].nbytes({"S": 1}) for op in kv)
-        idx = [op.types[-1] for op in graph.ops
-               if op.kind in ("mem.index_k_write", "fused.qkv_a_norm_rope_write_index")]
-        idx_tok = sum(t.nbytes({"S": 1}) + SCALE_BYTES.get(t.dtype, 0) for t in idx)
+        rows = [row for op in graph.ops for row in cache_row_bytes(op, graph)]
+        kv = [b for index, b in rows if not index]
+        idx = [b for index, b in rows if index]
+        kv_tok, idx_tok = sum(kv), sum(idx)
         cfg = ctx.spec.config
         memory = {
             "weights_bytes": weights,

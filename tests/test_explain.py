@@ -27,7 +27,8 @@ def test_parameters_and_memory(bills):
     assert 743e9 < d["params"]["total"] < 745e9          # ~744B
     assert 39.5e9 < d["params"]["active_per_token"] < 41e9  # ~40B active
     assert d["memory"]["kv_elements_per_token_per_layer"] == 576
-    assert d["memory"]["kv_bytes_per_token"] == 44928       # 44.9 KB/token in fp8
+    assert d["memory"]["kv_bytes_per_token"] == 656 * 78    # FlashMLA fp8 rows: 51.2 KB/token
+    assert (d["memory"]["kv_bytes_per_token_per_layer"], d["memory"]["index_bytes_per_token_per_layer"]) == (656, 132)
     assert d["memory"]["full_indexer_layers"] == 21 and d["memory"]["shared_indexer_layers"] == 57
     assert 105e9 < d["memory"]["weights_bytes_per_rank"] < 115e9   # ~109 GB per rank (EP8)
 

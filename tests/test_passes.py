@@ -126,7 +126,7 @@ def test_buckets_and_memory_plan():
     assert v[:3] == [6, 12, 24] and v[-1] == 128 * 6
     assert graph(FULL, "tp8", "prefill").meta["cuda_graph_buckets"] == []
     mem = d["memory"]
-    assert mem["kv_bytes_per_token"] == 576 * 78
+    assert mem["kv_bytes_per_token"] == (512 + 4 * 4 + 64 * 2) * 78   # FlashMLA fp8 rows
     assert mem["index_bytes_per_token"] == (128 + 4) * 21 and mem["index_layers"] == 21
 
 

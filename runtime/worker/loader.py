@@ -11,7 +11,11 @@ API (`glmc.api`), the multi-rank server's ranks and the bench scripts. It
    holds them unquantised, `--quantize fp8`), FP8 tensors of other weights are dequantised; the
    torch target holds the FP8 weights' values dequantised in fp32,
 3. sizes the KV pool from the plan (`KVPool.for_plan`: the MTP layer exactly when the plan has MTP
-   phases) with one scratch page for padding tokens on top of `num_pages`,
+   phases) with one scratch page for padding tokens on top of `num_pages`; the caches the plan
+   stores fp8 (`dtypes.kv_cache`, `index_cache`) are FP8 on the CUDA target (FlashMLA's 656-byte
+   latent rows, 132-byte indexer keys per 64-token pages) and fp32 on the torch target (which
+   computes everything in fp32; `kv_fp8="emulate"` rounds their values through FP8 instead, the
+   oracle of the CUDA target's FP8 KV),
 4. builds the executor of the plan's target: the torch target in fp32 (`executor.PlanExecutor`)
    or the CUDA target (`cuda_executor.GpuRunner`: fp32 for an fp32 checkpoint, else bf16, the
    router in fp32, running the plan's rendered kernels/*.py and nothing else) and, on a GPU,
@@ -51,14 +55,16 @@ def progress(*args, **kwargs):
 def load_runner(plan: Plan, weights: Weights, *, device: str | torch.device | None = None,
                 comm: Comm | None = None, num_pages: int = 256, max_context: int | None = None,
                 max_running: int = 32, capture: bool = True, target: str | None = None,
-                stacks: dict | None = None) -> PlanRunner:
+                stacks: dict | None = None, kv_fp8: str | None = None) -> PlanRunner:
     """This rank's runner of `plan`. `weights` is a checkpoint directory or a mapping of full
     HF-named tensors; `device` defaults to "cuda" for the CUDA target, else "cpu" (a CUDA-target
     plan on "cpu" runs the same code uncaptured, Triton under TRITON_INTERPRET=1: a dry run).
     The scheduler may hand out `num_pages` pages and `max_running` requests per step.
     `target` overrides the plan's ("cpu": the fp32 torch target, e.g. as the oracle of a CUDA
     plan on the same GPU); `stacks` passes expert weights already stacked per layer
-    ({weight prefix: (gate, up, down)}, benchmarks holding HF's fused expert tensors)."""
+    ({weight prefix: (gate, up, down)}, benchmarks holding HF's fused expert tensors). `kv_fp8`
+    ("store", "emulate", "none"; default: "store" on the CUDA target, "none" on the torch target)
+    says what becomes of the caches the plan stores fp8 (`KVPool.for_plan`)."""
     target = target or plan.target
     device = torch.device(device or ("cuda" if target == "cuda" else "cpu"))
     comm = comm or Comm(plan.mesh, plan.groups)
@@ -68,7 +74,7 @@ def load_runner(plan: Plan, weights: Weights, *, device: str | torch.device | No
     if target != "cuda":
         local = {n: w.to(device) for n, w in _rank_weights(plan, weights, comm, torch.float32, fp8,
                                                           keep_fp8=False).items()}
-        pool = KVPool.for_plan(plan, num_pages + 1, torch.float32, device)
+        pool = KVPool.for_plan(plan, num_pages + 1, torch.float32, device, kv_fp8 or "none")
         executor = PlanExecutor(plan, local, pool, comm, device=device, stacks=stacks)
         return PlanRunner(executor, max_context)
     from glmc.runtime.worker.cuda_executor import GpuRunner, to_device_weights
@@ -76,7 +82,7 @@ def load_runner(plan: Plan, weights: Weights, *, device: str | torch.device | No
     dtype = compute_dtype(plan.dtypes)
     max_ctx = context_limit(plan.config.max_position_embeddings, num_pages, max_context)
     local = to_device_weights(_rank_weights(plan, weights, comm, dtype, fp8, keep_fp8=True), device, dtype)
-    pool = KVPool.for_plan(plan, num_pages + 1, dtype, device)
+    pool = KVPool.for_plan(plan, num_pages + 1, dtype, device, kv_fp8 or "store")
     gpu = GpuRunner(plan, local, pool, comm, max_reqs=max_running, max_context=max_ctx,
                     stacks=stacks)
     loaded, captured = time.perf_counter() - t0, {}
