@@ -40,12 +40,7 @@ FROM_TORCH_TARGET = frozenset({"io.input", "elt.add", "tensor.slice", "tensor.vi
 CPU_ONLY: frozenset = frozenset()
 
 
-def impl(*kinds):
-    def deco(fn):
-        for k in kinds:
-            IMPLS[k] = fn
-        return fn
-    return deco
+impl = torch_target.registry(IMPLS)
 
 
 def _mm(x, w):

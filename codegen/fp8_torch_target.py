@@ -25,12 +25,7 @@ from glmc.codegen.weight_formats import is_fp8_name
 IMPLS: dict = dict(torch_target.IMPLS)
 
 
-def impl(*kinds):
-    def deco(fn):
-        for k in kinds:
-            IMPLS[k] = fn
-        return fn
-    return deco
+impl = torch_target.registry(IMPLS)
 
 
 def fake_quant(x):

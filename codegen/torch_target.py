@@ -17,12 +17,19 @@ IMPLS: dict = {}
 NOT_EXECUTED = {"comm.reshard": "insert-collectives", "idx.reuse": "share-indexer"}
 
 
-def impl(*kinds):
-    def deco(fn):
-        for k in kinds:
-            IMPLS[k] = fn
-        return fn
-    return deco
+def registry(table: dict):
+    """`@impl(*kinds)` for an op table: registers the decorated function as every kind's
+    implementation in `table` (each target's IMPLS starts as a copy of this one's)."""
+    def impl(*kinds):
+        def deco(fn):
+            for k in kinds:
+                table[k] = fn
+            return fn
+        return deco
+    return impl
+
+
+impl = registry(IMPLS)
 
 
 @impl("io.input")
