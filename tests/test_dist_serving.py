@@ -110,7 +110,8 @@ def test_parallel_server_gives_tp1_greedy_output(ckpt, tp1_answers, tmp_path, pa
             "--max-running", "4", "--weights", "glmc-tiny", "--cache-dir", str(ckpt.parent)]
     with GlmcRun(args, tmp_path / "log") as run:
         assert asyncio.run(ask_all(run.url)) == tp1_answers
-        one = run.client.completions.create(model=TINY_NAME, prompt="Hi", max_tokens=3)
+        one = run.client.completions.create(model=TINY_NAME, prompt="Hi", max_tokens=3,
+                                            extra_body={"ignore_eos": True})  # a drawn eos stops it
         assert one.usage.completion_tokens == 3  # a single request: the other DP rank idles
         metrics = httpx.get(run.url.removesuffix("/v1") + "/metrics").text
         admitted = dict(re.findall(r'requests_admitted_total\{dp_rank="(\d)"\} (\d+)', metrics))
