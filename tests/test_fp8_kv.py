@@ -24,8 +24,7 @@ from glmc.codegen import torch_ref as ref
 from glmc.codegen import triton_target as tt
 from glmc.codegen.kernel_set import plan_kernels
 from glmc.runtime.worker.kv_cache import PAGE_SIZE, KVPool
-from glmc.runtime.worker.loader import load_runner
-from test_fp8_plan import _greedy
+from test_fp8_plan import assert_greedy_agrees, cuda_plan, runner
 from test_triton_kernels import (
     DI,
     DR,
@@ -36,10 +35,7 @@ from test_triton_kernels import (
 )
 from tiny_hf import save_tiny
 
-from glmc.compiler import compile_plan
-from glmc.config import Options
 from glmc.explain import explain
-from glmc.parallel import parse_parallel
 from glmc.spec import kv_dtyped, load_spec
 
 
@@ -149,15 +145,6 @@ def ckpt(tmp_path_factory):
     return path
 
 
-def cuda_plan(spec):
-    return compile_plan(spec, parse_parallel("tp1", spec.config), Options(device="cuda", max_batch=4))
-
-
-def runner(plan, weights, **kw):
-    return load_runner(plan, weights, device="cpu", num_pages=8, max_context=128, max_running=4,
-                       capture=False, **kw).executor
-
-
 def test_plan_explain_and_pool_agree(ckpt, tmp_path):
     """The fp32 tiny checkpoint's plan keeps fp32 caches; `kv_dtyped(spec, "fp8")` (--kv-dtype fp8)
     makes both FP8: the plan's memory, plan.json, explain and the allocated pool say the same bytes,
@@ -189,15 +176,7 @@ def test_cuda_target_fp8_kv_matches_the_emulating_torch_target(ckpt, one_torch_t
     gpu = runner(plan, ckpt)
     oracle = runner(plan, ckpt, target="cpu", kv_fp8="emulate")
     assert gpu.pool.fp8 and oracle.pool.kv_format == "fp8-emulated"
-    pages = (torch.arange(4 * 2).view(4, 2) + 1)
-    table = (pages[:, :, None] * PAGE_SIZE + torch.arange(PAGE_SIZE)).reshape(4, -1)
-    g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (14, 11)]
-    got, got_logits = _greedy(gpu, prompts, 4, table)
-    want, want_logits = _greedy(oracle, prompts, 4, table)
-    assert torch.equal(got, want)
-    for a, b in zip(got_logits, want_logits):
-        assert float((a - b).norm() / b.norm()) < 1e-4
+    assert_greedy_agrees(gpu, oracle, steps=4)
 
 
 def test_compile_and_run_take_kv_dtype(ckpt, tmp_path):
