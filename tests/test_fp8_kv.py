@@ -32,6 +32,7 @@ from test_triton_kernels import (
     _indexer_inputs,
     _same_selection,
     make_batch,
+    sparse_mla_case,
 )
 from tiny_hf import save_tiny
 
@@ -124,16 +125,7 @@ def test_indexer_scores_dequantise_in_registers(mode, prefix, extend, topk):
 @pytest.mark.parametrize("mode,prefix,extend,use_topk,splits", [("decode", [4, 40, 16], [1, 1, 1], True, 3),
                                                                 ("extend", [0, 9], [12, 3], False, 2)])
 def test_sparse_mla_dequantises_in_registers(mode, prefix, extend, use_topk, splits, key_major):
-    H, dn, dv = 4, 16, 8
-    pool = fill(fp8_pool())
-    batch = make_batch(mode, prefix, extend, pool.num_slots)
-    T = batch.num_tokens
-    topk = ref.indexer_topk(*_indexer_inputs(batch), pool, 0, batch, 16) if use_topk else None
-    q_nope, q_pe, w_kv_b = torch.randn(T, H, dn), torch.randn(T, H, DR), torch.randn(H * (dn + dv), R) * 0.2
-    rows, pos = tt.token_rows(batch, q_nope.device)
-    got = tt.mla_attention_absorbed(q_nope, q_pe, pool.kv[0], w_kv_b, topk, batch.req_to_token, rows, pos, 0.25,
-                                    dn, dv, num_splits=splits, block_n=16, key_major=key_major)
-    want = ref.mla_attention_absorbed(q_nope, q_pe, pool, 0, w_kv_b, topk, batch, 0.25, dn, dv)
+    got, want = sparse_mla_case(fill(fp8_pool()), mode, prefix, extend, use_topk, splits, key_major)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 

@@ -198,8 +198,12 @@ def test_topk_select_heavy_ties(chunk):
     ("extend", [0, 9], [12, 3], False, 2),  # dense causal (context <= index_topk)
 ])
 def test_sparse_mla(mode, prefix, extend, use_topk, splits, key_major):
+    close(*sparse_mla_case(make_pool(), mode, prefix, extend, use_topk, splits, key_major), 1e-4)
+
+
+def sparse_mla_case(pool, mode, prefix, extend, use_topk, splits, key_major):
+    """(the Triton sparse MLA's output, torch_ref's) on random queries over `pool`'s layer 0."""
     H, dn, dv = 4, 16, 8
-    pool = make_pool()
     batch = make_batch(mode, prefix, extend, pool.num_slots)
     T = batch.num_tokens
     topk = ref.indexer_topk(*_indexer_inputs(batch), pool, 0, batch, 16) if use_topk else None
@@ -207,7 +211,7 @@ def test_sparse_mla(mode, prefix, extend, use_topk, splits, key_major):
     rows, pos = tt.token_rows(batch, q_nope.device)
     got = tt.mla_attention_absorbed(q_nope, q_pe, pool.kv[0], w_kv_b, topk, batch.req_to_token, rows, pos, 0.25,
                                     dn, dv, num_splits=splits, block_n=16, key_major=key_major)
-    close(got, ref.mla_attention_absorbed(q_nope, q_pe, pool, 0, w_kv_b, topk, batch, 0.25, dn, dv), 1e-4)
+    return got, ref.mla_attention_absorbed(q_nope, q_pe, pool, 0, w_kv_b, topk, batch, 0.25, dn, dv)
 
 
 # (the sampling kernel: tests/test_sampler.py, against torch_ref.sample)
