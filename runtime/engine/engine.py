@@ -116,7 +116,7 @@ class Engine:
         self.speculator = self._speculator(runner, speculative_num_steps, overlap)
         self._inflight: list | None = None   # the queued step whose tokens are not read yet
         self._profile: _StepProfile | None = None
-        self._compiled: tuple[int, dict | None] = (0, None)   # binaries; per kernel once serving
+        self._serving_kernels: dict | None = None   # binaries per kernel since warm-up (reset_metrics)
         self._update_gauges()
 
     # -- submission (any thread) -----------------------------------------------------------------
@@ -286,7 +286,7 @@ class Engine:
         """Start counting afresh (e.g. after warm-up); from now on a kernel compile is logged."""
         self.metrics = Metrics()
         if self.runner.kernels is not None:
-            self._compiled = (self.runner.kernels.num_compiled(), self.runner.kernels.compiled_by_kernel())
+            self._serving_kernels = self.runner.kernels.compiled_by_kernel()
         self._update_gauges()
 
     def flush_cache(self, timeout: float = 10.0) -> None:
@@ -416,12 +416,12 @@ class Engine:
         if self.runner.kernels is None:
             return 0
         n = self.runner.kernels.num_compiled()
-        if n != self._compiled[0]:
+        seen = self._serving_kernels
+        if seen is not None and n != sum(seen.values()):
             now = self.runner.kernels.compiled_by_kernel()
-            if self._compiled[1] is not None:
-                new = {k: v - self._compiled[1].get(k, 0) for k, v in now.items() if v != self._compiled[1].get(k, 0)}
-                print(f"glmc: compiled while serving (a request waited): {new}", file=sys.stderr, flush=True)
-            self._compiled = (n, now if self._compiled[1] is not None else None)
+            new = {k: v - seen.get(k, 0) for k, v in now.items() if v != seen.get(k, 0)}
+            print(f"glmc: compiled while serving (a request waited): {new}", file=sys.stderr, flush=True)
+            self._serving_kernels = now
         return n
 
     # -- DP rank 0's parts (the only ones unless runner.num_dp > 1) ------------------------------
