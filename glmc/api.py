@@ -17,6 +17,8 @@ for one rank). Both compile on demand; the runtime itself only ever receives a P
 """
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -93,17 +95,21 @@ def load(ckpt_dir, parallel: str = "tp1", moe_a2a=None, max_requests: int = 8,
 
 
 def plan_for(ckpt_dir, plan_dir=None, parallel: str | None = None, device: str = "cpu",
-             max_running: int = 32, quantize: str | None = None, kv_dtype: str | None = None) -> Plan:
+             max_running: int = 32, quantize: str | None = None, kv_dtype: str | None = None,
+             speculative_num_steps: int = 0) -> Plan:
     """The plan in `plan_dir` (checked against the checkpoint's config.json), or the checkpoint's
     model compiled now for `parallel` (default tp1) and `device`'s target (cuda: CUDA-graph
     buckets up to `max_running`, the scheduler's largest decode batch). `quantize` ("fp8"):
     the linear weights block-FP8, quantised on load where the checkpoint holds them unquantised.
-    `kv_dtype` ("fp8", "bf16"; `spec.kv_dtyped`): the KV and indexer caches' dtype."""
+    `kv_dtype` ("fp8", "bf16"; `spec.kv_dtyped`): the KV and indexer caches' dtype.
+    `speculative_num_steps` N > 0: the MTP verify graphs are bucketed for N + 1 tokens per request."""
     spec = kv_dtyped(quantized(load_spec(ckpt_dir), quantize), kv_dtype)
     if plan_dir is None:
         par = parse_parallel(parallel or "tp1", spec.config)
         opts = Options(device=device) if device == "cpu" else Options(device=device,
                                                                       max_batch=max_running)
+        if speculative_num_steps:
+            opts = dataclasses.replace(opts, mtp_draft_tokens=speculative_num_steps + 1)
         with progress(total=1, desc=f"compiling {par.name} ({device})", unit="plan") as bar:
             plan = compile_plan(spec, par, opts)
             bar.update()
@@ -137,5 +143,6 @@ def build_engine(ckpt_dir, plan_dir=None, parallel: str | None = None, *, device
     `plan_for(ckpt_dir, plan_dir, parallel, device)`."""
     from glmc.runtime.engine.startup import build_engine as start
 
-    plan = plan_for(ckpt_dir, plan_dir, parallel, device, kwargs.get("max_running", 32))
+    plan = plan_for(ckpt_dir, plan_dir, parallel, device, kwargs.get("max_running", 32),
+                    speculative_num_steps=kwargs.get("speculative_num_steps", 0))
     return start(plan, Path(ckpt_dir), device=device, **kwargs)

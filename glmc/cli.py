@@ -89,11 +89,11 @@ def cmd_run(a) -> int:
         ckpt = Path(weights)
         if not (ckpt / "config.json").exists():
             raise ValueError(f"--weights {ckpt}: not a checkpoint directory (no config.json)")
-    plan = plan_for(ckpt, a.plan, a.parallel, a.device, a.max_running, a.quantize, a.kv_dtype)
-    if a.speculative_num_steps and (a.device != "cpu" or not plan.has_mtp):
-        raise ValueError(f"--speculative-num-steps runs on the torch target (--device cpu) with a "
-                         f"checkpoint that has an MTP layer so far; this is --device {a.device}, "
-                         f"MTP phases: {'yes' if plan.has_mtp else 'no'}")
+    plan = plan_for(ckpt, a.plan, a.parallel, a.device, a.max_running, a.quantize, a.kv_dtype,
+                    a.speculative_num_steps)
+    if a.speculative_num_steps and not plan.has_mtp:
+        raise ValueError(f"--speculative-num-steps needs a checkpoint with an MTP layer "
+                         f"(num_nextn_predict_layers > 0 and its weights): {ckpt} has none")
     engine_kwargs = dict(max_running=a.max_running, max_batch_tokens=a.max_batch_tokens,
                          max_waiting=a.max_waiting, enable_prefix_cache=not a.no_prefix_cache,
                          overlap=False if a.no_overlap or a.speculative_num_steps else None,

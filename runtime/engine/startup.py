@@ -48,7 +48,8 @@ def build_engine(plan: Plan, ckpt_dir: str | Path, *, runner: str = "plan", devi
             require_cuda()
         max_running = engine_kwargs.get("max_running", 32)
         model = load_runner(plan, ckpt_dir, device=device, num_pages=num_pages,
-                            max_context=max_context, max_running=max_running)
+                            max_context=max_context, max_running=max_running,
+                            speculative=engine_kwargs.get("speculative_num_steps", 0) > 0)
     else:
         raise ValueError(f"runner must be 'plan' or 'reference', got {runner!r}")
     engine = Engine(model, Tokenizer.from_dir(ckpt_dir), **engine_kwargs)

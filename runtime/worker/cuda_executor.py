@@ -1,4 +1,5 @@
-"""Run a compiled plan on one GPU: eager prefill, decode captured as one CUDA graph per bucket.
+"""Run a compiled plan on one GPU: eager prefill; decode (and MTP verify / draft) captured as one CUDA
+graph per bucket.
 
 `GpuRunner(plan, weights, pool, comm, max_reqs=, max_context=)` is a `PlanExecutor` whose op table
 is `codegen.cuda_target.IMPLS` and whose step state (`GpuStep`) holds device index tensors. The
@@ -15,6 +16,16 @@ graph over static buffers [ids | positions | slots | rows] x b (largest first, o
 position 0 of the spare row, KV slot = the pool's last slot, which allocators never hand out),
 copies the four vectors in and replays; B above the largest bucket, or an uncaptured runner, runs
 eagerly with the same code. No host sync inside the captured region (see cuda_target).
+
+The MTP phases run through the same per-token body (`_body`): every op of the CUDA target is
+per token (attention reads the paged KV through r2t up to the token's own position, after the
+layer's KV write of every token of the step), so a verify step of B requests x (N+1) tokens, or a
+draft-extend over the kept positions, is a decode step over more tokens, several per row.
+`mtp_verify` returns the logits and final hidden states of every token; `mtp_draft` takes a
+`hidden` row per token (static buffer [b, hidden] in its graphs). `capture(phases=MTP_PHASES...)`
+records them per token bucket: verify at the plan's `mtp_verify` buckets (decode buckets x the
+verify width), draft at those and the decode buckets (a draft-extend carries up to N + 1 tokens
+per request, a chain step one).
 Made by `runtime/worker/loader.py` (`load_runner`), which also captures the graphs.
 """
 from __future__ import annotations
@@ -25,6 +36,7 @@ from dataclasses import dataclass, field
 import torch
 from glmc.codegen.cuda_target import IMPLS as CUDA_IMPLS
 from glmc.codegen.fp8_ref import Fp8Weight
+from glmc.codegen.kernel_set import compute_dtype
 from glmc.codegen.triton_render import KernelLibrary
 from glmc.runtime.worker.comm import Comm
 from glmc.runtime.worker.executor import PlanExecutor, Step
@@ -52,6 +64,10 @@ class GpuStep(Step):
         return self.ex.derived(key, make)
 
 
+GRAPH_PHASES = ("decode", "mtp_verify", "mtp_draft")   # the phases run per token (`_body`)
+MTP_PHASES = ("mtp_verify", "mtp_draft")
+
+
 @dataclass
 class Captured:
     graph: object          # torch.cuda.CUDAGraph
@@ -60,6 +76,7 @@ class Captured:
     out: dict              # static outputs: logits, next_ids, hidden
     copied: object = None  # torch.cuda.Event: the last host->device copy of `host` is done
     counts: dict = field(default_factory=dict)  # the collectives one replay runs (as captured)
+    hidden: torch.Tensor | None = None  # mtp_draft: [b, hidden] static input rows
 
 
 class GpuRunner(PlanExecutor):
@@ -74,10 +91,16 @@ class GpuRunner(PlanExecutor):
         # swaps in a library that may render variants outside the plan
         self.moe_tiles: dict = {}
         self.kernels = KernelLibrary.from_plan(plan)
+        self.dtype = compute_dtype(plan.dtypes)   # activations (and mtp_draft's hidden input)
         self._derived: dict = {}
-        self.captured: dict[int, Captured] = {}
+        self.captured: dict[int, Captured] = {}   # decode graphs by bucket
+        self.mtp_captured: dict[str, dict[int, Captured]] = {p: {} for p in MTP_PHASES}
         split = plan.mesh["attn_tp"] if plan.mesh["ep"] > 1 else 1   # tokens split over attn_tp
         self.buckets = [b for b in plan.decode_buckets if b % split == 0]
+        verify = [b for b in plan.graphs["mtp_verify"].meta.get("cuda_graph_buckets", [])
+                  if b % split == 0] if "mtp_verify" in plan.graphs else []
+        self.phase_buckets = {"decode": self.buckets, "mtp_verify": verify,
+                              "mtp_draft": sorted(set(self.buckets) | set(verify)) if verify else []}
         self.timings: dict = {}
         self.last_bucket: int | None = None   # the bucket the last decode step replayed
 
@@ -103,14 +126,19 @@ class GpuRunner(PlanExecutor):
         self.last_token.index_copy_(0, to_device(torch.tensor(rows, dtype=torch.int64), self.last_token.device),
                                     tokens.to(self.last_token.device, torch.int64))
 
-    def _decode_body(self, ids, pos, loc, rows) -> dict:
-        """The captured region: fill in FUTURE_TOKEN ids, own slot into the device table, then
-        every decode op."""
+    def _body(self, phase, ids, pos, loc, rows, hidden=None, max_len=None) -> dict:
+        """The captured region of a per-token phase: fill in FUTURE_TOKEN ids, each token's own
+        slot into the device table, then every op of the phase (`hidden`: mtp_draft's input rows)."""
         ids = torch.where(ids < 0, self.last_token[rows], ids)
         self.r2t[rows, pos] = loc
-        graph = self.graphs["decode"]
-        return self._outputs(graph, self.run_ops(graph, self._step(graph, None, ids, pos, loc, rows,
-                                                                   self.max_context), "decode"))
+        graph = self.graphs[phase]
+        step = self._step(graph, None, ids, pos, loc, rows, max_len or self.max_context)
+        if hidden is not None:
+            step.feeds["hidden"] = hidden
+        return self._outputs(graph, self.run_ops(graph, step, phase))
+
+    def _decode_body(self, ids, pos, loc, rows) -> dict:
+        return self._body("decode", ids, pos, loc, rows)
 
     def _host_vectors(self, batch: ForwardBatch, size: int) -> torch.Tensor:
         """[4, size] int64: ids, positions, slots, rows per token, padded with the spare row."""
@@ -121,18 +149,21 @@ class GpuRunner(PlanExecutor):
         v[3, :t] = batch.req_pool_indices.repeat_interleave(batch.extend_lens)
         return v
 
-    def _load_rows(self, batch: ForwardBatch) -> None:
-        """Copy the batch's requests' req_to_token rows (up to max_context) into the device table."""
+    def _load_rows(self, batch: ForwardBatch, width: int | None = None) -> None:
+        """Copy the batch's requests' req_to_token rows (up to `width`, default max_context) into
+        the device table."""
         rows = batch.req_pool_indices
-        width = min(self.max_context, batch.req_to_token.shape[1])
+        width = min(width or self.max_context, self.max_context, batch.req_to_token.shape[1])
         self.r2t[to_device(rows, self.r2t.device), :width] = to_device(batch.req_to_token[rows, :width],
                                                                         self.r2t.device)
 
     # ------------------------------------------------------------------ forward
     @torch.no_grad()
     def forward(self, phase: str, batch: ForwardBatch, hidden=None, dp_tokens=None) -> dict:
-        if phase not in ("prefill", "decode"):
-            raise NotImplementedError(f"GpuRunner: phase {phase!r} (MTP) is not wired yet")
+        if phase not in ("prefill", *GRAPH_PHASES):
+            raise ValueError(f"GpuRunner: no phase {phase!r} (prefill, {', '.join(GRAPH_PHASES)})")
+        if phase in MTP_PHASES and phase not in self.graphs:
+            raise ValueError(f"GpuRunner: the plan has no {phase} phase (no MTP layer)")
         longest = int(batch.seq_lens.max()) if batch.batch_size else 1   # idle: padding only
         if longest > self.max_context:
             raise ValueError(f"GpuRunner: seq_len {longest} > max_context {self.max_context}")
@@ -146,6 +177,8 @@ class GpuRunner(PlanExecutor):
             self._load_rows(batch)
             ids, pos, loc, rows = to_device(self._host_vectors(batch, need), self.r2t.device)
             return {k: v[:B] for k, v in self._decode_body(ids, pos, loc, rows).items()}
+        if phase in MTP_PHASES:
+            return self._mtp(phase, batch, hidden, dp_tokens, longest)
         self._load_rows(batch)
         size = self.padded_tokens(batch.num_tokens, dp_tokens)
         ids, pos, loc, rows = to_device(self._host_vectors(batch, size), self.r2t.device)
@@ -156,54 +189,91 @@ class GpuRunner(PlanExecutor):
                                                 last), "prefill")
         return self._outputs(graph, values)
 
-    def _replay(self, bucket: int, batch: ForwardBatch) -> dict:
-        cap = self.captured[bucket]
+    def _mtp(self, phase: str, batch: ForwardBatch, hidden, dp_tokens, longest: int) -> dict:
+        """A verify or draft step: every token's outputs ([T, ...]), replayed from the smallest
+        captured token bucket that fits, else eager over the same body. The device table gets the
+        rows' positions below the step's own first (a request's first step may start past
+        positions the device never computed: prefix-cache hits); the step writes its own."""
+        T = batch.num_tokens
+        if T and int(batch.prefix_lens.max()):
+            self._load_rows(batch, width=int(batch.prefix_lens.max()))
+        need = self.padded_tokens(T, dp_tokens)
+        caps = self.mtp_captured[phase]
+        bucket = next((b for b in sorted(caps) if b >= need), None)
+        if bucket is not None:
+            return self._replay(bucket, batch, caps[bucket], hidden)
+        ids, pos, loc, rows = to_device(self._host_vectors(batch, need), self.r2t.device)
+        if hidden is not None:
+            hidden = torch.cat([hidden.to(self.dtype), hidden.new_zeros(need - T, hidden.shape[1],
+                                                                       dtype=self.dtype)])
+        out = self._body(phase, ids, pos, loc, rows, hidden, max_len=longest)
+        return {k: v[:T] for k, v in out.items()}
+
+    def _replay(self, bucket: int, batch: ForwardBatch, cap: Captured | None = None, hidden=None) -> dict:
+        cap = cap or self.captured[bucket]
         cap.copied.synchronize()             # the previous step's copy has read the staging buffer
         cap.host.copy_(self._host_vectors(batch, bucket))
         cap.packed.copy_(cap.host, non_blocking=True)
         cap.copied.record()
+        if cap.hidden is not None:
+            T = batch.num_tokens
+            cap.hidden[:T].copy_(hidden)
+            cap.hidden[T:].zero_()
         cap.graph.replay()
         self.comm.add(cap.counts)
-        return {k: v[:batch.batch_size] for k, v in cap.out.items()}
+        return {k: v[:batch.num_tokens] for k, v in cap.out.items()}
 
     def release(self) -> None:
         """Drop the captured graphs (they hold NCCL work) and wait for the device: NCCL
         communicators are destroyed only after no graph can launch on them."""
         self.captured.clear()
+        for caps in self.mtp_captured.values():
+            caps.clear()
         if self.r2t.is_cuda:
             torch.cuda.synchronize(self.r2t.device)
 
     # ------------------------------------------------------------------ CUDA graphs
     @torch.no_grad()
-    def capture(self, buckets=None, warmup: int = 2, progress=None) -> dict:
-        """Capture the decode graph for each bucket (default: the plan's); -> seconds per bucket.
-        `progress()` is called after each bucket (a progress bar's update)."""
-        buckets = sorted(buckets or self.buckets, reverse=True)
+    def capture(self, buckets=None, warmup: int = 2, progress=None, phases=("decode",)) -> dict:
+        """Capture each phase's graph per bucket (default: the plan's, `phase_buckets`; `buckets`
+        overrides the decode buckets); -> seconds per decode bucket (MTP phases: in
+        `timings[(phase, bucket)]`). `progress()` is called after each graph (a progress bar's update)."""
         pool = torch.cuda.graph_pool_handle()
-        for b in buckets:
-            t0 = time.perf_counter()
-            packed = torch.zeros(4, b, dtype=torch.int64, device=self.r2t.device)
-            packed[2].fill_(self.scratch), packed[3].fill_(self.pad_row)
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):        # compile kernels, create handles, fill caches
-                for _ in range(warmup):
-                    self._decode_body(*packed)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            saved = self.comm.reset()
-            with torch.cuda.graph(graph, pool=pool):
-                out = self._decode_body(*packed)
-            counts = self.comm.reset()            # one step's collectives, credited per replay
-            self.comm.add(saved)
-            torch.cuda.synchronize()
-            host = torch.empty(4, b, dtype=torch.int64).pin_memory()
-            self.captured[b] = Captured(graph, packed, host, out, torch.cuda.Event(), counts)
-            self.timings[b] = time.perf_counter() - t0
-            if progress is not None:
-                progress()
-        return dict(self.timings)
+        for phase in phases:
+            chosen = buckets if phase == "decode" and buckets else self.phase_buckets[phase]
+            for b in sorted(chosen, reverse=True):
+                t0 = time.perf_counter()
+                cap = self._capture_one(phase, b, warmup, pool)
+                (self.captured if phase == "decode" else self.mtp_captured[phase])[b] = cap
+                self.timings[b if phase == "decode" else (phase, b)] = time.perf_counter() - t0
+                if progress is not None:
+                    progress()
+        return {b: t for b, t in self.timings.items() if isinstance(b, int)}
 
+    def num_graphs(self, phases=("decode",)) -> int:
+        """How many graphs `capture(phases=phases)` records with the plan's buckets."""
+        return sum(len(self.phase_buckets[p]) for p in phases)
+
+    def _capture_one(self, phase: str, b: int, warmup: int, pool) -> Captured:
+        packed = torch.zeros(4, b, dtype=torch.int64, device=self.r2t.device)
+        packed[2].fill_(self.scratch), packed[3].fill_(self.pad_row)
+        hidden = (torch.zeros(b, self.config.hidden_size, dtype=self.dtype, device=self.r2t.device)
+                  if phase == "mtp_draft" else None)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):        # compile kernels, create handles, fill caches
+            for _ in range(warmup):
+                self._body(phase, *packed, hidden)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        saved = self.comm.reset()
+        with torch.cuda.graph(graph, pool=pool):
+            out = self._body(phase, *packed, hidden)
+        counts = self.comm.reset()            # one step's collectives, credited per replay
+        self.comm.add(saved)
+        torch.cuda.synchronize()
+        host = torch.empty(4, b, dtype=torch.int64).pin_memory()
+        return Captured(graph, packed, host, out, torch.cuda.Event(), counts, hidden)
 
 def to_device_weights(weights: dict, device, dtype) -> dict:
     """Checkpoint tensors on `device` in the compute dtype; the router weight and bias stay fp32;

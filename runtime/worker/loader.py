@@ -55,7 +55,8 @@ def progress(*args, **kwargs):
 def load_runner(plan: Plan, weights: Weights, *, device: str | torch.device | None = None,
                 comm: Comm | None = None, num_pages: int = 256, max_context: int | None = None,
                 max_running: int = 32, capture: bool = True, target: str | None = None,
-                stacks: dict | None = None, kv_fp8: str | None = None) -> PlanRunner:
+                stacks: dict | None = None, kv_fp8: str | None = None,
+                speculative: bool = False) -> PlanRunner:
     """This rank's runner of `plan`. `weights` is a checkpoint directory or a mapping of full
     HF-named tensors; `device` defaults to "cuda" for the CUDA target, else "cpu" (a CUDA-target
     plan on "cpu" runs the same code uncaptured, Triton under TRITON_INTERPRET=1: a dry run).
@@ -64,7 +65,8 @@ def load_runner(plan: Plan, weights: Weights, *, device: str | torch.device | No
     plan on the same GPU); `stacks` passes expert weights already stacked per layer
     ({weight prefix: (gate, up, down)}, benchmarks holding HF's fused expert tensors). `kv_fp8`
     ("store", "emulate", "none"; default: "store" on the CUDA target, "none" on the torch target)
-    says what becomes of the caches the plan stores fp8 (`KVPool.for_plan`)."""
+    says what becomes of the caches the plan stores fp8 (`KVPool.for_plan`). `speculative`: also
+    capture the MTP verify and draft graphs (a CUDA plan with MTP phases)."""
     target = target or plan.target
     device = torch.device(device or ("cuda" if target == "cuda" else "cpu"))
     comm = comm or Comm(plan.mesh, plan.groups)
@@ -77,7 +79,7 @@ def load_runner(plan: Plan, weights: Weights, *, device: str | torch.device | No
         pool = KVPool.for_plan(plan, num_pages + 1, torch.float32, device, kv_fp8 or "none")
         executor = PlanExecutor(plan, local, pool, comm, device=device, stacks=stacks)
         return PlanRunner(executor, max_context)
-    from glmc.runtime.worker.cuda_executor import GpuRunner, to_device_weights
+    from glmc.runtime.worker.cuda_executor import MTP_PHASES, GpuRunner, to_device_weights
 
     dtype = compute_dtype(plan.dtypes)
     max_ctx = context_limit(plan.config.max_position_embeddings, num_pages, max_context)
@@ -86,12 +88,16 @@ def load_runner(plan: Plan, weights: Weights, *, device: str | torch.device | No
     gpu = GpuRunner(plan, local, pool, comm, max_reqs=max_running, max_context=max_ctx,
                     stacks=stacks)
     loaded, captured = time.perf_counter() - t0, {}
+    phases = ("decode", *MTP_PHASES) if speculative and plan.has_mtp else ("decode",)
     if capture and device.type == "cuda":
-        with progress(total=len(gpu.buckets), desc="capturing CUDA graphs", unit="graph") as bar:
-            captured = gpu.capture(progress=bar.update)
+        with progress(total=gpu.num_graphs(phases), desc="capturing CUDA graphs", unit="graph") as bar:
+            gpu.capture(progress=bar.update, phases=phases)
+        captured = gpu.timings
     if comm.rank == 0:
+        mtp = {p: sorted(gpu.mtp_captured[p]) for p in MTP_PHASES if gpu.mtp_captured[p]}
         print(f"glmc: {device} runner ({plan.parallel}, rank 0 of {comm.world}): "
-              f"weights {loaded:.1f} s, {len(captured)} decode graphs {sorted(captured)} captured "
+              f"weights {loaded:.1f} s, {len(gpu.captured)} decode graphs {sorted(gpu.captured)}"
+              f"{''.join(f', {len(b)} {p} graphs {b}' for p, b in mtp.items())} captured "
               f"in {sum(captured.values()):.1f} s", file=sys.stderr, flush=True)
     return DevicePlanRunner(gpu, max_ctx)
 

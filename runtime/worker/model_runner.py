@@ -129,8 +129,7 @@ class PlanRunner(ModelRunner):
         self.vocab_size, self.num_pages = c.vocab_size, executor.pool.num_pages - 1
         self.max_context = context_limit(c.max_position_embeddings, self.num_pages, max_context)
         self.supports_overlap = executor.comm.world == 1   # followers of a group never sample
-        # the MTP phases on the torch target (GPU: issue 17 item 3); over several ranks the
-        # engine drives them through `distributed.DistRunner`
+        # over several ranks the engine drives the MTP phases through `distributed.DistRunner`
         self.runs_mtp = "mtp_draft" in executor.graphs and "mtp_verify" in executor.graphs
         self.supports_speculative = executor.comm.world == 1 and self.runs_mtp
         self._last = torch.zeros(0, dtype=torch.int64)   # row -> last recorded token (host)
@@ -181,21 +180,9 @@ class DevicePlanRunner(PlanRunner):
     CUDA-graph bucket (eager above the largest) and slices the padding off again. Its logits stay
     on the device in the compute dtype (for a replayed graph, views of a static buffer that the next
     step overwrites: the engine samples them, on the device, before it queues the next step), and
-    FUTURE_TOKEN ids are filled in on the device (inside the decode graph). No speculative
-    decoding yet: the verify and draft phases have no CUDA graphs or kernels wired here (issue 17
-    item 3)."""
-
-    def __init__(self, executor, max_context: int | None = None):
-        super().__init__(executor, max_context)
-        self.runs_mtp = self.supports_speculative = False
-
-    def verify(self, batch: ForwardBatch, dp_tokens: list[int] | None = None):
-        raise NotImplementedError("speculative decoding (MTP) runs on the torch target only so far; "
-                                  "the CUDA target's verify/draft graphs are issue 17 item 3")
-
-    def draft(self, batch: ForwardBatch, hidden: torch.Tensor, dp_tokens: list[int] | None = None):
-        raise NotImplementedError("speculative decoding (MTP) runs on the torch target only so far; "
-                                  "the CUDA target's verify/draft graphs are issue 17 item 3")
+    FUTURE_TOKEN ids are filled in on the device (inside the decode graph). Speculative decoding
+    runs the plan's MTP phases the same way (verify and draft graphs per token bucket); their
+    outputs are views of static buffers too, read or copied before the same phase runs again."""
 
     @property
     def kernels(self):
@@ -206,3 +193,7 @@ class DevicePlanRunner(PlanRunner):
 
     def run(self, phase: str, batch: ForwardBatch, dp_tokens: list[int] | None = None):
         return self.executor.forward(phase, batch, dp_tokens=dp_tokens)["logits"]
+
+    def verify(self, batch: ForwardBatch, dp_tokens: list[int] | None = None):
+        out = self.executor.forward("mtp_verify", batch, dp_tokens=dp_tokens)
+        return out["logits"], out["hidden"]
