@@ -201,14 +201,32 @@ def indexer_scores(q_idx, weights, k_cache, req_to_token, rows, pos, max_len, bl
     return scores
 
 
-def topk_select(scores, lens, k, chunk=None, lib: KernelLibrary = JIT):
+TOPK_SEGMENT = 2048   # scores per program of a long row's radix select: 64 programs for one 128K row
+TOPK_SEG_TILE = 32    # segments' histograms summed per load when a round's digit is found
+
+
+def topk_select(scores, lens, k, chunk=None, lib: KernelLibrary = JIT, segment=TOPK_SEGMENT):
     """Per row t: positions of the k largest of scores[t, :lens[t]], ascending, -1 padded. [T, k] int64.
-    Exact ties at the k-th score go to the lowest positions (torch_ref.topk_lowest_first's choice)."""
-    T = scores.shape[0]
-    ctx = TopkSelectCtx.make(k, scores.shape[1], chunk)
+    Exact ties at the k-th score go to the lowest positions (torch_ref.topk_lowest_first's choice).
+
+    Rows of <= ctx.chunk scores: one program each, held in registers (one launch when the workspace
+    is no wider). Longer rows: a byte-radix select split over programs of `segment` scores (five
+    launches of the same kernel, STAGE 0..4; the template's docstring). Graph-safe: the split count
+    comes from the workspace width, each row's own length is read on the device."""
+    T, width = scores.shape
+    ctx = TopkSelectCtx.make(k, width, chunk)
     out = torch.empty(T, k, dtype=torch.int64, device=scores.device)
-    if T:
-        lib(ctx)[(T,)](scores, scores.stride(0), lens, out, out.stride(0), num_warps=ctx.num_warps)
+    if not T:
+        return out
+    long_rows = width > ctx.chunk
+    num_segs = -(-width // segment) if long_rows else 1
+    hist = torch.empty(T, 4, num_segs, 256, dtype=torch.int32, device=scores.device) if long_rows else out
+    state = torch.empty(T, 4, 2, dtype=torch.int32, device=scores.device) if long_rows else out
+    gt = torch.empty(T, num_segs, dtype=torch.int32, device=scores.device) if long_rows else out
+    kernel = lib(ctx)
+    for stage in range(5 if long_rows else 1):
+        kernel[(T, num_segs)](scores, scores.stride(0), lens, out, out.stride(0), hist, state, gt, num_segs,
+                              STAGE=stage, SEG=segment, SEG_TILE=TOPK_SEG_TILE, num_warps=ctx.num_warps)
     return out
 
 
