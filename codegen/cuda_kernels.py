@@ -12,10 +12,11 @@ a captured decode graph; pure data, no torch, so the compiler side may read it.
 The indexer's top-k select (`topk_select.py.j2`) runs a row of n <= TOPK_CHUNK scores in one
 program, held in registers: 33 counting passes and a compaction when n > k, else one count and the
 compaction (`topk_select_passes`); latency-bound, so the predictor times it from the calibration's
-measured launches, scaled by these passes. A longer row is split over programs of 2048 scores
-(`triton_target.TOPK_SEGMENT`) and selected by bytes in five launches; each launch costs about
-TOPK_SPLIT_STAGE_PASSES register passes (an estimate until bench/long_context_bench.py's top-k
-table is folded into the calibration), independent of n while the segments fit on the GPU.
+measured launches, scaled by these passes. A workspace wider than TOPK_CHUNK splits its long rows
+over programs of 2048-4096 scores (`triton_target.topk_segment`) and selects them by bytes in five
+launches, plus the short rows' launch: each costs about TOPK_SPLIT_STAGE_PASSES register passes (an
+estimate until bench/long_context_bench.py's top-k table is folded into the calibration),
+independent of n while the segments fit on the GPU.
 
 Extra HBM traffic of the CUDA implementation beyond the IR's tensors (`moe_workspace_bytes`): the MoE
 experts write and read their [pairs, inter] hidden and their fp32 [pairs, hidden] per-pair
@@ -42,7 +43,7 @@ class Launches:
 TOPK_CHUNK = 8192  # scores per top-k pass in a plan: a row up to this long is read once and held in registers
 
 
-TOPK_SPLIT_STAGES = 5          # launches of the split radix select (4 histogram rounds, 1 compaction)
+TOPK_SPLIT_STAGES = 6          # launches of a wide workspace: 4 histogram rounds, compaction, short rows
 TOPK_SPLIT_STAGE_PASSES = 3    # register passes one of those launches costs (estimate; module docstring)
 
 
