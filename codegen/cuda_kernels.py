@@ -9,11 +9,14 @@ a captured decode graph; pure data, no torch, so the compiler side may read it.
   for the MoE row alignment and the top-k slot gather; a CUDA sort or scan may launch a few);
 - `collectives`: the NCCL calls (calibration kinds), each timed from the calibration's table.
 
-The indexer's top-k select (`topk_select.py.j2`, one program per token row) makes
-`topk_select_passes` passes over its row of n scores in chunks of TOPK_CHUNK: 33 counting passes
-and a compaction when n > k, else one count and the compaction (a row that fits one chunk is read
-once and counted in registers, at about the same latency per pass); latency-bound, so the predictor
-times it from the calibration's measured launches, scaled by these passes.
+The indexer's top-k select (`topk_select.py.j2`) runs a row of n <= TOPK_CHUNK scores in one
+program, held in registers: 33 counting passes and a compaction when n > k, else one count and the
+compaction (`topk_select_passes`); latency-bound, so the predictor times it from the calibration's
+measured launches, scaled by these passes. A workspace wider than TOPK_CHUNK splits its long rows
+over programs of 2048-4096 scores (`triton_target.topk_segment`) and selects them by bytes in five
+launches, plus the short rows' launch: each costs about TOPK_SPLIT_STAGE_PASSES register passes (an
+estimate until bench/long_context_bench.py's top-k table is folded into the calibration),
+independent of n while the segments fit on the GPU.
 
 Extra HBM traffic of the CUDA implementation beyond the IR's tensors (`moe_workspace_bytes`): the MoE
 experts write and read their [pairs, inter] hidden and their fp32 [pairs, hidden] per-pair
@@ -40,9 +43,15 @@ class Launches:
 TOPK_CHUNK = 8192  # scores per top-k pass in a plan: a row up to this long is read once and held in registers
 
 
+TOPK_SPLIT_STAGES = 6          # launches of a wide workspace: 4 histogram rounds, compaction, short rows
+TOPK_SPLIT_STAGE_PASSES = 3    # register passes one of those launches costs (estimate; module docstring)
+
+
 def topk_select_passes(row_len: int, k: int, chunk: int = TOPK_CHUNK) -> int:
-    """Chunk loads one program of the top-k select makes over a row of `row_len` scores."""
-    return -(-row_len // chunk) * (34 if row_len > k else 2)
+    """The top-k select's latency over a row of `row_len` scores, in register counting passes."""
+    if row_len > chunk:
+        return TOPK_SPLIT_STAGES * TOPK_SPLIT_STAGE_PASSES
+    return 34 if row_len > k else 2
 
 
 _ADD_RMS_TORCH = 8          # torch_ref.add_rms_norm: add, cast, pow, mean, add, rsqrt, mul, mul

@@ -201,14 +201,43 @@ def indexer_scores(q_idx, weights, k_cache, req_to_token, rows, pos, max_len, bl
     return scores
 
 
-def topk_select(scores, lens, k, chunk=None, lib: KernelLibrary = JIT):
+TOPK_SEGMENTS = (2048, 4096)   # scores per program of a long row's radix select: smallest, largest
+TOPK_SEG_TILE = 32             # segments' histograms summed per load when a round's digit is found
+
+
+def topk_segment(rows: int, width: int, num_sms: int) -> int:
+    """Scores per program of the split select: small segments (64 programs for one 128K row) while
+    the rows alone leave the GPU idle, larger ones (fewer programs each re-reading the row's
+    histograms) once rows x segments pass ~4 programs per SM."""
+    lo, hi = TOPK_SEGMENTS
+    segs = max(1, -(-4 * num_sms // max(rows, 1)))
+    return max(lo, min(hi, next_pow2(-(-width // segs))))
+
+
+def topk_select(scores, lens, k, chunk=None, lib: KernelLibrary = JIT, segment=None):
     """Per row t: positions of the k largest of scores[t, :lens[t]], ascending, -1 padded. [T, k] int64.
-    Exact ties at the k-th score go to the lowest positions (torch_ref.topk_lowest_first's choice)."""
-    T = scores.shape[0]
-    ctx = TopkSelectCtx.make(k, scores.shape[1], chunk)
+    Exact ties at the k-th score go to the lowest positions (torch_ref.topk_lowest_first's choice).
+
+    Rows of <= ctx.chunk scores: one program each, held in registers (one launch when the workspace
+    is no wider). Longer rows: a byte-radix select split over programs of `segment` scores
+    (`topk_segment` unless given; five more launches of the same kernel, STAGE 0..4; the
+    template's docstring). Graph-safe: the split comes from the shapes, each row's length is read on the device."""
+    T, width = scores.shape
+    ctx = TopkSelectCtx.make(k, width, chunk)
     out = torch.empty(T, k, dtype=torch.int64, device=scores.device)
-    if T:
-        lib(ctx)[(T,)](scores, scores.stride(0), lens, out, out.stride(0), num_warps=ctx.num_warps)
+    if not T:
+        return out
+    long_rows = width > ctx.chunk
+    segment = segment or topk_segment(T, width, _num_sms(scores.device))
+    num_segs = -(-width // segment) if long_rows else 1
+    hist = torch.empty(T, 4, num_segs, 256, dtype=torch.int32, device=scores.device) if long_rows else out
+    state = torch.empty(T, 4, 2, dtype=torch.int32, device=scores.device) if long_rows else out
+    gt = torch.empty(T, num_segs, dtype=torch.int32, device=scores.device) if long_rows else out
+    kernel = lib(ctx)
+    launches = [((T, num_segs), stage, False) for stage in range(5)] if long_rows else []
+    for grid, stage, short in launches + [((T, 1), 0, True)]:
+        kernel[grid](scores, scores.stride(0), lens, out, out.stride(0), hist, state, gt, num_segs, STAGE=stage,
+                     SHORT=short, SEG=segment, SEG_TILE=TOPK_SEG_TILE, num_warps=ctx.num_warps)
     return out
 
 

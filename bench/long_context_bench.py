@@ -1,0 +1,425 @@
+"""Decode at long context (issue 15, item 1): the 2-layer GLM-5.3-width slice at contexts 1K-128K,
+batches 1/8/32, glmc (CUDA graphs) next to transformers and the roofline. One command, one run:
+
+    python bench/long_context_bench.py --out-dir $OUT --budget 480        # CUDA (the H200)
+    python bench/long_context_bench.py --cpu                              # CPU smoke: narrow, interpreted
+
+The context is not prefilled: every slot of the paged KV pool and of the indexer key cache holds
+random N(0, 1) values written through `KVPool`'s writers (so an FP8 pool holds valid e4m3 rows and
+scales), and each request's row of the request table owns `ctx` tokens; the decode token sits at
+position ctx. Timed: the captured decode graph's replay and the whole step with the host (inputs in,
+logits read), as bench/decode_bench.py; both KV dtypes (fp8: the plan's default for bf16
+checkpoints; bf16), fp8 first.
+Roofline = bytes that must move per step / the device-to-device copy bandwidth measured here: the
+weights the step reads (experts touched, lm_head, ...), per full-indexer layer per request ctx x
+the indexer bytes per key, per layer per request min(ctx, index_topk) selected KV rows x bytes per
+row (decode_bench.op_cost's accounting). Per-kernel table at each point: indexer scores, top-k
+select, sparse MLA decode (the latent split-K kernel + combine over the selected rows), each
+captured and replayed alone, with time, achieved GB/s and its own byte floor. Top-k micro-bench:
+2048 of 8K-128K scores at batch 1 and 32, glmc's kernel vs torch.topk (the issue's target: < 30 us
+at 128K). Transformers: the same model (cuDNN SDPA off, decode_bench's faster eager variant) over a
+cache grown from a short prefill to ctx with random values, each point under a SIGALRM time limit;
+failures (OOM, time) are reported as failures. A point that does not fit is reported with the
+bytes it needs and the bytes free; points past the budget are skipped, the largest first, and say so.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import decode_bench as db  # noqa: E402
+import gpu_plan_check as pc  # noqa: E402
+
+GIB = 2**30
+HF_PROMPT = 37     # the short prefill HF's cache is grown from (a length no weight dimension has)
+
+
+def fail(e: BaseException) -> dict:
+    return {"failed": f"{type(e).__name__}: {e}"[:400]}
+
+
+# ----------------------------------------------------------------------------- glmc: pool, step, kernels
+def fill_pool_(pool, chunk=1 << 18):
+    """Random N(0, 1) rows in every slot of every cache, through the pool's writers, in chunks."""
+    import torch
+    g = torch.Generator(device=pool.device).manual_seed(0)
+    for s0 in range(0, pool.num_slots, chunk):
+        loc = torch.arange(s0, min(s0 + chunk, pool.num_slots), device=pool.device)
+        rnd = lambda d: torch.randn(loc.numel(), d, generator=g, device=pool.device)  # noqa: E731
+        for layer in range(pool.num_layers):
+            pool.write_kv(layer, loc, rnd(pool.kv_lora_rank), rnd(pool.qk_rope_head_dim))
+        for layer in pool.full_layers:
+            pool.write_index_k(layer, loc, rnd(pool.index_head_dim))
+
+
+def pool_bytes(plan, batch, ctx):
+    """(KV pool bytes of `batch` requests of ctx + 64 tokens, per-token bytes per layer (kv, index))."""
+    from glmc.runtime.worker.kv_cache import PAGE_SIZE, KVPool
+    probe = KVPool.for_plan(plan, 1, device="cpu", fp8="store")
+    pages = batch * -(-(ctx + 64) // PAGE_SIZE) + 1
+    return pages * PAGE_SIZE * probe.bytes_per_token(), probe.bytes_per_token_per_layer()
+
+
+def workspace_bytes(plan, batch, ctx):
+    """Step buffers that grow with ctx: fp32 indexer scores per full layer, the split MLA partials."""
+    c = plan.config
+    return 2 * batch * (ctx + 64) * 4 * len(plan.full_indexer_layers()) + batch * c.num_attention_heads * 64 * 520 * 4
+
+
+def fitting_batches(plan, batches, ctx, free, info_point):
+    """The batches whose pool + workspaces fit in `free` bytes (less 4 GiB headroom); the others
+    get their numbers in info_point."""
+    ok = []
+    for B in batches:
+        need = pool_bytes(plan, B, ctx)[0] + workspace_bytes(plan, B, ctx) + 4 * GIB
+        if need <= free:
+            ok.append(B)
+        else:
+            info_point[B] = {"failed": f"does not fit: pool + workspaces {need / GIB:.1f} GiB (4 GiB headroom "
+                                       f"included) > {free / GIB:.1f} GiB free"}
+    return ok
+
+
+def decode_batch_at(runner, B, ctx, table, seed=0):
+    """B requests (rows 0..B-1) of ctx cached tokens, each decoding one fresh random token."""
+    import torch
+    from glmc.runtime.worker.forward_batch import ForwardBatch
+    g = torch.Generator().manual_seed(seed)
+    toks = torch.randint(0, runner.config.vocab_size, (B,), generator=g).tolist()
+    return ForwardBatch.build("decode", [[t] for t in toks], list(range(B)), [ctx] * B, table)
+
+
+def kernel_rows(runner, batch, ctx, bw):
+    """Indexer scores, top-k select, sparse MLA decode of the first full layer, each alone."""
+    import torch
+    from glmc.codegen import triton_target as tt
+    from glmc.codegen.cuda_kernels import TOPK_CHUNK
+    calls, impls = [], runner.impls
+    runner.impls = {k: (lambda f: lambda op, a, rt: calls.append((op, a, rt)) or f(op, a, rt))(f)
+                    for k, f in impls.items()}
+    try:
+        runner._decode_body(*runner._host_vectors(batch, batch.batch_size).to(runner.r2t.device))
+    finally:
+        runner.impls = impls
+    op, args, rt = next(c for c in calls if c[0].kind == "idx.topk")
+    q, w, layer = args
+    heads, k, T = int(op.attr("heads")), int(op.attr("k")), q.shape[0]
+    wts = w.float() * heads ** -0.5
+    kv_row, idx_row = rt.pool.bytes_per_token_per_layer()
+    scores = tt.indexer_scores(q, wts, rt.pool.index_k[layer], rt.r2t, rt.rows, rt.pos, rt.max_len, lib=rt.kernels)
+    topk = tt.topk_select(scores, rt.pos + 1, k, TOPK_CHUNK, rt.kernels)
+    attn = next(c for c in calls if c[0].kind.startswith("attn."))[0]
+    H, R, dr = int(attn.attr("heads")), int(attn.attr("kv_lora")), int(attn.attr("dr"))
+    q_lat, q_pe = (torch.randn(T, H, d, device=q.device, dtype=q.dtype) for d in (R, dr))   # activation dtype
+    keys = min(ctx + 1, k)
+    jobs = [
+        ("indexer scores", lambda: tt.indexer_scores(q, wts, rt.pool.index_k[layer], rt.r2t, rt.rows, rt.pos,
+                                                     rt.max_len, lib=rt.kernels),
+         T * (ctx + 1) * (idx_row + 4)),                                  # keys read, fp32 scores written
+        ("top-k select", lambda: tt.topk_select(scores, rt.pos + 1, k, TOPK_CHUNK, rt.kernels),
+         T * ((ctx + 1) * 4 + k * 8)),                                    # scores read, positions written
+        ("sparse MLA decode", lambda: tt.sparse_mla_latent(q_lat, q_pe, rt.pool.kv[layer], rt.r2t, rt.rows, rt.pos,
+                                                           topk, float(attn.attr("scale")), lib=rt.kernels),
+         T * (keys * kv_row + H * (2 * R + dr) * q_lat.element_size())),  # selected rows, q in, out
+    ]
+    rows = []
+    for name, fn, floor_bytes in jobs:
+        try:
+            ms = db.bench_ms(fn)
+            rows.append({"kernel": name, "ms": ms, "floor_bytes": floor_bytes, "floor_ms": floor_bytes / bw / 1e6,
+                         "gbps": floor_bytes / ms / 1e6, "x_floor": ms / (floor_bytes / bw / 1e6)})
+        except Exception as e:   # reported; the next kernel still runs
+            rows.append({"kernel": name, **fail(e)})
+    return rows
+
+
+def glmc_point(runner, B, ctx, table, info):
+    """Replay and whole-step ms, roofline bytes, per-kernel rows at one (batch, context)."""
+    batch = decode_batch_at(runner, B, ctx, table, seed=B)
+    runner.forward("decode", batch)
+    cap = runner.captured.get(B)
+    replay = db.bench_ms(cap.graph.replay, graph=False) if cap else db.bench_ms(lambda: runner.forward("decode", batch))
+    step = db.bench_ms(lambda: runner.forward("decode", batch)["logits"][0, 0].item(), graph=False) if cap else replay
+    ops = db.per_op_table(runner, batch, ctx, info["copy_gbps"], info["mm_tflops"], deadline=0)  # costs only
+    must = sum(r["must_bytes"] for r in ops) + db.other_weight_bytes(runner)
+    roof = must / info["copy_gbps"] / 1e6
+    return {"replay_ms": replay, "step_ms": step, "roofline_bytes": must, "roofline_ms": roof,
+            "x_roofline": replay / roof, "kernels": kernel_rows(runner, batch, ctx, info["copy_gbps"])}
+
+
+def run_glmc(model, kv_dtype, contexts, batches, dev, dtype, info, deadline, save):
+    """Every (context, batch) point of one KV dtype; -> {ctx: {B: point}}. Contexts in increasing
+    order, so a spent budget skips the largest."""
+    import torch
+    out = {}
+    t = db.now()
+    plan = pc.glmc_plan(model, max(batches), "float32" if dtype == torch.float32 else "bfloat16", kv_dtype=kv_dtype)
+    info[f"compile_s_{kv_dtype}"] = db.now() - t
+    weights, stacks = pc.glmc_weights(model)
+    for ctx in contexts:
+        point = out.setdefault(ctx, {})
+        if db.now() > deadline:
+            point.update({B: {"failed": "skipped: benchmark budget spent"} for B in batches})
+            continue
+        free = torch.cuda.mem_get_info()[0] if dev == "cuda" else 64 * GIB
+        fits = fitting_batches(plan, batches, ctx, free, point)
+        if not fits:
+            continue
+        runner = None
+        try:
+            t = db.now()
+            runner = pc.gpu_runner(plan, weights, dev, max(fits), ctx + 64, stacks=stacks)
+            fill_pool_(runner.pool)
+            point["setup"] = {"runner_and_fill_s": db.now() - t, "pool_gib": pool_bytes(plan, max(fits), ctx)[0] / GIB}
+            t = db.now()
+            point["setup"]["capture_s"] = runner.capture(fits) if dev == "cuda" else {}
+            table = pc.req_table(max(fits), (ctx + 64 + 63) // 64)
+            for B in fits:
+                if db.now() > deadline:
+                    point[B] = {"failed": "skipped: benchmark budget spent"}
+                    continue
+                try:
+                    point[B] = glmc_point(runner, B, ctx, table, info)
+                except Exception as e:
+                    point[B] = fail(e)
+        except Exception as e:   # reported; the next context still runs
+            for B in fits:
+                point.setdefault(B, fail(e))
+        runner = None
+        if dev == "cuda":
+            torch.cuda.empty_cache()
+        save()
+    return out
+
+
+# ----------------------------------------------------------------------------- top-k micro-benchmark
+def topk_micro(lengths, batches, k, dev, deadline):
+    """glmc's top-k select vs torch.topk: k of n random fp32 scores per row (graph replays)."""
+    import torch
+    from glmc.codegen import triton_target as tt
+    from glmc.codegen.cuda_kernels import TOPK_CHUNK
+    rows = []
+    for n in lengths:
+        for B in batches:
+            if db.now() > deadline:
+                rows.append({"n": n, "batch": B, "failed": "skipped: benchmark budget spent"})
+                continue
+            r = {"n": n, "batch": B}
+            try:
+                scores = torch.randn(B, n, device=dev)
+                lens = torch.full((B,), n, device=dev, dtype=torch.int64)
+                got = tt.topk_select(scores, lens, k, TOPK_CHUNK)
+                want = torch.topk(scores, k, dim=-1).indices.sort(-1).values
+                r["agrees_with_torch"] = bool(torch.equal(got, want))
+                r["glmc_us"] = db.bench_ms(lambda: tt.topk_select(scores, lens, k, TOPK_CHUNK)) * 1e3
+                r["torch_topk_us"] = db.bench_ms(lambda: torch.topk(scores, k, dim=-1)) * 1e3
+            except Exception as e:
+                r.update(fail(e))
+            rows.append(r)
+    return rows
+
+
+# ----------------------------------------------------------------------------- transformers
+def cached_tensors(model, cache):
+    """(owner, attribute, tensor) of every cached tensor with a HF_PROMPT-long dim: the cache's
+    layers, and modules that keep their own (an indexer's key cache, in some transformers versions)."""
+    import torch
+    owners = list(getattr(cache, "layers", [])) + [m for m in model.modules()]
+    return [(o, name, t) for o in owners for name, t in list(vars(o).items())
+            if isinstance(t, torch.Tensor) and t.dim() >= 3 and HF_PROMPT in t.shape]
+
+
+def short_prefill(model, B):
+    import torch
+    ids = torch.randint(0, model.config.vocab_size, (B, HF_PROMPT), device=model.device)
+    return model(input_ids=ids, use_cache=True).past_key_values, ids[:, -1:]
+
+
+def grown_cache(model, B, ctx):
+    """HF's own cache after a HF_PROMPT-token prefill, every cached tensor's sequence dim grown to
+    ctx with random values of its dtype (the structure is whatever this transformers version keeps)."""
+    import torch
+    cache, tok = short_prefill(model, B)
+    for owner, name, t in cached_tensors(model, cache):
+        shape = list(t.shape)
+        shape[shape.index(HF_PROMPT)] = ctx
+        setattr(owner, name, torch.randn(shape, device=t.device, dtype=t.dtype))
+    return cache, tok
+
+
+def hf_cache_bytes(model, B, ctx):
+    """Bytes the grown cache will hold, from a batch-1 short prefill's tensors."""
+    cache, _ = short_prefill(model, 1)
+    return sum(t.nbytes for _, _, t in cached_tensors(model, cache)) * B * ctx / HF_PROMPT
+
+
+def run_hf(model, contexts, batches, dev, deadline, per_point_s, save):
+    """HF decode ms per (ctx, batch), each point under a SIGALRM limit; -> {ctx: {B: row}}."""
+    import torch
+
+    def alarm(*_):
+        raise TimeoutError(f"HF point outlasted its {per_point_s:.0f} s limit")
+    out, old = {}, signal.signal(signal.SIGALRM, alarm)
+    if dev == "cuda":   # decode_bench: cuDNN SDPA re-plans every step; the variant without it is faster
+        torch.backends.cuda.enable_cudnn_sdp(False)
+    grad = torch.is_grad_enabled()
+    torch.set_grad_enabled(False)   # inference: no autograd graph over a 128K cache
+    try:
+        for ctx in contexts:
+            for B in batches:
+                row = out.setdefault(ctx, {}).setdefault(B, {})
+                left = deadline - db.now()
+                if left < 5:
+                    row.update(failed="skipped: benchmark budget spent")
+                    continue
+                cache = None
+                signal.alarm(max(1, int(min(left, per_point_s))))
+                try:
+                    need = hf_cache_bytes(model, B, ctx)
+                    free = torch.cuda.mem_get_info()[0] if dev == "cuda" else 64 * GIB
+                    row["cache_gib"] = need / GIB
+                    if need > free:
+                        row["failed"] = f"does not fit: HF cache {need / GIB:.1f} GiB > {free / GIB:.1f} GiB free"
+                        continue
+                    cache, tok = grown_cache(model, B, ctx)
+                    row["cache_len"] = cache.get_seq_length()
+                    row["ms"], _ = db.hf_steps(model, cache, tok, 1, 3)
+                except Exception as e:
+                    row.update(fail(e))
+                finally:
+                    signal.alarm(0)
+                    cache = None
+                    if dev == "cuda":
+                        torch.cuda.empty_cache()
+                save()
+    finally:
+        signal.signal(signal.SIGALRM, old)
+        torch.set_grad_enabled(grad)
+        if dev == "cuda":
+            torch.cuda.enable_cudnn_sdp(True)
+    return out
+
+
+# ----------------------------------------------------------------------------- report
+def fmt(v, w=9, p=3):
+    return f"{v:{w}.{p}f}" if isinstance(v, (int, float)) else f"{'-' if v is None else v:>{w}}"
+
+
+def step_table(res):
+    lines = [f"{'kv':>4} {'ctx':>7} {'B':>3} {'replay ms':>9} {'step ms':>9} {'roof ms':>9} {'x roof':>7}"
+             f" {'HF ms':>9} {'HF/glmc':>8}  note"]
+    for kv, by_ctx in res["glmc"].items():
+        for ctx, by_b in by_ctx.items():
+            for B, r in by_b.items():
+                if B == "setup":
+                    continue
+                hf = res["hf"].get(ctx, {}).get(B, {})
+                g, h = r.get("replay_ms"), hf.get("ms")
+                hf_ratio = h / g if g and h else None
+                note = r.get("failed") or (f"HF: {hf['failed'][:60]}" if "failed" in hf else "")
+                lines.append(f"{kv:>4} {ctx:>7} {B:>3} {fmt(g)} {fmt(r.get('step_ms'))} {fmt(r.get('roofline_ms'))}"
+                             f" {fmt(r.get('x_roofline'), 7, 2)} {fmt(h)} {fmt(hf_ratio, 8, 2)}  {note}")
+    return "\n".join(lines)
+
+
+def kernel_table(res):
+    lines = [f"{'kv':>4} {'ctx':>7} {'B':>3} {'kernel':18s} {'us':>9} {'GB/s':>7} {'floor us':>9} {'x floor':>8}"]
+    for kv, by_ctx in res["glmc"].items():
+        for ctx, by_b in by_ctx.items():
+            for B, r in by_b.items():
+                for k in r.get("kernels", []) if B != "setup" else []:
+                    lines.append(f"{kv:>4} {ctx:>7} {B:>3} {k['kernel']:18s} {fmt(k.get('ms', 0) * 1e3, 9, 1)}"
+                                 f" {fmt(k.get('gbps'), 7, 0)} {fmt(k.get('floor_ms', 0) * 1e3, 9, 1)}"
+                                 f" {fmt(k.get('x_floor'), 8, 2)} {k.get('failed', '')}")
+    return "\n".join(lines)
+
+
+def topk_table(rows):
+    lines = [f"{'n':>7} {'B':>3} {'glmc us':>9} {'torch.topk us':>13} {'same set':>8}"]
+    for r in rows:
+        lines.append(f"{r['n']:>7} {r['batch']:>3} {fmt(r.get('glmc_us'), 9, 1)} {fmt(r.get('torch_topk_us'), 13, 1)}"
+                     f" {str(r.get('agrees_with_torch', '-')):>8} {r.get('failed', '')}")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- main
+def ints(s):
+    return [int(x) for x in s.split(",")]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--cpu", action="store_true", help="smoke run: narrow widths, TRITON_INTERPRET=1, no graphs")
+    ap.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "results"))
+    ap.add_argument("--commit", default="unknown")
+    ap.add_argument("--contexts", type=ints, default=[1024, 8192, 32768, 131072])
+    ap.add_argument("--batches", type=ints, default=[1, 8, 32])
+    ap.add_argument("--kv-dtypes", default="fp8,bf16", help="KV cache dtypes, measured in this order")
+    ap.add_argument("--topk-lengths", type=ints, default=[8192, 32768, 65536, 131072])
+    ap.add_argument("--budget", type=float, default=480, help="seconds for the whole run")
+    ap.add_argument("--hf-point-s", type=float, default=40, help="time limit of one transformers point")
+    ap.add_argument("--skip", default="", help="comma list of: hf, topk")
+    args = ap.parse_args()
+    if args.cpu:
+        os.environ["TRITON_INTERPRET"] = "1"
+        if args.contexts == ap.get_default("contexts"):
+            args.contexts = [96, 200]
+        args.batches = [b for b in args.batches if b <= 2] or [1]
+        args.topk_lengths = [n for n in args.topk_lengths if n <= 300] or [200]
+    pc.import_glmc()
+    import torch
+    t0, out_dir = db.now(), Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    dev, dtype = ("cpu", torch.float32) if args.cpu else ("cuda", torch.bfloat16)
+    info = {"device": "cpu-interpreter" if args.cpu else torch.cuda.get_device_name(), "commit": args.commit,
+            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "torch": torch.__version__, "args": vars(args)}
+    res = {"info": info, "glmc": {}, "hf": {}, "topk": []}
+    path = out_dir / f"long_context_bench_{time.strftime('%Y-%m-%d_%H%M')}.json"
+    save = lambda: path.write_text(json.dumps(res, indent=1, default=str))  # noqa: E731
+    info["copy_gbps"], info["mm_tflops"] = db.ceilings(args.cpu)
+    model = pc.slice_model(dev, dtype, seed=0, narrow=args.cpu)
+    with torch.no_grad():   # decode_bench: HF's zero bias spreads routing like real traffic
+        for n, b in model.named_buffers():
+            if n.endswith("e_score_correction_bias"):
+                b.zero_()
+    info["model_build_s"], k = db.now() - t0, model.config.index_topk
+    budget_end = t0 + args.budget
+    kv_dtypes = args.kv_dtypes.split(",")
+    # budget shares, in priority order: glmc fp8, top-k micro, transformers, glmc bf16
+    for i, kv in enumerate(kv_dtypes):
+        if i == 1:   # the second KV dtype runs after the top-k micro-bench and transformers
+            if "topk" not in args.skip:
+                res["topk"] = topk_micro(args.topk_lengths, sorted({args.batches[0], args.batches[-1]}), k, dev,
+                                         budget_end - 0.3 * args.budget)
+            if "hf" not in args.skip:
+                res["hf"] = run_hf(model, args.contexts, args.batches, dev, budget_end - 0.2 * args.budget,
+                                   args.hf_point_s, save)
+            save()
+        share = budget_end - (0.45 * args.budget if i == 0 and len(kv_dtypes) > 1 else 0)
+        try:
+            res["glmc"][kv] = run_glmc(model, kv, args.contexts, args.batches, dev, dtype, info, share, save)
+        except Exception as e:   # reported; the other parts still run
+            res["glmc"][kv] = {"failed": fail(e)}
+        save()
+    if len(kv_dtypes) == 1:
+        if "topk" not in args.skip:
+            res["topk"] = topk_micro(args.topk_lengths, sorted({args.batches[0], args.batches[-1]}), k, dev, budget_end)
+        if "hf" not in args.skip:
+            res["hf"] = run_hf(model, args.contexts, args.batches, dev, budget_end, args.hf_point_s, save)
+    info["total_s"] = db.now() - t0
+    save()
+    print(f"device {info['device']}  copy {info['copy_gbps']:.0f} GB/s  total {info['total_s']:.0f} s")
+    print(step_table(res))
+    print(kernel_table(res))
+    print(topk_table(res["topk"]))
+    print(f"saved {path}")
+
+
+if __name__ == "__main__":
+    main()
