@@ -201,7 +201,7 @@ class SparseMlaDecodeCtx:
     dot_precision: str
     num_warps: int
     num_stages: int
-    kv_fp8: bool = False   # FlashMLA FP8 rows: c_kv dequantised in registers (one scale per `group`)
+    kv_fp8: bool = False   # FlashMLA FP8 rows: c_kv e4m3 with one fp32 scale per `group` values
     group: int = FP8_GROUP
 
     @classmethod
