@@ -302,7 +302,7 @@ def run_hf(model, contexts, batches, dev, deadline, per_point_s, save):
         signal.signal(signal.SIGALRM, old)
         torch.set_grad_enabled(grad)
         if dev == "cuda":
-            torch.cuda.enable_cudnn_sdp(True)
+            torch.backends.cuda.enable_cudnn_sdp(True)
     return out
 
 
