@@ -65,7 +65,8 @@ SERVER_FLAGS = {"gpu": "--num-pages 4096 --max-context 2048 --max-running 128 --
 # rest: chat prompts of 8-32 / 32-128 / 128-384 words (one bucket drawn per request), half of them
 # opening with one of 2 system prompts of 160 words, all requests sent at once, greedy, ignore_eos
 # Run in this order (the targets' runs first, should the budget run short); the table sorts by concurrency.
-RUNS = {"gpu": (("c1", 1, "--num-requests 12 --concurrency 1 --min-tokens 64 --max-tokens 64 --seed 2"),
+RUNS = {"gpu": (("c1", 1, "--num-requests 16 --concurrency 1 --min-tokens 64 --max-tokens 64 --seed 2 "
+                 "--prompt-words 8,640"),   # prompts up to ~2K tokens (the TTFT target's range)
                 ("c32", 32, "--num-requests 128 --concurrency 32 --min-tokens 32 --max-tokens 128 --seed 0"),
                 ("c8", 8, "--num-requests 32 --concurrency 8 --min-tokens 32 --max-tokens 128 --seed 3"),
                 ("c128", 128, "--num-requests 256 --concurrency 128 --min-tokens 32 --max-tokens 128 --seed 4")),

@@ -1,0 +1,316 @@
+"""MTP speculative decoding on the GPU (issue 17 items 3, 4 and 6), one command:
+
+    bash bench/with_wheels.sh python3 bench/mtp_gpu_check.py --out-dir $OUT     # the H200 (carry .whl)
+    python bench/mtp_gpu_check.py --cpu                                         # dry run, Triton interpreted
+
+1. small: glmc-small (models/small, the trained checkpoint) in an in-process engine on the GPU, plain
+   and with N = 1, 2, 3 drafts (verify and draft replayed from their CUDA graphs): greedy output on
+   held-out text equal to plain greedy token for token (else the first differing position), the
+   accept length, and the TPOT at concurrency 1 and 16 (engine steps, host time included).
+2. serve: `glmc run --device cuda` of glmc-small without and with N = 3 drafts, bench/serve_bench.py
+   at concurrency 1 and 16 against each (fixed seeded chat workload, 64 tokens per request):
+   output tok/s, TTFT, TPOT and the server's accept length (/metrics).
+3. width: a GLM-5.3-width slice with an MTP layer (layer 0 dense, 1 MoE with a full indexer, 2 MoE
+   with a shared one, the MTP layer; random bf16 weights; FP8 KV at context `--ctx`). Each layer's
+   ops and the head (final norm, lm_head, sampling) are captured as a CUDA graph of their own, with
+   the inputs of one real step, and replayed: the time per layer kind of a decode step of B tokens
+   and of a verify step of B x (N + 1) tokens, and of the MTP draft step (MTP layer + shared head)
+   at B and B x (N + 1) tokens. From these, scaled to GLM-5.3's 78 layers (3 dense, 75 MoE; full
+   indexers every 4th layer) and the small model's accept length, the predicted TPOT with and without
+   MTP at concurrency 1 and 16:
+       plain = head(B) + sum_kind count_kind x layer_kind(B)
+       mtp   = [verify(B(N+1)) + draft(B(N+1)) (draft-extend, an upper bound) + (N - 1) draft(B)] / accept(N)
+   Graph time only (no host), one GPU holding every layer (the whole model does not fit one GPU; the
+   ratio is what the prediction is about, and it says which term limits it).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu_plan_check as pc  # noqa: E402  (slice config, model, weights, request tables)
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ROOT / "models" / "small"
+STEPS = (1, 2, 3)
+# GLM-5.3: 78 layers, the first 3 dense, a full indexer on every 4th layer (index_topk_freq 4)
+FULL_MODEL = {"layers": 78, "dense": 3, "full_every": 4}
+
+
+def now():
+    return time.perf_counter()
+
+
+# ----------------------------------------------------------------------------- 1. the small model
+def small_engine(n, device):
+    from glmc.api import build_engine
+    return build_engine(SMALL, device=device, warmup=device == "cuda", overlap=False if n else None,
+                        max_running=16, speculative_num_steps=n, num_pages=256)
+
+
+def run_wave(e, specs):
+    reqs = [e.make_request(p, s) for p, s in specs]
+    for r in reqs:
+        e.submit(r)
+    t0 = now()
+    while not all(r.finished for r in reqs):
+        e.step()
+    while e.step():   # an overlapped loop's last queued step
+        pass
+    wall = now() - t0
+    return [r.output_ids for r in reqs], wall
+
+
+def first_difference(a, b):
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)) if len(a) != len(b) else None)
+
+
+def check_small(device, gen, concurrencies):
+    from glmc.runtime.engine.sampling import SamplingParams
+    tok_dir = SMALL
+    from glmc.runtime.engine.tokenizer import Tokenizer
+    ids = Tokenizer.from_dir(tok_dir).encode((SMALL / "heldout.txt").read_text(encoding="utf-8"))
+    greedy = SamplingParams(max_tokens=gen, temperature=0.0, ignore_eos=True)
+    stride = len(ids) // 16
+    prompts = [ids[i * stride:i * stride + 96] for i in range(16)]
+    out = {"gen_tokens": gen, "prompt_tokens": 96, "runs": {}}
+    want = {}
+    for n in (0, *STEPS):
+        e = small_engine(n, device)
+        row = {}
+        for c in concurrencies:
+            e.metrics.reset() if hasattr(e.metrics, "reset") else None
+            before = dict(e.metrics.counters)
+            tokens, wall = run_wave(e, [(p, greedy) for p in prompts[:c]])
+            after = e.metrics.counters
+            verifies = after.get("spec_verify_steps_total", 0) - before.get("spec_verify_steps_total", 0)
+            accepted = after.get("spec_accepted_tokens_total", 0) - before.get("spec_accepted_tokens_total", 0)
+            r = {"wall_s": wall, "tpot_ms": wall / gen * 1e3, "tok_s": c * gen / wall}
+            if n:
+                r["accept_length"] = (accepted + verifies) / verifies if verifies else None
+                diffs = [first_difference(t, w) for t, w in zip(tokens, want[c])]
+                r["equal_to_plain"] = sum(d is None for d in diffs)
+                r["first_difference"] = diffs
+            else:
+                want[c] = tokens
+            row[f"c{c}"] = r
+            print(f"small N={n} c={c}: TPOT {r['tpot_ms']:.2f} ms, {r['tok_s']:.0f} tok/s"
+                  + (f", accept {r['accept_length']:.2f}, equal {r['equal_to_plain']}/{c}" if n else ""), flush=True)
+        if n and hasattr(e.runner.executor, "mtp_captured"):
+            row["graphs"] = {p: sorted(c) for p, c in e.runner.executor.mtp_captured.items()}
+        out["runs"][f"N={n}"] = row
+        e.runner.close() if hasattr(e.runner, "close") else None
+        del e
+    return out
+
+
+# ----------------------------------------------------------------------------- 2. served
+def check_serve(out_dir: Path, cpu: bool):
+    """One server per draft count, serve_bench at each concurrency against it; -> summaries."""
+    import subprocess
+
+    import serve_bench as sb
+    here = Path(__file__).resolve().parent
+    runs = {}
+    cwd = os.getcwd()
+    os.chdir("/tmp")   # `python -m glmc.cli` must find the installed glmc, not the repo's glmc/ folder
+    try:
+        for n in (0, 3):
+            args = ("--device cpu --weights glmc-tiny" if cpu else "--device cuda") + " --max-running 16"
+            args += f" --speculative-num-steps {n}" if n else ""
+            proc, url = sb.launch(args, out_dir / f"server_N{n}.log")
+            try:
+                for c in ((1,) if cpu else (1, 16)):
+                    path = out_dir / f"serve_N{n}_c{c}.json"
+                    tokens = 8 if cpu else 64
+                    cmd = [sys.executable, str(here / "serve_bench.py"), "--url", url, "--num-requests",
+                           str(max(8, 4 * c) if not cpu else 2), "--concurrency", str(c), "--min-tokens",
+                           str(tokens), "--max-tokens", str(tokens), "--seed", "1", "--out", str(path)]
+                    subprocess.run(cmd, check=True, timeout=300)
+                    got = json.loads(path.read_text())
+                    runs[f"N={n} c{c}"] = got["summary"]   # with "speculative": the accept length
+                    print(f"serve N={n} c={c}: " + json.dumps({k: v for k, v in got["summary"].items()
+                                                              if "p50" in k or "tokens_per_s" in k}), flush=True)
+            finally:
+                sb.stop(proc)
+    finally:
+        os.chdir(cwd)
+    return runs
+
+
+# ----------------------------------------------------------------------------- 3. GLM-5.3 width
+def slice_with_mtp(dev, dtype, narrow):
+    """HF slice of 4 layers (dense full, MoE full, MoE shared, MoE full): the last becomes the MTP
+    layer; -> (glmc plan with MTP phases, weights, expert stacks)."""
+    import tempfile
+
+    import torch
+    from glmc.compiler import compile_plan
+    from glmc.config import Options
+    from glmc.parallel import parse_parallel
+    from glmc.spec import load_spec
+    model = pc.slice_model(dev, dtype, seed=0, narrow=narrow, num_hidden_layers=4,
+                           indexer_types=["full", "full", "shared", "full"])
+    weights, stacks = pc.glmc_weights(model)
+    h = model.config.hidden_size
+    g = torch.Generator(device=dev).manual_seed(5)
+    p = "model.layers.3."
+    weights[p + "enorm.weight"] = torch.ones(h, device=dev, dtype=dtype)
+    weights[p + "hnorm.weight"] = torch.ones(h, device=dev, dtype=dtype)
+    weights[p + "shared_head.norm.weight"] = torch.ones(h, device=dev, dtype=dtype)
+    weights[p + "eh_proj.weight"] = (torch.randn(h, 2 * h, generator=g, device=dev) * (2 * h) ** -0.5).to(dtype)
+    raw = model.config.to_dict()
+    raw.update(model_type="glm_moe_dsa", dtype="bfloat16", num_hidden_layers=3, num_nextn_predict_layers=1,
+               indexer_types=["full", "full", "shared"], mlp_layer_types=raw["mlp_layer_types"][:3])
+    d = Path(tempfile.mkdtemp(prefix="glmc_mtp_slice_"))
+    (d / "config.json").write_text(json.dumps(raw))
+    spec = load_spec(d)
+    plan = compile_plan(spec, parse_parallel("tp1", spec.config),
+                        Options(device="cuda", max_batch=16, mtp_draft_tokens=4))
+    return model, plan, weights, stacks
+
+
+def segment_ms(runner, phase, batch, hidden, bench):
+    """Run `phase` once eagerly recording every op call, then replay each layer's calls (and the
+    rest: the head, the MTP prologue) as a CUDA graph of their own; -> {segment: ms}."""
+    from collections import OrderedDict
+    calls, impls = [], runner.impls
+
+    def recorder(fn):
+        return lambda op, args, rt: calls.append((op, args, rt, fn)) or fn(op, args, rt)
+    runner.impls = {k: recorder(f) for k, f in impls.items()}
+    try:
+        v = runner._host_vectors(batch, batch.num_tokens).to(runner.r2t.device)
+        runner._body(phase, *v, hidden)
+    finally:
+        runner.impls = impls
+    groups = OrderedDict()
+    for op, args, rt, fn in calls:
+        if op.kind in ("io.input",):
+            continue
+        key = f"layer{op.layer}" if op.layer is not None else "head"
+        groups.setdefault(key, []).append((op, args, rt, fn))
+    return {k: bench(lambda cs=cs: [fn(op, args, rt) for op, args, rt, fn in cs]) for k, cs in groups.items()}
+
+
+def check_width(dev, narrow, ctx, budget_end):
+    import torch
+    from decode_bench import bench_ms
+    from glmc.runtime.worker.forward_batch import ForwardBatch
+    t0 = now()
+    model, plan, weights, stacks = slice_with_mtp(dev, torch.bfloat16, narrow)
+    B_max = 16
+    runner = pc.gpu_runner(plan, weights, dev, B_max, ctx + 64, stacks=stacks)
+    table = pc.req_table(B_max, (ctx + 64) // 64)
+    g = torch.Generator().manual_seed(0)
+    vocab = plan.config.vocab_size
+    prompts = [torch.randint(0, vocab, (ctx,), generator=g).tolist() for _ in range(B_max)]
+    pc.prefill(runner, prompts, table, group=max(1, 8192 // ctx))
+    out = {"ctx": ctx, "setup_s": now() - t0, "segments": {}}
+    bench = (lambda fn: bench_ms(fn)) if dev == "cuda" else (lambda fn: bench_ms(fn, graph=False))
+    for B in (1, 16):
+        for T in sorted({B * (n + 1) for n in (0, *STEPS)}):
+            if now() > budget_end:
+                out["skipped"] = f"budget spent at B={B} T={T}"
+                break
+            per = T // B   # tokens per request: the verify of per - 1 drafts
+            ids = [torch.randint(0, vocab, (per,), generator=g).tolist() for _ in range(B)]
+            batch = ForwardBatch.build("extend" if per > 1 else "decode", ids, list(range(B)), [ctx] * B, table)
+            hid = torch.randn(T, plan.config.hidden_size, device=dev, dtype=runner.dtype)
+            row = {"verify" if per > 1 else "decode": segment_ms(runner, "mtp_verify" if per > 1 else "decode",
+                                                               batch, None, bench),
+                   "draft": segment_ms(runner, "mtp_draft", batch, hid, bench)}
+            out["segments"][f"B={B} T={T}"] = row
+            print(f"width B={B} T={T}: " + ", ".join(f"{ph} " + " ".join(f"{k} {v:.3f}" for k, v in seg.items())
+                                                      for ph, seg in row.items()), flush=True)
+    return out
+
+
+def predict(width, accept):
+    """The whole GLM-5.3's graph time per token with and without MTP (module docstring)."""
+    L, dense, every = FULL_MODEL["layers"], FULL_MODEL["dense"], FULL_MODEL["full_every"]
+    full = {i for i in range(L) if i % every == 0}
+    counts = {"dense_full": sum(i in full for i in range(dense)),
+              "dense_shared": sum(i not in full for i in range(dense)),
+              "moe_full": sum(i in full for i in range(dense, L)),
+              "moe_shared": sum(i not in full for i in range(dense, L))}
+
+    def step(seg):
+        indexer = seg["layer1"] - seg["layer2"]        # a full indexer's share (MoE full - MoE shared)
+        kinds = {"dense_full": seg["layer0"], "dense_shared": max(seg["layer0"] - indexer, 0.0),
+                 "moe_full": seg["layer1"], "moe_shared": seg["layer2"]}
+        return seg["head"] + sum(counts[k] * kinds[k] for k in counts), kinds
+
+    rows = {}
+    for B in (1, 16):
+        seg = width["segments"].get(f"B={B} T={B}")
+        if not seg:
+            continue
+        plain, kinds = step(seg["decode"])
+        draft1 = sum(seg["draft"].values())
+        row = {"plain_ms": plain, "per_layer_ms": kinds, "draft_step_ms": draft1, "mtp": {}}
+        for n in STEPS:
+            big = width["segments"].get(f"B={B} T={B * (n + 1)}")
+            if not big or n not in accept:
+                continue
+            verify, _ = step(big["verify"])
+            extend = sum(big["draft"].values())
+            cycle = verify + extend + (n - 1) * draft1
+            tpot = cycle / accept[n]
+            terms = {"verify/plain": verify / plain, "drafts/plain": (extend + (n - 1) * draft1) / plain}
+            row["mtp"][n] = {"verify_ms": verify, "draft_extend_ms": extend, "cycle_ms": cycle,
+                             "accept_length": accept[n], "tpot_ms": tpot, "speedup": plain / tpot,
+                             "terms": terms, "limit": max(terms, key=terms.get)}
+        rows[f"c{B}"] = row
+    return {"counts": counts, "rows": rows}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--cpu", action="store_true", help="dry run on the host: narrow widths, Triton interpreted")
+    ap.add_argument("--out-dir", default="/tmp/mtp_gpu_check")
+    ap.add_argument("--parts", default="small,serve,width")
+    ap.add_argument("--gen", type=int, default=48, help="tokens generated per request (small)")
+    ap.add_argument("--ctx", type=int, default=4096, help="context of the width slice's requests")
+    ap.add_argument("--budget", type=float, default=480)
+    ap.add_argument("--accept", default="", help="N=a,... accept lengths for the prediction (default: measured)")
+    a = ap.parse_args()
+    if a.cpu:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    pc.import_glmc()
+    import torch
+    dev = "cpu" if a.cpu else "cuda"
+    t0 = now()
+    Path(a.out_dir).mkdir(parents=True, exist_ok=True)
+    res = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu", "date": time.strftime("%Y-%m-%d"),
+           "commit": os.environ.get("GLMC_COMMIT", "unknown"), "args": vars(a)}
+    parts = a.parts.split(",")
+    if "small" in parts:
+        res["small"] = check_small(dev, 8 if a.cpu else a.gen, (1, 2) if a.cpu else (1, 16))
+    accept = {int(k.split("=")[0]): float(k.split("=")[1]) for k in a.accept.split(",") if k}
+    if not accept and "small" in res:   # greedy accept length at concurrency 1
+        accept = {n: res["small"]["runs"][f"N={n}"]["c1"]["accept_length"] for n in STEPS}
+    if "serve" in parts:
+        res["serve"] = check_serve(Path(a.out_dir).resolve(), a.cpu)
+    if "width" in parts:
+        res["width"] = check_width(dev, a.cpu, 200 if a.cpu else a.ctx, t0 + a.budget)
+        res["prediction"] = predict(res["width"], accept)
+        for c, row in res["prediction"]["rows"].items():
+            for n, m in row["mtp"].items():
+                print(f"GLM-5.3 {c} N={n}: plain {row['plain_ms']:.2f} ms, MTP {m['tpot_ms']:.2f} ms per token "
+                      f"(accept {m['accept_length']:.2f}): speedup {m['speedup']:.2f}x; limited by {m['limit']} "
+                      f"({m['terms']})", flush=True)
+    res["seconds"] = now() - t0
+    out = Path(a.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"mtp_gpu_check_{res['date']}.json").write_text(json.dumps(res, indent=1, default=str))
+    print(f"wrote {out}/mtp_gpu_check_{res['date']}.json in {res['seconds']:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
