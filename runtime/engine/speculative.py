@@ -97,11 +97,11 @@ class _Extend:
 
 
 class MtpSpeculator:
-    """The engine's step in speculative mode (module docstring); owns no state of its own: drafts
-    ride on `Request.draft_ids`, pages and rows on the engine's schedulers (one per attention-DP
-    rank: every rank steps every forward, idle ones with an empty batch), and tokens reach clients
-    through the engine's `_append_token` (detokenize, stream, stop), as in plain steps. The one
-    thing held between steps is each sampled request's q rows, next to its `draft_ids`."""
+    """The engine's step in speculative mode (module docstring); owns no state of its own but the
+    q rows of sampled requests' drafts (`draft_q`): drafts ride on `Request.draft_ids`, pages and
+    rows on the engine's schedulers (one per attention-DP rank: every rank steps every forward,
+    idle ones with an empty batch), and tokens reach clients through the engine's `_append_token`
+    (detokenize, stream, stop), as in plain steps."""
 
     def __init__(self, engine: Engine, num_steps: int):
         self.engine, self.num_steps = engine, num_steps
