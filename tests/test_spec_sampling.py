@@ -15,10 +15,11 @@ an expected count below 5 (and the smallest others until it reaches 5) form one 
 Under the right rule the sum is chi-square with the summed degrees of freedom; the test fails
 below a p-value of 1e-4 (the seeds are fixed, so a correct sampler fails it for ~1 seed set in 10^4).
 
-Checked during development (1000 requests, these seeds; the right rule gives p = 0.015, three other
-seed sets 0.42-0.96 on 3 tokens, 3000 requests 0.77): always accepting the draft gives p ~ 1e-53, accepting
-with probability p(d) instead of p(d)/q(d) ~ 1e-138, resampling a rejected position from p
-instead of max(0, p - q) ~ 1e-9, and a bonus token drawn at the position before ~ 1e-35.
+Checked during development (1000 requests, these seeds; the right rule gives p = 0.015, three
+other seed sets 0.42-0.96 on 3 tokens, 3000 requests 0.77): always accepting the draft gives
+p ~ 1e-53, accepting with probability p(d) instead of p(d)/q(d) ~ 1e-138, resampling a rejected
+position from p instead of max(0, p - q) ~ 1e-9, and a bonus token drawn at the position before
+~ 1e-35.
 """
 from __future__ import annotations
 
