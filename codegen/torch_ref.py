@@ -312,11 +312,23 @@ def sample(logits, temperature, top_k, top_p, min_p, seed, step, return_kept=Fal
     proportional to e_i. With return_kept, also the kept mask [B, V] bool (greedy rows: the argmax).
     """
     x = logits.float()
-    B, V = x.shape
     greedy = x.argmax(-1)  # first maximum: the lowest id
     sampled = temperature > 0
     if not (return_kept or bool(sampled.any())):
         return greedy
+    kept = kept_tokens(x, temperature, top_k, top_p, min_p)
+    inv_t = (1.0 / torch.where(sampled, temperature.float(), 1.0))[:, None]
+    noise = torch.log(-torch.log(sample_uniform(seed, step, x.shape[1])))
+    race = torch.where(kept, (x - x.max(-1, keepdim=True).values) * inv_t - noise, float("-inf"))
+    tokens = torch.where(sampled, race.argmax(-1), greedy)
+    return (tokens, kept) if return_kept else tokens
+
+
+def kept_tokens(x, temperature, top_k, top_p, min_p):
+    """`sample`'s kept mask [B, V] bool for fp32 logits x [B, V]: the tokens top-k, top-p and min-p
+    leave (greedy rows: the argmax); the draw needs no noise to know it."""
+    B, V = x.shape
+    sampled = temperature > 0
     inv_t = (1.0 / torch.where(sampled, temperature.float(), 1.0))[:, None]
     sorted_x, order = x.sort(dim=-1, descending=True, stable=True)  # ties: lower id first
     e = torch.exp((sorted_x - sorted_x[:, :1]) * inv_t)
@@ -327,11 +339,7 @@ def sample(logits, temperature, top_k, top_p, min_p, seed, step, return_kept=Fal
     in_p = (mass_before < top_p.float()[:, None] * e_k.sum(-1, keepdim=True)) | (top_p >= 1)[:, None]
     kept_sorted = in_k & in_p & (e >= min_p.float()[:, None])
     kept = torch.zeros_like(kept_sorted).scatter(1, order, kept_sorted)
-    kept = torch.where(sampled[:, None], kept, F.one_hot(greedy, V).bool())
-    noise = torch.log(-torch.log(sample_uniform(seed, step, V)))
-    race = torch.where(kept, (x - sorted_x[:, :1]) * inv_t - noise, float("-inf"))
-    tokens = torch.where(sampled, race.argmax(-1), greedy)
-    return (tokens, kept) if return_kept else tokens
+    return torch.where(sampled[:, None], kept, F.one_hot(x.argmax(-1), V).bool())
 
 
 def sample_greedy(logits):

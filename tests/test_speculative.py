@@ -1,10 +1,11 @@
 """MTP speculative decoding in the engine (`runtime/engine/speculative.py`), torch target, tp1,
 and tp2 / dp2ep2 as gloo processes.
 
-Output with drafts equals the plain engine's token for token, greedy and sampled (seeded, with
-penalties: the verify step samples each position as the plain sampler would there), with chunked
-prefill, prefix hits, stop tokens and strings, logprobs, aborts and retraction, for N = 1, 2, 3;
-every page comes back; the prefix cache holds only token sequences some request really produced.
+Greedy output with drafts equals the plain engine's token for token, with chunked prefill, prefix
+hits, stop tokens and strings, logprobs, aborts and retraction, for N = 1, 2, 3; sampled requests
+(standard speculative sampling: its distribution is tested in test_spec_sampling.py) give the
+same tokens for a seed whatever shares their batch; every page comes back; the prefix cache holds
+only token sequences some request really produced.
 The tiny random model's MTP layer guesses almost nothing (so rejection and rollback run on nearly
 every step); the trained small model's guesses mostly hold: its acceptance length on held-out
 text is measured through the metrics.
@@ -93,15 +94,21 @@ def test_output_with_mtp_is_output_without(tiny_ckpt):
     ]
     want = run(build_engine(tiny_ckpt, warmup=False, overlap=False, max_batch_tokens=48), specs)
     assert want[0][1] == "stop" and len(want[0][0]) < 14
+    sampled = [3, 4]
     for n in (1, 2, 3):
         e = build_engine(tiny_ckpt, warmup=False, max_batch_tokens=48, speculative_num_steps=n)
         assert not e.overlap
-        assert same(run(e, specs), want), f"N={n}"
+        got = run(e, specs)
+        assert same([g for i, g in enumerate(got) if i not in sampled],
+                    [w for i, w in enumerate(want) if i not in sampled]), f"N={n}"
+        alone = [run(build_engine(tiny_ckpt, warmup=False, max_batch_tokens=48, speculative_num_steps=n),
+                     [specs[i]])[0] for i in sampled]
+        assert same([got[i] for i in sampled], alone), f"N={n}"
         counters = e.metrics.counters
         assert counters["prefix_cache_hit_tokens_total"] >= 128
         assert counters["spec_verify_steps_total"] > 0
         assert counters["spec_draft_tokens_total"] > counters["spec_verify_steps_total"] * (n - 1)
-        check_clean(e, specs, want)
+        check_clean(e, specs, got)
 
 
 def test_retraction_under_speculation(tiny_ckpt):
@@ -125,18 +132,21 @@ def test_speculation_needs_a_runner_that_drafts(tiny_ckpt):
 
 
 @pytest.mark.skipif(not (SMALL / "model.safetensors").exists(), reason="models/small is absent")
-@pytest.mark.parametrize("temperature, min_accept_length", [(0.0, 2.0), (1.0, 1.3)])
+@pytest.mark.parametrize("temperature, min_accept_length", [(0.0, 2.0), (1.0, 1.7)])
 def test_small_model_accepts_most_drafts_on_heldout_text(temperature, min_accept_length):
-    """models/small's MTP layer on held-out text: outputs equal plain decoding (seeded at
-    temperature 1), and the mean tokens per verify (accepted drafts + 1) at N=3 is well above 1
-    (measured on 8 prompts of 96 tokens, 48 generated: greedy 1.89 / 2.43 / 2.95 at N = 1 / 2 / 3,
-    temperature 1 1.53 / 1.74 / 1.87); `/metrics` exposes it as a histogram."""
-    e = build_engine(SMALL, warmup=False, overlap=False)
+    """models/small's MTP layer on held-out text: greedy outputs equal plain decoding (seeded ones
+    at temperature 1 equal a re-run in another batch order), and the mean tokens per verify
+    (accepted drafts + 1) at N=3 is well above 1 (measured on 8 prompts of 96 tokens, 48
+    generated: greedy 1.89 / 2.43 / 2.95 at N = 1 / 2 / 3, temperature 1 with standard speculative
+    sampling 1.72 / 2.05 / 2.27, 1.43 / 1.59 / 1.69 with the exact matching before it);
+    `/metrics` exposes it as a histogram."""
+    e = build_engine(SMALL, warmup=False, overlap=False) if temperature == 0 else \
+        build_engine(SMALL, warmup=False, speculative_num_steps=3)
     ids = e.tokenizer.encode((SMALL / "heldout.txt").read_text(encoding="utf-8"))
     stride = len(ids) // 4
     specs = [(ids[i * stride:i * stride + 80], SamplingParams(
         max_tokens=32, temperature=temperature, seed=i, ignore_eos=True)) for i in range(4)]
-    want = run(e, specs)
+    want = run(e, specs) if temperature == 0 else run(e, specs[::-1])[::-1]
     spec = build_engine(SMALL, warmup=False, speculative_num_steps=3)
     assert same(run(spec, specs), want)
     m = spec.metrics

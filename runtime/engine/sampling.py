@@ -300,3 +300,15 @@ def sample_requests(logits: torch.Tensor, reqs: list[Request], kernels=None
     plan's library), and only the results move."""
     batch = SamplingBatch.from_requests(reqs, logits.device)
     return sample_batch(logits, batch, kernels=kernels).to_host(batch.top_logprobs)
+
+
+def probabilities(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """The distribution `sample_batch` draws row i from: [B, V] fp32 (on the logits' device),
+    steps 2-9 of the module docstring, p_i proportional to exp((x_i - max x) / T) over the kept
+    tokens and 0 elsewhere; a greedy row is the point mass on its argmax. Speculative sampling
+    (`spec_sampling.py`) reads it as the target's p and, on the MTP layer's logits, as the draft's q."""
+    x = bias_and_penalties(logits, batch)
+    kept = torch_ref.kept_tokens(x, batch.temperature, batch.top_k, batch.top_p, batch.min_p)
+    inv_t = 1.0 / torch.where(batch.temperature > 0, batch.temperature, 1.0)[:, None]
+    e = torch.where(kept, torch.exp((x - x.max(-1, keepdim=True).values) * inv_t), 0.0)
+    return e / e.sum(-1, keepdim=True)

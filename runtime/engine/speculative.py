@@ -12,8 +12,8 @@ for a request whose first n tokens have KV, token n pending and drafts d_1..d_D 
 
 1. verify: one target forward over [t_n, d_1, .., d_D] at positions n..n+D (the `mtp_verify`
    phase: logits and hidden states at every position; prefill chunks of other requests share it);
-2. accept: g_j = the sampler's token at position n+j; keep the longest prefix with d_{j+1} == g_j
-   (a of them) and append g_0..g_a (the accepted drafts and the target's own next token); the
+2. accept: keep a prefix of the drafts (a of them: below) and append them and one token of the
+   target's at position n+a (the first rejected draft's replacement, or the bonus token); the
    target's KV of positions n+a+1.. is rejected: the scheduler rolls back to n+a+1 computed tokens
    (pages past the next token's freed, slots in the last page overwritten later; only pages full of
    accepted tokens reach the prefix cache);
@@ -25,17 +25,25 @@ for a request whose first n tokens have KV, token n pending and drafts d_1..d_D 
    draft-extend overwrites. D' = min(N, tokens the request may still generate); their pages are
    reserved now, and a request whose pages do not fit drafts nothing (it decodes plainly).
 
-Output equals the plain engine's token for token, greedy or sampled: every appended token is the
-plain sampler's draw (`sampling.sample_batch`, one semantics) at its position, with the context,
-history (penalties) and RNG counter it has there when every draft before it holds. The sampler is
-a pure function of (logits, parameters, seed, counter), so position n+j is sampled as if the
-request had generated d_1..d_j (counter + j) and d_{j+1} is kept only if it is that draw. For
-temperature > 0 this is a coupling, not the rejection rule of standard speculative sampling
-(accept d with probability min(1, p(d)/q(d)), else resample from max(0, p - q)): the output
-distribution is the plain sampler's exactly (the outputs are identical), and since the drafts are
-the MTP layer's argmax (q a point mass) a draft holds with probability p(d), what the standard rule
-accepts too. Standard sampling with drafts drawn from q would accept more (sum_x min(p, q)); it
-needs the draft's probabilities kept per token: not built yet.
+Greedy requests (temperature 0) draft the MTP layer's argmax and keep the longest prefix of
+drafts equal to the target's own argmax: output equals the plain engine's token for token. Every
+appended token is read at its position with the context, history (penalties) and RNG counter it
+has there when every draft before it holds (`as_if_accepted`: counter + j at position n+j).
+
+Sampled requests (temperature > 0) use standard speculative sampling (`spec_sampling.py`): drafts
+are drawn from q, the MTP layer's distribution after the plain sampler's own processing for that
+request (bias, penalties, temperature, top-k, top-p, min-p), and q is kept per draft; at verify
+position j, p is the plain sampler's distribution there (`sampling.probabilities`), d_{j+1} is
+accepted with probability min(1, p/q), the first rejection emits a draw from
+normalize(max(0, p - q)), and when all drafts hold the bonus token is the plain sampler's draw.
+The output distribution is the plain sampler's exactly (the tokens themselves differ from a plain
+run with the same seed, and depend on the drafts: on N and on the MTP layer's KV); each random
+choice is a counter-based hash of (seed, counter, stream), so a seeded request gives the same
+output on a re-run whatever shares its batch. Logprobs are the target's raw ones for the token
+emitted. Acceptance per draft is sum_x min(p(x), q(x)), against p(argmax q) for drafts that are the
+argmax (what exact matching of argmax drafts to the plain sampler's draws, the rule before, got).
+Drafts without q rows (none kept) are verified by that exact matching, which is exact for drafts
+chosen any way; tests/test_spec_sampling.py measures the old rule's acceptance so.
 
 Approximations that only cost acceptance, never correctness: a prefix-cache hit reuses the MTP
 KV of its pages as computed by the request that filled them (the last position of a page was fed
@@ -52,6 +60,7 @@ from typing import TYPE_CHECKING
 import torch
 from glmc.runtime.engine.request import Request
 from glmc.runtime.engine.sampling import SamplingBatch, sample_batch
+from glmc.runtime.engine.spec_sampling import draw_drafts, verify_drafts, with_logprob
 from glmc.runtime.engine.scheduler import ScheduledBatch, Scheduler
 from glmc.runtime.worker.forward_batch import ForwardBatch
 
@@ -72,6 +81,7 @@ class _Verify:
     s: Scheduler
     batch: ScheduledBatch
     drafts: list[list[int]]
+    q: list[list[torch.Tensor]]   # per sampled request with drafts: each draft's q row
     own: list[int]   # tokens per request known for sure: the batch's minus the drafts
     ready: list[bool]
     fb: ForwardBatch
@@ -87,13 +97,15 @@ class _Extend:
 
 
 class MtpSpeculator:
-    """The engine's step in speculative mode (module docstring); owns no state of its own: drafts
-    ride on `Request.draft_ids`, pages and rows on the engine's schedulers (one per attention-DP
-    rank: every rank steps every forward, idle ones with an empty batch), and tokens reach clients
-    through the engine's `_append_token` (detokenize, stream, stop), as in plain steps."""
+    """The engine's step in speculative mode (module docstring); owns no state of its own but the
+    q rows of sampled requests' drafts (`draft_q`): drafts ride on `Request.draft_ids`, pages and
+    rows on the engine's schedulers (one per attention-DP rank: every rank steps every forward,
+    idle ones with an empty batch), and tokens reach clients through the engine's `_append_token`
+    (detokenize, stream, stop), as in plain steps."""
 
     def __init__(self, engine: Engine, num_steps: int):
         self.engine, self.num_steps = engine, num_steps
+        self.draft_q: dict[Request, list[torch.Tensor]] = {}
 
     def step(self) -> bool:
         """Schedule, verify + accept, draft; False when there was nothing to do."""
@@ -105,16 +117,19 @@ class MtpSpeculator:
                     for s, b in zip(e.scheduler.ranks, batches)]
             if any(work):
                 self._run(work)
+        # drafts a release dropped (retraction, abort) take their q rows with them
+        self.draft_q = {r: q for r, q in self.draft_q.items() if r.draft_ids}
         e._update_gauges()
         return batches is not None
 
     def _idle(self) -> list[ForwardBatch]:
         return [ForwardBatch.idle(s.req_pool.table) for s in self.engine.scheduler.ranks]
 
-    @staticmethod
-    def _prepare(s: Scheduler, batch: ScheduledBatch) -> _Verify:
+    def _prepare(self, s: Scheduler, batch: ScheduledBatch) -> _Verify:
         reqs = batch.reqs
         drafts = [r.draft_ids[:max(n - r.num_pending, 0)] for r, n in zip(reqs, batch.extend_lens)]
+        q = [self.draft_q.pop(r, [])[:len(d)] for r, d in zip(reqs, drafts)]
+        q = [rows if len(rows) == len(d) else [] for rows, d in zip(q, drafts)]   # none kept: matching
         own = [n - len(d) for n, d in zip(batch.extend_lens, drafts)]
         ready = [p + n == r.num_tokens for r, p, n in zip(reqs, batch.prefix_lens, own)]
         for r in reqs:
@@ -122,7 +137,7 @@ class MtpSpeculator:
         fb = ForwardBatch.build(batch.mode, [r.all_ids[p:p + n] + d for r, p, n, d in
                                              zip(reqs, batch.prefix_lens, own, drafts)],
                                 [r.row for r in reqs], batch.prefix_lens, s.req_pool.table)
-        return _Verify(s, batch, drafts, own, ready, fb)
+        return _Verify(s, batch, drafts, q, own, ready, fb)
 
     def _run(self, work: list[_Verify | None]) -> None:
         fbs = [w.fb if w else idle for w, idle in zip(work, self._idle())]
@@ -133,42 +148,65 @@ class MtpSpeculator:
                 continue
             w.s.commit(w.batch)
             tokens = self._sample(logits, w)
-            kept = [self._accept(w.s, r, p, n, d, tokens.get(i)) if w.ready[i] else n
+            kept = [self._accept(w.s, r, p, n, len(d), *tokens[i]) if w.ready[i] else n
                     for i, (r, p, n, d) in enumerate(zip(w.batch.reqs, w.batch.prefix_lens, w.own,
                                                          w.drafts))]
             extends.append(self._extend(w, kept, hidden))
         if any(extends):
             self._draft(extends)
 
-    def _sample(self, logits, w: _Verify) -> dict[int, list]:
-        """The sampler's token (and logprobs) at every verified position of the ready requests:
-        {request index: [(token, logprobs)] * (1 + drafts)}."""
+    def _sample(self, logits, w: _Verify) -> dict[int, tuple[int, list]]:
+        """Per ready request: (drafts accepted, [(token, logprobs)] to append). The plain sampler
+        reads every verified position as the request stands there; sampled requests' drafts then
+        go through the rejection rule (`spec_sampling.verify_drafts`)."""
         picks = [(i, start + w.own[i] - 1 + j) for i, start, _ in w.fb.token_ranges() if w.ready[i]
                  for j in range(len(w.drafts[i]) + 1)]
         if not picks:
             return {}
         rows = torch.tensor([row for _, row in picks], device=logits.device)
         first = {i: row for i, row in reversed(picks)}
-        sb = SamplingBatch.from_requests([as_if_accepted(w.batch.reqs[i], w.drafts[i][:row - first[i]])
-                                          for i, row in picks], logits.device)
-        out = sample_batch(logits.index_select(0, rows), sb,
-                           kernels=self.engine.runner.kernels).to_host(sb.top_logprobs)
+        seen = [as_if_accepted(w.batch.reqs[i], w.drafts[i][:row - first[i]]) for i, row in picks]
+        sb = SamplingBatch.from_requests(seen, logits.device)
+        picked = logits.index_select(0, rows)
+        out = sample_batch(picked, sb, kernels=self.engine.runner.kernels).to_host(sb.top_logprobs)
         tokens: dict[int, list] = {}
         for (i, _), token in zip(picks, out):
             tokens.setdefault(i, []).append(token)
-        return tokens
+        rule = [(k, i, row - first[i]) for k, (i, row) in enumerate(picks) if row - first[i] < len(w.q[i])]
+        verdicts: dict[int, list] = {}
+        if rule:
+            found = verify_drafts(picked[[k for k, _, _ in rule]], [seen[k] for k, _, _ in rule],
+                                  [w.drafts[i][j] for _, i, j in rule],
+                                  torch.stack([w.q[i][j] for _, i, j in rule]))
+            for (_, i, _), verdict in zip(rule, zip(*found)):
+                verdicts.setdefault(i, []).append(verdict)
+        return {i: self._outcome(w.drafts[i], ts, verdicts.get(i)) for i, ts in tokens.items()}
 
-    def _accept(self, s: Scheduler, req: Request, start: int, num_own: int, draft: list[int],
-                tokens: list) -> int:
-        """Keep the drafts the target agrees with, append them and its own next token, roll the
-        KV back to them; -> target positions of this step whose KV is kept."""
-        accepted = 0
-        while accepted < len(draft) and draft[accepted] == tokens[accepted][0]:
-            accepted += 1
+    @staticmethod
+    def _outcome(draft: list[int], tokens: list, verdicts: list | None) -> tuple[int, list]:
+        """Greedy (no verdicts): the longest prefix of drafts equal to the sampler's tokens, then
+        its next. Sampled: drafts while accepted, then the residual draw at the first rejection
+        or, all accepted, the sampler's bonus token; logprobs are the target's for what is emitted."""
+        if verdicts is None:
+            accepted = 0
+            while accepted < len(draft) and draft[accepted] == tokens[accepted][0]:
+                accepted += 1
+            return accepted, tokens[:accepted + 1]
+        emitted = []
+        for j, (ok, residual, logprob_draft, logprob_residual) in enumerate(verdicts):
+            if not ok:
+                return j, emitted + [(residual, with_logprob(tokens[j][1], logprob_residual))]
+            emitted.append((draft[j], with_logprob(tokens[j][1], logprob_draft)))
+        return len(draft), emitted + [tokens[len(draft)]]
+
+    def _accept(self, s: Scheduler, req: Request, start: int, num_own: int, num_draft: int,
+                accepted: int, emitted: list) -> int:
+        """Append the accepted drafts and the target's token after them, roll the KV back to
+        them; -> target positions of this step whose KV is kept."""
         s.rollback(req, start + num_own + accepted)
-        if draft:
-            self.engine.metrics.verify(len(draft), accepted)
-        for token, logprobs in tokens[:accepted + 1]:
+        if num_draft:
+            self.engine.metrics.verify(num_draft, accepted)
+        for token, logprobs in emitted:
             self.engine._append_token(req, token, logprobs)
             if req.finished:
                 break
@@ -202,13 +240,25 @@ class MtpSpeculator:
             if x is None:
                 continue
             last = (torch.cumsum(x.fb.extend_lens, 0) - 1).to(logits.device)
-            guesses = logits.index_select(0, last).argmax(-1).tolist()
             for j, req in enumerate(x.reqs):
                 length = min(self.num_steps, req.max_total_tokens - req.num_tokens)
                 if (req.num_pending == 1 and length > 0
                         and x.s.reserve(req, req.num_computed + length + 1)):
-                    req.draft_ids, lengths[req], hiddens[req] = [guesses[j]], length, out[last[j]]
+                    lengths[req], hiddens[req] = length, out[last[j]]
+            drafting = [j for j, req in enumerate(x.reqs) if req in lengths]
+            if drafting:
+                rows = last[torch.tensor(drafting, device=last.device)]
+                self._add_drafts([x.reqs[j] for j in drafting], logits.index_select(0, rows))
         self._chain(lengths, hiddens, empty)
+
+    def _add_drafts(self, reqs: list[Request], logits: torch.Tensor) -> None:
+        """Append one draft per request from the MTP layer's logits (`spec_sampling.draw_drafts`:
+        the argmax, or for sampled requests a draw from q, whose row is kept for the verify)."""
+        tokens, q_rows = draw_drafts(logits, [as_if_accepted(r, r.draft_ids) for r in reqs])
+        for r, token, q in zip(reqs, tokens, q_rows):
+            r.draft_ids.append(token)
+            if q is not None:
+                self.draft_q.setdefault(r, []).append(q)
 
     def _chain(self, lengths: dict, hiddens: dict, empty: torch.Tensor) -> None:
         """Draft steps 1..N-1 on every DP rank: each request's last draft at its position, fed the
@@ -226,6 +276,7 @@ class MtpSpeculator:
             outs = self.engine.runner.draft_dp(
                 fbs, [torch.stack([hiddens[r] for r in rs]) if rs else empty for rs in live])
             for rs, (logits, out) in zip(live, outs):
-                for j, (r, guess) in enumerate(zip(rs, logits.argmax(-1).tolist())):
-                    r.draft_ids.append(guess)
+                if rs:
+                    self._add_drafts(rs, logits)
+                for j, r in enumerate(rs):
                     hiddens[r] = out[j]
