@@ -11,11 +11,14 @@ FP8 (656- and 132-byte rows). Fields, each measured and as explain (`glmc.explai
 - weight_copies: re-laid-out weights the CUDA target keeps beside the originals (absorbed MLA's W_UK /
   W_UV^T, joined A-projection and gate_up rows), made by the first forward;
 - kv, index: the KV pool's latent and indexer caches (explain's bytes per token x the pool's slots);
-- tables: the runner's req_to_token copy and last-token vector (explain: max_running + 1 rows x context);
-- on the GPU also torch.cuda.memory_allocated after load (must equal the sum above: nothing else is
-  held), the growth over prefill + one eager decode (workspace peak: max_memory_allocated) and over
-  capturing the decode graphs (the graphs' pool), next to explain's indexer workspace and graph bytes.
-
+- tables: the runner's req_to_token copy and last-token vector (not in explain: (max_running + 1) x
+  (max_context + 1) int64, from the runner's own sizes);
+- on the GPU also: allocated_vs_held (torch.cuda.memory_allocated after load and the first steps
+  against the sum above: a miss is memory held outside the census), prefill_workspace and
+  decode_workspace (max_memory_allocated above the held bytes during a prefill of max_running prompts
+  of ctx / 2 tokens and one eager decode of all of them, against the plan's indexer workspace and
+  graph_bytes of the largest bucket), graphs (memory_allocated growth over capturing every decode
+  bucket, one shared pool, against graph_bytes of the largest bucket).
 Each compared field passes within 5%. The JSON (memory_check.json under --out-dir) has every number.
 `runner_bytes` is also the held-bytes census tests/test_memory_accounting.py uses on the CPU.
 """
