@@ -65,26 +65,35 @@ def ceilings(cpu):
 
 
 # ----------------------------------------------------------------------------- bytes and FLOPs per op
+def _weights(rt, name):
+    """The weights an op reads: one, or each part of a fused A-projection (never concatenated here)."""
+    return [rt.w(n) for n in name] if isinstance(name, tuple) else [rt.w(name)]
+
+
+def _numel(w):
+    return w.q.numel() if hasattr(w, "scale_inv") else w.numel()   # Fp8Weight: its e4m3 values
+
+
 def op_cost(op, args, rt, ctx):
-    """(must-move bytes, other bytes, FLOPs) of one decode op over T tokens at context ctx."""
+    """(must-move bytes, other bytes, FLOPs) of one decode op over T tokens at context ctx. Weight bytes
+    are as held: a block-FP8 weight (`Fp8Weight.nbytes`) is its e4m3 values plus its fp32 block scales."""
     import torch
     T = args[0].shape[0] if args and isinstance(args[0], torch.Tensor) else 0
     act = sum(a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor))
-    wb = lambda n: rt.w(n).numel() * rt.w(n).element_size()  # noqa: E731
+    wb = lambda n: sum(w.nbytes for w in _weights(rt, n))  # noqa: E731
     k = op.kind
     if k in ("linear", "mla.a_proj", "lm.head"):
-        w = rt.w(op.attr("weight"))
-        return wb(op.attr("weight")), act, 2 * T * w.numel()
+        return wb(op.attr("weight")), act, 2 * T * sum(_numel(w) for w in _weights(rt, op.attr("weight")))
     if k == "mlp.swiglu":
         names = [f"{op.attr('weight')}.{n}_proj.weight" for n in ("gate", "up", "down")]
-        return sum(wb(n) for n in names), act, 2 * T * sum(rt.w(n).numel() for n in names)
+        return sum(wb(n) for n in names), act, 2 * T * sum(_numel(rt.w(n)) for n in names)
     if k == "moe.gate":
         return 4 * rt.w(op.attr("weight")).numel(), act, 2 * T * rt.w(op.attr("weight")).numel()
     if k == "moe.experts":
         gate, up, down = rt.experts(op)
-        per = 3 * gate[0].numel() * gate.element_size()
+        per = (gate.nbytes + up.nbytes + down.nbytes) // gate.shape[0]
         touched = int(args[2].unique().numel())
-        return touched * per, act, 2 * T * args[2].shape[1] * 3 * gate[0].numel()
+        return touched * per, act, 2 * T * args[2].shape[1] * 3 * _numel(gate) // gate.shape[0]
     if k.startswith("attn."):
         keys, H = min(ctx, int(args[3].shape[1]) if args[3] is not None else ctx), int(op.attr("heads"))
         R, dr, dn, dv = int(op.attr("kv_lora")), int(op.attr("dr")), int(op.attr("dn")), int(op.attr("dv"))

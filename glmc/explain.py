@@ -1,7 +1,9 @@
 """`glmc explain`: parameters, memory, FLOPs and the communication bill of a plan directory.
 
 JSON keys (stable): `model`, `parallel`, `params` {total, mtp, active_per_token, per_rank},
-`memory` {weights_bytes_per_rank, kv_bytes_per_token, kv_elements_per_token_per_layer, kv_dtype,
+`memory` {weights_bytes_per_rank (each weight once, as the loader holds it: FP8 with its block
+scales), weight_copies_bytes_per_rank (cuda target: re-laid-out weights kept beside the originals),
+indexer_workspace_bytes, graph_bytes {bucket: bytes}, kv_bytes_per_token, kv_elements_per_token_per_layer, kv_dtype,
 index_dtype, kv_bytes_per_token_per_layer, index_bytes_per_token_per_layer (what the runtime's pool
 allocates per layer: 656 / 132 for fp8 caches), index_bytes_per_token, full_indexer_layers, shared_indexer_layers, hbm_bytes, kv_tokens_per_rank,
 max_context_at_batch}, `flops_per_token` {decode, executed_decode}, `comm` {prefill, decode}: each
@@ -64,12 +66,14 @@ def explain_plan(plan: Plan, batch: int = 32, context: int = 4096,
     dec_meta = meta["phases"]["decode"]
     mem = dec_meta["memory"]
     out = {"model": meta["model"], "parallel": meta["parallel"], "params": _params(graphs)}
-    weights = mem["weights_bytes"]
+    weights, copies = mem["weights_bytes"], mem.get("weight_copies_bytes", 0)   # plans saved before: none
     kv_tok = mem["kv_bytes_per_token"] + mem["index_bytes_per_token"]
-    free = max(0, int(hbm_bytes * MEM_FRACTION) - weights)
+    free = max(0, int(hbm_bytes * MEM_FRACTION) - weights - copies)
     full = meta["phases"]["decode"]["indexer"]["full_layers"]
     out["memory"] = {
-        "weights_bytes_per_rank": weights, "kv_bytes_per_token": mem["kv_bytes_per_token"],
+        "weights_bytes_per_rank": weights, "weight_copies_bytes_per_rank": copies,
+        "indexer_workspace_bytes": mem.get("indexer_workspace_bytes", 0), "graph_bytes": mem.get("graph_bytes", {}),
+        "kv_bytes_per_token": mem["kv_bytes_per_token"],
         "kv_elements_per_token_per_layer": cfg.kv_lora_rank + cfg.qk_rope_head_dim,
         "kv_dtype": dtypes.kv_cache, "index_dtype": dtypes.index_cache,
         # what the runtime's pool allocates per layer (KVPool.bytes_per_token_per_layer): 656 / 132 in fp8

@@ -31,6 +31,9 @@ def test_parameters_and_memory(bills):
     assert (d["memory"]["kv_bytes_per_token_per_layer"], d["memory"]["index_bytes_per_token_per_layer"]) == (656, 132)
     assert d["memory"]["full_indexer_layers"] == 21 and d["memory"]["shared_indexer_layers"] == 57
     assert 105e9 < d["memory"]["weights_bytes_per_rank"] < 115e9   # ~109 GB per rank (EP8)
+    # the CUDA target's copies beside the originals (absorbed W_UK / W_UV^T, joined q_a + kv_a rows,
+    # the dense and shared MLPs' gate_up): ~5.9 GB on a dp8ep8 rank, whose attention is replicated
+    assert 5.5e9 < d["memory"]["weight_copies_bytes_per_rank"] < 6.5e9
 
 
 def _per_layer(d, phase, layer):

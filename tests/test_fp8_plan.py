@@ -59,8 +59,12 @@ def test_plan_explain_and_loaded_weights_agree(fp8_ckpt, tmp_path):
     assert Plan.load(tmp_path / "plan").weight_formats == saved
     assert saved["fp8_ops"] == ["linear", "mla.a_proj", "mlp.swiglu", "moe.experts"]
     fp8 = fp8_weights(plan)
-    held = runner(plan, fp8_ckpt).weights
-    assert saved["fp8_tensors"] == len(fp8) == sum(isinstance(w, Fp8Weight) for w in held.values())
+    ex = runner(plan, fp8_ckpt)
+    held = ex.weights     # experts live in their [E, ...] stacks only (the loader stacks them)
+    stacked = [part for parts in ex._stacks.values() for part in parts]
+    assert all(isinstance(w, Fp8Weight) for w in stacked)
+    assert saved["fp8_tensors"] == len(fp8) == sum(isinstance(w, Fp8Weight) for w in held.values()) + \
+        sum(w.shape[0] for w in stacked)
     for name, w in held.items():
         assert isinstance(w, Fp8Weight) == (name in fp8), name
         if isinstance(w, Fp8Weight):

@@ -75,6 +75,26 @@ def _stack(weights: list):
     return Fp8Weight.stack(weights) if isinstance(weights[0], Fp8Weight) else torch.stack(weights)
 
 
+def rank_expert_names(op, ep_rank: int) -> list[list[str]]:
+    """HF names of this rank's experts of a `moe.experts` op, per projection (gate, up, down), in
+    expert order: the rows of its [E_rank, ...] stacks."""
+    key, ep = op.attr("weight"), int(op.attr("ep", 1))
+    per = int(op.attr("experts")) // ep
+    first = ep_rank * per if ep > 1 else 0
+    return [[f"{key}.{e}.{n}_proj.weight" for e in range(first, first + per)] for n in ("gate", "up", "down")]
+
+
+def pop_expert_stacks(weights: dict, op, ep_rank: int) -> tuple:
+    """(gate, up, down) stacks of this rank's experts, their per-expert entries removed from `weights`
+    one projection at a time: each expert weight is then held once (in its stack), and at most one
+    projection's experts are held twice while it is stacked."""
+    names = rank_expert_names(op, ep_rank)
+    missing = [n for n in names[0] if n not in weights]
+    if missing:
+        raise KeyError(f"{op.attr('weight')}: no expert weights {missing[:2]}... (not in this rank's shard)")
+    return tuple(_stack([weights.pop(n) for n in part]) for part in names)
+
+
 class PlanExecutor:
     def __init__(self, plan: Plan, weights: dict, pool: KVPool, comm: Comm | None = None,
                  impls: dict | None = None, device=None, stacks: dict | None = None):
@@ -96,14 +116,12 @@ class PlanExecutor:
             raise KeyError(f"rank {self.comm.rank} has no weight {name!r} (not in its shard)") from None
 
     def expert_stacks(self, op):
+        """(gate, up, down) [E_rank, ...] stacks of a `moe.experts` op: given (`stacks`: the loader
+        stacks every rank's experts at load time), or stacked now from per-expert entries of
+        `weights`, which are then dropped (the executor owns `weights`; each expert is held once)."""
         key = op.attr("weight")
         if key not in self._stacks:
-            ep = int(op.attr("ep", 1))
-            per = int(op.attr("experts")) // ep
-            first = self.comm.coords.of("ep") * per if ep > 1 else 0
-            self._stacks[key] = tuple(_stack([self.weights[f"{key}.{e}.{n}_proj.weight"]
-                                              for e in range(first, first + per)])
-                                      for n in ("gate", "up", "down"))
+            self._stacks[key] = pop_expert_stacks(self.weights, op, self.comm.coords.of("ep"))
         return self._stacks[key]
 
     def padded_tokens(self, t: int, dp_tokens: list[int] | None) -> int:

@@ -34,8 +34,8 @@ import torch
 from glmc.codegen.fp8_ref import Fp8Weight
 from glmc.codegen.kernel_set import compute_dtype
 from glmc.codegen.weight_formats import fp8_weights
-from glmc.runtime.worker.comm import Comm
-from glmc.runtime.worker.executor import PlanExecutor
+from glmc.runtime.worker.comm import Comm, Coords
+from glmc.runtime.worker.executor import PlanExecutor, pop_expert_stacks, rank_expert_names
 from glmc.runtime.worker.kv_cache import KVPool
 from glmc.runtime.worker.model_runner import DevicePlanRunner, PlanRunner, context_limit
 from glmc.runtime.worker.shards import cut_rank_stacks, cut_rank_weights, load_rank_weights
@@ -71,11 +71,12 @@ def load_runner(plan: Plan, weights: Weights, *, device: str | torch.device | No
     device = torch.device(device or ("cuda" if target == "cuda" else "cpu"))
     comm = comm or Comm(plan.mesh, plan.groups)
     fp8 = fp8_weights(plan)
-    stacks = _rank_stacks(cut_rank_stacks(stacks, plan, comm.coords), fp8, target) if stacks else None
+    given = _rank_stacks(cut_rank_stacks(stacks, plan, comm.coords), fp8, target) if stacks else {}
     t0 = time.perf_counter()
     if target != "cuda":
-        local = {n: w.to(device) for n, w in _rank_weights(plan, weights, comm, torch.float32, fp8,
-                                                          keep_fp8=False).items()}
+        local = _rank_weights(plan, weights, comm, torch.float32, fp8, keep_fp8=False)
+        stacks = _moved({**stack_experts(local, plan, comm.coords), **given}, lambda w: w.to(device))
+        local = {n: w.to(device) for n, w in local.items()}
         pool = KVPool.for_plan(plan, num_pages + 1, torch.float32, device, kv_fp8 or "none")
         executor = PlanExecutor(plan, local, pool, comm, device=device, stacks=stacks)
         return PlanRunner(executor, max_context)
@@ -83,7 +84,10 @@ def load_runner(plan: Plan, weights: Weights, *, device: str | torch.device | No
 
     dtype = compute_dtype(plan.dtypes)
     max_ctx = context_limit(plan.config.max_position_embeddings, num_pages, max_context)
-    local = to_device_weights(_rank_weights(plan, weights, comm, dtype, fp8, keep_fp8=True), device, dtype)
+    local = _rank_weights(plan, weights, comm, dtype, fp8, keep_fp8=True)
+    stacks = _moved({**stack_experts(local, plan, comm.coords), **given},
+                    lambda w: w.to(device) if isinstance(w, Fp8Weight) else w.to(device, dtype))
+    local = to_device_weights(local, device, dtype)
     pool = KVPool.for_plan(plan, num_pages + 1, dtype, device, kv_fp8 or "store")
     gpu = GpuRunner(plan, local, pool, comm, max_reqs=max_running, max_context=max_ctx,
                     stacks=stacks)
@@ -117,6 +121,24 @@ def _rank_weights(plan: Plan, weights: Weights, comm: Comm, dtype: torch.dtype, 
             local[name] = w if keep_fp8 else w.dequant(dtype)
         bar.update()
     return local
+
+
+def stack_experts(local: dict, plan: Plan, coords: Coords) -> dict:
+    """{weight prefix: (gate, up, down)} stacks of this rank's experts (its ep slice) of every
+    `moe.experts` op, their per-expert entries popped from `local` as they are stacked, so every
+    expert weight is held once, in its stack (`PlanExecutor.expert_stacks` reads the stacks). Ops
+    whose experts `local` lacks (a benchmark passed them stacked) are left to the given stacks."""
+    out = {}
+    for op in (op for g in plan.graphs.values() for op in g.ops if op.kind == "moe.experts"):
+        key, ep_rank = op.attr("weight"), coords.of("ep")
+        if key not in out and rank_expert_names(op, ep_rank)[0][0] in local:
+            out[key] = pop_expert_stacks(local, op, ep_rank)
+    return out
+
+
+def _moved(stacks: dict, move) -> dict:
+    """`move` (to the device, in its dtype) applied to every part of every expert stack."""
+    return {key: tuple(move(w) for w in parts) for key, parts in stacks.items()}
 
 
 def _rank_stacks(stacks: dict, fp8: frozenset, target: str) -> dict:
