@@ -198,13 +198,13 @@ def segment_ms(runner, phase, batch, hidden, bench):
     return {k: bench(lambda cs=cs: [fn(op, args, rt) for op, args, rt, fn in cs]) for k, cs in groups.items()}
 
 
-def check_width(dev, narrow, ctx, budget_end):
+def check_width(dev, narrow, ctx, budget_end, batches=(1, 16)):
     import torch
     from decode_bench import bench_ms
     from glmc.runtime.worker.forward_batch import ForwardBatch
     t0 = now()
     model, plan, weights, stacks = slice_with_mtp(dev, torch.bfloat16, narrow)
-    B_max = 16
+    B_max = max(batches)
     runner = pc.gpu_runner(plan, weights, dev, B_max, ctx + 64, stacks=stacks)
     table = pc.req_table(B_max, (ctx + 64) // 64)
     g = torch.Generator().manual_seed(0)
@@ -213,7 +213,7 @@ def check_width(dev, narrow, ctx, budget_end):
     pc.prefill(runner, prompts, table, group=max(1, 8192 // ctx))
     out = {"ctx": ctx, "setup_s": now() - t0, "segments": {}}
     bench = (lambda fn: bench_ms(fn)) if dev == "cuda" else (lambda fn: bench_ms(fn, graph=False))
-    for B in (1, 16):
+    for B in batches:
         for T in sorted({B * (n + 1) for n in (0, *STEPS)}):
             if now() > budget_end:
                 out["skipped"] = f"budget spent at B={B} T={T}"
@@ -247,7 +247,7 @@ def predict(width, accept):
         return seg["head"] + sum(counts[k] * kinds[k] for k in counts), kinds
 
     rows = {}
-    for B in (1, 16):
+    for B in (1, 2, 16):
         seg = width["segments"].get(f"B={B} T={B}")
         if not seg:
             continue
@@ -298,7 +298,7 @@ def main():
     if "serve" in parts:
         res["serve"] = check_serve(Path(a.out_dir).resolve(), a.cpu)
     if "width" in parts:
-        res["width"] = check_width(dev, a.cpu, 200 if a.cpu else a.ctx, t0 + a.budget)
+        res["width"] = check_width(dev, a.cpu, 80 if a.cpu else a.ctx, t0 + a.budget, (1, 2) if a.cpu else (1, 16))
         res["prediction"] = predict(res["width"], accept)
         for c, row in res["prediction"]["rows"].items():
             for n, m in row["mtp"].items():

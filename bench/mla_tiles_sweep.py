@@ -1,0 +1,76 @@
+"""Tile sweep of the sparse-MLA decode kernel on FP8 and bf16 rows at GLM-5.3 shapes (64 heads,
+latent 512, rope 64, top-k 2048), per token count: which (key_major, block_h, block_n, warps,
+stages) is fastest, against the plan's default (`SparseMlaDecodeCtx.make`).
+
+    python bench/mla_tiles_sweep.py --out-dir $OUT [--tokens 1,8,32,128]
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu_plan_check as pc  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out-dir", default="/tmp/mla_tiles_sweep")
+    ap.add_argument("--tokens", default="32,128")
+    ap.add_argument("--budget", type=float, default=200)
+    a = ap.parse_args()
+    pc.import_glmc()
+    import torch
+    import triton.testing as tb
+    from glmc.codegen import fp8_ref
+    from glmc.codegen import triton_target as tt
+    t_end = time.perf_counter() + a.budget
+    H, R, DR, K = 64, 512, 64, 2048
+    g = torch.Generator(device="cuda").manual_seed(0)
+    rows_total = 128 * K
+    c_kv = torch.randn(rows_total, R, device="cuda", generator=g).to(torch.bfloat16)
+    k_pe = torch.randn(rows_total, DR, device="cuda", generator=g).to(torch.bfloat16)
+    caches = {"bf16": torch.cat([c_kv, k_pe], 1), "fp8": fp8_ref.kv_fp8_pack(c_kv, k_pe)}
+    res = []
+    for T in [int(x) for x in a.tokens.split(",")]:
+        q_lat = torch.randn(T, H, R, device="cuda", generator=g).to(torch.bfloat16)
+        q_pe = torch.randn(T, H, DR, device="cuda", generator=g).to(torch.bfloat16)
+        slots = torch.randint(0, rows_total, (T, K), device="cuda", generator=g, dtype=torch.int32)
+        topk = torch.zeros(T, K, dtype=torch.int64, device="cuda")
+        rows, pos = torch.arange(T, device="cuda"), torch.full((T,), K, device="cuda")
+        r2t = torch.zeros(T, 1, dtype=torch.int64, device="cuda")
+        for kv, cache in caches.items():
+            def run(**tiles):
+                return tt.sparse_mla_latent(q_lat, q_pe, cache, r2t, rows, pos, topk, 0.07, slots=slots, **tiles)
+            want = run().float()
+            combos = [(None,) * 5]
+            if kv == "fp8":   # bf16: the default only (the reference)
+                combos += [c for c in itertools.product((True, False), (16, 32, 64), (16, 32, 64), (4, 8), (1, 2))
+                           if (c[1] == 64) == c[0]]   # key-major: 64-head blocks; head-major: 16 or 32
+            for km, bh, bn, w, st in combos:
+                if time.perf_counter() > t_end:
+                    break
+                tiles = {} if km is None else dict(key_major=km, block_h=bh, block_n=bn, num_warps=w, num_stages=st)
+                try:
+                    got = run(**tiles).float()
+                    err = float((got - want).abs().max() / want.abs().max())
+                    us = tb.do_bench_cudagraph(lambda: run(**tiles), rep=20, return_mode="median") * 1e3
+                except Exception as e:   # out of resources etc.
+                    res.append(dict(T=T, kv=kv, tiles=tiles, error=str(e)[:120]))
+                    continue
+                res.append(dict(T=T, kv=kv, tiles=tiles or "default", us=us, err=err))
+            best = sorted((r for r in res if r["T"] == T and r["kv"] == kv and "us" in r), key=lambda r: r["us"])
+            default = next((r for r in best if r["tiles"] == "default"), None)
+            print(f"T={T} {kv}: default {default and default['us']:.1f} us; best " +
+                  "; ".join(f"{r['us']:.1f} {r['tiles']}" for r in best[:3]), flush=True)
+    out = Path(a.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "mla_tiles_sweep.json").write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
