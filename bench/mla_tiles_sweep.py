@@ -65,8 +65,11 @@ def main():
                 res.append(dict(T=T, kv=kv, tiles=tiles or "default", us=us, err=err))
             best = sorted((r for r in res if r["T"] == T and r["kv"] == kv and "us" in r), key=lambda r: r["us"])
             default = next((r for r in best if r["tiles"] == "default"), None)
-            print(f"T={T} {kv}: default {default and default['us']:.1f} us; best " +
-                  "; ".join(f"{r['us']:.1f} {r['tiles']}" for r in best[:3]), flush=True)
+            errors = [r for r in res if r["T"] == T and r["kv"] == kv and "error" in r]
+            print(f"T={T} {kv}: default {default['us'] if default else None} us; best " +
+                  "; ".join(f"{r['us']:.1f} {r['tiles']}" for r in best[:3]) +
+                  (f"; {len(errors)} failed, e.g. {errors[0]['tiles']}: {errors[0]['error']}" if errors else ""),
+                  flush=True)
     out = Path(a.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "mla_tiles_sweep.json").write_text(json.dumps(res, indent=1))

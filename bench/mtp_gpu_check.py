@@ -290,13 +290,21 @@ def main():
     res = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu", "date": time.strftime("%Y-%m-%d"),
            "commit": os.environ.get("GLMC_COMMIT", "unknown"), "args": vars(a)}
     parts = a.parts.split(",")
+    out = Path(a.out_dir)
+    path = out / f"mtp_gpu_check_{res['date']}.json"
+
+    def save():   # after every part: a run cut short keeps what it measured
+        res["seconds"] = now() - t0
+        path.write_text(json.dumps(res, indent=1, default=str))
     if "small" in parts:
         res["small"] = check_small(dev, 8 if a.cpu else a.gen, (1, 2) if a.cpu else (1, 16))
+        save()
     accept = {int(k.split("=")[0]): float(k.split("=")[1]) for k in a.accept.split(",") if k}
     if not accept and "small" in res:   # greedy accept length at concurrency 1
         accept = {n: res["small"]["runs"][f"N={n}"]["c1"]["accept_length"] for n in STEPS}
     if "serve" in parts:
-        res["serve"] = check_serve(Path(a.out_dir).resolve(), a.cpu)
+        res["serve"] = check_serve(out.resolve(), a.cpu)
+        save()
     if "width" in parts:
         res["width"] = check_width(dev, a.cpu, 80 if a.cpu else a.ctx, t0 + a.budget, (1, 2) if a.cpu else (1, 16))
         res["prediction"] = predict(res["width"], accept)
@@ -305,11 +313,8 @@ def main():
                 print(f"GLM-5.3 {c} N={n}: plain {row['plain_ms']:.2f} ms, MTP {m['tpot_ms']:.2f} ms per token "
                       f"(accept {m['accept_length']:.2f}): speedup {m['speedup']:.2f}x; limited by {m['limit']} "
                       f"({m['terms']})", flush=True)
-    res["seconds"] = now() - t0
-    out = Path(a.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"mtp_gpu_check_{res['date']}.json").write_text(json.dumps(res, indent=1, default=str))
-    print(f"wrote {out}/mtp_gpu_check_{res['date']}.json in {res['seconds']:.0f} s")
+    save()
+    print(f"wrote {path} in {res['seconds']:.0f} s")
 
 
 if __name__ == "__main__":

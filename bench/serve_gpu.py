@@ -58,7 +58,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 import gpu_plan_check as pc  # noqa: E402
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
-SERVER_FLAGS = {"gpu": "--num-pages 4096 --max-context 2048 --max-running 128 --max-batch-tokens 2048",
+# bf16 KV: the cache decode_bench's step (the ratios' denominator) runs (FP8 KV: bench/long_context_bench.py)
+SERVER_FLAGS = {"gpu": "--num-pages 4096 --max-context 2048 --max-running 128 --max-batch-tokens 2048 --kv-dtype bf16",
                 # the dry run: warm-up compiles (interprets) prompts up to 64 tokens, not 2048
                 "cpu": "--num-pages 64 --max-context 256 --max-running 4 --max-batch-tokens 64"}
 # (name, concurrency = the decode batch compared, serve_bench arguments); serve_bench's defaults for the

@@ -230,7 +230,9 @@ def test_overload_gets_503_with_retry_after(ckpt):
                 return await asyncio.gather(*(c.post("/v1/completions", json=body) for _ in range(6)))
         answers = asyncio.run(burst())
         codes = sorted(r.status_code for r in answers)
-        assert codes.count(200) >= 2 and 503 in codes and set(codes) <= {200, 503}
+        # at least the one request the waiting queue holds is served (more if the engine admits it
+        # into the running set before the rest arrive), the rest are refused
+        assert codes.count(200) >= 1 and 503 in codes and set(codes) <= {200, 503}
         refused = next(r for r in answers if r.status_code == 503)
         assert refused.headers["retry-after"] == "1" and refused.json()["error"]["code"] == "overloaded"
         assert httpx.get(server.url + "/health").status_code == 200

@@ -197,6 +197,7 @@ def create_app(engine: Engine, model_name: str = "glmc-tiny",
                options: ServerOptions = ServerOptions()) -> FastAPI:
     """The FastAPI app; starting it starts the engine thread, stopping it stops the thread."""
     api = _Api(engine, model_name, options)
+    api.intake.warm()
 
     @asynccontextmanager
     async def lifespan(_):
