@@ -214,6 +214,12 @@ class SparseMlaDecodeCtx:
         # tokens, key-major 64 heads x 32 keys (one KV read per token, wgmma) was fastest (318 us at
         # B=128 vs 355); with 1 token, head-major 16 x 32 at 4 warps (9.9 us vs 16.6). Both spill-free.
         wide = num_tokens >= 32 and num_heads >= 64 and key_major is None
+        if wide and kv_fp8:
+            # FP8 rows, >= 32 tokens: head-major 32 x 32 at 4 warps, 1 stage (bench/results/
+            # mla_tiles_sweep_h200_2026-12-01.json: 224 / 576 us at 32 / 128 tokens, against 311 / 1174
+            # for the bf16 rows' key-major tiles and 197 / 696 for the best key-major ones)
+            key_major, block_h, block_n = False, block_h or 32, block_n or 32
+            num_warps, num_stages = num_warps or 4, num_stages or 1
         if key_major is None:
             key_major = wide
         block_h = block_h or (64 if wide else 16)
