@@ -234,8 +234,8 @@ def test_source_is_specialised_for_glm53(tmp_path):
           "+ 512 + dr", "tl.bfloat16", "* 0.09016844005556021", absent=("num_keys = qpos + 1",))
     wide = tt.SparseMlaDecodeCtx.make(64, 512, 64, 2048, 1 / 16, torch.bfloat16, 128)
     assert (wide.key_major, wide.block_h, wide.num_warps, wide.num_stages) == (True, 64, 8, 1)
-    check(tt.render("sparse_mla_decode", wide), "q = tl.trans(q)", "tl.zeros([512, 64]", "tl.dot(ckv, q",
-          "tl.dot(tl.trans(ckv), p.to(tl.bfloat16)")
+    check(tt.render("sparse_mla_decode", wide), "q0 = tl.trans(q0)", "tl.zeros([512, 64]", "tl.dot(ckv0, q0",
+          "tl.dot(tl.trans(ckv0), p.to(tl.bfloat16)", absent=("q1", "sc0"))
     qkv = tt.QkvNormRopeWriteCtx.make(2048, 512, 64, 1e-5, True, 128)
     check(tt.render("qkv_norm_rope_write", qkv), "oq < 2048", "oc < 512", "ia = 2 * j", "dst + 512 + j",
           "dst + 544 + j", "oi < 128", "+ 1e-06")
