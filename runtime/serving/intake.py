@@ -172,17 +172,6 @@ class Intake:
         self.max_long_items = max(engine.max_context, engine.max_waiting)
         self.json = JsonParser(max(self.max_long_items, MAX_ITEMS))
 
-    def warm(self) -> None:
-        """Take in one chat and one completion body and drop them: the first real request would
-        otherwise pay the one-time costs (the chat template's compile, the validators' first run:
-        ~65 ms on a 2-core host, measured 2026-12-01). Nothing reaches the engine."""
-        for chat, body in ((True, {"messages": [{"role": "user", "content": "hi"}]}), (False, {"prompt": "hi"})):
-            body = {"model": self.model_name, "max_tokens": 1, **body}
-            try:
-                self.prepare(json.dumps(body).encode(), chat)
-            except Exception:   # e.g. no chat template: real requests get the error, in OpenAI's shape
-                pass
-
     def prepare(self, raw: bytes, chat: bool) -> Prepared:
         """Parse and validate one body (call on a worker thread); raises `APIError`."""
         engine = self.engine
