@@ -8,12 +8,7 @@
 # The commit recorded: $GLMC_COMMIT, else .whl/COMMIT (write it with the wheel: `git describe --always
 # --dirty > .whl/COMMIT`; the device copy has no .git).
 set -u
-ls .whl/glmc-*.whl >/dev/null 2>&1 || { echo "no glmc wheel in .whl: pip wheel --no-deps --no-build-isolation -w .whl ."; exit 3; }
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-    .whl/*.whl || exit 3
-export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
-export GLMC_COMMIT=${GLMC_COMMIT:-$(cat .whl/COMMIT 2>/dev/null || echo unknown)}
 OUT=${OUT:-/tmp/serve_gpu_out}
 mkdir -p "$OUT"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-python3 "$PWD/bench/serve_gpu.py" --out-dir "$OUT" --budget "${BUDGET:-540}" 2>&1 | tee "$OUT/serve_gpu.log"
+bash "$(dirname "$0")/with_wheels.sh" python3 "$PWD/bench/serve_gpu.py" --out-dir "$OUT" --budget "${BUDGET:-540}" 2>&1 \
+    | tee "$OUT/serve_gpu.log"
