@@ -190,8 +190,9 @@ def main(argv: list[str] | None = None) -> int:
                    "runs step N, where the runner supports it)")
     r.add_argument("--speculative-num-steps", type=int, default=0, metavar="N", help="MTP "
                    "speculative decoding: draft N tokens per step with the model's MTP layer and "
-                   "verify them in one forward (0: off); the output equals plain decoding's, greedy "
-                   "or sampled; runs without overlap; torch target so far)")
+                   "verify them in one forward (0: off); greedy output equals plain decoding's, "
+                   "sampled output follows the same distribution (standard speculative sampling); "
+                   "runs without overlap; on --device cuda verify and draft replay CUDA graphs)")
     r.add_argument("--profile-dir", help="enable POST /start_profile {\"num_steps\": N}: "
                    "torch.profiler traces of the next N engine steps are written here")
     r.add_argument("--cache-dir", help="where glmc-tiny's weights are made (default "
