@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 import torch
@@ -124,6 +125,12 @@ def test_glmc_run_serves_the_trained_small_model_by_default(tmp_path):
     port = free_port()
     with GlmcRun(["--port", str(port), "--log-level", "warning"], tmp_path / "log") as run:
         assert run.url == f"http://127.0.0.1:{port}/v1"
+        # the start-up requests went through the HTTP path before the URL was printed, then
+        # were forgotten: the counters start at zero
+        text = run.log.read_text()
+        assert text.index("start-up requests answered") < text.index("serving ")
+        metrics = httpx.get(run.url.removesuffix("/v1") + "/metrics").text
+        assert re.search(r"^glmc_generation_tokens_total 0\.0$", metrics, re.M)
         c = run.client
         assert [m.id for m in c.models.list().data] == [SMALL_NAME]
         prompt = "import os\nimport sys\n\n\ndef main():\n    "

@@ -287,6 +287,7 @@ def _warm_then_announce(server, engine: Engine, url: str, model_name: str) -> No
         if server.should_exit:
             return
         time.sleep(0.01)
+    t0 = time.perf_counter()
     try:
         with httpx.Client(base_url=url + "/v1", timeout=300) as c:
             for path, body in (("/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
@@ -296,6 +297,8 @@ def _warm_then_announce(server, engine: Engine, url: str, model_name: str) -> No
                     r.read()
         engine.flush_cache()
         engine.reset_metrics()
+        print(f"glmc: start-up requests answered in {(time.perf_counter() - t0) * 1e3:.0f} ms",
+              flush=True)
     except Exception as e:  # noqa: BLE001 - serving goes on; the first request pays the costs instead
         print(f"glmc: start-up request failed ({type(e).__name__}: {e}); serving anyway", flush=True)
     print(f"glmc: serving {model_name} at {url}/v1", flush=True)
