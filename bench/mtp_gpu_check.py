@@ -270,6 +270,50 @@ def predict(width, accept):
     return {"counts": counts, "rows": rows}
 
 
+def predict_mesh(accept: dict, calibration: str, parallel: str = "tp8ep8", context: int = 8192) -> dict:
+    """The whole GLM-5.3 (FP8 weights, FP8 KV) on `parallel`'s GPUs, by `glmc explain`'s calibrated
+    cost model (glmc/predict.py) over the plan's own phase graphs: decode at B tokens per rank,
+    mtp_verify at B (N + 1), mtp_draft at B (N + 1) (the draft-extend, an upper bound) and at B (each
+    chain step); the same cycle formula as `predict`. The model, not a measurement."""
+    from glmc.calibration import load
+    from glmc.compiler import compile_plan
+    from glmc.config import Options
+    from glmc.parallel import parse_parallel
+    from glmc.predict import predict_step
+    from glmc.spec import load_spec, model_path
+    spec = load_spec(model_path("glm_moe_dsa"))
+    plan = compile_plan(spec, parse_parallel(parallel, spec.config), Options(device="cuda", mtp_draft_tokens=4))
+    cal = load(calibration)
+
+    def ms(phase, T):
+        env = {"T": T, "B": T, "S": context, "K": plan.config.index_topk}
+        return predict_step(plan.graphs[phase], env, plan.dtypes, cal, plan.world)["step_s"] * 1e3
+    rows = {}
+    for B in (1, 16):
+        plain, draft1 = ms("decode", B), ms("mtp_draft", B)
+        row = {"plain_ms": plain, "draft_step_ms": draft1, "mtp": {}}
+        for n in STEPS:
+            if n not in accept:
+                continue
+            verify, extend = ms("mtp_verify", B * (n + 1)), ms("mtp_draft", B * (n + 1))
+            cycle = verify + extend + (n - 1) * draft1
+            terms = {"verify/plain": verify / plain, "drafts/plain": (extend + (n - 1) * draft1) / plain}
+            row["mtp"][n] = {"verify_ms": verify, "draft_extend_ms": extend, "cycle_ms": cycle,
+                             "accept_length": accept[n], "tpot_ms": cycle / accept[n],
+                             "speedup": plain * accept[n] / cycle, "terms": terms,
+                             "limit": max(terms, key=terms.get)}
+        rows[f"c{B}"] = row
+    return {"parallel": parallel, "context": context, "calibration": calibration, "rows": rows}
+
+
+def print_prediction(name: str, pred: dict) -> None:
+    for c, row in pred["rows"].items():
+        for n, m in row["mtp"].items():
+            print(f"{name} {c} N={n}: plain {row['plain_ms']:.2f} ms, MTP {m['tpot_ms']:.2f} ms per token "
+                  f"(accept {m['accept_length']:.2f}): speedup {m['speedup']:.2f}x; limited by {m['limit']} "
+                  f"({', '.join(f'{k} {v:.2f}' for k, v in m['terms'].items())})", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cpu", action="store_true", help="dry run on the host: narrow widths, Triton interpreted")
@@ -279,6 +323,8 @@ def main():
     ap.add_argument("--ctx", type=int, default=4096, help="context of the width slice's requests")
     ap.add_argument("--budget", type=float, default=480)
     ap.add_argument("--accept", default="", help="N=a,... accept lengths for the prediction (default: measured)")
+    ap.add_argument("--calibration", help="bench/calibrate.py's file: also predict the whole GLM-5.3 on tp8ep8 "
+                    "with glmc explain's cost model")
     a = ap.parse_args()
     if a.cpu:
         os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -308,11 +354,10 @@ def main():
     if "width" in parts:
         res["width"] = check_width(dev, a.cpu, 80 if a.cpu else a.ctx, t0 + a.budget, (1, 2) if a.cpu else (1, 16))
         res["prediction"] = predict(res["width"], accept)
-        for c, row in res["prediction"]["rows"].items():
-            for n, m in row["mtp"].items():
-                print(f"GLM-5.3 {c} N={n}: plain {row['plain_ms']:.2f} ms, MTP {m['tpot_ms']:.2f} ms per token "
-                      f"(accept {m['accept_length']:.2f}): speedup {m['speedup']:.2f}x; limited by {m['limit']} "
-                      f"({m['terms']})", flush=True)
+        print_prediction("GLM-5.3 (one GPU's measured layers x 78)", res["prediction"])
+    if a.calibration and accept:
+        res["prediction_mesh"] = predict_mesh(accept, a.calibration)
+        print_prediction(f"GLM-5.3 {res['prediction_mesh']['parallel']} (calibrated model)", res["prediction_mesh"])
     save()
     print(f"wrote {path} in {res['seconds']:.0f} s")
 
