@@ -6,7 +6,8 @@
 1. small: glmc-small (models/small, the trained checkpoint) in an in-process engine on the GPU, plain
    and with N = 1, 2, 3 drafts (verify and draft replayed from their CUDA graphs): greedy output on
    held-out text equal to plain greedy token for token (else the first differing position), the
-   accept length, and the TPOT at concurrency 1 and 16 (engine steps, host time included).
+   accept length, and the TPOT at concurrency 1 and 16 (engine steps, host time included: the
+   wave's wall time / tokens per request, its prefill included).
 2. serve: `glmc run --device cuda` of glmc-small without and with N = 3 drafts, bench/serve_bench.py
    at concurrency 1 and 16 against each (fixed seeded chat workload, 64 tokens per request):
    output tok/s, TTFT, TPOT and the server's accept length (/metrics).
@@ -72,9 +73,8 @@ def first_difference(a, b):
 
 def check_small(device, gen, concurrencies):
     from glmc.runtime.engine.sampling import SamplingParams
-    tok_dir = SMALL
     from glmc.runtime.engine.tokenizer import Tokenizer
-    ids = Tokenizer.from_dir(tok_dir).encode((SMALL / "heldout.txt").read_text(encoding="utf-8"))
+    ids = Tokenizer.from_dir(SMALL).encode((SMALL / "heldout.txt").read_text(encoding="utf-8"))
     greedy = SamplingParams(max_tokens=gen, temperature=0.0, ignore_eos=True)
     stride = len(ids) // 16
     prompts = [ids[i * stride:i * stride + 96] for i in range(16)]
@@ -84,7 +84,6 @@ def check_small(device, gen, concurrencies):
         e = small_engine(n, device)
         row = {}
         for c in concurrencies:
-            e.metrics.reset() if hasattr(e.metrics, "reset") else None
             before = dict(e.metrics.counters)
             tokens, wall = run_wave(e, [(p, greedy) for p in prompts[:c]])
             after = e.metrics.counters
@@ -319,7 +318,8 @@ def main():
     ap.add_argument("--cpu", action="store_true", help="dry run on the host: narrow widths, Triton interpreted")
     ap.add_argument("--out-dir", default="/tmp/mtp_gpu_check")
     ap.add_argument("--parts", default="small,serve,width")
-    ap.add_argument("--gen", type=int, default=48, help="tokens generated per request (small)")
+    ap.add_argument("--gen", type=int, help="tokens generated per request (small; default 48, --cpu 8)")
+    ap.add_argument("--concurrency", help="comma list (small; default 1,16, --cpu 1,2)")
     ap.add_argument("--ctx", type=int, default=4096, help="context of the width slice's requests")
     ap.add_argument("--budget", type=float, default=480)
     ap.add_argument("--accept", default="", help="N=a,... accept lengths for the prediction (default: measured)")
@@ -343,7 +343,8 @@ def main():
         res["seconds"] = now() - t0
         path.write_text(json.dumps(res, indent=1, default=str))
     if "small" in parts:
-        res["small"] = check_small(dev, 8 if a.cpu else a.gen, (1, 2) if a.cpu else (1, 16))
+        conc = tuple(int(c) for c in a.concurrency.split(",")) if a.concurrency else (1, 2) if a.cpu else (1, 16)
+        res["small"] = check_small(dev, a.gen or (8 if a.cpu else 48), conc)
         save()
     accept = {int(k.split("=")[0]): float(k.split("=")[1]) for k in a.accept.split(",") if k}
     if not accept and "small" in res:   # greedy accept length at concurrency 1
