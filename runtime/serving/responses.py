@@ -39,11 +39,12 @@ class Formatter:
             "text_completion"
         return {"id": rid, "object": obj, "created": int(time.time()), "model": self.model_name}
 
-    def chunk(self, rid, chat, index, delta, finish_reason, lp) -> str:
+    def chunk(self, head: dict, chat, index, delta, finish_reason, lp) -> str:
+        """One SSE chunk; `head` is the call's `head(rid, chat, True)`, made once per stream."""
         choice = {"index": index, "finish_reason": finish_reason,
                   "logprobs": self.logprobs(lp, chat)}
         choice |= {"delta": delta} if chat else {"text": delta}
-        return sse_data({**self.head(rid, chat, True), "choices": [choice]})
+        return sse_data({**head, "choices": [choice]})
 
     def response(self, rid, chat, reqs, choices, counts, n, outputs) -> dict:
         """`outputs[i]` is choice i's `ChatOutput` (chat) or None (completions)."""

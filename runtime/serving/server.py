@@ -119,11 +119,12 @@ class _Api:
         with self.answering(stream):
             choices = [{"text": "", "logprobs": [], "finish_reason": None} for _ in call.reqs]
             counts = [None] * len(call.reqs)
-            async for i, ev in events(http, stream):
-                choices[i]["text"] += ev.text
-                choices[i]["finish_reason"] = ev.finish_reason
-                choices[i]["logprobs"] += [(ev.token_id, ev.logprobs)] if ev.logprobs else []
-                counts[i] = ev
+            async for batch in events(http, stream):
+                for i, ev in batch:
+                    choices[i]["text"] += ev.text
+                    choices[i]["finish_reason"] = ev.finish_reason
+                    choices[i]["logprobs"] += [(ev.token_id, ev.logprobs)] if ev.logprobs else []
+                    counts[i] = ev
             if not stream.done:
                 return Response(status_code=499)  # client went away; nobody reads this
         if any(c["finish_reason"] == "error" for c in choices):
@@ -135,32 +136,40 @@ class _Api:
 
     async def _sse(self, http, stream: EventStream, rid: str, call: Prepared, outputs,
                    with_usage: bool):
+        """The SSE body: every event that arrived since the last write goes out as one write
+        (each its own chunk), so a stream costs one send per engine step at most."""
         chat = call.chat
+        head = self.fmt.head(rid, chat, True)   # one `created` for every chunk, as OpenAI's
         with self.answering(stream):
             if chat:  # OpenAI opens each choice with the role
-                for i in range(len(stream.reqs)):
-                    role = {"role": "assistant", "content": ""}
-                    yield self.fmt.chunk(rid, chat, i, role, None, None)
+                yield "".join(self.fmt.chunk(head, chat, i, {"role": "assistant", "content": ""}, None, None)
+                              for i in range(len(stream.reqs)))
             counts = [None] * len(stream.reqs)
-            async for i, ev in events(http, stream):
-                if ev.finish_reason == "error" or (ev.finish_reason == "abort" and self.shut_down):
-                    yield sse_data((SHUT_DOWN if self.shut_down else ENGINE_FAILED).body())
-                    return
-                counts[i] = ev
-                delta = ev.text
-                if chat:
-                    delta = outputs[i].feed(ev.text)
-                    delta = merge(delta, outputs[i].finish()) if ev.finish_reason else delta
-                if not (delta or ev.finish_reason or ev.logprobs):
-                    continue  # text held back (partial UTF-8, a possible stop string or marker)
-                lp = [(ev.token_id, ev.logprobs)] if ev.logprobs else None
-                reason = finish_reason(ev.finish_reason, outputs[i])
-                yield self.fmt.chunk(rid, chat, i, delta, reason, lp)
+            async for batch in events(http, stream):
+                parts = []
+                for i, ev in batch:
+                    if ev.finish_reason == "error" or (ev.finish_reason == "abort" and self.shut_down):
+                        yield "".join(parts) + sse_data((SHUT_DOWN if self.shut_down else ENGINE_FAILED).body())
+                        return
+                    counts[i] = ev
+                    delta = ev.text
+                    if chat:
+                        delta = outputs[i].feed(ev.text)
+                        delta = merge(delta, outputs[i].finish()) if ev.finish_reason else delta
+                    if not (delta or ev.finish_reason or ev.logprobs):
+                        continue  # text held back (partial UTF-8, a possible stop string or marker)
+                    lp = [(ev.token_id, ev.logprobs)] if ev.logprobs else None
+                    parts.append(self.fmt.chunk(head, chat, i, delta, finish_reason(ev.finish_reason, outputs[i]),
+                                                lp))
+                if parts:
+                    yield "".join(parts)
+            tail = []
             if with_usage and stream.done:
-                yield sse_data({**self.fmt.head(rid, chat, True), "choices": [],
-                                 "usage": usage(counts, call.n)})
+                tail.append(sse_data({**head, "choices": [], "usage": usage(counts, call.n)}))
             if stream.done:
-                yield "data: [DONE]\n\n"
+                tail.append("data: [DONE]\n\n")
+            if tail:
+                yield "".join(tail)
 
     def model_card(self) -> dict:
         return {"id": self.model_name, "object": "model", "created": self.created,
