@@ -114,7 +114,8 @@ class KernelLibrary:
         per specialisation: a kernel launched with new constexprs or new integer-argument classes
         compiles again). 0 under TRITON_INTERPRET. A server that counts a change while serving was
         caught by a compile; `startup.warm_up` compiles what serving hits."""
-        return sum(self.compiled_by_kernel().values())
+        return sum(len(c[0]) for fn in self._fns.values()   # per step: no paths (reprs) here
+                   for c in getattr(fn, "device_caches", {}).values())
 
     def compiled_by_kernel(self) -> dict[str, int]:
         """`num_compiled` per kernel file (its stem, e.g. sparse_mla_decode_3)."""

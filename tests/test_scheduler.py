@@ -232,3 +232,15 @@ def test_plan_runner_serves_what_the_reference_runner_does(ckpt):
            for e in (plan, ref)]
     assert got[0] == got[1]
     assert plan.metrics.counters["prefix_cache_hit_tokens_total"] >= 128
+
+
+@pytest.mark.parametrize("inflight", [0, 2])
+def test_request_ids_slices_all_ids(inflight):
+    """`Request.ids(a, b)` (a step's inputs, built without the whole sequence) == all_ids[a:b]
+    across the prompt / output / in-flight boundaries."""
+    req = Request([1, 2, 3, 4, 5], SamplingParams(max_tokens=20))
+    req.output_ids, req.num_inflight = [6, 7, 8], inflight
+    full = req.all_ids
+    for a in range(len(full) + 2):
+        for b in range(a, len(full) + 3):
+            assert req.ids(a, b) == full[a:b], (a, b)

@@ -181,6 +181,7 @@ class Engine:
             self._thread = None
 
     def _loop(self) -> None:
+        _name_os_thread(b"glmc-engine")
         while not self._stop:
             try:
                 busy = self.step()
@@ -278,7 +279,7 @@ class Engine:
         if batch is None:  # this DP rank has nothing to do but must still step
             return ForwardBatch.idle(s.req_pool.table)
         return ForwardBatch.build(
-            batch.mode, [r.all_ids[p:p + n] for r, p, n in
+            batch.mode, [r.ids(p, p + n) for r, p, n in
                          zip(batch.reqs, batch.prefix_lens, batch.extend_lens)],
             [r.row for r in batch.reqs], batch.prefix_lens, s.req_pool.table)
 
@@ -482,3 +483,14 @@ def _rank_scheduler(runner: ModelRunner, max_running: int, max_batch_tokens: int
     return Scheduler(allocator, ReqToTokenPool(max_running, runner.max_context), cache,
                      max_running=max_running, max_batch_tokens=max_batch_tokens,
                      mixed_prefill_tokens=mixed_prefill_tokens)
+
+
+def _name_os_thread(name: bytes) -> None:
+    """Give the calling thread `name` in the OS (Linux: /proc/<pid>/task/<tid>/comm, top -H), so
+    the engine thread's CPU time can be told from the server's; elsewhere nothing."""
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+            ctypes.CDLL(None).prctl(15, ctypes.c_char_p(name[:15]), 0, 0, 0)   # PR_SET_NAME
+        except (OSError, AttributeError):
+            pass

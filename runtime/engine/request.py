@@ -65,6 +65,18 @@ class Request:
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids + [FUTURE_TOKEN] * self.num_inflight
 
+    def ids(self, start: int, stop: int) -> list[int]:
+        """`all_ids[start:stop]` (0 <= start <= stop) without building `all_ids`: a step's
+        inputs are usually one token of a long sequence."""
+        p, o = len(self.prompt_ids), len(self.output_ids)
+        out = self.prompt_ids[start:stop] if start < p else []
+        if stop > p and start < p + o:
+            out = out + self.output_ids[max(start - p, 0):stop - p]
+        end = min(stop, p + o + self.num_inflight)
+        if end > max(start, p + o):
+            out = out + [FUTURE_TOKEN] * (end - max(start, p + o))
+        return out
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids) + self.num_inflight

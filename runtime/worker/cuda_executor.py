@@ -33,6 +33,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from glmc.codegen.cuda_target import IMPLS as CUDA_IMPLS
 from glmc.codegen.fp8_ref import Fp8Weight
@@ -146,7 +147,8 @@ class GpuRunner(PlanExecutor):
         v = torch.empty(4, size, dtype=torch.int64)
         v[0].zero_(), v[1].zero_(), v[2].fill_(self.scratch), v[3].fill_(self.pad_row)
         v[0, :t], v[1, :t], v[2, :t] = batch.input_ids, batch.positions, batch.out_cache_loc
-        v[3, :t] = batch.req_pool_indices.repeat_interleave(batch.extend_lens)
+        # numpy: torch's CPU repeat_interleave cost ~0.4 ms per call on the H200 host (2026-12-01)
+        v[3, :t] = torch.from_numpy(np.repeat(batch.req_pool_indices.numpy(), batch.extend_lens.numpy()))
         return v
 
     def _load_rows(self, batch: ForwardBatch, width: int | None = None) -> None:
