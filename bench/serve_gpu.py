@@ -434,6 +434,34 @@ def table(info) -> str:
     return "\n".join(lines)
 
 
+def thread_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds (user + system) of the server's threads by role: the event loop (the main
+    thread: HTTP, SSE), the engine thread (named glmc-engine by the engine), the rest (intake
+    pool, torch's threads). {} where /proc is not there."""
+    out: dict[str, float] = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+            comm = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        role = "event_loop" if int(tid) == pid else "engine" if comm == "glmc-engine" else "other"
+        out[role] = out.get(role, 0.0) + (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return out
+
+
+def cpu_per_token(before: dict, after: dict, summary: dict | None) -> dict:
+    """Each role's CPU seconds over a run and per output token (us)."""
+    toks = (summary or {}).get("output_tokens") or 0
+    secs = {k: after[k] - before.get(k, 0.0) for k in after}
+    return {"cpu_s": secs, "us_per_output_token": {k: v / toks * 1e6 for k, v in secs.items()} if toks else None}
+
+
 # ----------------------------------------------------------------------------- main
 def main():
     if len(sys.argv) > 1 and sys.argv[1] == "--serve-cpu":
@@ -492,7 +520,7 @@ def main():
         root = url.removesuffix("/v1")
         info["stages"]["server_start_s"] = round(now() - t, 1)
         info["server_log_start"] = [ln for ln in (out / "server.log").read_text().splitlines() if ln.startswith("glmc")]
-        before = scrape(root)
+        before, cpu_before = scrape(root), thread_cpu(proc.pid)
         info["compiled_at_startup"] = before.get("kernel_binaries_compiled")
         save()
         pr = PROFILE[kind]
@@ -507,8 +535,10 @@ def main():
             r = run_bench(name, args, url, work, a.cpu, left, prof)
             all_rows[name] = r.pop("rows", None)
             r = info["runs"][name] = {"concurrency": conc, **r}
-            after = scrape(root)
+            after, cpu_after = scrape(root), thread_cpu(proc.pid)
             r["metrics_delta"] = {k: after.get(k, 0) - before.get(k, 0) for k in METRICS}
+            r["server_cpu"] = cpu_per_token(cpu_before, cpu_after, r.get("summary"))
+            cpu_before = cpu_after
             before = after
             if r.get("summary"):
                 r["workload_stats"] = workload_stats(all_rows[name])

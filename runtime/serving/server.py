@@ -324,6 +324,10 @@ def serve(engine: Engine, model_name: str = "glmc-tiny", host: str = "127.0.0.1"
 
     import uvicorn
 
+    # Experiment (2026-12-01, bench/NOTES.md): the GIL hand-over interval between the event loop
+    # and the engine thread; unset = Python's 5 ms.
+    if os.environ.get("GLMC_SWITCH_INTERVAL_MS"):
+        sys.setswitchinterval(float(os.environ["GLMC_SWITCH_INTERVAL_MS"]) / 1e3)
     sock = listen(host, port)
     url = f"http://{'[' + host + ']' if ':' in host else host}:{sock.getsockname()[1]}"
     app = create_app(engine, model_name, options)
