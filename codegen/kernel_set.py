@@ -13,7 +13,8 @@ and the GPU choose grids and split counts at launch:
   `sample.tokens`, and the engine's per-request sampler);
 - FP8 weights (a plan whose `dtypes.weight` is fp8, `weight_formats`): per linear-type op the token
   quantiser at its input width and the block-scaled GEMM per joined FP8 part (`cuda_target.fp8_parts`)
-  at both row classes; the routed experts' FP8 grouped GEMMs instead of the bf16 ones. A bf16 plan
+  at each row class (`Fp8BlockGemmCtx.variants`: decode, mid, prefill tiles, and the split-K reduction;
+  the split count is a launch argument); the routed experts' FP8 grouped GEMMs instead of the bf16 ones. A bf16 plan
   carries none of them.
 - FP8 KV (a plan whose `dtypes.kv_cache` is fp8, `kv_fp8`): the KV-write, indexer-scores and sparse
   MLA kernels in their FP8-cache variants (quantise / dequantise in registers) instead of the plain

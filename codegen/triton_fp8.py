@@ -8,19 +8,78 @@ activations quantised per token per 128 columns) and runs as
    rounded to nearest even in exact fp32 steps (bit-exact with `fp8_ref.quantize_token_groups`);
 2. `fp8_block_gemm.py.j2`: one output tile per program; per 128-wide K block, one FP8 tensor-core dot
    (exact products, fp32 sums), scaled by the token's and the weight block's scales, accumulated in fp32.
+   Split-K where the output tiles are too few to fill the GPU (decode: M = 1..128 rows): each program
+   sums a range of K blocks into an fp32 partial, and
+3. `fp8_split_reduce.py.j2` adds the partials in split order (deterministic: no atomics).
 
+Tiles come from a row class (decode / mid / prefill: one kernel each, `Fp8BlockGemmCtx.variants`, so the
+plan holds every kernel serving can launch); the split count is a run-time argument chosen per launch
+from M, N, K and the SM count (`default_config`, whose thresholds bench/fp8_gemm_sweep.py measures).
 The CUDA target runs them for every weight an FP8 plan stores FP8 (`codegen/weight_formats.py`).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 from glmc.codegen.fp8_ref import BLOCK
-from glmc.codegen.triton_render import JIT, KernelLibrary, next_pow2
+from glmc.codegen.triton_render import JIT, KernelLibrary, _num_sms, next_pow2
+
+# ----------------------------------------------------------------------------- defaults (set from the sweep)
+# Row classes: (largest row count of the class, its tiles (block_m, block_n, num_warps, num_stages)).
+# Decode rows take 16-row tiles (the smallest tensor-core M); prefill rows 128 x 128 tiles (one weight
+# scale block per tile: one scale load per K block). The bounds are 16 and 2^n - 1 because
+# startup.warm_lengths launches 1, 17 and 2^n tokens: every class is compiled before serving.
+TILE_CLASSES = ((16, (16, 64, 4, 3)), (255, (64, 64, 4, 3)), (None, (128, 128, 8, 3)))
+SPLIT_MIN_WAVES = 2        # split K while the output tiles fill fewer than this many waves of SMs ...
+SPLIT_MIN_K_BLOCKS = 2     # ... into splits of at least this many 128-wide K blocks
+MAX_SPLITS = 64            # a bound on the fp32 workspace and the reduction's reads
+GROUP_M = 8                # tile rows that walk the weight columns together (L2 reuse at prefill)
 
 
+def default_config(num_rows: int, n: int, k: int, num_sms: int) -> dict:
+    """The launch `fp8_block_gemm` makes when not told: the row class's tiles, and K split so that the
+    programs (tiles x splits) reach SPLIT_MIN_WAVES waves of `num_sms`, each split >= SPLIT_MIN_K_BLOCKS
+    K blocks. -> dict(block_m, block_n, num_warps, num_stages, splits). A pure function of its arguments."""
+    block_m, block_n, num_warps, num_stages = class_tiles(num_rows)
+    return dict(block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
+                splits=split_count(num_rows, n, k, block_m, block_n, num_sms))
+
+
+def split_count(num_rows: int, n: int, k: int, block_m: int, block_n: int, num_sms: int) -> int:
+    """K splits for [block_m, block_n] tiles: enough for SPLIT_MIN_WAVES waves of programs, within
+    SPLIT_MIN_K_BLOCKS blocks a split and MAX_SPLITS; 1 when the tiles alone fill them."""
+    tiles = -(-num_rows // block_m) * -(-n // block_n)
+    k_blocks = -(-k // BLOCK)
+    want = -(-SPLIT_MIN_WAVES * num_sms // tiles)
+    return even_splits(k_blocks, min(want, k_blocks // SPLIT_MIN_K_BLOCKS, MAX_SPLITS))
+
+
+def class_tiles(num_rows: int) -> tuple:
+    """(block_m, block_n, num_warps, num_stages) of the row class `num_rows` falls in."""
+    return next(tiles for top, tiles in TILE_CLASSES if top is None or num_rows <= top)
+
+
+def class_rows() -> list[int]:
+    """The smallest row count of each row class (one launch of each reaches every tile class)."""
+    return [1] + [top + 1 for top, _ in TILE_CLASSES[:-1]]
+
+
+def even_splits(k_blocks: int, splits: int) -> int:
+    """`splits` (at least 1) made consistent with equal widths: ceil(k_blocks / width) splits of
+    width = ceil(k_blocks / splits) blocks, so no split is empty (the last may be narrower)."""
+    splits = max(1, min(int(splits), k_blocks))
+    return -(-k_blocks // -(-k_blocks // splits))
+
+
+@functools.lru_cache(maxsize=None)
+def _sms(device: torch.device) -> int:
+    return _num_sms(device)
+
+
+# ----------------------------------------------------------------------------- contexts
 @dataclass(frozen=True)
 class Fp8QuantTokensCtx:
     """fp8_quant_tokens.py.j2: one (row, group) per program over rows of `k` columns."""
@@ -38,32 +97,54 @@ class Fp8QuantTokensCtx:
 
 @dataclass(frozen=True)
 class Fp8BlockGemmCtx:
-    """fp8_block_gemm.py.j2: one [block_m, block_n] output tile per program; N, K fixed by the weight."""
+    """fp8_block_gemm.py.j2: one [block_m, block_n] output tile x one K range per program; N, K fixed
+    by the weight. `column_scales`: a tile wider than the 128-wide scale block loads a scale per
+    column; `k_ragged`: K is not a multiple of 128 (masked K)."""
     template: ClassVar[str] = "fp8_block_gemm"
     n: int
     k: int
     k_blocks: int
     block_m: int
     block_n: int
+    n_tiles: int
+    group_m: int
     num_warps: int
     num_stages: int
+    column_scales: bool
+    k_ragged: bool
 
     @classmethod
     def make(cls, n, k, num_rows, block_m=None, block_n=None, num_warps=None, num_stages=None):
-        """Decode-sized rows (<= 16) take 16-row tiles (the smallest MMA M), larger ones 64; 64 output
-        columns per tile (a divisor of the 128-wide scale block)."""
-        block_m = block_m or (16 if num_rows <= 16 else 64)
-        block_n = block_n or 64
-        if BLOCK % block_n or block_n < 16 or block_m < 16:
-            raise ValueError(f"fp8_block_gemm: tiles {block_m} x {block_n}: block_n must divide {BLOCK}, both >= 16")
-        return cls(int(n), int(k), -(-int(k) // BLOCK), block_m, block_n, num_warps or 4, num_stages or 3)
+        """The row class's tiles (`default_config`), each one overridable."""
+        default_m, default_n, default_warps, default_stages = class_tiles(num_rows)
+        block_m, block_n = block_m or default_m, block_n or default_n
+        if block_m < 16 or block_n < 16 or block_m != next_pow2(block_m) or block_n != next_pow2(block_n):
+            raise ValueError(f"fp8_block_gemm: tiles {block_m} x {block_n}: both must be powers of two >= 16 "
+                             f"(block_n a divisor or multiple of {BLOCK})")
+        n, k = int(n), int(k)
+        return cls(n, k, -(-k // BLOCK), block_m, block_n, -(-n // block_n), GROUP_M,
+                   num_warps or default_warps, num_stages or default_stages, block_n > BLOCK, k % BLOCK != 0)
 
     @classmethod
-    def variants(cls, n, k) -> list["Fp8BlockGemmCtx"]:
-        """Both row classes (decode, prefill)."""
-        return [cls.make(n, k, rows) for rows in (1, 17)]
+    def variants(cls, n, k) -> list:
+        """Every kernel `fp8_block_gemm` launches by default for this weight: one per row class (the
+        split count is a run-time argument) and the split reduction."""
+        return [cls.make(n, k, rows) for rows in class_rows()] + [Fp8SplitReduceCtx.make()]
 
 
+@dataclass(frozen=True)
+class Fp8SplitReduceCtx:
+    """fp8_split_reduce.py.j2: one (row, `block` columns) per program; one kernel for every shape."""
+    template: ClassVar[str] = "fp8_split_reduce"
+    block: int
+    num_warps: int
+
+    @classmethod
+    def make(cls):
+        return cls(512, 4)
+
+
+# ----------------------------------------------------------------------------- launches
 def quantize_tokens(x, lib: KernelLibrary = JIT):
     """fp8_ref.quantize_token_groups on Triton: x [M, K] -> (xq float8_e4m3fn [M, K], s fp32 [M, K/128])."""
     m, k = x.shape
@@ -79,21 +160,32 @@ def quantize_tokens(x, lib: KernelLibrary = JIT):
 
 def fp8_block_gemm(xq, xs, wq, ws, out_dtype=torch.bfloat16, lib: KernelLibrary = JIT, out=None, **tiles):
     """fp8_ref.fp8_gemm on Triton: -> [M, N] in `out_dtype`, or written into `out` (an [M, N] view
-    with unit column stride, e.g. some columns of a wider output). `tiles` override
-    Fp8BlockGemmCtx.make's."""
+    with unit column stride, e.g. some columns of a wider output). `tiles` (block_m, block_n,
+    num_warps, num_stages, splits) override `default_config`'s. No host sync; CUDA-graph capturable
+    (the split workspace is allocated here)."""
     m, k = xq.shape
     n = wq.shape[0]
     if wq.shape[1] != k or tuple(ws.shape) != (-(-n // BLOCK), -(-k // BLOCK)):
         raise ValueError(f"fp8_block_gemm: x {tuple(xq.shape)}, weight {tuple(wq.shape)} and its scales "
                          f"{tuple(ws.shape)} do not fit 128 x 128 blocks")
+    splits = tiles.pop("splits", None)
     ctx = Fp8BlockGemmCtx.make(n, k, m, **tiles)
+    if splits is None:
+        splits = split_count(m, n, k, ctx.block_m, ctx.block_n, _sms(xq.device))
+    splits = even_splits(ctx.k_blocks, splits)
     y = torch.empty(m, n, dtype=out_dtype, device=xq.device) if out is None else out
     if tuple(y.shape) != (m, n) or (n > 1 and y.stride(1) != 1):
         raise ValueError(f"fp8_block_gemm: out {tuple(y.shape)} / {y.stride()} is not a [{m}, {n}] row-major view")
-    if m:
-        lib(ctx)[(-(-m // ctx.block_m), -(-n // ctx.block_n))](
-            xq, xq.stride(0), xs, xs.stride(0), wq, wq.stride(0), ws, ws.stride(0), y, y.stride(0), m,
-            num_warps=ctx.num_warps, num_stages=ctx.num_stages)
+    if not m:
+        return y
+    # one split: the kernel stores y and never touches `part` (xs, an fp32 device tensor, stands in)
+    part = torch.empty(splits, m, n, dtype=torch.float32, device=xq.device) if splits > 1 else xs
+    lib(ctx)[(-(-m // ctx.block_m) * ctx.n_tiles, splits)](
+        xq, xq.stride(0), xs, xs.stride(0), wq, wq.stride(0), ws, ws.stride(0), y, y.stride(0), part, m,
+        splits, -(-ctx.k_blocks // splits), num_warps=ctx.num_warps, num_stages=ctx.num_stages)
+    if splits > 1:
+        red = Fp8SplitReduceCtx.make()
+        lib(red)[(m, -(-n // red.block))](part, y, y.stride(0), m, n, splits, num_warps=red.num_warps)
     return y
 
 

@@ -43,6 +43,89 @@ def test_block_gemm_matches_the_reference(m, n, k, block_n):
     assert float((got - exact).norm() / exact.norm()) < 0.08
 
 
+def _operands(m, n, k, seed):
+    """Quantised x [m, k] and a block-FP8 weight [n, k] whose K blocks differ in scale (every split
+    carries a different share of the sum)."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * 0.05 * torch.logspace(0, 1.5, k)[None, :]
+    wq, ws = fp8_ref.quantize_weight_blocks(w)
+    return (*tf.quantize_tokens(torch.randn(m, k, generator=g)), wq, ws)
+
+
+@pytest.mark.parametrize("m", [1, 5, 16, 33])
+@pytest.mark.parametrize("splits,used", [(7, 7), (2, 2), (3, 3), (5, 4)])
+def test_split_k_matches_the_unsplit_kernel_and_the_reference(m, splits, used):
+    """K = 850: 7 blocks of 128, the last ragged. Splits of 1 block each (7), and splits that do not
+    divide the 7 blocks (4 + 3, 3 + 3 + 1; 5 asked -> 4 of 2 + 2 + 2 + 1): equal to the unsplit
+    kernel and to fp8_ref up to fp32 summation order, and the same bits on a second run."""
+    xq, xs, wq, ws = _operands(m, 96, 850, seed=m)
+    assert tf.even_splits(7, splits) == used
+    one = tf.fp8_block_gemm(xq, xs, wq, ws, torch.float32, splits=1)
+    split = tf.fp8_block_gemm(xq, xs, wq, ws, torch.float32, splits=splits)
+    want = fp8_ref.fp8_gemm(xq, xs, wq, ws)
+    torch.testing.assert_close(one, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(split, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(split, one, rtol=1e-5, atol=1e-5)
+    assert torch.equal(split, tf.fp8_block_gemm(xq, xs, wq, ws, torch.float32, splits=splits))
+
+
+def test_split_reduction_adds_every_split_in_order():
+    """fp8_split_reduce alone: part[s] = 2^s (distinct bits per split, so a dropped or repeated split
+    shows), plus 1e8 then -1e8 in splits 1 and 2, where fp32 in split order loses split 0's 1
+    (1 + 1e8 rounds to 1e8) and another order would not; written into a column slice of a wider
+    output, leaving the other columns alone."""
+    S, M, N = 5, 3, 40
+    part = torch.stack([torch.full((M, N), 2.0 ** s) for s in range(S)])
+    part[1, 0, 0], part[2, 0, 0] = 1e8, -1e8
+    y = torch.zeros(M, N + 8)
+    red = tf.Fp8SplitReduceCtx.make()
+    tf.JIT(red)[(M, -(-N // red.block))](part, y[:, 4:], y.stride(0), M, N, S, num_warps=red.num_warps)
+    want = torch.zeros(M, N)
+    for s in range(S):
+        want += part[s]
+    assert torch.equal(y[:, 4:N + 4], want) and float(want[0, 0]) == 8 + 16
+    assert not y[:, :4].any() and not y[:, N + 4:].any()
+
+
+def test_default_splits_fill_the_gpu_and_stop_when_tiles_do():
+    """default_config on an H200's 132 SMs: the indexer's wk at decode (2 tiles, 48 K blocks) splits
+    into 2-block ranges; q_b at M = 1 (256 tiles, one wave) splits in two; a full prefill does not."""
+    assert tf.default_config(1, 128, 6144, 132) == dict(block_m=16, block_n=64, num_warps=4, num_stages=3, splits=24)
+    assert tf.default_config(1, 16384, 2048, 132)["splits"] == 2
+    assert tf.default_config(128, 24576, 6144, 132)["splits"] == 1
+    assert tf.default_config(4096, 6144, 16384, 132) == dict(block_m=128, block_n=128, num_warps=8, num_stages=3,
+                                                            splits=1)
+    assert tf.default_config(1, 128, 128, 132)["splits"] == 1        # one K block: nothing to split
+
+
+def test_variants_cover_every_launch_of_the_glm53_plan():
+    """Every context `fp8_block_gemm` builds by default for the FP8 GEMMs of GLM-5.3 (tp1 and tp8) at
+    any row count up to 16k, and the split reduction, is one the plan's kernel set lists: serving
+    never compiles a kernel the start-up did not."""
+    from compile_util import plan as compiled
+    from glmc.codegen.kernel_set import plan_kernels
+    for parallel in ("tp1", "tp8"):
+        listed = set(plan_kernels(compiled("glm_moe_dsa", parallel, device="cuda")).values())
+        gemms = {(c.n, c.k) for c in listed if c.template == "fp8_block_gemm"}
+        assert len(gemms) >= 8 and tf.Fp8SplitReduceCtx.make() in listed
+        rows = sorted({*range(1, 300), *(2 ** i + d for i in range(8, 15) for d in (-1, 0, 1))})
+        assert all(tf.Fp8BlockGemmCtx.make(n, k, m) in listed for n, k in gemms for m in rows)
+
+
+def test_launches_use_only_the_listed_variants():
+    """fp8_block_gemm through a library holding exactly `variants` (as a plan's does): every row class,
+    split or not, runs without asking for another kernel (M = 1 splits K on the interpreter's 2 SMs)."""
+    from glmc.codegen.triton_render import KernelLibrary
+    xq, xs, wq, ws = _operands(300, 96, 600, seed=4)
+    lib = KernelLibrary({repr(c): tf.JIT.path(c) for c in tf.Fp8BlockGemmCtx.variants(96, 600)}, "test",
+                        jit_extra=False)
+    want = fp8_ref.fp8_gemm(xq, xs, wq, ws)
+    for m in (1, 17, 256, 300):
+        got = tf.fp8_block_gemm(xq[:m], xs[:m], wq, ws, torch.float32, lib=lib)
+        torch.testing.assert_close(got, want[:m], rtol=1e-5, atol=1e-5)
+    assert sorted(p.stem.rsplit("_", 1)[0] for p in lib.loaded()) == ["fp8_block_gemm"] * 3 + ["fp8_split_reduce"]
+
+
 def test_fp8_linear_in_bf16_and_bad_shapes():
     g = torch.Generator().manual_seed(2)
     w = torch.randn(64, 200, generator=g) * 0.1
@@ -54,7 +137,7 @@ def test_fp8_linear_in_bf16_and_bad_shapes():
                                rtol=1e-2, atol=1e-2)
     with pytest.raises(ValueError, match="do not fit 128 x 128 blocks"):
         tf.fp8_block_gemm(*tf.quantize_tokens(x), wq, ws[:, :1])
-    with pytest.raises(ValueError, match="block_n must divide 128"):
+    with pytest.raises(ValueError, match="must be powers of two >= 16"):
         tf.Fp8BlockGemmCtx.make(64, 200, 3, block_n=48)
 
 
@@ -70,9 +153,15 @@ def test_weight_quantisation_round_trips_the_checkpoint_convention():
 
 def test_sources_are_specialised():
     ctx = tf.Fp8BlockGemmCtx.make(6144, 2048, 1)
-    check(render(ctx.template, ctx), "tl.arange(0, 16)", "range(0, 16)", "k < 2048", "tl.dot(a, tl.trans(b))",
-          "(n0 // 128)")
-    assert [c.block_m for c in tf.Fp8BlockGemmCtx.variants(6144, 2048)] == [16, 64]
+    check(render(ctx.template, ctx), "tl.arange(0, 16)", "tl.minimum(kb0 + split_blocks, 16)",
+          "a = tl.load(a_ptrs + kb * 128, mask=mm[:, None]", "tl.dot(a, tl.trans(b))", "(pid_n * 64 // 128)",
+          "if splits == 1:", "part_ptr + rows[:, None] * 6144")
+    assert [(c.block_m, c.block_n) for c in tf.Fp8BlockGemmCtx.variants(6144, 2048)[:-1]] == [(16, 64), (64, 64),
+                                                                                                (128, 128)]
+    wide = tf.Fp8BlockGemmCtx.make(6144, 300, 4096, block_n=256)
+    check(render(wide.template, wide), "km = kb * 128 + rk < 300", "(rn // 128) * ws_stride")
+    check(render("fp8_split_reduce", tf.Fp8SplitReduceCtx.make()), "for s in range(0, splits)",
+          "(s * M + m).to(tl.int64) * N")
     check(render("fp8_quant_tokens", tf.Fp8QuantTokensCtx.make(6144)), "12582912.0", "c < 6144", "tl.float8e4nv")
 
 
