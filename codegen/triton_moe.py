@@ -3,14 +3,15 @@
 `moe_experts(x, ids, weights, w_gate, w_up, w_down, expert_offset=0)` has `torch_ref.moe_experts`'s
 contract (y_t = sum over the chosen experts held here of w_te * swiglu_e(x_t); fp32 [T, H]) and runs as
 
-1. `align_rows` (torch ops, no host sync, so it can be captured in a CUDA graph): the T*k routed rows
-   are sorted by expert and each expert's run is padded to a multiple of BLOCK_M, so one program
-   block never mixes experts. The grid is the static upper bound cdiv(T*k, BM) + min(E, T*k) blocks;
-   blocks past the real end carry expert -1 and exit at once.
+1. `align_rows` (no host sync, so it can be captured in a CUDA graph): the T*k routed rows are sorted
+   by expert and each expert's run is padded to a multiple of BLOCK_M, so one program block never
+   mixes experts. The grid is the static upper bound cdiv(T*k, BM) + min(E, T*k) blocks; blocks past
+   the real end carry expert -1 and exit at once. At decode sizes one `moe_align.py.j2` program does
+   it (~35 small torch kernels otherwise: tens of us at one token, against ~130 us of weight reads).
 2. `moe_experts.py.j2` with down=False: gate and up GEMMs of a block share its activation tile,
    SiLU-and-mul is applied in registers, h is written once (in x's dtype, as HF rounds it).
 3. the same template with down=True: h @ W_down^T, scaled by the routing weight, written per routed
-   row; the combine is then a sum over the k slots (deterministic: no atomics).
+   row; `moe_combine.py.j2` then sums each token's k slots (deterministic: no atomics).
 
 Split K (`moe_launch`): at a few rows per expert (decode) the grid of 2 would leave SMs idle behind
 long serial K loops, so a stage may split K into S runs, one per program along grid axis 2: the gate/up
@@ -70,7 +71,7 @@ class MoeExpertsCtx:
         stages = [cls.make(down, *((inter, hidden) if down else (hidden, inter)), top_k, dtype, bm, split)
                   for bm in BLOCK_MS for split in ((False, True) if bm == SPLIT_BLOCK_M else (False,))
                   for down in (False, True)]
-        return stages + [MoeSwigluReduceCtx.make(inter, SPLIT_BLOCK_M, dtype, fp8=False)]
+        return stages + [MoeSwigluReduceCtx.make(inter, SPLIT_BLOCK_M, dtype, fp8=False)] + glue_variants(hidden, top_k)
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,43 @@ class MoeSwigluReduceCtx:
         return cls(int(inter), int(block_m), block_n, bool(fp8), _ACT[dtype], 4)
 
 
+@dataclass(frozen=True)
+class MoeAlignCtx:
+    """moe_align.py.j2: `align_rows` in one program for <= `rows` routed rows over <= `experts_block`
+    local experts (row and expert counts are kernel arguments: one binary for every decode step)."""
+    template: ClassVar[str] = "moe_align"
+    block_m: int
+    rows: int
+    experts_block: int
+    blocks_block: int
+    fill: int
+    num_warps: int
+
+    @classmethod
+    def make(cls, block_m):
+        blocks = next_pow2(-(-ALIGN_ROWS // block_m) + ALIGN_ROWS)    # num_blocks_bound at ALIGN_ROWS rows
+        return cls(int(block_m), ALIGN_ROWS, ALIGN_MAX_EXPERTS, blocks, 256, 8)
+
+
+@dataclass(frozen=True)
+class MoeCombineCtx:
+    """moe_combine.py.j2: out[t] = the sum of y over the K splits and the token's local slots."""
+    template: ClassVar[str] = "moe_combine"
+    hidden: int
+    top_k: int
+    block: int
+    num_warps: int
+
+    @classmethod
+    def make(cls, hidden, top_k):
+        return cls(int(hidden), int(top_k), min(1024, next_pow2(hidden)), 4)
+
+
+def glue_variants(hidden, top_k) -> list:
+    """The sort and combine kernels around the expert stages, as `variants` lists them."""
+    return [MoeAlignCtx.make(SPLIT_BLOCK_M), MoeCombineCtx.make(hidden, top_k)]
+
+
 BLOCK_MS = (16, 32, 64)  # the row-block classes `block_m_for` picks from
 
 
@@ -107,14 +145,28 @@ def num_blocks_bound(num_rows: int, num_experts: int, block_m: int) -> int:
     return -(-num_rows // block_m) + min(num_experts, num_rows)
 
 
-def align_rows(ids, num_experts, block_m, expert_offset=0):
+ALIGN_ROWS = 64            # routed rows up to which one moe_align program sorts them (decode: T <= 8 at top-8)
+ALIGN_MAX_EXPERTS = 256    # ... over at most this many local experts, at block_m SPLIT_BLOCK_M; else torch ops
+
+
+def align_rows(ids, num_experts, block_m, expert_offset=0, lib: KernelLibrary | None = None):
     """Sort routed rows by (local) expert, padding each expert's run to a multiple of block_m.
 
     ids [T, k] (global expert ids). Returns (sorted_rows [NB*BM] int32: flat row t*k+j or the sentinel
     T*k for padding; block_expert [NB] int32: local expert of each block, -1 past the end). Rows routed
     to experts outside [offset, offset+E) are dropped (another EP rank holds them). No host sync.
+    With `lib`, few rows (<= ALIGN_ROWS, <= ALIGN_MAX_EXPERTS experts, block_m SPLIT_BLOCK_M) are sorted
+    by one moe_align launch; otherwise (and without `lib`) by torch ops. The result is the same.
     """
-    dev, n = ids.device, ids.numel()
+    n, nb = ids.numel(), num_blocks_bound(ids.numel(), num_experts, block_m)
+    if lib is not None and n <= ALIGN_ROWS and num_experts <= ALIGN_MAX_EXPERTS and block_m == SPLIT_BLOCK_M:
+        sorted_rows = torch.empty(nb * block_m, dtype=torch.int32, device=ids.device)
+        block_expert = torch.empty(nb, dtype=torch.int32, device=ids.device)
+        ctx = MoeAlignCtx.make(block_m)
+        lib(ctx)[(1,)](ids if ids.is_contiguous() else ids.contiguous(), sorted_rows, block_expert, n, nb,
+                       num_experts, expert_offset, num_warps=ctx.num_warps)
+        return sorted_rows, block_expert
+    dev = ids.device
     E = num_experts
     flat = ids.reshape(-1).long() - expert_offset
     e = torch.where((flat >= 0) & (flat < E), flat, E)              # non-local rows -> bucket E
@@ -126,7 +178,6 @@ def align_rows(ids, num_experts, block_m, expert_offset=0):
     starts = torch.cumsum(counts, 0) - counts
     ends_padded = torch.cumsum(padded, 0)
     dest = ends_padded[e_sorted] - padded[e_sorted] + torch.arange(n, device=dev) - starts[e_sorted]
-    nb = num_blocks_bound(n, E, block_m)
     size = nb * block_m
     dest = torch.where(e_sorted < E, dest, size)                     # dropped rows land in a spare cell
     sorted_rows = torch.full((size + 1,), n, dtype=torch.int32, device=dev)
@@ -192,12 +243,14 @@ def _check_stacks(w_gate, w_up, w_down):
         raise ValueError(f"moe_experts: down stack {tuple(w_down.shape)} != {(E, hidden, inter)}")
 
 
-def _combine(y, ids, expert_offset, num_experts, out):
+def _combine(y, ids, expert_offset, num_experts, out, lib):
     """out[t] = sum over splits s and slots j of y[s, t*k + j] for the locally held routes (the others
-    were never written): one torch reduction, deterministic."""
+    were never written): one moe_combine launch, a fixed order."""
     T, k = ids.shape
-    local = ((ids >= expert_offset) & (ids < expert_offset + num_experts)).view(1, T, k, 1)
-    torch.sum(torch.where(local, y[:, :T * k].view(y.shape[0], T, k, -1), 0.0), dim=(0, 2), out=out)
+    ids = ids if ids.stride(-1) == 1 else ids.contiguous()
+    ctx = MoeCombineCtx.make(out.shape[1], k)
+    lib(ctx)[(T, -(-out.shape[1] // ctx.block))](y, y.stride(1), y.stride(0), ids, ids.stride(0), out, out.stride(0),
+                                                y.shape[0], num_experts, expert_offset, num_warps=ctx.num_warps)
     return out
 
 
@@ -221,7 +274,7 @@ def moe_experts(x, ids, weights, w_gate, w_up, w_down, expert_offset=0, tiles=No
         return out
     launch = moe_launch(n, E, hidden, inter, _num_sms(x.device), block_m=tiles.get("block_m"))
     bm = launch["block_m"]
-    sorted_rows, block_expert = align_rows(ids, E, bm, expert_offset)
+    sorted_rows, block_expert = align_rows(ids, E, bm, expert_offset, lib)
     nb = block_expert.shape[0]
     x = x if x.stride(-1) == 1 else x.contiguous()
     h = torch.empty(nb * bm, inter, dtype=x.dtype, device=x.device)
@@ -241,7 +294,7 @@ def moe_experts(x, ids, weights, w_gate, w_up, w_down, expert_offset=0, tiles=No
     lib(dn)[(nb, -(-hidden // dn.block_n), s2)](
         h, h.stride(0), w_down, *w_down.stride(), weights.reshape(-1).float().contiguous(), y, y.stride(1),
         y.stride(0), sorted_rows, block_expert, n, s2, num_warps=dn.num_warps, num_stages=dn.num_stages)
-    return _combine(y, ids, expert_offset, E, out)
+    return _combine(y, ids, expert_offset, E, out, lib)
 
 
 # ----------------------------------------------------------------------------- FP8 experts
@@ -287,7 +340,7 @@ class MoeExpertsFp8Ctx:
         stages = [cls.make(down, *((inter, hidden) if down else (hidden, inter)), top_k, dtype, bm, split)
                   for bm in BLOCK_MS for split in ((False, True) if bm == SPLIT_BLOCK_M else (False,))
                   for down in (False, True)]
-        return stages + [MoeSwigluReduceCtx.make(inter, SPLIT_BLOCK_M, dtype, fp8=True)]
+        return stages + [MoeSwigluReduceCtx.make(inter, SPLIT_BLOCK_M, dtype, fp8=True)] + glue_variants(hidden, top_k)
 
 
 def moe_experts_fp8(x, ids, weights, w_gate, w_up, w_down, expert_offset=0, tiles=None,
@@ -312,7 +365,7 @@ def moe_experts_fp8(x, ids, weights, w_gate, w_up, w_down, expert_offset=0, tile
         return out
     launch = moe_launch(n, E, hidden, inter, _num_sms(x.device), fp8=True, block_m=tiles.get("block_m"))
     bm = launch["block_m"]
-    sorted_rows, block_expert = align_rows(ids, E, bm, expert_offset)
+    sorted_rows, block_expert = align_rows(ids, E, bm, expert_offset, lib)
     nb = block_expert.shape[0]
     xq, xs = quantize_tokens(x, lib)
     hq = torch.empty(nb * bm, inter, dtype=torch.float8_e4m3fn, device=x.device)
@@ -339,4 +392,4 @@ def moe_experts_fp8(x, ids, weights, w_gate, w_up, w_down, expert_offset=0, tile
         hq, hq.stride(0), hs, hs.stride(0), dq, dq.stride(0), dq.stride(1), ds, ds.stride(0), ds.stride(1),
         weights.reshape(-1).float().contiguous(), y, y.stride(1), y.stride(0), sorted_rows, block_expert, n, s2,
         num_warps=dn.num_warps, num_stages=dn.num_stages)
-    return _combine(y, ids, expert_offset, E, out)
+    return _combine(y, ids, expert_offset, E, out, lib)

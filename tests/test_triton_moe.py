@@ -3,6 +3,9 @@
 Tiny ragged shapes (hidden and intermediate not multiples of the tiles), skewed routing (some experts
 empty, one crowded past a block), EP offsets (rows of other ranks' experts dropped), and HF's fused
 gate_up layout as strided views. Outputs are allocated poisoned so an unwritten element fails.
+Split K (decode): every split form against the unsplit kernel and the reference, bf16 and FP8, with the
+launches recorded (the splits and the SwiGLU reduction ran); the launch choice at GLM-5.3 shapes; the
+variants covering every launch; the one-program sort against the torch ops.
 """
 import os
 
@@ -45,6 +48,23 @@ def _stacks(E, inter, hidden, fused=False):
     return gate, up, torch.randn(E, hidden, inter) / inter ** 0.5
 
 
+class _Launches(tm.KernelLibrary):
+    """The JIT library, recording (context, grid) of every launch: which split form actually ran."""
+
+    def __init__(self):
+        super().__init__()
+        self.grids = []
+
+    def __call__(self, ctx):
+        fn, grids = super().__call__(ctx), self.grids
+
+        class _Grid:
+            def __getitem__(self, grid):
+                grids.append((ctx, grid))
+                return fn[grid]
+        return _Grid()
+
+
 @pytest.mark.parametrize("T,k,E,skew,fused", [(1, 2, 8, False, False), (7, 3, 8, True, True),
                                                 (20, 2, 6, True, False)])
 def test_moe_experts_matches_reference(T, k, E, skew, fused):
@@ -77,6 +97,30 @@ def test_align_rows_pads_each_expert_to_whole_blocks():
     assert block_expert.tolist() == [0, 1, 3, 3] + [-1] * (nb - 4)
 
 
+# rows up to ALIGN_ROWS (64): one moe_align program; up to 256 local experts; global ids in [0, id_range),
+# this rank holding [offset, offset + E) (EP: the other rows are dropped); int32 and int64 ids
+@pytest.mark.parametrize("T,k,E,offset,id_range,skew", [
+    (1, 8, 256, 0, 256, False), (1, 8, 32, 64, 256, False), (3, 2, 6, 0, 6, True), (8, 8, 256, 0, 256, False),
+    (8, 4, 3, 1, 5, True), (32, 2, 4, 2, 8, True), (7, 1, 5, 0, 5, False)])
+def test_fused_align_equals_the_torch_ops(T, k, E, offset, id_range, skew):
+    """moe_align (one launch) gives align_rows' torch result exactly: the padded order, the padding
+    sentinel, every block's expert and -1 past the end (all written: outputs start poisoned)."""
+    _, ids = _routing(T, k, id_range, skew)
+    ids = ids.int() if T == 3 else ids
+    lib = _Launches()
+    fused = tm.align_rows(ids, E, 16, offset, lib=lib)
+    torch_ops = tm.align_rows(ids, E, 16, offset)
+    assert [c.template for c, _ in lib.grids] == ["moe_align"]
+    assert torch.equal(fused[0], torch_ops[0]) and torch.equal(fused[1], torch_ops[1])
+
+
+def test_align_past_the_fused_size_uses_the_torch_ops():
+    _, ids = _routing(9, 8, 256)                    # 72 rows > ALIGN_ROWS
+    lib = _Launches()
+    rows, block_expert = tm.align_rows(ids, 256, 16, lib=lib)
+    assert not lib.grids and torch.equal(rows, tm.align_rows(ids, 256, 16)[0])
+
+
 def test_generated_source_is_specialised():
     from glmc.codegen.triton_target import render
     ctx = tm.MoeExpertsCtx.make(True, 2048, 6144, 8, torch.bfloat16, 16)
@@ -88,23 +132,6 @@ def test_generated_source_is_specialised():
 
 
 # ----------------------------------------------------------------------------- split K (decode)
-class _Launches(tm.KernelLibrary):
-    """The JIT library, recording (context, grid) of every launch: which split form actually ran."""
-
-    def __init__(self):
-        super().__init__()
-        self.grids = []
-
-    def __call__(self, ctx):
-        fn, grids = super().__call__(ctx), self.grids
-
-        class _Grid:
-            def __getitem__(self, grid):
-                grids.append((ctx, grid))
-                return fn[grid]
-        return _Grid()
-
-
 def _split_tiles(s1, s2, **both):
     """tiles: s1 gate/up and s2 down splits, `both` overrides for both stages."""
     return {"gate_up": {"splits": s1, **both}, "down": {"splits": s2, **both}}
@@ -130,8 +157,9 @@ def test_split_k_matches_unsplit_and_reference(T, offset, s1, s2):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got, unsplit, rtol=1e-5, atol=1e-5)
     kinds = [(c.template, getattr(c, "down", None), getattr(c, "split", None), g[2:]) for c, g in lib.grids]
-    assert kinds == [("moe_experts", False, True, (s1,)), ("moe_swiglu_reduce", None, None, ()),
-                     ("moe_experts", True, True, (s2,))]
+    assert kinds == [("moe_align", None, None, ()), ("moe_experts", False, True, (s1,)),
+                     ("moe_swiglu_reduce", None, None, ()), ("moe_experts", True, True, (s2,)),
+                     ("moe_combine", None, None, ())]
 
 
 def test_split_k_is_bit_identical_run_to_run():
