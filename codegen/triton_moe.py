@@ -67,7 +67,7 @@ class MoeExpertsCtx:
     def variants(cls, hidden, inter, top_k, dtype) -> list:
         """Every context `moe_experts` makes without tile overrides: both stages at every row-block class
         (`BLOCK_MS`), their split-K forms at the decode class (`SPLIT_BLOCK_M`, the only one `moe_launch`
-        splits) and the split gate/up stage's reduction."""
+        splits), the split gate/up stage's reduction, the one-program sort and the combine."""
         stages = [cls.make(down, *((inter, hidden) if down else (hidden, inter)), top_k, dtype, bm, split)
                   for bm in BLOCK_MS for split in ((False, True) if bm == SPLIT_BLOCK_M else (False,))
                   for down in (False, True)]
