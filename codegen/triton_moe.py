@@ -3,15 +3,24 @@
 `moe_experts(x, ids, weights, w_gate, w_up, w_down, expert_offset=0)` has `torch_ref.moe_experts`'s
 contract (y_t = sum over the chosen experts held here of w_te * swiglu_e(x_t); fp32 [T, H]) and runs as
 
-1. `align_rows` (torch ops, no host sync, so it can be captured in a CUDA graph): the T*k routed rows
-   are sorted by expert and each expert's run is padded to a multiple of BLOCK_M, so one program
-   block never mixes experts. The grid is the static upper bound cdiv(T*k, BM) + min(E, T*k) blocks;
-   blocks past the real end carry expert -1 and exit at once.
+1. `align_rows` (no host sync, so it can be captured in a CUDA graph): the T*k routed rows are sorted
+   by expert and each expert's run is padded to a multiple of BLOCK_M, so one program block never
+   mixes experts. The grid is the static upper bound cdiv(T*k, BM) + min(E, T*k) blocks; blocks past
+   the real end carry expert -1 and exit at once. At decode sizes one `moe_align.py.j2` program does
+   it (~35 small torch kernels otherwise: tens of us at one token, against ~130 us of weight reads).
 2. `moe_experts.py.j2` with down=False: gate and up GEMMs of a block share its activation tile,
    SiLU-and-mul is applied in registers, h is written once (in x's dtype, as HF rounds it).
 3. the same template with down=True: h @ W_down^T, scaled by the routing weight, written per routed
-   row; the combine is then a sum over the k slots (deterministic: no atomics).
+   row; `moe_combine.py.j2` then sums each token's k slots (deterministic: no atomics).
 
+Split K (`moe_launch`): at a few rows per expert (decode) the grid of 2 would leave SMs idle behind
+long serial K loops, so a stage may split K into S runs, one per program along grid axis 2: the gate/up
+stage then writes fp32 partial gate and up sums and `moe_swiglu_reduce.py.j2` adds them in split order
+before SiLU-and-mul (SiLU is not linear: it must see the full sums); the down stage writes S partial y
+that the combine sums with the k slots. Every sum has a fixed order and no atomics: the same bits on
+every run. S is a kernel argument (not specialised), so one binary serves every S.
+
+`moe_experts_fp8` is the same pipeline on block-FP8 expert stacks (`MoeExpertsFp8Ctx`).
 Weights are [E, out, in] stacks (HF layout); gate and up may be views of HF's fused gate_up tensor.
 """
 from __future__ import annotations
@@ -20,41 +29,105 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-from glmc.codegen.triton_render import _DOT, JIT, KernelLibrary, next_pow2
+from glmc.codegen.triton_render import _DOT, JIT, KernelLibrary, _num_sms, next_pow2
+
+_ACT = {torch.float32: "tl.float32", torch.bfloat16: "tl.bfloat16", torch.float16: "tl.float16"}
 
 
 @dataclass(frozen=True)
 class MoeExpertsCtx:
-    """moe_experts.py.j2: one (row block, output tile) per program; `down` picks the stage."""
+    """moe_experts.py.j2: one (row block, output tile[, K split]) per program; `down` picks the stage,
+    `split` the split-K form (fp32 partials over a runtime number of K runs; see `moe_launch`)."""
     template: ClassVar[str] = "moe_experts"
     down: bool
+    split: bool
     n_in: int
     n_out: int
     top_k: int
     block_m: int
     block_n: int
     block_k: int
+    k_steps: int
     dot_dtype: str
     dot_precision: str
     num_warps: int
     num_stages: int
 
     @classmethod
-    def make(cls, down, n_in, n_out, top_k, dtype, block_m, block_n=None, block_k=None, num_warps=None,
+    def make(cls, down, n_in, n_out, top_k, dtype, block_m, split=False, block_n=None, block_k=None, num_warps=None,
              num_stages=None):
         dot_dtype, precision = _DOT[dtype]
         block_n = block_n or min(64 if block_m <= 16 else 128, max(16, next_pow2(n_out)))
         block_k = block_k or min(128 if block_m <= 16 else 64, max(16, next_pow2(n_in)))
         num_warps = num_warps or (4 if block_m * block_n <= 16 * 128 else 8)
-        return cls(bool(down), int(n_in), int(n_out), int(top_k), int(block_m), int(block_n), int(block_k),
-                   dot_dtype, precision, num_warps, num_stages or 4)
+        return cls(bool(down), bool(split), int(n_in), int(n_out), int(top_k), int(block_m), int(block_n),
+                   int(block_k), -(-int(n_in) // int(block_k)), dot_dtype, precision, num_warps, num_stages or 4)
 
     @classmethod
-    def variants(cls, hidden, inter, top_k, dtype) -> list["MoeExpertsCtx"]:
-        """Both stages at every row-block class (`BLOCK_MS`): every context `moe_experts` makes
-        without tile overrides."""
-        return [cls.make(down, *((inter, hidden) if down else (hidden, inter)), top_k, dtype, bm)
-                for bm in BLOCK_MS for down in (False, True)]
+    def variants(cls, hidden, inter, top_k, dtype) -> list:
+        """Every context `moe_experts` makes without tile overrides: both stages at every row-block class
+        (`BLOCK_MS`), their split-K forms at the decode class (`SPLIT_BLOCK_M`, the only one `moe_launch`
+        splits), the split gate/up stage's reduction, the one-program sort and the combine."""
+        stages = [cls.make(down, *((inter, hidden) if down else (hidden, inter)), top_k, dtype, bm, split)
+                  for bm in BLOCK_MS for split in ((False, True) if bm == SPLIT_BLOCK_M else (False,))
+                  for down in (False, True)]
+        return stages + [MoeSwigluReduceCtx.make(inter, SPLIT_BLOCK_M, dtype, fp8=False)] + glue_variants(hidden, top_k)
+
+
+@dataclass(frozen=True)
+class MoeSwigluReduceCtx:
+    """moe_swiglu_reduce.py.j2: h = silu(sum of gate partials) * (sum of up partials) after a split-K
+    gate/up stage, splits summed in a fixed order; `fp8`: h then quantised per row per 128 columns for
+    the FP8 down stage (block_n is then one 128-column group)."""
+    template: ClassVar[str] = "moe_swiglu_reduce"
+    inter: int
+    block_m: int
+    block_n: int
+    fp8: bool
+    act_dtype: str
+    num_warps: int
+
+    @classmethod
+    def make(cls, inter, block_m, dtype, fp8):
+        block_n = 128 if inter >= 128 else max(16, next_pow2(inter))
+        return cls(int(inter), int(block_m), block_n, bool(fp8), _ACT[dtype], 4)
+
+
+@dataclass(frozen=True)
+class MoeAlignCtx:
+    """moe_align.py.j2: `align_rows` in one program for <= `rows` routed rows over <= `experts_block`
+    local experts (row and expert counts are kernel arguments: one binary for every decode step)."""
+    template: ClassVar[str] = "moe_align"
+    block_m: int
+    rows: int
+    experts_block: int
+    blocks_block: int
+    fill: int
+    num_warps: int
+
+    @classmethod
+    def make(cls, block_m):
+        blocks = next_pow2(-(-ALIGN_ROWS // block_m) + ALIGN_ROWS)    # num_blocks_bound at ALIGN_ROWS rows
+        return cls(int(block_m), ALIGN_ROWS, ALIGN_MAX_EXPERTS, blocks, 256, 8)
+
+
+@dataclass(frozen=True)
+class MoeCombineCtx:
+    """moe_combine.py.j2: out[t] = the sum of y over the K splits and the token's local slots."""
+    template: ClassVar[str] = "moe_combine"
+    hidden: int
+    top_k: int
+    block: int
+    num_warps: int
+
+    @classmethod
+    def make(cls, hidden, top_k):
+        return cls(int(hidden), int(top_k), min(1024, next_pow2(hidden)), 4)
+
+
+def glue_variants(hidden, top_k) -> list:
+    """The sort and combine kernels around the expert stages, as `variants` lists them."""
+    return [MoeAlignCtx.make(SPLIT_BLOCK_M), MoeCombineCtx.make(hidden, top_k)]
 
 
 BLOCK_MS = (16, 32, 64)  # the row-block classes `block_m_for` picks from
@@ -72,14 +145,28 @@ def num_blocks_bound(num_rows: int, num_experts: int, block_m: int) -> int:
     return -(-num_rows // block_m) + min(num_experts, num_rows)
 
 
-def align_rows(ids, num_experts, block_m, expert_offset=0):
+ALIGN_ROWS = 64            # routed rows up to which one moe_align program sorts them (decode: T <= 8 at top-8)
+ALIGN_MAX_EXPERTS = 256    # ... over at most this many local experts, at block_m SPLIT_BLOCK_M; else torch ops
+
+
+def align_rows(ids, num_experts, block_m, expert_offset=0, lib: KernelLibrary | None = None):
     """Sort routed rows by (local) expert, padding each expert's run to a multiple of block_m.
 
     ids [T, k] (global expert ids). Returns (sorted_rows [NB*BM] int32: flat row t*k+j or the sentinel
     T*k for padding; block_expert [NB] int32: local expert of each block, -1 past the end). Rows routed
     to experts outside [offset, offset+E) are dropped (another EP rank holds them). No host sync.
+    With `lib`, few rows (<= ALIGN_ROWS, <= ALIGN_MAX_EXPERTS experts, block_m SPLIT_BLOCK_M) are sorted
+    by one moe_align launch; otherwise (and without `lib`) by torch ops. The result is the same.
     """
-    dev, n = ids.device, ids.numel()
+    n, nb = ids.numel(), num_blocks_bound(ids.numel(), num_experts, block_m)
+    if lib is not None and n <= ALIGN_ROWS and num_experts <= ALIGN_MAX_EXPERTS and block_m == SPLIT_BLOCK_M:
+        sorted_rows = torch.empty(nb * block_m, dtype=torch.int32, device=ids.device)
+        block_expert = torch.empty(nb, dtype=torch.int32, device=ids.device)
+        ctx = MoeAlignCtx.make(block_m)
+        lib(ctx)[(1,)](ids if ids.is_contiguous() else ids.contiguous(), sorted_rows, block_expert, n, nb,
+                       num_experts, expert_offset, num_warps=ctx.num_warps)
+        return sorted_rows, block_expert
+    dev = ids.device
     E = num_experts
     flat = ids.reshape(-1).long() - expert_offset
     e = torch.where((flat >= 0) & (flat < E), flat, E)              # non-local rows -> bucket E
@@ -91,7 +178,6 @@ def align_rows(ids, num_experts, block_m, expert_offset=0):
     starts = torch.cumsum(counts, 0) - counts
     ends_padded = torch.cumsum(padded, 0)
     dest = ends_padded[e_sorted] - padded[e_sorted] + torch.arange(n, device=dev) - starts[e_sorted]
-    nb = num_blocks_bound(n, E, block_m)
     size = nb * block_m
     dest = torch.where(e_sorted < E, dest, size)                     # dropped rows land in a spare cell
     sorted_rows = torch.full((size + 1,), n, dtype=torch.int32, device=dev)
@@ -100,6 +186,52 @@ def align_rows(ids, num_experts, block_m, expert_offset=0):
     block_expert = torch.searchsorted(ends_padded, block_start, right=True)
     block_expert = torch.where(block_start < ends_padded[-1], block_expert, -1).to(torch.int32)
     return sorted_rows[:size], block_expert
+
+
+# ----------------------------------------------------------------------------- launch choice
+# Split-K thresholds: the lead sets them from bench/moe_sweep.py's table (T = 1 .. 128 on an H200).
+SPLIT_BLOCK_M = 16           # only the decode row-block class splits (its split forms are in the variants)
+SPLIT_PROGRAMS_PER_SM = 4    # a stage splits K while its grid has fewer programs than this per SM ...
+SPLIT_MIN_K = 512            # ... and every split keeps at least this many columns of K ...
+SPLIT_MAX = 8                # ... up to this many splits (a power of two)
+
+
+def num_splits_for(programs: int, n_in: int, num_sms: int) -> int:
+    """K splits for a stage whose unsplit grid has `programs` programs over K = n_in: the smallest power
+    of two giving >= SPLIT_PROGRAMS_PER_SM programs per SM, at most SPLIT_MAX, each split >= SPLIT_MIN_K."""
+    splits = 1
+    while (splits < SPLIT_MAX and programs * splits < SPLIT_PROGRAMS_PER_SM * num_sms
+           and n_in >= 2 * splits * SPLIT_MIN_K):
+        splits *= 2
+    return splits
+
+
+def moe_launch(rows: int, experts: int, hidden: int, inter: int, num_sms: int, fp8: bool = False,
+               block_m: int | None = None) -> dict:
+    """The default launch for `rows` routed rows over `experts` local experts, as `moe_experts`' tiles:
+    {"block_m": BM, "gate_up": {"splits": S1}, "down": {"splits": S2}} (tile sizes: the contexts' `make`).
+
+    Pure in its arguments. Programs are counted over the row blocks that surely have work,
+    max(cdiv(rows, BM), min(experts, rows)), times the stage's output tiles (the split form's tile:
+    the FP8 gate/up stage's is narrower than its unsplit one-quantisation-group tile). Only the decode
+    class BM = SPLIT_BLOCK_M splits. GLM-5.3 on 132 SMs: T = 1 (8 rows) splits gate/up 4 ways
+    (8 x 32 tiles x 4 = 1024 programs of 1536 K), down not (8 x 96 = 768); T = 2 splits gate/up 2 ways.
+    """
+    ctx_cls = MoeExpertsFp8Ctx if fp8 else MoeExpertsCtx
+    bm = block_m or block_m_for(rows, experts)
+    busy_blocks = max(-(-rows // bm), min(experts, rows))
+    launch: dict = {"block_m": bm}
+    for stage, down, n_in, n_out in (("gate_up", False, hidden, inter), ("down", True, inter, hidden)):
+        tile = ctx_cls.make(down, n_in, n_out, 1, torch.bfloat16, bm, split=True)
+        splits = num_splits_for(busy_blocks * -(-n_out // tile.block_n), n_in, num_sms) if bm == SPLIT_BLOCK_M else 1
+        launch[stage] = {"splits": splits}
+    return launch
+
+
+def _stage_tiles(launch: dict, tiles: dict, stage: str) -> tuple[int, dict]:
+    """(splits, `make` overrides) of one stage: the launch's splits under the caller's `tiles[stage]`."""
+    over = {**launch[stage], **tiles.get(stage, {})}
+    return int(over.pop("splits")), over
 
 
 def _check_stacks(w_gate, w_up, w_down):
@@ -111,9 +243,27 @@ def _check_stacks(w_gate, w_up, w_down):
         raise ValueError(f"moe_experts: down stack {tuple(w_down.shape)} != {(E, hidden, inter)}")
 
 
+def _combine(y, ids, expert_offset, num_experts, out, lib):
+    """out[t] = sum over splits s and slots j of y[s, t*k + j] for the locally held routes (the others
+    were never written): one moe_combine launch, a fixed order."""
+    T, k = ids.shape
+    ids = ids if ids.stride(-1) == 1 else ids.contiguous()
+    ctx = MoeCombineCtx.make(out.shape[1], k)
+    lib(ctx)[(T, -(-out.shape[1] // ctx.block))](y, y.stride(1), y.stride(0), ids, ids.stride(0), out, out.stride(0),
+                                                y.shape[0], num_experts, expert_offset, num_warps=ctx.num_warps)
+    return out
+
+
+def _partials(splits, rows, cols, device):
+    """fp32 [splits, rows, cols] split-K partials; rows rounded up to 16 so the split stride stays a
+    multiple of 16 (one specialisation class for every row count)."""
+    return torch.empty(splits, -(-rows // 16) * 16, cols, dtype=torch.float32, device=device)
+
+
 def moe_experts(x, ids, weights, w_gate, w_up, w_down, expert_offset=0, tiles=None, lib: KernelLibrary = JIT):
     """torch_ref.moe_experts on Triton: -> fp32 [T, H]. `tiles` = {"gate_up": {...}, "down": {...},
-    "block_m": int} overrides MoeExpertsCtx.make's tile choices (the benchmark sweeps them)."""
+    "block_m": int} overrides `moe_launch`'s splits ("splits") and MoeExpertsCtx.make's tile choices
+    (block_n, block_k, num_warps, num_stages) per stage (bench/moe_sweep.py sweeps them)."""
     _check_stacks(w_gate, w_up, w_down)
     T, k = ids.shape
     E, inter, hidden = w_gate.shape
@@ -122,37 +272,42 @@ def moe_experts(x, ids, weights, w_gate, w_up, w_down, expert_offset=0, tiles=No
     out = torch.empty(T, hidden, dtype=torch.float32, device=x.device)
     if not T:
         return out
-    bm = tiles.get("block_m") or block_m_for(n, E)
-    sorted_rows, block_expert = align_rows(ids, E, bm, expert_offset)
+    launch = moe_launch(n, E, hidden, inter, _num_sms(x.device), block_m=tiles.get("block_m"))
+    bm = launch["block_m"]
+    sorted_rows, block_expert = align_rows(ids, E, bm, expert_offset, lib)
     nb = block_expert.shape[0]
     x = x if x.stride(-1) == 1 else x.contiguous()
     h = torch.empty(nb * bm, inter, dtype=x.dtype, device=x.device)
-    up = MoeExpertsCtx.make(False, hidden, inter, k, w_gate.dtype, bm, **tiles.get("gate_up", {}))
-    lib(up)[(nb, -(-inter // up.block_n))](
-        x, x.stride(0), w_gate, *w_gate.stride(), w_up, h, h.stride(0), sorted_rows, block_expert, n,
-        num_warps=up.num_warps, num_stages=up.num_stages)
-    y = torch.empty(n, hidden, dtype=torch.float32, device=x.device)
-    dn = MoeExpertsCtx.make(True, inter, hidden, k, w_down.dtype, bm, **tiles.get("down", {}))
-    lib(dn)[(nb, -(-hidden // dn.block_n))](
-        h, h.stride(0), w_down, *w_down.stride(), weights.reshape(-1).float().contiguous(), y, y.stride(0),
-        sorted_rows, block_expert, n, num_warps=dn.num_warps, num_stages=dn.num_stages)
-    local = ((ids >= expert_offset) & (ids < expert_offset + E)).view(T, k, 1)
-    torch.sum(torch.where(local, y.view(T, k, hidden), 0.0), dim=1, out=out)
-    return out
+    s1, over = _stage_tiles(launch, tiles, "gate_up")
+    up = MoeExpertsCtx.make(False, hidden, inter, k, w_gate.dtype, bm, s1 > 1, **over)
+    part = _partials(s1, nb * bm, 2 * inter, x.device) if s1 > 1 else h
+    lib(up)[(nb, -(-inter // up.block_n), s1)](
+        x, x.stride(0), w_gate, *w_gate.stride(), w_up, part, part.stride(-2), part.stride(0), sorted_rows,
+        block_expert, n, s1, num_warps=up.num_warps, num_stages=up.num_stages)
+    if s1 > 1:
+        red = MoeSwigluReduceCtx.make(inter, bm, x.dtype, fp8=False)
+        lib(red)[(nb, -(-inter // red.block_n))](part, part.stride(1), part.stride(0), h, h.stride(0), sorted_rows,
+                                                 block_expert, n, s1, num_warps=red.num_warps)
+    s2, over = _stage_tiles(launch, tiles, "down")
+    dn = MoeExpertsCtx.make(True, inter, hidden, k, w_down.dtype, bm, s2 > 1, **over)
+    y = _partials(s2, n, hidden, x.device)
+    lib(dn)[(nb, -(-hidden // dn.block_n), s2)](
+        h, h.stride(0), w_down, *w_down.stride(), weights.reshape(-1).float().contiguous(), y, y.stride(1),
+        y.stride(0), sorted_rows, block_expert, n, s2, num_warps=dn.num_warps, num_stages=dn.num_stages)
+    return _combine(y, ids, expert_offset, E, out, lib)
 
 
 # ----------------------------------------------------------------------------- FP8 experts
-_ACT = {torch.float32: "tl.float32", torch.bfloat16: "tl.bfloat16", torch.float16: "tl.float16"}
-
-
 @dataclass(frozen=True)
 class MoeExpertsFp8Ctx:
-    """moe_experts_fp8.py.j2: one (row block, output tile) per program over block-FP8 expert stacks.
-    K runs in 128-wide blocks (one weight scale per block); an output tile lies inside one 128-row
-    scale block (block_n divides 128), and the gate/up stage's tile is one whole 128-column group
-    of h (its quantisation for the down stage is fused there)."""
+    """moe_experts_fp8.py.j2: one (row block, output tile[, K split]) per program over block-FP8 expert
+    stacks. K runs in 128-wide blocks (one weight scale per block); an output tile lies inside one
+    128-row scale block (block_n divides 128). The unsplit gate/up stage's tile is one whole 128-column
+    group of h (its quantisation for the down stage is fused there); split, that moves to the reduction
+    and the tile may be narrower."""
     template: ClassVar[str] = "moe_experts_fp8"
     down: bool
+    split: bool
     n_in: int
     n_out: int
     top_k: int
@@ -164,26 +319,36 @@ class MoeExpertsFp8Ctx:
     num_stages: int
 
     @classmethod
-    def make(cls, down, n_in, n_out, top_k, dtype, block_m):
-        if down:
-            block_n = min(64 if block_m <= 16 else 128, max(16, next_pow2(n_out)))
-        else:                   # one quantisation group of h per tile
-            block_n = 128 if n_out >= 128 else max(16, next_pow2(n_out))
-        num_warps = 4 if block_m * block_n <= 16 * 128 else 8
-        return cls(bool(down), int(n_in), int(n_out), int(top_k), int(block_m), block_n, -(-int(n_in) // 128),
-                   _ACT[dtype], num_warps, 3)
+    def make(cls, down, n_in, n_out, top_k, dtype, block_m, split=False, block_n=None, num_warps=None,
+             num_stages=None):
+        if not down and not split:   # one quantisation group of h per tile
+            fixed = 128 if n_out >= 128 else max(16, next_pow2(n_out))
+            if block_n not in (None, fixed):
+                raise ValueError(f"MoeExpertsFp8Ctx: the unsplit gate/up stage's block_n is one 128-column "
+                                 f"group of h ({fixed}), not {block_n}")
+            block_n = fixed
+        block_n = block_n or min(64 if block_m <= 16 else 128, max(16, next_pow2(n_out)))
+        if 128 % block_n:
+            raise ValueError(f"MoeExpertsFp8Ctx: block_n {block_n} must divide the 128-row scale block")
+        num_warps = num_warps or (4 if block_m * block_n <= 16 * 128 else 8)
+        return cls(bool(down), bool(split), int(n_in), int(n_out), int(top_k), int(block_m), int(block_n),
+                   -(-int(n_in) // 128), _ACT[dtype], num_warps, num_stages or 3)
 
     @classmethod
-    def variants(cls, hidden, inter, top_k, dtype) -> list["MoeExpertsFp8Ctx"]:
-        """Both stages at every row-block class: every context `moe_experts_fp8` makes."""
-        return [cls.make(down, *((inter, hidden) if down else (hidden, inter)), top_k, dtype, bm)
-                for bm in BLOCK_MS for down in (False, True)]
+    def variants(cls, hidden, inter, top_k, dtype) -> list:
+        """Every context `moe_experts_fp8` makes without tile overrides (as `MoeExpertsCtx.variants`)."""
+        stages = [cls.make(down, *((inter, hidden) if down else (hidden, inter)), top_k, dtype, bm, split)
+                  for bm in BLOCK_MS for split in ((False, True) if bm == SPLIT_BLOCK_M else (False,))
+                  for down in (False, True)]
+        return stages + [MoeSwigluReduceCtx.make(inter, SPLIT_BLOCK_M, dtype, fp8=True)] + glue_variants(hidden, top_k)
 
 
-def moe_experts_fp8(x, ids, weights, w_gate, w_up, w_down, expert_offset=0, lib: KernelLibrary = JIT):
+def moe_experts_fp8(x, ids, weights, w_gate, w_up, w_down, expert_offset=0, tiles=None,
+                    lib: KernelLibrary = JIT):
     """`moe_experts` on block-FP8 expert stacks (`fp8_ref.Fp8Weight` [E, out, in]): x quantised per
-    token per 128 columns, h quantised in the gate/up kernel, fp32 accumulation; -> fp32 [T, H]
-    (reference: `fp8_ref.moe_experts_fp8`)."""
+    token per 128 columns, h quantised in the gate/up kernel (or, split K, in the reduction), fp32
+    accumulation; -> fp32 [T, H] (reference: `fp8_ref.moe_experts_fp8`). `tiles` as `moe_experts`'
+    (per stage: splits, block_n, num_warps, num_stages; K steps are the 128-wide scale blocks)."""
     from glmc.codegen.triton_fp8 import quantize_tokens
     if w_gate.shape != w_up.shape or tuple(w_down.shape) != (w_gate.shape[0], w_gate.shape[2], w_gate.shape[1]):
         raise ValueError(f"moe_experts_fp8: gate {tuple(w_gate.shape)}, up {tuple(w_up.shape)}, "
@@ -193,29 +358,38 @@ def moe_experts_fp8(x, ids, weights, w_gate, w_up, w_down, expert_offset=0, lib:
                          f"{w_down.q.stride()} must be row-major with equal gate/up strides")
     T, k = ids.shape
     E, inter, hidden = w_gate.shape
+    tiles = tiles or {}
     n = T * k
     out = torch.empty(T, hidden, dtype=torch.float32, device=x.device)
     if not T:
         return out
-    bm = block_m_for(n, E)
-    sorted_rows, block_expert = align_rows(ids, E, bm, expert_offset)
+    launch = moe_launch(n, E, hidden, inter, _num_sms(x.device), fp8=True, block_m=tiles.get("block_m"))
+    bm = launch["block_m"]
+    sorted_rows, block_expert = align_rows(ids, E, bm, expert_offset, lib)
     nb = block_expert.shape[0]
     xq, xs = quantize_tokens(x, lib)
-    up = MoeExpertsFp8Ctx.make(False, hidden, inter, k, x.dtype, bm)
     hq = torch.empty(nb * bm, inter, dtype=torch.float8_e4m3fn, device=x.device)
     hs = torch.empty(nb * bm, -(-inter // 128), dtype=torch.float32, device=x.device)
     gq, gs = w_gate.q, w_gate.scale_inv
-    lib(up)[(nb, -(-inter // up.block_n))](
+    s1, over = _stage_tiles(launch, tiles, "gate_up")
+    up = MoeExpertsFp8Ctx.make(False, hidden, inter, k, x.dtype, bm, s1 > 1, **over)
+    part = _partials(s1, nb * bm, 2 * inter, x.device) if s1 > 1 else None
+    outs = (part, part.stride(1), part.stride(0)) if s1 > 1 else (hq, hq.stride(0), hs, hs.stride(0))
+    lib(up)[(nb, -(-inter // up.block_n), s1)](
         xq, xq.stride(0), xs, xs.stride(0), gq, gq.stride(0), gq.stride(1), gs, gs.stride(0), gs.stride(1),
-        w_up.q, w_up.scale_inv, hq, hq.stride(0), hs, hs.stride(0), sorted_rows, block_expert, n,
+        w_up.q, w_up.scale_inv, *outs, sorted_rows, block_expert, n, s1,
         num_warps=up.num_warps, num_stages=up.num_stages)
-    y = torch.empty(n, hidden, dtype=torch.float32, device=x.device)
-    dn = MoeExpertsFp8Ctx.make(True, inter, hidden, k, x.dtype, bm)
+    if s1 > 1:
+        red = MoeSwigluReduceCtx.make(inter, bm, x.dtype, fp8=True)
+        lib(red)[(nb, -(-inter // red.block_n))](part, part.stride(1), part.stride(0), hq, hq.stride(0), hs,
+                                                 hs.stride(0), sorted_rows, block_expert, n, s1,
+                                                 num_warps=red.num_warps)
+    s2, over = _stage_tiles(launch, tiles, "down")
+    dn = MoeExpertsFp8Ctx.make(True, inter, hidden, k, x.dtype, bm, s2 > 1, **over)
+    y = _partials(s2, n, hidden, x.device)
     dq, ds = w_down.q, w_down.scale_inv
-    lib(dn)[(nb, -(-hidden // dn.block_n))](
+    lib(dn)[(nb, -(-hidden // dn.block_n), s2)](
         hq, hq.stride(0), hs, hs.stride(0), dq, dq.stride(0), dq.stride(1), ds, ds.stride(0), ds.stride(1),
-        weights.reshape(-1).float().contiguous(), y, y.stride(0), sorted_rows, block_expert, n,
+        weights.reshape(-1).float().contiguous(), y, y.stride(1), y.stride(0), sorted_rows, block_expert, n, s2,
         num_warps=dn.num_warps, num_stages=dn.num_stages)
-    local = ((ids >= expert_offset) & (ids < expert_offset + E)).view(T, k, 1)
-    torch.sum(torch.where(local, y.view(T, k, hidden), 0.0), dim=1, out=out)
-    return out
+    return _combine(y, ids, expert_offset, E, out, lib)
