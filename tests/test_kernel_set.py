@@ -31,7 +31,7 @@ def test_glm53_kernel_set_is_small_and_fits_the_rank(parallel, heads, head_block
     FP8 experts and GEMMs at the rank's widths (A-projection: q_a | kv_a joined, wk alone, as their
     128-row scale blocks allow)."""
     kernels = plan_kernels(compiled("glm_moe_dsa", parallel, device="cuda"))
-    assert 15 <= len(kernels) <= 60
+    assert 15 <= len(kernels) <= 80   # 3 FP8 GEMM row classes per weight shape, MoE split forms
     attn = [c for c in kernels.values() if c.template == "sparse_mla_decode"]
     assert {c.num_heads for c in attn} == {heads} and {c.topk for c in attn} == {2048}
     assert not any(c.key_major for c in attn) and {c.block_h for c in attn} == head_blocks

@@ -14,8 +14,10 @@ to finish, then are aborted; a second signal exits at once.
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import socket
+import sys
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
