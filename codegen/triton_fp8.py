@@ -29,11 +29,14 @@ from glmc.codegen.triton_render import JIT, KernelLibrary, _num_sms, next_pow2
 
 # ----------------------------------------------------------------------------- defaults (set from the sweep)
 # Row classes: (largest row count of the class, its tiles (block_m, block_n, num_warps, num_stages)).
-# Decode rows take 16-row tiles (the smallest tensor-core M); prefill rows 128 x 128 tiles (one weight
-# scale block per tile: one scale load per K block). The bounds are 16 and 2^n - 1 because
+# Decode rows take 16-row tiles (the smallest tensor-core M); tiles 128 wide meet one weight scale block
+# per K block (one scale load). The bounds are 16 and 2^n - 1 because
 # startup.warm_lengths launches 1, 17 and 2^n tokens: every class is compiled before serving.
-TILE_CLASSES = ((16, (16, 64, 4, 3)), (255, (64, 64, 4, 3)), (None, (128, 128, 8, 3)))
-SPLIT_MIN_WAVES = 2        # split K while the output tiles fill fewer than this many waves of SMs ...
+# Set from bench/fp8_gemm_sweep.py on the H200 (2026-12-01): decode 16 x 128 tiles (best single config at
+# M = 1, 151 vs 160 us over the layer's GEMMs) split to ~3 waves (o_proj 29 vs 34 us); prefill 64 x 128,
+# 4 warps, 4 stages (4519 vs 5009 us over the prefill shapes; 0.62-0.69x torch._scaled_mm).
+TILE_CLASSES = ((16, (16, 128, 4, 3)), (255, (64, 64, 4, 3)), (None, (64, 128, 4, 4)))
+SPLIT_MIN_WAVES = 3        # split K while the output tiles fill fewer than this many waves of SMs ...
 SPLIT_MIN_K_BLOCKS = 2     # ... into splits of at least this many 128-wide K blocks
 MAX_SPLITS = 64            # a bound on the fp32 workspace and the reduction's reads
 GROUP_M = 8                # tile rows that walk the weight columns together (L2 reuse at prefill)

@@ -67,11 +67,14 @@ class MoeExpertsCtx:
     def variants(cls, hidden, inter, top_k, dtype) -> list:
         """Every context `moe_experts` makes without tile overrides: both stages at every row-block class
         (`BLOCK_MS`), their split-K forms at the decode class (`SPLIT_BLOCK_M`, the only one `moe_launch`
-        splits), the split gate/up stage's reduction, the one-program sort and the combine."""
+        splits) with the split gate/up stage's reduction where bf16 experts split (`SPLIT_DTYPES`), the
+        one-program sort and the combine."""
+        splits = "bf16" in SPLIT_DTYPES
         stages = [cls.make(down, *((inter, hidden) if down else (hidden, inter)), top_k, dtype, bm, split)
-                  for bm in BLOCK_MS for split in ((False, True) if bm == SPLIT_BLOCK_M else (False,))
+                  for bm in BLOCK_MS for split in ((False, True) if bm == SPLIT_BLOCK_M and splits else (False,))
                   for down in (False, True)]
-        return stages + [MoeSwigluReduceCtx.make(inter, SPLIT_BLOCK_M, dtype, fp8=False)] + glue_variants(hidden, top_k)
+        reduce = [MoeSwigluReduceCtx.make(inter, SPLIT_BLOCK_M, dtype, fp8=False)] if splits else []
+        return stages + reduce + glue_variants(hidden, top_k)
 
 
 @dataclass(frozen=True)
@@ -191,7 +194,11 @@ def align_rows(ids, num_experts, block_m, expert_offset=0, lib: KernelLibrary | 
 # ----------------------------------------------------------------------------- launch choice
 # Split-K thresholds: the lead sets them from bench/moe_sweep.py's table (T = 1 .. 128 on an H200).
 SPLIT_BLOCK_M = 16           # only the decode row-block class splits (its split forms are in the variants)
-SPLIT_PROGRAMS_PER_SM = 4    # a stage splits K while its grid has fewer programs than this per SM ...
+# Measured on the H200 (bench/moe_sweep.py, 2026-12-01, GLM-5.3 experts at T = 1): bf16 ran best unsplit
+# (155 us vs 178 with gate/up split 4 ways), FP8 with gate/up split 2 ways (100 us vs 104 at 4); so
+# only FP8 stages split, and only below 2 programs per SM.
+SPLIT_DTYPES = ("fp8",)
+SPLIT_PROGRAMS_PER_SM = 2    # a stage splits K while its grid has fewer programs than this per SM ...
 SPLIT_MIN_K = 512            # ... and every split keeps at least this many columns of K ...
 SPLIT_MAX = 8                # ... up to this many splits (a power of two)
 
@@ -214,8 +221,9 @@ def moe_launch(rows: int, experts: int, hidden: int, inter: int, num_sms: int, f
     Pure in its arguments. Programs are counted over the row blocks that surely have work,
     max(cdiv(rows, BM), min(experts, rows)), times the stage's output tiles (the split form's tile:
     the FP8 gate/up stage's is narrower than its unsplit one-quantisation-group tile). Only the decode
-    class BM = SPLIT_BLOCK_M splits. GLM-5.3 on 132 SMs: T = 1 (8 rows) splits gate/up 4 ways
-    (8 x 32 tiles x 4 = 1024 programs of 1536 K), down not (8 x 96 = 768); T = 2 splits gate/up 2 ways.
+    class BM = SPLIT_BLOCK_M of a dtype in SPLIT_DTYPES splits. GLM-5.3 FP8 on 132 SMs: T = 1 (8 rows)
+    splits gate/up 2 ways (8 x 32 tiles x 2 = 512 programs of 3072 K), down not (8 x 96 = 768); T >= 2
+    and bf16 do not split.
     """
     ctx_cls = MoeExpertsFp8Ctx if fp8 else MoeExpertsCtx
     bm = block_m or block_m_for(rows, experts)
@@ -223,7 +231,8 @@ def moe_launch(rows: int, experts: int, hidden: int, inter: int, num_sms: int, f
     launch: dict = {"block_m": bm}
     for stage, down, n_in, n_out in (("gate_up", False, hidden, inter), ("down", True, inter, hidden)):
         tile = ctx_cls.make(down, n_in, n_out, 1, torch.bfloat16, bm, split=True)
-        splits = num_splits_for(busy_blocks * -(-n_out // tile.block_n), n_in, num_sms) if bm == SPLIT_BLOCK_M else 1
+        splits = (num_splits_for(busy_blocks * -(-n_out // tile.block_n), n_in, num_sms)
+                  if bm == SPLIT_BLOCK_M and ("fp8" if fp8 else "bf16") in SPLIT_DTYPES else 1)
         launch[stage] = {"splits": splits}
     return launch
 

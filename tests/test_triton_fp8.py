@@ -88,12 +88,13 @@ def test_split_reduction_adds_every_split_in_order():
 
 
 def test_default_splits_fill_the_gpu_and_stop_when_tiles_do():
-    """default_config on an H200's 132 SMs: the indexer's wk at decode (2 tiles, 48 K blocks) splits
-    into 2-block ranges; q_b at M = 1 (256 tiles, one wave) splits in two; a full prefill does not."""
-    assert tf.default_config(1, 128, 6144, 132) == dict(block_m=16, block_n=64, num_warps=4, num_stages=3, splits=24)
-    assert tf.default_config(1, 16384, 2048, 132)["splits"] == 2
+    """default_config on an H200's 132 SMs: the indexer's wk at decode (1 tile, 48 K blocks) splits
+    into 2-block ranges; q_b at M = 1 (128 tiles, about one wave) splits to ~3 waves; a full prefill
+    does not split."""
+    assert tf.default_config(1, 128, 6144, 132) == dict(block_m=16, block_n=128, num_warps=4, num_stages=3, splits=24)
+    assert tf.default_config(1, 16384, 2048, 132)["splits"] == 4
     assert tf.default_config(128, 24576, 6144, 132)["splits"] == 1
-    assert tf.default_config(4096, 6144, 16384, 132) == dict(block_m=128, block_n=128, num_warps=8, num_stages=3,
+    assert tf.default_config(4096, 6144, 16384, 132) == dict(block_m=64, block_n=128, num_warps=4, num_stages=4,
                                                             splits=1)
     assert tf.default_config(1, 128, 128, 132)["splits"] == 1        # one K block: nothing to split
 
@@ -154,10 +155,10 @@ def test_weight_quantisation_round_trips_the_checkpoint_convention():
 def test_sources_are_specialised():
     ctx = tf.Fp8BlockGemmCtx.make(6144, 2048, 1)
     check(render(ctx.template, ctx), "tl.arange(0, 16)", "tl.minimum(kb0 + split_blocks, 16)",
-          "a = tl.load(a_ptrs + kb * 128, mask=mm[:, None]", "tl.dot(a, tl.trans(b))", "(pid_n * 64 // 128)",
+          "a = tl.load(a_ptrs + kb * 128, mask=mm[:, None]", "tl.dot(a, tl.trans(b))", "(pid_n * 128 // 128)",
           "if splits == 1:", "part_ptr + rows[:, None] * 6144")
-    assert [(c.block_m, c.block_n) for c in tf.Fp8BlockGemmCtx.variants(6144, 2048)[:-1]] == [(16, 64), (64, 64),
-                                                                                                (128, 128)]
+    assert [(c.block_m, c.block_n) for c in tf.Fp8BlockGemmCtx.variants(6144, 2048)[:-1]] == [(16, 128), (64, 64),
+                                                                                                (64, 128)]
     wide = tf.Fp8BlockGemmCtx.make(6144, 300, 4096, block_n=256)
     check(render(wide.template, wide), "km = kb * 128 + rk < 300", "(rn // 128) * ws_stride")
     check(render("fp8_split_reduce", tf.Fp8SplitReduceCtx.make()), "for s in range(0, splits)",
