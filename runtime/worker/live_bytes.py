@@ -3,9 +3,10 @@
 `LiveBytes()` is a `TorchDispatchMode`: while it is active, every aten op's outputs whose storage is
 new (not the storage of one of the op's inputs, not already counted) are counted at their storage's
 bytes until the storage dies (a weakref finalizer), so views count once and a tensor held past the
-region stays counted. It keeps the running total (`live`), its maximum (`peak`) and, in
-`allocator=True` mode, each storage rounded up as the CUDA caching allocator rounds a block (512
-bytes). Allocations inside an aten kernel (cuBLAS or sort workspaces) and by Triton kernels
+region stays counted. It keeps the running total (`live`), its maximum (`peak`); in
+`allocator=True` mode each storage is rounded up as the CUDA caching allocator rounds a block (512
+bytes); `device="cuda"` counts only storages on that device type (not the pinned host buffers a
+GPU step stages its inputs through). Allocations inside an aten kernel (cuBLAS or sort workspaces) and by Triton kernels
 themselves are not tensors and are not seen; under TRITON_INTERPRET=1 the interpreter's host copies
 of a CPU tensor are the tensor itself (no new storage). The interpreter does keep every launch's
 argument storages in reference cycles (its recursive `_to_cpu` / `_from_cpu` closures over a dict
@@ -55,9 +56,9 @@ class Region:
 
 
 class LiveBytes(TorchDispatchMode):
-    def __init__(self, allocator: bool = False):
+    def __init__(self, allocator: bool = False, device: str | None = None):
         super().__init__()
-        self.allocator = allocator
+        self.allocator, self.device = allocator, device
         self.live = self.peak = 0
         self.regions: list[Region] = []
         self._counted: dict[int, int] = {}    # id(storage) -> bytes counted
@@ -75,6 +76,8 @@ class LiveBytes(TorchDispatchMode):
     def _count(self, storage, inputs: set) -> None:
         key, nbytes = id(storage), storage.nbytes()
         if key in inputs or key in self._counted or not nbytes:
+            return
+        if self.device is not None and storage.device.type != self.device:
             return
         nbytes = allocator_bytes(nbytes) if self.allocator else nbytes
         self._counted[key] = nbytes
@@ -151,7 +154,8 @@ def traced_ops(runner, tracker: LiveBytes):
 
 
 def measure(runner, call) -> LiveBytes:
-    """`call()` (a forward of `runner`) under a fresh `LiveBytes` with the runner's ops traced."""
-    with LiveBytes() as mem, traced_ops(runner, mem):
+    """`call()` (a forward of `runner`) under a fresh `LiveBytes` counting the runner's device
+    (its KV pool's), with the runner's ops traced."""
+    with LiveBytes(device=runner.pool.device.type) as mem, traced_ops(runner, mem):
         call()
     return mem
