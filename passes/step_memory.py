@@ -83,6 +83,8 @@ def _outputs(graph: Graph) -> set[str]:
 
 def step_memory(graph: Graph, target: Target, cfg, mode: str = "eager", rounding: int = 1,
                 free_dead: bool = False) -> StepMemory:
+    """One step of `graph` at `target` in `mode` (module docstring); `rounding` 512 books each
+    allocation as the CUDA caching allocator's block, 1 counts tensor bytes (the CPU measurement)."""
     arena = Arena(rounding)
     step = Step(arena, target, graph, cfg, {})
     step.feeds = prologue(arena, target, mode)
