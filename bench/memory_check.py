@@ -1,6 +1,6 @@
-"""What a rank's GPU runner allocates against what `glmc explain` says it will (issue 10, item 5).
+"""What a rank's GPU runner allocates against what `glmc explain` says it will (issue 10 item 5, issue 15 item 4).
 
-    python bench/memory_check.py --out-dir $OUT      # the H200: GLM-5.3-width slice, FP8 weights + FP8 KV
+    bash bench/with_wheels.sh python3 bench/memory_check.py --out-dir $OUT   # the H200: GLM-5.3-width slice
     python bench/memory_check.py --cpu --out-dir /tmp  # CPU smoke: narrow widths, no graphs (TRITON_INTERPRET=1)
 
 The slice is bench/gpu_plan_check.py's (2 layers at GLM-5.3 width: a dense layer, a 256-expert MoE layer,
@@ -14,12 +14,19 @@ FP8 (656- and 132-byte rows). Fields, each measured and as explain (`glmc.explai
 - tables: the runner's req_to_token copy and last-token vector (not in explain: (max_running + 1) x
   (max_context + 1) int64, from the runner's own sizes);
 - on the GPU also: allocated_vs_held (torch.cuda.memory_allocated after load and the first steps
-  against the sum above: a miss is memory held outside the census), prefill_workspace and
-  decode_workspace (max_memory_allocated above the held bytes during a prefill of max_running prompts
-  of ctx / 2 tokens and one eager decode of all of them, against the plan's indexer workspace and
-  graph_bytes of the largest bucket), graphs (memory_allocated growth over capturing every decode
-  bucket, one shared pool, against graph_bytes of the largest bucket).
-Each compared field passes within 5%. The JSON (memory_check.json under --out-dir) has every number.
+  against the sum above: a miss is memory held outside the census); the step workspaces against
+  explain's model of them (`glmc.explain.workspace_memory`, passes/step_memory.py) at the steps run:
+  prefill_workspace (max_memory_allocated above the call's start over the prefill forwards of
+  max_running prompts of ctx / 2 tokens, 8192 tokens per forward: the plan's largest chunk; the
+  first forward is left out, as it also makes the op table's weight copies) against
+  prefill_workspace_bytes at that chunk, decode_workspace (one eager decode of all of them) against
+  decode_workspace_bytes of the largest bucket, graphs (memory_allocated growth over capturing every
+  decode bucket) against graph_pool_bytes; graph_pool_reserved (the private pool's segments after
+  capture, from torch.cuda.memory_snapshot) against the model's lower bound is reported, not judged.
+- attribution (GPU and --cpu): one prefill forward and one eager decode under
+  `runtime/worker/live_bytes.LiveBytes` (tensor storages per op, as the model counts them), each op's
+  peak against the model's: `ops_off` lists the ops that differ by more than 1%.
+Each judged field passes within 5%. The JSON (memory_check.json under --out-dir) has every number.
 `runner_bytes` is also the held-bytes census tests/test_memory_accounting.py uses on the CPU.
 """
 from __future__ import annotations
@@ -29,6 +36,7 @@ import json
 import os
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -120,78 +128,147 @@ def build(cpu: bool, max_reqs: int, ctx: int):
     return plan, runner, torch.cuda.memory_allocated() - before
 
 
-def first_steps(runner, max_reqs: int, ctx: int, between=lambda phase: None):
-    """Prefill max_reqs prompts of ctx // 2 tokens, then one eager decode step of all of them (the
-    op table makes its re-laid-out copies on first use); `between(phase)` runs before each."""
+def prompts_and_table(runner, max_reqs: int, ctx: int):
+    """max_reqs random prompts of ctx // 2 tokens and their req_to_token table; the forward group
+    (requests per prefill forward: 8192 tokens, the plan's largest chunk)."""
     import torch
-    c = runner.config
     table = pc.req_table(max_reqs, -(-ctx // 64))
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, c.vocab_size, (ctx // 2,), generator=g).tolist() for _ in range(max_reqs)]
-    between("prefill")
-    pc.prefill(runner, prompts, table, group=max(1, 8192 // (ctx // 2)))
-    between("decode")
+    prompts = [torch.randint(0, runner.config.vocab_size, (ctx // 2,), generator=g).tolist() for _ in range(max_reqs)]
+    return prompts, table, max(1, 8192 // (ctx // 2))
+
+
+def first_steps(runner, max_reqs: int, ctx: int):
+    """Prefill max_reqs prompts of ctx // 2 tokens, then one eager decode step of all of them (the
+    op table makes its re-laid-out copies on first use)."""
+    prompts, table, group = prompts_and_table(runner, max_reqs, ctx)
+    pc.prefill(runner, prompts, table, group=group)
     runner.forward("decode", pc.decode_batch([p + [1] for p in prompts], table))
-    between("end")
 
 
-def _field(measured, explained, note) -> dict:
+def _field(measured, explained, note, judged=True) -> dict:
     ratio = measured / explained if explained else None
-    return {"measured": measured, "explain": explained, "ratio": ratio,
-            "pass": ratio is not None and abs(ratio - 1) <= TOLERANCE, "note": note}
+    ok = ratio is not None and abs(ratio - 1) <= TOLERANCE
+    return {"measured": measured, "explain": explained, "ratio": ratio, "pass": ok if judged else None, "note": note}
 
 
-def gpu_phases() -> tuple[dict, callable]:
-    """`first_steps` with the allocator read around each phase: -> (numbers, the `between` hook)."""
+@contextmanager
+def call_peaks(runner, calls: list):
+    """Each `runner.forward` inside the block appends {phase, tokens, requests, peak_above_start}
+    (torch.cuda's max_memory_allocated above memory_allocated at the call's start) to `calls`."""
     import torch
-    got, state = {}, {}
+    forward = runner.forward
 
-    def between(phase):
+    def measured(phase, batch, *args, **kwargs):
         torch.cuda.synchronize()
-        now = torch.cuda.memory_allocated()
-        if "phase" in state:   # the phase that just ended: its peak above what it started with
-            got[f"{state['phase']}_peak_above_start"] = torch.cuda.max_memory_allocated() - state["start"]
+        start = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-        state.update(phase=phase, start=now)
-    return got, between
+        out = forward(phase, batch, *args, **kwargs)
+        torch.cuda.synchronize()
+        calls.append({"phase": phase, "tokens": batch.num_tokens, "requests": batch.batch_size,
+                      "peak_above_start": torch.cuda.max_memory_allocated() - start})
+        return out
+    runner.forward = measured
+    try:
+        yield calls
+    finally:
+        del runner.forward
 
 
+def pool_segments() -> dict:
+    """Bytes of the CUDA graph pools' segments (every pool but the default one) and of their live blocks."""
+    import torch
+    segs = [s for s in torch.cuda.memory_snapshot() if tuple(s.get("segment_pool_id", (0, 0))) != (0, 0)]
+    return {"reserved": sum(s["total_size"] for s in segs), "allocated": sum(s["allocated_size"] for s in segs)}
+
+
+def model_step(plan, phase: str, tokens: int, requests: int, max_len: int, mode: str, cpu: bool):
+    """The plan-memory model's step (`passes/step_memory.py`) at a point; on the CPU unrounded, with
+    the interpreter's stand-in SM count (triton_render._num_sms)."""
+    from glmc.passes.plan_memory import BLOCK_BYTES, target_of
+    from glmc.passes.step_memory import step_memory
+    target = target_of(plan.dtypes, tokens, requests, max_len, **({"num_sms": 2} if cpu else {}))
+    return step_memory(plan.graphs[phase], target, plan.config, mode, 1 if cpu else BLOCK_BYTES)
+
+
+def attribute(plan, runner, max_reqs: int, ctx: int, cpu: bool) -> dict:
+    """One prefill forward (one group) and one eager decode of max_reqs under LiveBytes, per op
+    against the model: {phase: {measured, model, ops_off: [(op, measured peak, model peak)]}}."""
+    from glmc.runtime.worker.live_bytes import measure
+    from glmc.runtime.worker.forward_batch import ForwardBatch
+    prompts, table, group = prompts_and_table(runner, max_reqs, ctx)
+    batches = {"prefill": ForwardBatch.build("extend", prompts[:group], list(range(len(prompts[:group]))),
+                                             [0] * len(prompts[:group]), table),
+               "decode": pc.decode_batch([p + [1] for p in prompts], table)}
+    out = {}
+    for phase, batch in batches.items():
+        mem = measure(runner, lambda: runner.forward(phase, batch))
+        max_len = int(batch.seq_lens.max()) if phase == "prefill" else runner.max_context
+        m = model_step(plan, phase, batch.num_tokens, batch.batch_size, max_len,
+                       "prefill" if phase == "prefill" else "eager", cpu)
+        off = [(f"{r.op.kind} %{r.op.results[0]}", r.peak - r.start, p - s) for r, (_, s, p, _) in
+               zip(mem.regions, m.regions) if abs((r.peak - r.start) - (p - s)) > 0.01 * max(1, p - s)]
+        out[phase] = {"measured": mem.peak, "model": m.peak, "ops_off": off[:20]}
+    return out
+
+
+# ----------------------------------------------------------------------------- the run
 def run(cpu: bool, max_reqs: int, ctx: int) -> dict:
     import torch
     t0 = time.perf_counter()
     plan, runner, loaded = build(cpu, max_reqs, ctx)
-    gpu, between = ({}, lambda phase: None) if cpu else gpu_phases()
-    base = 0 if cpu else torch.cuda.memory_allocated()
-    first_steps(runner, max_reqs, ctx, between)
+    calls: list = []
+    if cpu:
+        first_steps(runner, max_reqs, ctx)
+    else:
+        base = torch.cuda.memory_allocated()
+        with call_peaks(runner, calls):
+            first_steps(runner, max_reqs, ctx)
     held = runner_bytes(runner)
     want = explain_bytes(plan, runner)
     res = {"fields": compare(held, want), "plan": {"weights": plan.weight_formats["linear_weights"],
                                                    "kv_cache": plan.dtypes.kv_cache, "buckets": runner.buckets}}
+    res["attribution"] = attribute(plan, runner, max_reqs, ctx, cpu)
+    gpu = {}
     if not cpu:
-        gpu["after_load"] = loaded
+        gpu["after_load"], gpu["calls"] = loaded, calls
         gpu["after_first_steps"] = torch.cuda.memory_allocated() - base + loaded
-        pre = torch.cuda.memory_allocated()
+        pre, pre_reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
         runner.capture()
         torch.cuda.synchronize()
         gpu["graphs"] = torch.cuda.memory_allocated() - pre
-        gpu["max_allocated_during_capture"] = torch.cuda.max_memory_allocated()
-        top = str(max(runner.buckets))
-        prefill_ws = plan.graphs["prefill"].meta["memory"]["indexer_workspace_bytes"]
-        f = res["fields"]
-        f["allocated_vs_held"] = _field(gpu["after_first_steps"], sum(held.values()),
-                                        "memory_allocated after load + first steps vs the runner's census "
-                                        "(explain side: the census; a miss = something held outside it)")
-        f["graphs"] = _field(gpu["graphs"], want["graphs"].get(top, 0),
-                             f"the decode graphs' pool (all buckets share it) vs explain's graph_bytes[{top}]")
-        f["decode_workspace"] = _field(gpu["decode_peak_above_start"],
-                                       want["graphs"].get(top, 0) + want["indexer_workspace"],
-                                       f"eager decode of {max_reqs}: peak above the held bytes vs explain's "
-                                       f"graph_bytes[{top}] + indexer_workspace_bytes")
-        f["prefill_workspace"] = _field(gpu["prefill_peak_above_start"], prefill_ws,
-                                        "prefill peak above the held bytes vs the prefill plan's indexer "
-                                        "workspace (explain has no prefill activation estimate)")
+        gpu["graphs_reserved"] = torch.cuda.memory_reserved() - pre_reserved
+        gpu["graph_pool_segments"] = pool_segments()
+        res["fields"].update(_gpu_fields(plan, gpu, held, want, max_reqs, ctx))
     res["gpu"], res["explain"], res["seconds"] = gpu, want, round(time.perf_counter() - t0, 1)
     return res
+
+
+def _gpu_fields(plan, gpu: dict, held: dict, want: dict, max_reqs: int, ctx: int) -> dict:
+    from glmc.explain import explain_plan
+    mem = explain_plan(plan, batch=1, context=ctx)["memory"]
+    top = str(max(int(b) for b in mem["decode_workspace_bytes"]))
+    pre = [c for c in gpu["calls"] if c["phase"] == "prefill"]
+    big = max(pre[1:] or pre, key=lambda c: c["peak_above_start"])
+    dec = next(c for c in gpu["calls"] if c["phase"] == "decode")
+    model_pre = model_step(plan, "prefill", big["tokens"], big["requests"], ctx // 2, "prefill", False).peak
+    return {
+        "allocated_vs_held": _field(gpu["after_first_steps"], sum(held.values()),
+                                    "memory_allocated after load + first steps vs the runner's census "
+                                    "(explain side: the census; a miss = something held outside it)"),
+        "graphs": _field(gpu["graphs"], mem["graph_pool_bytes"],
+                         "memory_allocated growth over capturing every decode bucket vs explain's graph_pool_bytes "
+                         "(graphs' outputs + static inputs + a cuBLAS workspace per stream)"),
+        "graph_pool_reserved": _field(gpu["graph_pool_segments"]["reserved"], mem["graph_pool"]["pool_reserved"],
+                                      "the graph pool's segments vs the model's lower bound (not judged)", False),
+        "decode_workspace": _field(dec["peak_above_start"], mem["decode_workspace_bytes"][top],
+                                   f"eager decode of {dec['requests']}: peak above the call's start vs explain's "
+                                   f"decode_workspace_bytes[{top}] (context {ctx})"),
+        "prefill_workspace": _field(big["peak_above_start"], model_pre,
+                                    f"prefill forward of {big['tokens']} tokens ({big['requests']} requests of "
+                                    f"{ctx // 2}): peak above the call's start vs the model at that point "
+                                    f"(explain's prefill_workspace_bytes at context {ctx // 2})"),
+    }
 
 
 def main():
@@ -214,9 +291,14 @@ def main():
     (out / "memory_check.json").write_text(json.dumps(res, indent=1, default=str))
     for name, f in res["fields"].items():
         ratio = f"{f['ratio']:.3f}" if isinstance(f["ratio"], float) else "-"
-        print(f"{name:18s} measured {f['measured'] / 2**20:10.2f} MiB  explain {f['explain'] / 2**20:10.2f} MiB"
-              f"  ratio {ratio:>6}  {'PASS' if f['pass'] else 'FAIL'}")
-    print("MEMORY CHECK:", " ".join(f"{n}={'PASS' if f['pass'] else 'FAIL'}" for n, f in res["fields"].items()))
+        verdict = {True: "PASS", False: "FAIL", None: "INFO"}[f["pass"]]
+        print(f"{name:20s} measured {f['measured'] / 2**20:10.2f} MiB  explain {f['explain'] / 2**20:10.2f} MiB"
+              f"  ratio {ratio:>6}  {verdict}")
+    for phase, a in res["attribution"].items():
+        print(f"attribution {phase}: LiveBytes peak {a['measured'] / 2**20:.2f} MiB, model "
+              f"{a['model'] / 2**20:.2f} MiB, ops off by > 1%: {a['ops_off'] or 'none'}")
+    judged = {n: f for n, f in res["fields"].items() if f["pass"] is not None}
+    print("MEMORY CHECK:", " ".join(f"{n}={'PASS' if f['pass'] else 'FAIL'}" for n, f in judged.items()))
     print(f"saved {out / 'memory_check.json'}")
 
 

@@ -3,12 +3,19 @@
 JSON keys (stable): `model`, `parallel`, `params` {total, mtp, active_per_token, per_rank},
 `memory` {weights_bytes_per_rank (each weight once, as the loader holds it: FP8 with its block
 scales), weight_copies_bytes_per_rank (cuda target: re-laid-out weights kept beside the originals),
-indexer_workspace_bytes, graph_bytes {bucket: bytes}, kv_bytes_per_token, kv_elements_per_token_per_layer, kv_dtype,
-index_dtype, kv_bytes_per_token_per_layer, index_bytes_per_token_per_layer (what the runtime's pool
-allocates per layer: 656 / 132 for fp8 caches), index_bytes_per_token, full_indexer_layers, shared_indexer_layers, hbm_bytes, kv_tokens_per_rank,
-max_context_at_batch}, `flops_per_token` {decode, executed_decode}, `comm` {prefill, decode}: each
-{point, per_step {kind: {count, message_bytes, wire_bytes}}, per_layer {layer: {kind: {count,
-message_bytes}}}}, `moe_lowering` {phase: decision}, `moe_alternatives` {gather, a2a: per_step},
+and what a step allocates above what the runner holds (cuda target, `workspace_memory`:
+decode_workspace_bytes {bucket: bytes} (one eager decode step's peak; graph_bytes: the same, its
+old name), graph_pool_bytes (what capturing every decode bucket keeps allocated) and graph_pool
+{outputs, inputs, workspaces, pool_reserved}, prefill_workspace_bytes at prefill_point {tokens,
+requests, max_len} (the plan's largest chunk at the context) with prefill_peak_op and
+prefill_workspace_if_freed_bytes (values freed at their last use instead: what-if),
+indexer_workspace_bytes (the indexer's scores and top-k buffers at that chunk), workspace_notes),
+kv_bytes_per_token, kv_elements_per_token_per_layer, kv_dtype, index_dtype,
+kv_bytes_per_token_per_layer, index_bytes_per_token_per_layer (what the runtime's pool allocates per
+layer: 656 / 132 for fp8 caches), index_bytes_per_token, full_indexer_layers, shared_indexer_layers,
+hbm_bytes, kv_tokens_per_rank, max_context_at_batch}, `flops_per_token` {decode, executed_decode},
+`comm` {prefill, decode}: each {point, per_step {kind: {count, message_bytes, wire_bytes}}, per_layer
+{layer: {kind: {count, message_bytes}}}}, `moe_lowering` {phase: decision}, `moe_alternatives` {gather, a2a: per_step},
 `ep_dispatch_bytes_per_token` (payload, top_k x hidden in the dispatch dtype),
 `fusions` {phase: {rule: count}}, `fused_ops` {phase: {fused op kind: [layer, ...]}} (-1:
 outside the decoder layers), `kernels` {kernels/<name>.py: the context it was rendered from} (cuda
@@ -25,6 +32,8 @@ from glmc.ir.types import DTYPE_BYTES
 from glmc.parallel import parse_parallel
 from glmc.passes.costs import params_of
 from glmc.passes.estimate_cost import bill
+from glmc.passes.plan_memory import BLOCK_BYTES, phase_workspaces, prefill_point
+from glmc.passes.step_memory import step_memory
 from glmc.passes.rewrite import FUSIONS
 from glmc.plan import Plan
 from glmc.predict import predict_plan
@@ -72,7 +81,7 @@ def explain_plan(plan: Plan, batch: int = 32, context: int = 4096,
     full = meta["phases"]["decode"]["indexer"]["full_layers"]
     out["memory"] = {
         "weights_bytes_per_rank": weights, "weight_copies_bytes_per_rank": copies,
-        "indexer_workspace_bytes": mem.get("indexer_workspace_bytes", 0), "graph_bytes": mem.get("graph_bytes", {}),
+        **workspace_memory(plan, context),
         "kv_bytes_per_token": mem["kv_bytes_per_token"],
         "kv_elements_per_token_per_layer": cfg.kv_lora_rank + cfg.qk_rope_head_dim,
         "kv_dtype": dtypes.kv_cache, "index_dtype": dtypes.index_cache,
@@ -110,6 +119,40 @@ def explain_plan(plan: Plan, batch: int = 32, context: int = 4096,
         t = _env("decode", batch, context, par.attn_dp, cfg.index_topk)["T"]
         out["predicted"] = predict_plan(plan, calibration, context, t, out["memory"]["kv_tokens_per_rank"])
     return out
+
+
+WORKSPACE_NOTES = [
+    "CUDA target, one rank: every op's tensor allocations replayed in execution order "
+    "(passes/step_memory.py), each op result held to the end of the step (the executor keeps every value)",
+    "each allocation rounded up to the CUDA caching allocator's 512-byte block; segments and splits not modelled",
+    "flash-decoding splits for an H200 (132 SMs); decode indexer scores span the context (the runner's max_context)",
+    "graph pool: each graph's outputs and static inputs, plus torch's 32 MiB cuBLAS workspace (sm90 default) "
+    "per stream running a GEMM: a new warm-up side stream per bucket and the shared capture stream",
+    "not counted: workspaces inside aten kernels (sort, reductions), Triton scratch, NCCL buffers",
+]
+
+
+def workspace_memory(plan: Plan, context: int, num_sms: int | None = None) -> dict:
+    """The CUDA target's step workspaces of `plan` at `context` (module docstring); {} for a cpu plan."""
+    opts, dtypes, cfg = plan.options, plan.dtypes, plan.config
+    if opts.device != "cuda":
+        return {"indexer_workspace_bytes": 0, "graph_bytes": {}}
+    sms = {"num_sms": num_sms} if num_sms else {}
+    chunk = opts.chunked_prefill
+    dec = phase_workspaces(plan.graphs["decode"], "decode", dtypes, cfg, chunk, context, **sms)
+    pre = phase_workspaces(plan.graphs["prefill"], "prefill", dtypes, cfg, chunk, context, **sms)
+    step, target = pre["steps"][chunk], pre["targets"][chunk]
+    top = max(step.regions, key=lambda r: r[2])[0]
+    freed = step_memory(plan.graphs["prefill"], target, cfg, "prefill", BLOCK_BYTES, free_dead=True)
+    pool = dec.get("graph_pool", {"allocated": 0})
+    return {"decode_workspace_bytes": dec["workspace_bytes"], "graph_bytes": dec["workspace_bytes"],
+            "graph_pool_bytes": pool["allocated"], "graph_pool": {k: v for k, v in pool.items() if k != "allocated"},
+            "prefill_workspace_bytes": step.peak, "prefill_point": prefill_point(chunk, context),
+            "prefill_peak_op": f"{top.kind} %{top.results[0]}", "prefill_workspace_if_freed_bytes": freed.peak,
+            "indexer_workspace_bytes": pre["indexer_workspace_bytes"],
+            "workspace_notes": WORKSPACE_NOTES + [f"no model for {k} (its result bytes counted)"
+                                                  for k in sorted(step.guessed | set().union(
+                                                      *(m.guessed for m in dec["steps"].values())))]}
 
 
 def _fused_where(graph) -> dict:

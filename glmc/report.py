@@ -91,6 +91,22 @@ def _formats(w: dict) -> str:
             + "; ".join(w["not_fp8"]))
 
 
+def _workspaces(m: dict, context: int) -> list[str]:
+    """Step workspaces above what the runner holds (cuda target; `explain.workspace_memory`)."""
+    if not m.get("decode_workspace_bytes"):
+        return []
+    top = max(m["decode_workspace_bytes"], key=int)
+    pool, pt = m["graph_pool"], m["prefill_point"]
+    return [f"- decode step workspace (context {context}): {_b(m['decode_workspace_bytes'][top])} at "
+            f"{top} tokens; decode graphs of every bucket keep {_b(m['graph_pool_bytes'])} (outputs "
+            f"{_b(pool['outputs'])}, cuBLAS workspaces {_b(pool['workspaces'])}; their pool reserves at "
+            f"least {_b(pool['pool_reserved'])})",
+            f"- prefill step workspace ({pt['tokens']} tokens, {pt['requests']} request(s), indexer over "
+            f"{pt['max_len']} positions): {_b(m['prefill_workspace_bytes'])}, peak at `{m['prefill_peak_op']}` "
+            f"(values freed at their last use: {_b(m['prefill_workspace_if_freed_bytes'])}); indexer "
+            f"workspace {_b(m['indexer_workspace_bytes'])}"]
+
+
 def render(d: dict) -> str:
     p, m, f = d["params"], d["memory"], d["flops_per_token"]
     out = [f"# glmc explain: {d['model']} on {d['parallel']['spec']} (world {d['parallel']['world']})",
@@ -103,6 +119,7 @@ def render(d: dict) -> str:
            f"{_b(m['kv_bytes_per_token'])} per token (all layers)",
            f"- indexer cache: {_b(m['index_bytes_per_token'])} per token "
            f"({m['full_indexer_layers']} full layers; {m['shared_indexer_layers']} shared layers hold none)",
+           *_workspaces(m, d['comm']['decode']['point']['S']),
            f"- fits: {m['kv_tokens_per_rank']:,} KV tokens per rank in {_b(m['hbm_bytes'])} x 0.9; "
            f"max context at batch {d['comm']['decode']['point']['B']} per rank: "
            f"{m['max_context_at_batch']:,}", "", "## FLOPs per token",

@@ -8,8 +8,15 @@ A-projection in the compute dtype, expert weights once in their [E, ...] stacks)
 `_copies`), `kv_bytes_per_token` (c_kv | k_pe per layer, all
 layers; an fp8 row is FlashMLA's: e4m3 latent + a fp32 scale per 128 + bf16 k_pe, `costs.kv_row_bytes`),
 `index_bytes_per_token` (indexer keys + fp8 scale, full layers only), the layer counts,
-`indexer_workspace_bytes` (fp32 score tiles + running top-k for the largest step) and
-`graph_bytes` per bucket (the largest per-layer activation set at that batch, plus logits).
+and, for the CUDA target, what one step allocates above that (`step_memory`: every op's allocations
+replayed in execution order, each value held to the step's end as the executor holds it, 512-byte
+blocks, an H200's 132 SMs, a runner of `workspace_context` = 4096 tokens of context):
+`workspace_bytes` {bucket: peak} of one eager step (decode, MTP phases; prefill: {chunk: peak} at
+its largest chunk, `Options.chunked_prefill` tokens ending at that context; it replaces the earlier
+per-layer estimate `graph_bytes`), `indexer_workspace_bytes` (the indexer's fp32 scores, scaled weights and
+top-k buffers at the phase's largest step) and (decode) `graph_pool_bytes` (what capturing every
+bucket keeps allocated: the graphs' outputs and static inputs, a cuBLAS workspace per stream;
+`step_memory.graph_pool`). `glmc explain` recomputes them at its own context.
 GLM-5.3: 656 bytes of fp8 KV per token on each of 78 layers (512 + 4 x 4 + 64 x 2), 128 + 4 on each
 of 21 indexer layers:
 
@@ -28,9 +35,12 @@ from glmc.ir.types import DTYPE_BYTES
 
 from .base import Pass, PassContext
 from .costs import cache_row_bytes, params_of, weight_bytes_for
+from .step_arena import H200_SMS, Target
+from .step_memory import graph_pool, step_memory
 
-TILE_KEYS = 4096
 FP8_BLOCK = 128   # codegen.fp8_ref.BLOCK: one fp32 scale per 128 x 128 block
+WORKSPACE_CONTEXT = 4096   # the runner's max_context the plan's workspace numbers assume
+BLOCK_BYTES = 512          # the CUDA caching allocator's block: every allocation rounds up to it
 
 
 def _matrix_bytes(rows: int, cols: int, fp8: bool, elem: int) -> int:
@@ -102,18 +112,43 @@ def op_weight_bytes(op: Op, cfg, dtypes, cuda: bool) -> tuple[int, int]:
     return held, held if cuda and k.startswith("attn.") else 0
 
 
-def _rows(graph: Graph, ctx: PassContext) -> int:
-    buckets = graph.meta.get("cuda_graph_buckets") or [ctx.options.chunked_prefill]
-    return max(buckets)
+def target_of(dtypes, tokens: int, requests: int, max_len: int, num_sms: int = H200_SMS) -> Target:
+    """The CUDA target's step at `tokens` x `requests`, indexer scores `max_len` wide, for a plan's dtypes."""
+    return Target(4 if dtypes.activation == "fp32" else 2, dtypes.weight == "fp8", dtypes.kv_cache == "fp8",
+                  tokens, requests, max_len, num_sms)
 
 
-def _layer_activation_bytes(graph: Graph, env: dict) -> int:
-    per_layer: dict = {}
-    for op in graph.ops:
-        for t in op.types:
-            if t is not None and t.shape and t.shape[0].sym in ("T", "B"):
-                per_layer[op.layer] = per_layer.get(op.layer, 0) + t.nbytes(env)
-    return max(per_layer.values(), default=0)
+def prefill_point(chunk: int, context: int) -> dict:
+    """The largest prefill step within `context`: one chunk of `chunk` tokens, whose indexer scores
+    `context` positions: one request's chunk ending at `context`, or (context < chunk) chunk /
+    context requests of `context` tokens (the last one cut by the chunk)."""
+    return {"tokens": chunk, "requests": max(1, -(-chunk // max(1, context))), "max_len": context}
+
+
+def indexer_workspace(step) -> int:
+    """The indexer's own allocations at a step: the largest idx.topk peak above its start."""
+    return max((peak - start for op, start, peak, _ in step.regions if op.kind == "idx.topk"), default=0)
+
+
+def phase_workspaces(graph: Graph, phase: str, dtypes, cfg, chunk: int, context: int,
+                     num_sms: int = H200_SMS, rounding: int = BLOCK_BYTES) -> dict:
+    """`workspace_bytes`, `indexer_workspace_bytes` and (decode) `graph_pool_bytes` of one phase
+    graph of the CUDA target (module docstring); -> also `steps` {key: StepMemory}, `targets`."""
+    buckets = graph.meta.get("cuda_graph_buckets") or []
+    if phase == "prefill":
+        pt = prefill_point(chunk, context)
+        targets = {pt["tokens"]: target_of(dtypes, pt["tokens"], pt["requests"], pt["max_len"], num_sms)}
+        mode = "prefill"
+    else:
+        targets = {b: target_of(dtypes, b, b, context, num_sms) for b in buckets}
+        mode = "eager"
+    steps = {k: step_memory(graph, t, cfg, mode, rounding) for k, t in targets.items()}
+    out = {"workspace_bytes": {str(k): m.peak for k, m in steps.items()},
+           "indexer_workspace_bytes": indexer_workspace(steps[max(steps)]) if steps else 0,
+           "steps": steps, "targets": targets}
+    if phase == "decode":
+        out["graph_pool"] = graph_pool(steps, targets, rounding)
+    return out
 
 
 class PlanMemory(Pass):
@@ -132,16 +167,21 @@ class PlanMemory(Pass):
         kv = [b for index, b in rows if not index]
         idx = [b for index, b in rows if index]
         kv_tok, idx_tok = sum(kv), sum(idx)
-        cfg = ctx.spec.config
         memory = {
             "weights_bytes": weights, "weight_copies_bytes": copies,
             "kv_bytes_per_token": kv_tok, "kv_layers": len(kv),
             "index_bytes_per_token": idx_tok, "index_layers": len(idx),
-            # scores are produced in tiles of TILE_KEYS keys and merged into a running top-k
-            "indexer_workspace_bytes": _rows(graph, ctx) * (TILE_KEYS + 2 * cfg.index_topk) * 4
-            if idx else 0,
-            "graph_bytes": {str(b): _layer_activation_bytes(graph, {"T": b, "B": b, "S": 1})
-                            + b * cfg.vocab_size * 4
-                            for b in graph.meta.get("cuda_graph_buckets", [])},
         }
+        if cuda:
+            memory.update(self._workspaces(graph, ctx))
         return graph.with_ops(graph.ops, memory=memory)
+
+    @staticmethod
+    def _workspaces(graph: Graph, ctx: PassContext) -> dict:
+        w = phase_workspaces(graph, ctx.phase, ctx.spec.dtypes, ctx.spec.config, ctx.options.chunked_prefill,
+                             WORKSPACE_CONTEXT)
+        out = {"workspace_bytes": w["workspace_bytes"], "indexer_workspace_bytes": w["indexer_workspace_bytes"],
+               "workspace_context": WORKSPACE_CONTEXT}
+        if "graph_pool" in w:
+            out["graph_pool_bytes"] = w["graph_pool"]["allocated"]
+        return out

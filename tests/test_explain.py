@@ -9,6 +9,7 @@ from glmc.compiler import compile_plan
 from glmc.diff import diff_text
 from glmc.explain import explain_plan
 from glmc.parallel import parse_parallel
+from glmc.report import render
 from tests.compile_util import FULL, graph, spec
 
 
@@ -34,6 +35,22 @@ def test_parameters_and_memory(bills):
     # the CUDA target's copies beside the originals (absorbed W_UK / W_UV^T, joined q_a + kv_a rows,
     # the dense and shared MLPs' gate_up): ~5.9 GB on a dp8ep8 rank, whose attention is replicated
     assert 5.5e9 < d["memory"]["weight_copies_bytes_per_rank"] < 6.5e9
+
+
+def test_step_workspaces(bills):
+    """What a step allocates above the held bytes (passes/step_memory.py), per DP rank of dp8ep8 at
+    context 4096: a decode step per bucket, the graphs of all buckets, the largest prefill chunk and
+    the indexer's workspace in it: fp32 scores [8192, 4096], the positions + 1, int64 top-k [8192, 2048]."""
+    m = bills["dp8ep8"]["memory"]
+    assert list(m["decode_workspace_bytes"]) == ["1", "2", "4", "8", "12", "16"]
+    assert m["graph_bytes"] == m["decode_workspace_bytes"]      # the old name
+    pool = m["graph_pool"]
+    assert pool["workspaces"] == 7 * 32 * 2**20                 # 6 warm-up streams + the capture stream
+    assert m["graph_pool_bytes"] == pool["outputs"] + pool["inputs"] + pool["workspaces"]
+    assert m["prefill_point"] == {"tokens": 8192, "requests": 2, "max_len": 4096}
+    assert m["indexer_workspace_bytes"] == 8192 * (4096 * 4 + 8 + 2048 * 8)
+    assert m["prefill_workspace_if_freed_bytes"] < m["prefill_workspace_bytes"]
+    assert "prefill step workspace (8192 tokens" in render(bills["dp8ep8"])
 
 
 def _per_layer(d, phase, layer):
@@ -89,15 +106,16 @@ def test_cli_compile_explain_diff_onnx(tmp_path, capsys):
 
 
 def test_diff_shows_a_lowering_change_once_per_class_of_layers():
-    """GLM-5.3 decode under dp2ep2, MoE gather vs all-to-all: a handful of hunks (the metadata, then
-    one per class of MoE layers, not one per layer), each naming the layers it is in."""
+    """GLM-5.3 decode under dp2ep2, MoE gather vs all-to-all: a handful of hunks (the metadata, the
+    step workspaces among it, then one per class of MoE layers, not one per layer), each naming the
+    layers it is in."""
     gather, a2a = (graph(FULL, "dp2ep2", "decode", moe_a2a=forced) for forced in (False, True))
     text = diff_text("gather", gather, "a2a", a2a)
     hunks = [line.split(" @@ ")[1] for line in text.splitlines() if line.startswith("@@ ")]
-    assert hunks == ["#! cost = {", "#! model = glm-5.3", "#! rewrites = {", "layers 3..75 step 4 {",
+    assert hunks == ["#! cost = {", "#! memory = {", "#! model = glm-5.3", "#! rewrites = {", "layers 3..75 step 4 {",
                      "layers 4..76 step 4 {", "layers 5..77 step 4 {", "layers 6..74 step 4 {"]
     assert text.count("\n+  %L.routed.cb = moe.combine(%L.routed, %L.hn) {group=[ep], size=2, top_k=8}") == 4
-    assert "+75 moe.dispatch (0 -> 75)" in text and len(text.splitlines()) < 100
+    assert "+75 moe.dispatch (0 -> 75)" in text and len(text.splitlines()) < 110
 
 
 def test_the_cards_command_compiles_glm53(tmp_path, monkeypatch, capsys):

@@ -1,0 +1,82 @@
+"""What the collectives allocate on the CUDA target (NCCL path of `runtime/worker/comm.Comm`).
+
+Replays `Comm.all_reduce` / `broadcast` (a contiguous clone reduced in place), `all_gather` /
+`reduce_scatter` (a new output; along a dim > 0 a concatenation) and the torch target's fused
+collective + add + RMS norm (`torch_ref.add_rms_norm`: fp32 temporaries, an fp32 normed output) on a
+`step_arena.Arena`. The a2a MoE dispatch and combine are in `moe_memory.py`.
+"""
+from __future__ import annotations
+
+from .step_arena import Step, Val, model
+
+
+@model("comm.all_reduce", "comm.broadcast")
+def _clone_collective(op, args, s):
+    """Comm.all_reduce / broadcast: a contiguous clone, reduced in place."""
+    x = args[0]
+    copy = None if x.dense else s.tmp(s.numel(op), x.elem)
+    out = s.arena.new(s.numel(op), x.elem)
+    s.free(copy)
+    return out
+
+
+@model("comm.all_gather")
+def _all_gather(op, args, s):
+    """Comm.all_gather: the gathered [n T, ...] tensor; along a dim > 0 its chunks concatenated."""
+    x = args[0]
+    if not int(op.attr("dim", 0)):
+        return s.arena.new(s.numel(op), x.elem)
+    gathered = s.tmp(s.numel(op), x.elem)
+    out = s.arena.new(s.numel(op), x.elem)
+    s.free(gathered)
+    return out
+
+
+def _reduce_scatter(op, args, s, numel: int) -> Val:
+    """Comm.reduce_scatter: this rank's slice; along a dim > 0 the input's chunks concatenated first."""
+    x = args[0]
+    out = s.arena.new(numel, x.elem)
+    if int(op.attr("dim", 0)):
+        s.free(s.tmp(numel * int(op.attr("size")), x.elem))
+    return out
+
+
+@model("comm.reduce_scatter")
+def _reduce_scatter_op(op, args, s):
+    return _reduce_scatter(op, args, s, s.numel(op))
+
+
+def _torch_add_rms(op, s: Step, x: Val) -> tuple[Val, Val]:
+    """torch_ref.add_rms_norm (the torch target's, which the fused collectives use): the residual in
+    the compute dtype, the norm in fp32 through its temporaries; -> (normed fp32, residual)."""
+    n, T = s.numel(op, 1), s.rows(op, 1)
+    res = s.arena.new(n, x.elem)
+    x32 = s.tmp(n, 4) if x.elem != 4 else None
+    sq = s.tmp(n, 4)
+    mean = s.tmp(T, 4)
+    s.free(sq)
+    eps = s.tmp(T, 4)
+    s.free(mean)
+    rs = s.tmp(T, 4)
+    s.free(eps)
+    scaled = s.tmp(n, 4)
+    s.free(rs)
+    out = s.arena.new(n, 4)
+    s.free(scaled, x32)
+    return out, res
+
+
+@model("fused.allreduce_add_rms")
+def _fused_allreduce(op, args, s):
+    reduced = _clone_collective(op, args, s)
+    out = _torch_add_rms(op, s, reduced)
+    s.free(reduced.buf)
+    return out
+
+
+@model("fused.reduce_scatter_add_rms")
+def _fused_reduce_scatter(op, args, s):
+    reduced = _reduce_scatter(op, args, s, s.numel(op, 1))
+    out = _torch_add_rms(op, s, reduced)
+    s.free(reduced.buf)
+    return out

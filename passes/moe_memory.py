@@ -1,0 +1,174 @@
+"""What the CUDA target's MoE ops allocate: the router, the row alignment, the experts' buffers,
+the a2a lowering's dispatch and combine.
+
+Replays `cuda_target._gate` / `_moe_topk` / `_experts` / `_dispatch` / `_combine` and
+`triton_moe.align_rows`, `moe_experts[_fp8]` on a `step_arena.Arena` (see `op_memory.py` for the
+conventions). The dispatch and combine follow the code (NCCL's all_to_all_single into an
+`empty_like`), unmeasured: the CPU tests run one rank.
+"""
+from __future__ import annotations
+
+from .op_memory import quantize
+from .step_arena import BLOCK_MS, FP8_BLOCK, Step, Val, model
+
+
+# ----------------------------------------------------------------------------- MoE
+@model("moe.gate")
+def _gate(op, args, s):
+    T = s.rows(op)
+    cast = s.tmp(T * int(op.attr("hidden")), 4) if args[0].elem != 4 else None   # x.float()
+    out = s.arena.new(s.numel(op), 4)
+    s.free(cast)
+    return out
+
+
+@model("moe.topk")
+def _moe_topk(op, args, s):
+    n = s.numel(op)
+    return s.arena.new(n, 4), s.arena.new(n, 8)
+
+
+def block_m_for(rows: int, experts: int) -> int:
+    avg = rows / max(1, experts)
+    return BLOCK_MS[0] if avg < 32 else BLOCK_MS[1] if avg < 64 else BLOCK_MS[2]
+
+
+def align_rows(s: Step, n: int, E: int, bm: int) -> tuple[int, int, int]:
+    """triton_moe.align_rows over n routed rows and E local experts, its temporaries in order;
+    -> (sorted_rows, block_expert, blocks)."""
+    flat = s.tmp(n, 8)
+    ge, lt = s.tmp(n, 1), s.tmp(n, 1)
+    local = s.tmp(n, 1)
+    s.free(ge, lt)
+    e = s.tmp(n, 8)
+    s.free(local)
+    counts, ones = s.tmp(E + 1, 8), s.tmp(n, 8)
+    s.free(ones)
+    p1 = s.tmp(E + 1, 8)
+    p2 = s.tmp(E + 1, 8)
+    s.free(p1)
+    p3 = s.tmp(E + 1, 8)
+    s.free(p2)
+    padded = s.tmp(E + 1, 8)
+    s.free(p3)
+    values, order = s.tmp(n, 8), s.tmp(n, 8)                  # argsort = sort(stable): values dropped
+    s.free(values)
+    e_sorted = s.tmp(n, 8)
+    cs = s.tmp(E + 1, 8)
+    starts = s.tmp(E + 1, 8)
+    s.free(cs)
+    ends = s.tmp(E + 1, 8)
+    a1, a2 = s.tmp(n, 8), s.tmp(n, 8)                         # ends[e] - padded[e] + arange - starts[e]
+    a3 = s.tmp(n, 8)
+    s.free(a1, a2)
+    a4 = s.tmp(n, 8)
+    a5 = s.tmp(n, 8)
+    s.free(a3, a4)
+    a6 = s.tmp(n, 8)
+    dest = s.tmp(n, 8)
+    s.free(a5, a6)
+    nb = -(-n // bm) + min(E, n)
+    lt_e = s.tmp(n, 1)
+    dest2 = s.tmp(n, 8)
+    s.free(lt_e, dest)
+    sorted_rows = s.tmp(nb * bm + 1, 4)
+    s.free(s.tmp(n, 4))                                       # order.to(int32), scattered
+    ar = s.tmp(nb, 8)
+    block_start = s.tmp(nb, 8)
+    s.free(ar)
+    found = s.tmp(nb, 8)
+    lt_b = s.tmp(nb, 1)
+    masked = s.tmp(nb, 8)
+    s.free(lt_b)
+    block_expert = s.tmp(nb, 4)
+    s.free(masked, found)
+    s.free(flat, e, counts, padded, order, e_sorted, starts, ends, dest2, block_start)
+    return sorted_rows, block_expert, nb
+
+
+@model("moe.experts")
+def _experts(op, args, s):
+    """fp32 out [T, H]; the row alignment; (FP8: x quantised) h [blocks x BM, inter]; fp32 per-routed-
+    row outputs y [T k, H]; the local mask and its masked copy of y [T, k, H], summed into out; then
+    out cast to the compute dtype."""
+    T, H = s.rows(op), int(op.attr("hidden"))
+    E = int(op.attr("experts")) // int(op.attr("ep", 1))
+    inter = int(op.attr("inter")) // int(op.attr("moe_tp", 1))
+    ids = s.type_of(op.operands[2]).shape                    # [tokens, k]; a2a: [received rows, 1]
+    rows, k = ids[0].eval(s.env), ids[1].eval(s.env)
+    n = rows * k
+    out = s.tmp(rows * H, 4)
+    if not rows:
+        return s.arena.new(T * H, args[0].elem)
+    bm = block_m_for(n, E)
+    sorted_rows, block_expert, nb = align_rows(s, n, E, bm)
+    work = []
+    if s.t.fp8_weights:
+        work += [*quantize(s, rows, H), s.tmp(nb * bm * inter, 1), s.tmp(nb * bm * -(-inter // FP8_BLOCK), 4)]
+    else:
+        work.append(s.tmp(nb * bm * inter, args[0].elem))
+    y = s.tmp(n * H, 4)
+    ge, lt = s.tmp(n, 1), s.tmp(n, 1)
+    local = s.tmp(n, 1)
+    s.free(ge, lt)
+    s.free(s.tmp(n * H, 4))                                   # torch.where(local, y, 0), summed into out
+    s.free(sorted_rows, block_expert, y, local, *work)
+    if args[0].elem == 4:                                     # .to(x.dtype): no copy
+        return Val(out, 4)
+    result = s.arena.new(rows * H, args[0].elem)
+    s.free(out)
+    return result
+
+
+# ----------------------------------------------------------------------------- a2a lowering
+@model("moe.dispatch")
+def _dispatch(op, args, s):
+    """cuda_target._dispatch: each (token, expert) row's slot per peer (one-hot cumsum), the payload
+    packed as bytes (x rows, fp32 weight, int32 id), the [n T k] send buffer and what came back,
+    unpacked; the rows' buffer positions stay (ctx.routes, read by the combine) to the step's end."""
+    x, (T, H) = args[0], (d.eval(s.env) for d in s.type_of(op.operands[0]).shape)
+    k, n = int(op.attr("top_k")), int(op.attr("size"))
+    cap = T * k
+    width = H * x.elem + 8
+    dest = s.tmp(cap, 8)
+    hot = s.tmp(cap * n, 8)
+    cum = s.tmp(cap * n, 8)
+    s.free(hot)
+    less = s.tmp(cap * n, 8)
+    s.free(cum)
+    slot = s.tmp(cap, 8)
+    s.free(less)
+    scaled = s.tmp(cap, 8)
+    s.tmp(cap, 8)                                             # pos: kept in ctx.routes
+    s.free(scaled)
+    ar = s.tmp(T, 8)
+    index = s.tmp(cap, 8)
+    x_bits = s.tmp(cap * H, x.elem)                           # repeat_interleave: index_select of an index
+    s.free(ar, index)
+    id32 = s.tmp(cap, 4)
+    bits = s.tmp(cap * width, 1)
+    send = s.tmp(n * cap * width, 1)
+    got = s.tmp(n * cap * width, 1)
+    dx = s.arena.new(n * cap * H, x.elem)
+    dw = s.arena.new(n * cap, 4)
+    di32 = s.tmp(n * cap, 4)
+    di = s.arena.new(n * cap, 8)
+    s.free(di32, dest, slot, x_bits, id32, bits, send, got)
+    return dx, dw, di
+
+
+@model("moe.combine")
+def _combine(op, args, s):
+    """cuda_target._combine: the experts' rows back (the same fixed buffers), each token's k rows
+    gathered, summed in fp32, cast back."""
+    y, T = args[0], s.rows(op)
+    k, H = int(op.attr("top_k")), s.type_of(op.operands[0]).shape[1].eval(s.env)
+    back = s.tmp(s.type_of(op.operands[0]).numel(s.env), y.elem)
+    rows = s.tmp(T * k * H, y.elem)
+    f32 = s.tmp(T * k * H, 4)
+    s.free(rows)
+    summed = s.tmp(T * H, 4)
+    s.free(f32)
+    out = s.arena.new(T * H, y.elem)
+    s.free(summed, back)
+    return out

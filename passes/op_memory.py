@@ -1,0 +1,260 @@
+"""What each op of the CUDA target allocates, in the order its implementation allocates and frees.
+
+One function per op kind replays `codegen/cuda_target.py` (and the launch wrappers it calls:
+`triton_target`, `triton_fp8`; the MoE ops are in `moe_memory.py`, the collectives in
+`comm_memory.py`) as tensor allocations on a `step_arena.Arena`: every `torch.empty` / op output
+that gets new storage is an `alloc`, every temporary that dies (a Python reference dropped) a
+`free`, views allocate nothing. Results stay
+allocated (the executor holds them). Runtime dtypes are the target's, not the IR's: activations in
+the compute dtype (bf16, or fp32 for an fp32 checkpoint), the indexer's and the router's ids int64,
+router logits and MoE partial sums fp32. Launch-time choices the target makes from the device
+(flash-decoding splits from the SM count) come from `Target.num_sms`.
+
+Not modelled (not tensors): cuBLAS and sort workspaces inside aten kernels, Triton's own scratch.
+Kinds without a model (`MODELS`) are counted at their IR result bytes (`generic`): exact for
+ops that allocate their result and nothing else; `step_memory` reports which kinds it guessed.
+The constants mirrored from codegen (the passes may not import it) are checked against codegen by
+tests/test_memory_accounting.py.
+"""
+from __future__ import annotations
+
+from glmc.ir import Op
+
+from .step_arena import (FP8_BLOCK, FP8_KINDS, INDEXER_BLOCK_N, MAX_SPLITS, TOPK_CHUNK, TOPK_SEGMENTS,
+                         UNQUANTISED, Step, Val, model)
+
+
+# ----------------------------------------------------------------------------- views and elementwise
+@model("io.input")
+def _input(op, args, s):
+    return s.feeds[op.attr("name")]
+
+
+@model("tensor.slice")
+def _slice(op, args, s):
+    x = args[0]
+    whole = int(op.attr("dim")) == 0
+    return Val(x.buf, x.elem, x.dense and whole)
+
+
+@model("tensor.view")
+def _view(op, args, s):
+    x = args[0]
+    return Val(x.buf, x.elem, True) if x.dense else s.arena.new(s.numel(op), x.elem)   # reshape copies
+
+
+@model("tensor.select_last")
+def _select_last(op, args, s):
+    return s.arena.new(s.numel(op), args[0].elem)
+
+
+@model("elt.add", "tensor.concat")
+def _elementwise(op, args, s):
+    return s.arena.new(s.numel(op), max(a.elem for a in args))
+
+
+@model("embed.lookup")
+def _embed(op, args, s):
+    if int(op.attr("tp", 1)) == 1:
+        return s.arena.new(s.numel(op), s.t.act)
+    T, n = s.rows(op), s.numel(op)
+    local = s.tmp(T, 8)                                       # ids - first row
+    ge, lt = s.tmp(T, 1), s.tmp(T, 1)
+    hit = s.tmp(T, 1)
+    s.free(ge, lt)
+    clamped = s.tmp(T, 8)
+    rows = s.tmp(n, s.t.act)
+    s.free(clamped)
+    mask = s.tmp(T, s.t.act)
+    out = s.arena.new(n, s.t.act)
+    s.free(rows, mask, local, hit)
+    return out
+
+
+@model("norm.rms", "rope.apply")
+def _out_like(op, args, s):
+    return s.arena.new(s.numel(op), args[0].elem)
+
+
+@model("fused.add_rms")
+def _add_rms(op, args, s):
+    res = s.arena.new(s.numel(op, 1), max(args[0].elem, args[1].elem))
+    return s.arena.new(s.numel(op), args[0].elem), res
+
+
+@model("fused.qkv_a_norm_rope_write", "fused.qkv_a_norm_rope_write_index")
+def _qkv_write(op, args, s):
+    c_q = s.arena.new(s.numel(op), args[0].elem)
+    return (c_q, None, None) if op.kind.endswith("_index") else (c_q, None)
+
+
+# ----------------------------------------------------------------------------- GEMMs
+def _is_fp8(op: Op, name: str, s: Step) -> bool:
+    return s.t.fp8_weights and op.kind in FP8_KINDS and not name.endswith(UNQUANTISED)
+
+
+def _plain_runs(op: Op, s: Step, rows: list[int]) -> list[int]:
+    """Rows of each run of consecutive plain (not FP8) weights among the op's row parts
+    (`cuda_target.fp8_parts` concatenates such a run into one bf16 GEMM)."""
+    names = op.attr("weight") if isinstance(op.attr("weight"), tuple) else (op.attr("weight"),)
+    runs, last = [], True
+    for name, r in zip(names, rows):
+        if _is_fp8(op, name, s):
+            last = True
+        elif last:
+            runs.append(r)
+            last = False
+        else:
+            runs[-1] += r
+    return runs
+
+
+def quantize(s: Step, rows: int, cols: int) -> tuple[int, int]:
+    """triton_fp8.quantize_tokens: e4m3 [rows, cols] + fp32 scales [rows, cols / 128]."""
+    return s.tmp(rows * cols, 1), s.tmp(rows * -(-cols // FP8_BLOCK), 4)
+
+
+def parts_mm(s: Step, rows: int, cols: int, width: int, plain: list[int]) -> Val:
+    """cuda_target._parts_mm: x quantised once, one [rows, width] output, each plain run's bf16 GEMM
+    through a temporary copied into its columns."""
+    xq, xs = quantize(s, rows, cols)
+    y = s.arena.new(rows * width, s.t.act)
+    for r in plain:
+        s.free(s.tmp(rows * r, s.t.act))
+    s.free(xq, xs)
+    return y
+
+
+def _row_parts(op: Op, s: Step) -> list[int]:
+    """Output rows of each weight of a linear / A-projection, in the order of `weight`."""
+    w = op.attr("weight")
+    if not isinstance(w, tuple):
+        return [s.numel(op) // max(1, s.rows(op))]
+    cfg = s.cfg
+    rows = {"q_a_proj.weight": cfg.q_lora_rank, "kv_a_proj_with_mqa.weight": cfg.kv_lora_rank + cfg.qk_rope_head_dim,
+            "indexer.wk.weight": cfg.index_head_dim, "indexer.weights_proj.weight": cfg.index_n_heads}
+    return [next(v for k, v in rows.items() if n.endswith(k)) for n in w]
+
+
+@model("linear", "mla.a_proj", "lm.head")
+def _linear(op, args, s):
+    names = op.attr("weight") if isinstance(op.attr("weight"), tuple) else (op.attr("weight"),)
+    if not any(_is_fp8(op, n, s) for n in names):
+        return mm(s, args[0], s.type_of(op.operands[0]).numel(s.env), s.numel(op))   # one cuBLAS GEMM
+    rows = s.rows(op)
+    parts = _row_parts(op, s)
+    return parts_mm(s, rows, int(op.attr("in_features")), s.numel(op) // max(1, rows),
+                    _plain_runs(op, s, parts))
+
+
+@model("mlp.swiglu")
+def _swiglu(op, args, s):
+    T, hidden, inter = s.rows(op), int(op.attr("hidden")), int(op.attr("inter")) // int(op.attr("tp", 1))
+    if s.t.fp8_weights:
+        gu = parts_mm(s, T, hidden, 2 * inter, [])
+    else:
+        gu = mm(s, args[0], T * hidden, T * 2 * inter)
+    silu = s.tmp(T * inter, s.t.act)
+    prod = s.tmp(T * inter, s.t.act)
+    s.free(silu)
+    out = parts_mm(s, T, inter, hidden, []) if s.t.fp8_weights else s.arena.new(T * hidden, s.t.act)
+    s.free(prod, gu.buf)
+    return out
+
+
+def mm(s: Step, x: Val, x_numel: int, out_numel: int) -> Val:
+    """cuda_target._mm: x cast to the weights' (compute) dtype when it differs, one cuBLAS GEMM."""
+    cast = s.tmp(x_numel, s.t.act) if x.elem != s.t.act else None
+    out = s.arena.new(out_numel, s.t.act)
+    s.free(cast)
+    return out
+
+
+# ----------------------------------------------------------------------------- indexer and attention
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+@model("idx.topk")
+def _topk(op, args, s):
+    """Scaled weights (fp32), the [T, width] fp32 score workspace, the top-k select's buffers
+    (a row wider than TOPK_CHUNK: radix histograms per segment); -> int64 [T, k]."""
+    T, heads, k = s.rows(op), int(op.attr("heads")), int(op.attr("k"))
+    cast = s.tmp(T * heads, 4) if args[1].elem != 4 else None   # w.float()
+    w = s.tmp(T * heads, 4)
+    s.free(cast)
+    width = -(-s.t.max_len // INDEXER_BLOCK_N) * INDEXER_BLOCK_N
+    scores = s.tmp(T * width, 4)
+    s.free(w)
+    lens = s.tmp(T, 8)                                        # pos + 1
+    out = Val(s.arena.alloc(T * k * 8), 8, cols=k)
+    if T and width > TOPK_CHUNK:
+        lo, hi = TOPK_SEGMENTS
+        segs = max(1, -(-4 * s.t.num_sms // T))
+        segment = max(lo, min(hi, _next_pow2(-(-width // segs))))
+        n = -(-width // segment)
+        s.free(s.tmp(T * 4 * n * 256, 4), s.tmp(T * 8, 4), s.tmp(T * n, 4))   # hist, state, gt
+    s.free(lens, scores)
+    return out
+
+
+def mla_splits(T: int, H: int, topk: int | None, s: Step) -> int:
+    """SparseMlaDecodeCtx.make's head block for T tokens, then mla_num_splits at the target's SMs."""
+    wide = T >= 32 and H >= 64
+    block_h = (32 if s.t.kv_fp8 else 64) if wide else 16
+    num_keys = topk if topk is not None else s.t.max_len
+    programs = T * -(-H // block_h)
+    return max(1, min(-(-2 * s.t.num_sms // programs), num_keys // (2 * 32), MAX_SPLITS))
+
+
+def topk_slots(s: Step, T: int, K: int) -> int:
+    """triton_target.topk_slots: masks, the clamped positions, the gathered int64 slots and the
+    masked copy, -> int32 slots [T, K]."""
+    ge, le = s.tmp(T * K, 1), s.tmp(T * K, 1)
+    valid = s.tmp(T * K, 1)
+    s.free(ge, le)
+    clamped = s.tmp(T * K, 8)
+    slots = s.tmp(T * K, 8)
+    s.free(clamped)
+    masked = s.tmp(T * K, 8)
+    out = s.tmp(T * K, 4)
+    s.free(valid, slots, masked)
+    return out
+
+
+@model("attn.mla_absorbed", "attn.sparse_mla", "attn.mla_mha")
+def _attn(op, args, s):
+    """q_lat = q_nope W_UK, split-K partials (fp32 [T, H, splits, R] + log-sum-exp), out_lat,
+    o = out_lat W_UV, then the head-major copy [T, H * dv]."""
+    T, H = s.rows(op), s.type_of(op.operands[0]).shape[1].eval(s.env)    # this rank's heads
+    R, dv = int(op.attr("kv_lora")), int(op.attr("dv"))
+    K = None if len(args) < 4 or args[3] is None else args[3].cols or s.cfg.index_topk
+    dn = s.type_of(op.operands[0]).shape[2].eval(s.env)
+    cast = s.tmp(T * H * dn, s.t.act) if args[0].elem != s.t.act else None   # q_nope.to(W_UK's dtype)
+    q_lat = s.tmp(T * H * R, s.t.act)
+    s.free(cast)
+    pe = s.tmp(s.type_of(op.operands[1]).numel(s.env), s.t.act) if args[1].elem != s.t.act else None
+    S = mla_splits(T, H, K, s)
+    o_part, lse = s.tmp(T * H * S * R, 4), s.tmp(T * H * S, 4)
+    out_lat = s.tmp(T * H * R, s.t.act)
+    if T:
+        slots = topk_slots(s, T, K) if K is not None else None
+        s.free(o_part, lse, slots)
+    s.free(pe)
+    o = s.tmp(H * T * dv, s.t.act)
+    out = s.arena.new(T * H * dv, s.t.act)
+    s.free(q_lat, out_lat, o)
+    return out
+
+
+# ----------------------------------------------------------------------------- sampling
+@model("sample.tokens")
+def _sample(op, args, s):
+    """triton_target.sample_greedy: 0-d parameters, each expanded to a [B] tensor (a view at B 1)."""
+    B = s.rows(op)
+    scalars = [s.tmp(1, 8), s.tmp(1, 4), s.tmp(1, 4), s.tmp(1, 4)]   # zero, zero.float(), zero + 1.0, ...
+    out = s.arena.new(B, 8)
+    if B > 1:
+        s.free(*[s.tmp(B, e) for e in (4, 8, 4, 4, 8, 8)])    # temperature, top_k, top_p, min_p, seed, step
+    s.free(*scalars)
+    return out
