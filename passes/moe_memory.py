@@ -86,11 +86,40 @@ def align_rows(s: Step, n: int, E: int, bm: int) -> tuple[int, int, int]:
     return sorted_rows, block_expert, nb
 
 
+# triton_moe's launch rules, copied (passes do not import codegen; tests/test_memory_accounting.py
+# checks them against triton_moe.moe_launch and its constants)
+MOE_SPLIT_BLOCK_M, MOE_SPLIT_PROGRAMS_PER_SM, MOE_SPLIT_MIN_K, MOE_SPLIT_MAX = 16, 2, 512, 8
+MOE_SPLIT_DTYPES = ("fp8",)
+ALIGN_ROWS, ALIGN_MAX_EXPERTS = 64, 256
+
+
+def moe_splits(n: int, E: int, hidden: int, inter: int, num_sms: int, fp8: bool, bm: int) -> tuple[int, int]:
+    """triton_moe.moe_launch's K splits (gate/up, down) for n routed rows over E local experts."""
+    if bm != MOE_SPLIT_BLOCK_M or ("fp8" if fp8 else "bf16") not in MOE_SPLIT_DTYPES:
+        return 1, 1
+    busy = max(-(-n // bm), min(E, n))
+    out = []
+    for n_in, n_out in ((hidden, inter), (inter, hidden)):
+        block_n = min(64, max(16, 1 << (max(1, n_out) - 1).bit_length()))   # the split form's tile at BM 16
+        programs, splits = busy * -(-n_out // block_n), 1
+        while (splits < MOE_SPLIT_MAX and programs * splits < MOE_SPLIT_PROGRAMS_PER_SM * num_sms
+               and n_in >= 2 * splits * MOE_SPLIT_MIN_K):
+            splits *= 2
+        out.append(splits)
+    return out[0], out[1]
+
+
+def _partials(splits: int, rows: int, cols: int) -> int:
+    """triton_moe._partials: fp32 [splits, rows rounded up to 16, cols] elements."""
+    return splits * -(-rows // 16) * 16 * cols
+
+
 @model("moe.experts")
 def _experts(op, args, s):
-    """fp32 out [T, H]; the row alignment; (FP8: x quantised) h [blocks x BM, inter]; fp32 per-routed-
-    row outputs y [T k, H]; the local mask and its masked copy of y [T, k, H], summed into out; then
-    out cast to the compute dtype."""
+    """fp32 out [T, H]; the row alignment (one moe_align launch's two outputs at decode sizes, else the
+    torch ops'); (FP8: x quantised) h [blocks x BM, inter]; split K: fp32 gate/up partials; fp32
+    per-routed-row outputs y [splits, T k, H], summed into out by moe_combine; then out cast to the
+    compute dtype."""
     T, H = s.rows(op), int(op.attr("hidden"))
     E = int(op.attr("experts")) // int(op.attr("ep", 1))
     inter = int(op.attr("inter")) // int(op.attr("moe_tp", 1))
@@ -101,18 +130,21 @@ def _experts(op, args, s):
     if not rows:
         return s.arena.new(T * H, args[0].elem)
     bm = block_m_for(n, E)
-    sorted_rows, block_expert, nb = align_rows(s, n, E, bm)
+    if n <= ALIGN_ROWS and E <= ALIGN_MAX_EXPERTS and bm == MOE_SPLIT_BLOCK_M:
+        nb = -(-n // bm) + min(E, n)
+        sorted_rows, block_expert = s.tmp(nb * bm, 4), s.tmp(nb, 4)
+    else:
+        sorted_rows, block_expert, nb = align_rows(s, n, E, bm)
+    s1, s2 = moe_splits(n, E, H, inter, s.t.num_sms, s.t.fp8_weights, bm)
     work = []
     if s.t.fp8_weights:
         work += [*quantize(s, rows, H), s.tmp(nb * bm * inter, 1), s.tmp(nb * bm * -(-inter // FP8_BLOCK), 4)]
     else:
         work.append(s.tmp(nb * bm * inter, args[0].elem))
-    y = s.tmp(n * H, 4)
-    ge, lt = s.tmp(n, 1), s.tmp(n, 1)
-    local = s.tmp(n, 1)
-    s.free(ge, lt)
-    s.free(s.tmp(n * H, 4))                                   # torch.where(local, y, 0), summed into out
-    s.free(sorted_rows, block_expert, y, local, *work)
+    if s1 > 1:
+        work.append(s.tmp(_partials(s1, nb * bm, 2 * inter), 4))
+    y = s.tmp(_partials(s2, n, H), 4)
+    s.free(sorted_rows, block_expert, y, *work)
     if args[0].elem == 4:                                     # .to(x.dtype): no copy
         return Val(out, 4)
     result = s.arena.new(rows * H, args[0].elem)

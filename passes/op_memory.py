@@ -109,18 +109,65 @@ def _plain_runs(op: Op, s: Step, rows: list[int]) -> list[int]:
     return runs
 
 
+# triton_fp8's launch rule, copied (passes do not import codegen; tests/test_memory_accounting.py
+# checks these against triton_fp8.default_config): (largest rows of the class, block_m, block_n)
+FP8_TILE_CLASSES = ((16, 16, 128), (255, 64, 64), (None, 64, 128))
+FP8_SPLIT_MIN_WAVES, FP8_SPLIT_MIN_K_BLOCKS, FP8_MAX_SPLITS = 3, 2, 64
+
+
+def fp8_gemm_splits(rows: int, n: int, k: int, num_sms: int) -> int:
+    """triton_fp8.default_config's split count for an [rows, k] x [n, k] block-FP8 GEMM."""
+    block_m, block_n = next((bm, bn) for top, bm, bn in FP8_TILE_CLASSES if top is None or rows <= top)
+    tiles = -(-rows // block_m) * -(-n // block_n)
+    k_blocks = -(-k // FP8_BLOCK)
+    want = min(-(-FP8_SPLIT_MIN_WAVES * num_sms // tiles), k_blocks // FP8_SPLIT_MIN_K_BLOCKS, FP8_MAX_SPLITS)
+    splits = max(1, min(want, k_blocks))
+    return -(-k_blocks // -(-k_blocks // splits))          # triton_fp8.even_splits
+
+
+def fp8_row_groups(rows: list[int]) -> list[list[int]]:
+    """fp8_ref.fp8_row_groups (copied): consecutive FP8 parts share one GEMM while each part before
+    the last of a group is a multiple of 128 rows."""
+    groups: list[list[int]] = []
+    for i, r in enumerate(rows):
+        if groups and rows[groups[-1][-1]] % FP8_BLOCK == 0:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+def _fp8_gemm_widths(op: Op, s: Step, rows: list[int]) -> list[int]:
+    """Output rows of each FP8 GEMM `cuda_target.fp8_parts` makes of the op's row parts (runs of
+    FP8 weights, joined by `fp8_row_groups`)."""
+    names = op.attr("weight") if isinstance(op.attr("weight"), tuple) else (op.attr("weight"),)
+    widths, run = [], []
+    for name, r in [*zip(names, rows), (None, 0)]:
+        if name is not None and _is_fp8(op, name, s):
+            run.append(r)
+            continue
+        widths += [sum(run[i] for i in g) for g in fp8_row_groups(run)]
+        run = []
+    return widths
+
+
 def quantize(s: Step, rows: int, cols: int) -> tuple[int, int]:
     """triton_fp8.quantize_tokens: e4m3 [rows, cols] + fp32 scales [rows, cols / 128]."""
     return s.tmp(rows * cols, 1), s.tmp(rows * -(-cols // FP8_BLOCK), 4)
 
 
-def parts_mm(s: Step, rows: int, cols: int, width: int, plain: list[int]) -> Val:
+def parts_mm(s: Step, rows: int, cols: int, width: int, plain: list[int], fp8: list[int]) -> Val:
     """cuda_target._parts_mm: x quantised once, one [rows, width] output, each plain run's bf16 GEMM
-    through a temporary copied into its columns."""
+    through a temporary copied into its columns, each FP8 GEMM that splits K through fp32 partials
+    [splits, rows, n] (`fp8_gemm_splits`)."""
     xq, xs = quantize(s, rows, cols)
     y = s.arena.new(rows * width, s.t.act)
     for r in plain:
         s.free(s.tmp(rows * r, s.t.act))
+    for n in fp8:
+        splits = fp8_gemm_splits(rows, n, cols, s.t.num_sms)
+        if splits > 1:
+            s.free(s.tmp(splits * rows * n, 4))
     s.free(xq, xs)
     return y
 
@@ -144,20 +191,21 @@ def _linear(op, args, s):
     rows = s.rows(op)
     parts = _row_parts(op, s)
     return parts_mm(s, rows, int(op.attr("in_features")), s.numel(op) // max(1, rows),
-                    _plain_runs(op, s, parts))
+                    _plain_runs(op, s, parts), _fp8_gemm_widths(op, s, parts))
 
 
 @model("mlp.swiglu")
 def _swiglu(op, args, s):
     T, hidden, inter = s.rows(op), int(op.attr("hidden")), int(op.attr("inter")) // int(op.attr("tp", 1))
     if s.t.fp8_weights:
-        gu = parts_mm(s, T, hidden, 2 * inter, [])
+        gu = parts_mm(s, T, hidden, 2 * inter, [], [sum([inter, inter][i] for i in g)
+                                                     for g in fp8_row_groups([inter, inter])])
     else:
         gu = mm(s, args[0], T * hidden, T * 2 * inter)
     silu = s.tmp(T * inter, s.t.act)
     prod = s.tmp(T * inter, s.t.act)
     s.free(silu)
-    out = parts_mm(s, T, inter, hidden, []) if s.t.fp8_weights else s.arena.new(T * hidden, s.t.act)
+    out = parts_mm(s, T, inter, hidden, [], [hidden]) if s.t.fp8_weights else s.arena.new(T * hidden, s.t.act)
     s.free(prod, gu.buf)
     return out
 

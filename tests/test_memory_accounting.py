@@ -237,3 +237,25 @@ def test_mirrored_constants_match_codegen():
         want = triton_contexts.mla_num_splits(T, H, ctx.block_h, topk or 4096, ctx.block_n, 132)
         s = type("S", (), {"t": step_arena.Target(2, True, fp8, T, T, 4096)})()
         assert op_memory.mla_splits(T, H, topk, s) == want, (T, H, fp8)
+
+
+def test_mirrored_launch_rules_match_codegen():
+    """The model's copies of the FP8 GEMM split rule and the MoE launch (splits, the one-program sort's
+    bounds) give what codegen launches, across decode and prefill sizes, bf16 and FP8, H200 and CPU."""
+    from glmc.codegen import fp8_ref, triton_fp8, triton_moe
+    from glmc.passes import moe_memory
+    for sms in (132, 2):
+        for rows in (1, 5, 16, 17, 128, 255, 256, 4096):
+            for n, k in [(128, 6144), (2624, 6144), (16384, 2048), (6144, 16384), (96, 640), (160, 300)]:
+                assert op_memory.fp8_gemm_splits(rows, n, k, sms) == \
+                    triton_fp8.default_config(rows, n, k, sms)["splits"], (rows, n, k, sms)
+        for n in (1, 8, 16, 24, 64, 65, 1024, 65536):
+            for E, hidden, inter in [(256, 6144, 2048), (32, 6144, 256), (4, 160, 96), (3, 128, 256)]:
+                for fp8 in (False, True):
+                    launch = triton_moe.moe_launch(n, E, hidden, inter, sms, fp8)
+                    assert moe_memory.moe_splits(n, E, hidden, inter, sms, fp8, launch["block_m"]) == \
+                        (launch["gate_up"]["splits"], launch["down"]["splits"]), (n, E, hidden, inter, fp8)
+    assert (moe_memory.ALIGN_ROWS, moe_memory.ALIGN_MAX_EXPERTS) == (triton_moe.ALIGN_ROWS, triton_moe.ALIGN_MAX_EXPERTS)
+    assert moe_memory.MOE_SPLIT_BLOCK_M == triton_moe.SPLIT_BLOCK_M
+    for rows in ([128, 512, 64], [100, 28], [inter for inter in (2048, 2048)], [96, 96]):
+        assert op_memory.fp8_row_groups(rows) == fp8_ref.fp8_row_groups(rows)
