@@ -127,7 +127,7 @@ WORKSPACE_NOTES = [
     "each allocation rounded up to the CUDA caching allocator's 512-byte block; segments and splits not modelled",
     "flash-decoding splits for an H200 (132 SMs); decode indexer scores span the context (the runner's max_context)",
     "graph pool: each graph's outputs and static inputs, plus torch's 32 MiB cuBLAS workspace (sm90 default) "
-    "per stream running a GEMM: a new warm-up side stream per bucket and the shared capture stream",
+    "per stream running a GEMM: the warm-up side stream (one for all buckets) and the shared capture stream",
     "not counted: workspaces inside aten kernels (sort, reductions), Triton scratch, NCCL buffers",
 ]
 

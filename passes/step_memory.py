@@ -135,7 +135,7 @@ def graph_pool(steps: dict, targets: dict, rounding: int = 512, workspace: int =
       pool for the graph's life; everything else a capture allocates is freed when the captured
       body returns, and the next (smaller) capture reuses those blocks;
     - one cuBLAS workspace per (handle, stream) that runs a GEMM (torch keeps them for the process):
-      the warm-up's side stream, a new one per bucket, and the shared capture stream, whose
+      the warm-up's side stream (one for every bucket) and the shared capture stream, whose
       workspace is allocated during the first capture (so it is in the pool).
 
     -> {allocated (the sum: what memory_allocated grows by), outputs, inputs, workspaces,
@@ -148,6 +148,6 @@ def graph_pool(steps: dict, targets: dict, rounding: int = 512, workspace: int =
         reserved = max(reserved, kept + m.peak_as(targets[b], "graph", rounding))
         kept += m.outputs
         inputs += -(-4 * b * 8 // rounding) * rounding
-    spaces = (len(steps) + 1) * workspace if steps else 0
+    spaces = 2 * workspace if steps else 0
     return {"allocated": kept + inputs + spaces, "outputs": kept, "inputs": inputs, "workspaces": spaces,
             "pool_reserved": reserved + workspace}

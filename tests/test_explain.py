@@ -45,7 +45,7 @@ def test_step_workspaces(bills):
     assert list(m["decode_workspace_bytes"]) == ["1", "2", "4", "8", "12", "16"]
     assert m["graph_bytes"] == m["decode_workspace_bytes"]      # the old name
     pool = m["graph_pool"]
-    assert pool["workspaces"] == 7 * 32 * 2**20                 # 6 warm-up streams + the capture stream
+    assert pool["workspaces"] == 2 * 32 * 2**20                 # the warm-up stream + the capture stream
     assert m["graph_pool_bytes"] == pool["outputs"] + pool["inputs"] + pool["workspaces"]
     assert m["prefill_point"] == {"tokens": 8192, "requests": 2, "max_len": 4096}
     assert m["indexer_workspace_bytes"] == 8192 * (4096 * 4 + 8 + 2048 * 8)

@@ -241,11 +241,14 @@ class GpuRunner(PlanExecutor):
         overrides the decode buckets); -> seconds per decode bucket (MTP phases: in
         `timings[(phase, bucket)]`). `progress()` is called after each graph (a progress bar's update)."""
         pool = torch.cuda.graph_pool_handle()
+        # one warm-up stream for every graph: torch keeps a 32 MiB cuBLAS workspace per stream that
+        # ran a GEMM, so a stream per bucket held 11 x 32 MiB more (passes/step_memory.graph_pool)
+        side = torch.cuda.Stream()
         for phase in phases:
             chosen = buckets if phase == "decode" and buckets else self.phase_buckets[phase]
             for b in sorted(chosen, reverse=True):
                 t0 = time.perf_counter()
-                cap = self._capture_one(phase, b, warmup, pool)
+                cap = self._capture_one(phase, b, warmup, pool, side)
                 (self.captured if phase == "decode" else self.mtp_captured[phase])[b] = cap
                 self.timings[b if phase == "decode" else (phase, b)] = time.perf_counter() - t0
                 if progress is not None:
@@ -256,12 +259,11 @@ class GpuRunner(PlanExecutor):
         """How many graphs `capture(phases=phases)` records with the plan's buckets."""
         return sum(len(self.phase_buckets[p]) for p in phases)
 
-    def _capture_one(self, phase: str, b: int, warmup: int, pool) -> Captured:
+    def _capture_one(self, phase: str, b: int, warmup: int, pool, side: torch.cuda.Stream) -> Captured:
         packed = torch.zeros(4, b, dtype=torch.int64, device=self.r2t.device)
         packed[2].fill_(self.scratch), packed[3].fill_(self.pad_row)
         hidden = (torch.zeros(b, self.config.hidden_size, dtype=self.dtype, device=self.r2t.device)
                   if phase == "mtp_draft" else None)
-        side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):        # compile kernels, create handles, fill caches
             for _ in range(warmup):
