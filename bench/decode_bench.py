@@ -114,7 +114,7 @@ def per_op_table(runner, batch, ctx, bw, peak, deadline):
         return lambda op, args, rt: calls.append((op, args, rt, fn)) or fn(op, args, rt)
     runner.impls = {k: recorder(f) for k, f in impls.items()}
     try:
-        runner._decode_body(*runner._host_vectors(batch, batch.batch_size).to(runner.r2t.device))
+        runner._body("decode", *runner._host_vectors(batch, batch.batch_size).to(runner.r2t.device))
     finally:
         runner.impls = impls
     rows = []

@@ -104,7 +104,7 @@ def kernel_rows(runner, batch, ctx, bw):
     runner.impls = {k: (lambda f: lambda op, a, rt: calls.append((op, a, rt)) or f(op, a, rt))(f)
                     for k, f in impls.items()}
     try:
-        runner._decode_body(*runner._host_vectors(batch, batch.batch_size).to(runner.r2t.device))
+        runner._body("decode", *runner._host_vectors(batch, batch.batch_size).to(runner.r2t.device))
     finally:
         runner.impls = impls
     op, args, rt = next(c for c in calls if c[0].kind == "idx.topk")

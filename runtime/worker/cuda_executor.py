@@ -138,9 +138,6 @@ class GpuRunner(PlanExecutor):
             step.feeds["hidden"] = hidden
         return self._outputs(graph, self.run_ops(graph, step, phase))
 
-    def _decode_body(self, ids, pos, loc, rows) -> dict:
-        return self._body("decode", ids, pos, loc, rows)
-
     def _host_vectors(self, batch: ForwardBatch, size: int) -> torch.Tensor:
         """[4, size] int64: ids, positions, slots, rows per token, padded with the spare row."""
         t = batch.num_tokens
@@ -178,7 +175,7 @@ class GpuRunner(PlanExecutor):
                 return self._replay(bucket, batch)
             self._load_rows(batch)
             ids, pos, loc, rows = to_device(self._host_vectors(batch, need), self.r2t.device)
-            return {k: v[:B] for k, v in self._decode_body(ids, pos, loc, rows).items()}
+            return {k: v[:B] for k, v in self._body("decode", ids, pos, loc, rows).items()}
         if phase in MTP_PHASES:
             return self._mtp(phase, batch, hidden, dp_tokens, longest)
         self._load_rows(batch)
@@ -279,8 +276,12 @@ class GpuRunner(PlanExecutor):
         host = torch.empty(4, b, dtype=torch.int64).pin_memory()
         return Captured(graph, packed, host, out, torch.cuda.Event(), counts, hidden)
 
+def to_device_weight(w, device, dtype, fp32: bool = False):
+    """One checkpoint tensor on `device`: FP8 weights (`Fp8Weight`) stay FP8 with their fp32 block
+    scales, the rest in the compute dtype `dtype` (fp32 where `fp32`: the router's weight and bias)."""
+    return w.to(device) if isinstance(w, Fp8Weight) else w.to(device, torch.float32 if fp32 else dtype)
+
+
 def to_device_weights(weights: dict, device, dtype) -> dict:
-    """Checkpoint tensors on `device` in the compute dtype; the router weight and bias stay fp32;
-    FP8 weights (`Fp8Weight`) stay FP8 with their fp32 block scales."""
-    return {n: w.to(device) if isinstance(w, Fp8Weight) else
-            w.to(device, torch.float32 if n.endswith(FP32_WEIGHTS) else dtype) for n, w in weights.items()}
+    """`to_device_weight` of every named tensor; the router's stay fp32 (FP32_WEIGHTS)."""
+    return {n: to_device_weight(w, device, dtype, n.endswith(FP32_WEIGHTS)) for n, w in weights.items()}

@@ -80,13 +80,13 @@ def load_runner(plan: Plan, weights: Weights, *, device: str | torch.device | No
         pool = KVPool.for_plan(plan, num_pages + 1, torch.float32, device, kv_fp8 or "none")
         executor = PlanExecutor(plan, local, pool, comm, device=device, stacks=stacks)
         return PlanRunner(executor, max_context)
-    from glmc.runtime.worker.cuda_executor import MTP_PHASES, GpuRunner, to_device_weights
+    from glmc.runtime.worker.cuda_executor import MTP_PHASES, GpuRunner, to_device_weight, to_device_weights
 
     dtype = compute_dtype(plan.dtypes)
     max_ctx = context_limit(plan.config.max_position_embeddings, num_pages, max_context)
     local = _rank_weights(plan, weights, comm, dtype, fp8, keep_fp8=True)
     stacks = _moved({**stack_experts(local, plan, comm.coords), **given},
-                    lambda w: w.to(device) if isinstance(w, Fp8Weight) else w.to(device, dtype))
+                    lambda w: to_device_weight(w, device, dtype))
     local = to_device_weights(local, device, dtype)
     pool = KVPool.for_plan(plan, num_pages + 1, dtype, device, kv_fp8 or "store")
     gpu = GpuRunner(plan, local, pool, comm, max_reqs=max_running, max_context=max_ctx,
