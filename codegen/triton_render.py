@@ -58,6 +58,11 @@ def _num_sms(device: torch.device) -> int:
 
 
 # ----------------------------------------------------------------------------- render / load / libraries
+def _binaries(fn) -> int:
+    """Binaries Triton compiled for one jitted kernel, over every device (its per-device caches)."""
+    return sum(len(c[0]) for c in getattr(fn, "device_caches", {}).values())
+
+
 def render(kernel: str, ctx) -> str:
     """Source of `kernel` specialised by `ctx` (a *Ctx whose template is `kernel`)."""
     if ctx.template != kernel:
@@ -114,13 +119,11 @@ class KernelLibrary:
         per specialisation: a kernel launched with new constexprs or new integer-argument classes
         compiles again). 0 under TRITON_INTERPRET. A server that counts a change while serving was
         caught by a compile; `startup.warm_up` compiles what serving hits."""
-        return sum(len(c[0]) for fn in self._fns.values()   # per step: no paths (reprs) here
-                   for c in getattr(fn, "device_caches", {}).values())
+        return sum(_binaries(fn) for fn in self._fns.values())   # per step: no paths (reprs) here
 
     def compiled_by_kernel(self) -> dict[str, int]:
         """`num_compiled` per kernel file (its stem, e.g. sparse_mla_decode_3)."""
-        return {self.path(ctx).stem: sum(len(c[0]) for c in getattr(fn, "device_caches", {}).values())
-                for ctx, fn in self._fns.items()}
+        return {self.path(ctx).stem: _binaries(fn) for ctx, fn in self._fns.items()}
 
     def loaded(self) -> list[Path]:
         """The files of the kernels launched (imported) so far."""

@@ -2,10 +2,10 @@
 event loop in batches, aborted when the caller leaves early (a disconnect, a cancelled task at
 shutdown).
 
-Cost model (why batches): a step of the engine emits one event per running request, and the event
-loop shares the GIL with the engine thread. One `call_soon_threadsafe` per event (a self-pipe
-write and a loop wake-up each) and one queue hand-off per event cost ~30% of the loop's time per
-token at concurrency 32 (2026-12-01). Here a burst of events wakes the loop once (`_Waker`), each
+Why batches: a step of the engine emits one event per running request, and the event loop shares
+the GIL with the engine thread, so the loop's work per token is taken from the engine's steps.
+One `call_soon_threadsafe` per event is a self-pipe write and a loop wake-up each, and one queue
+hand-off per event is a task wake-up each. Here a burst of events wakes the loop once (`_Waker`), each
 stream's events wait in a deque (appends are atomic under the GIL), and a consumer takes all that
 arrived at once, so a stream that lags a step writes its tokens in one response chunk.
 """

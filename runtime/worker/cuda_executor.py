@@ -276,6 +276,7 @@ class GpuRunner(PlanExecutor):
         host = torch.empty(4, b, dtype=torch.int64).pin_memory()
         return Captured(graph, packed, host, out, torch.cuda.Event(), counts, hidden)
 
+
 def to_device_weight(w, device, dtype, fp32: bool = False):
     """One checkpoint tensor on `device`: FP8 weights (`Fp8Weight`) stay FP8 with their fp32 block
     scales, the rest in the compute dtype `dtype` (fp32 where `fp32`: the router's weight and bias)."""
