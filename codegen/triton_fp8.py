@@ -19,7 +19,6 @@ The CUDA target runs them for every weight an FP8 plan stores FP8 (`codegen/weig
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -75,11 +74,6 @@ def even_splits(k_blocks: int, splits: int) -> int:
     width = ceil(k_blocks / splits) blocks, so no split is empty (the last may be narrower)."""
     splits = max(1, min(int(splits), k_blocks))
     return -(-k_blocks // -(-k_blocks // splits))
-
-
-@functools.lru_cache(maxsize=None)
-def _sms(device: torch.device) -> int:
-    return _num_sms(device)
 
 
 # ----------------------------------------------------------------------------- contexts
@@ -174,7 +168,7 @@ def fp8_block_gemm(xq, xs, wq, ws, out_dtype=torch.bfloat16, lib: KernelLibrary 
     splits = tiles.pop("splits", None)
     ctx = Fp8BlockGemmCtx.make(n, k, m, **tiles)
     if splits is None:
-        splits = split_count(m, n, k, ctx.block_m, ctx.block_n, _sms(xq.device))
+        splits = split_count(m, n, k, ctx.block_m, ctx.block_n, _num_sms(xq.device))
     splits = even_splits(ctx.k_blocks, splits)
     y = torch.empty(m, n, dtype=out_dtype, device=xq.device) if out is None else out
     if tuple(y.shape) != (m, n) or (n > 1 and y.stride(1) != 1):
