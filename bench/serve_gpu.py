@@ -207,7 +207,8 @@ def serve_cpu(argv) -> None:
     from glmc.runtime.engine.engine import Engine
     from glmc.runtime.engine.startup import warm_up
     from glmc.runtime.engine.tokenizer import Tokenizer
-    from glmc.runtime.serving.server import ServerOptions, serve
+    from glmc.runtime.serving.http_process import serve
+    from glmc.runtime.serving.server import ServerOptions
     from glmc.runtime.worker.loader import load_runner
 
     from glmc.api import plan_for
@@ -435,14 +436,26 @@ def table(info) -> str:
 
 
 def thread_cpu(pid: int) -> dict[str, float]:
-    """CPU seconds (user + system) of the server's threads by role: the event loop (the main
-    thread: HTTP, SSE), the engine thread (named glmc-engine by the engine), the rest (intake
-    pool, torch's threads). {} where /proc is not there."""
+    """CPU seconds (user + system) of the server's threads by role. The engine's process (`pid`):
+    the engine thread (named glmc-engine by the engine) and the rest (the pipe's reader, torch's
+    threads); its HTTP process (`runtime/serving/http_process.py`, the spawned child that is not
+    multiprocessing's resource tracker): the event loop (its main thread: HTTP, SSE) and the rest
+    (intake pool). {} where /proc is not there."""
     out: dict[str, float] = {}
+    for proc, http in [(pid, False), *((c, True) for c in _http_children(pid))]:
+        for tid, comm, cpu in _threads(proc):
+            role = ("event_loop" if tid == proc else "http_other") if http else \
+                "engine" if comm == "glmc-engine" else "other"
+            out[role] = out.get(role, 0.0) + cpu
+    return out
+
+
+def _threads(pid: int):
+    """(tid, comm, cpu seconds) of each thread of `pid`."""
     try:
         tids = os.listdir(f"/proc/{pid}/task")
     except OSError:
-        return out
+        return
     for tid in tids:
         try:
             stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
@@ -450,9 +463,22 @@ def thread_cpu(pid: int) -> dict[str, float]:
         except OSError:
             continue
         fields = stat[stat.rindex(")") + 2:].split()
-        role = "event_loop" if int(tid) == pid else "engine" if comm == "glmc-engine" else "other"
-        out[role] = out.get(role, 0.0) + (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return out
+        yield int(tid), comm, (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _http_children(pid: int) -> list[int]:
+    kids = []
+    for tid in os.listdir(f"/proc/{pid}/task") if os.path.isdir(f"/proc/{pid}/task") else []:
+        try:
+            kids += map(int, Path(f"/proc/{pid}/task/{tid}/children").read_text().split())
+        except OSError:
+            continue
+    def cmdline(p):
+        try:
+            return Path(f"/proc/{p}/cmdline").read_bytes()
+        except OSError:
+            return b""
+    return [k for k in kids if b"spawn_main" in cmdline(k) and b"resource_tracker" not in cmdline(k)]
 
 
 def cpu_per_token(before: dict, after: dict, summary: dict | None) -> dict:

@@ -1,16 +1,22 @@
 """The OpenAI-compatible server, for real: uvicorn on a loopback port, the official `openai` client
-(sync, streaming, async), httpx for malformed requests, the tiny model behind it."""
+(sync, streaming, async), httpx for malformed requests, the tiny model behind it. Every test runs
+twice: the app over the engine in this process, and over a `RemoteEngine` whose engine is at the
+other end of a real pipe (`EngineHost`), as `glmc run`'s server process sees it."""
 import asyncio
 import json
+import multiprocessing
 import threading
 import time
+from contextlib import contextmanager
 
 import httpx
 import openai
 import pytest
 import uvicorn
 from glmc.runtime.engine.sampling import SamplingParams
-from glmc.runtime.serving.server import create_app, listen
+from glmc.runtime.serving.engine_link import EngineHost, RemoteEngine
+from glmc.runtime.serving.http_process import listen
+from glmc.runtime.serving.server import create_app
 
 from glmc.api import build_engine
 
@@ -41,6 +47,30 @@ class Server:
         self.thread.join(timeout=30)
 
 
+@contextmanager
+def serving(engine, mode: str, options=None):
+    """`Server` over `engine`: in this process ("local") or through the pipe ("linked")."""
+    kwargs = {} if options is None else {"options": options}
+    if mode == "local":
+        with Server(create_app(engine, MODEL, **kwargs)) as server:
+            yield server
+        return
+    ours, theirs = multiprocessing.Pipe()
+    host = EngineHost(engine, ours)
+    host.start()
+    engine.start()
+    remote = RemoteEngine(theirs, engine.tokenizer, engine.admission, engine.max_waiting)
+    try:
+        with Server(create_app(remote, MODEL, **kwargs)) as server:
+            yield server
+    finally:
+        host.close()
+        engine.stop()
+        ours.close()
+        theirs.close()
+
+
+MODES = ["local", "linked"]
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
@@ -49,11 +79,11 @@ def ckpt(tiny_ckpt):
     return tiny_ckpt
 
 
-@pytest.fixture(scope="module")
-def served(ckpt):
+@pytest.fixture(scope="module", params=MODES)
+def served(ckpt, request):
     engine = build_engine(ckpt, warmup=False, num_pages=64, max_running=16, max_batch_tokens=128,
                           max_waiting=32)
-    with Server(create_app(engine, MODEL)) as server:
+    with serving(engine, request.param) as server:
         yield engine, server
 
 
@@ -221,10 +251,11 @@ def test_client_disconnect_aborts_and_frees_pages(served):
     assert engine.scheduler.num_pages_held == 0
 
 
-def test_overload_gets_503_with_retry_after(ckpt):
+@pytest.mark.parametrize("mode", MODES)
+def test_overload_gets_503_with_retry_after(ckpt, mode):
     engine = build_engine(ckpt, warmup=False, max_running=1, max_waiting=1)
     body = {"model": MODEL, "prompt": "hi", "max_tokens": 60, "ignore_eos": True}
-    with Server(create_app(engine, MODEL)) as server:
+    with serving(engine, mode) as server:
         async def burst():
             async with httpx.AsyncClient(base_url=server.url, timeout=60) as c:
                 return await asyncio.gather(*(c.post("/v1/completions", json=body) for _ in range(6)))
@@ -236,6 +267,31 @@ def test_overload_gets_503_with_retry_after(ckpt):
         refused = next(r for r in answers if r.status_code == 503)
         assert refused.headers["retry-after"] == "1" and refused.json()["error"]["code"] == "overloaded"
         assert httpx.get(server.url + "/health").status_code == 200
+        # the queue is empty again: taken (over the pipe: the engine's waiting count came back down)
+        assert httpx.post(server.url + "/v1/completions", json={**body, "max_tokens": 2},
+                          timeout=60).status_code == 200
+
+
+def test_linked_server_ends_streams_when_the_engine_process_goes(ckpt):
+    """The engine's end of the pipe closes mid-stream (its process died): the open stream ends with
+    an error event, /health says 503, and the server is told (`on_lost`: `glmc run` exits)."""
+    engine = build_engine(ckpt, warmup=False, num_pages=32, max_running=4)
+    ours, theirs = multiprocessing.Pipe()
+    host, lost = EngineHost(engine, ours), threading.Event()
+    host.start()
+    engine.start()
+    remote = RemoteEngine(theirs, engine.tokenizer, engine.admission, engine.max_waiting, lost.set)
+    with Server(create_app(remote, MODEL)) as server:
+        body = {"model": MODEL, "prompt": "hi", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))
+            host.close()
+            engine.stop()
+            ours.close()
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert "error" in json.loads(rest[-1][6:]) and lost.wait(10)
+        assert httpx.get(server.url + "/health").status_code == 503
 
 
 def test_load_64_streaming_clients_some_disconnecting(served):
@@ -277,13 +333,14 @@ def test_load_64_streaming_clients_some_disconnecting(served):
     assert httpx.get(server.url + "/health").status_code == 200
 
 
-def test_start_profile_traces_engine_steps(ckpt, tmp_path):
+@pytest.mark.parametrize("mode", MODES)
+def test_start_profile_traces_engine_steps(ckpt, tmp_path, mode):
     """POST /start_profile: 404 unless --profile-dir, 400 on a bad num_steps, else the trace of
     the next steps with work (here: a streamed request runs meanwhile)."""
     from glmc.runtime.serving.server import ServerOptions
     engine = build_engine(ckpt, warmup=False, num_pages=32, max_running=4, max_batch_tokens=64)
     for options, ok in ((ServerOptions(), False), (ServerOptions(profile_dir=str(tmp_path)), True)):
-        with Server(create_app(engine, MODEL, options)) as server:
+        with serving(engine, mode, options) as server:
             if not ok:
                 r = post(server, {"num_steps": 2}, "/start_profile")
                 assert r.status_code == 404 and r.json()["error"]["code"] == "profiling_disabled"

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+from glmc.runtime.engine.admission import Admission, InvalidRequest
 from glmc.runtime.engine.metrics import Metrics
 from glmc.runtime.engine.pages import PAGE_SIZE, PageAllocator, ReqToTokenPool
 from glmc.runtime.engine.prefix_cache import NoPrefixCache, RadixCache
@@ -45,7 +46,6 @@ from glmc.runtime.engine.sampling import (
     SamplingBatch,
     SamplingParams,
     TokenLogprobs,
-    request_seed,
     sample_batch,
 )
 from glmc.runtime.engine.scheduler import (
@@ -58,14 +58,6 @@ from glmc.runtime.worker.forward_batch import ForwardBatch, to_device
 from glmc.runtime.worker.model_runner import ModelRunner
 
 __all__ = ["Engine", "InvalidRequest", "ModelRunner", "Overloaded", "StreamEvent"]
-
-
-class InvalidRequest(ValueError):
-    """A request the engine cannot take; `param` names the API field, `code` is OpenAI's code."""
-
-    def __init__(self, message: str, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.param, self.code = param, code
 
 
 class Overloaded(RuntimeError):
@@ -103,6 +95,10 @@ class Engine:
             for _ in range(runner.num_dp)])
         self.metrics = Metrics()
         self.max_context = runner.max_context
+        rank = self.scheduler.ranks[0]   # every DP rank has the same pool
+        self.admission = Admission(runner.vocab_size, runner.max_context, rank.allocator.num_pages,
+                                   PAGE_SIZE, rank.req_pool.max_context, tokenizer.eos_token_ids)
+        self.after_step: Callable[[], None] | None = None   # called on the engine thread after each step
         self._inbox: deque = deque()
         self._sinks: dict[str, Callable[[StreamEvent], None]] = {}
         self._detok: dict[str, Detokenizer] = {}
@@ -123,27 +119,7 @@ class Engine:
 
     def make_request(self, prompt_ids: list[int], params: SamplingParams) -> Request:
         """Validate a prompt and its parameters into a `Request` (raises `InvalidRequest`)."""
-        if not prompt_ids:
-            raise InvalidRequest("prompt is empty", "prompt", "empty_prompt")
-        bad = [t for t in prompt_ids if not 0 <= t < self.runner.vocab_size]
-        if bad:
-            raise InvalidRequest(f"prompt token ids {bad[:5]} outside [0, {self.runner.vocab_size})",
-                                 "prompt", "invalid_token")
-        params.validate(self.runner.vocab_size)
-        room = self.max_context - len(prompt_ids)
-        if room < 1 or params.max_tokens > room:
-            raise InvalidRequest(
-                f"This model's maximum context length is {self.max_context} tokens. However, you "
-                f"requested {len(prompt_ids) + params.max_tokens} tokens ({len(prompt_ids)} in the "
-                f"prompt, {params.max_tokens} for the completion).", "max_tokens"
-                if room >= 1 else "prompt", "context_length_exceeded")
-        req = Request(list(prompt_ids), params, eos_token_ids=self.tokenizer.eos_token_ids,
-                      max_context=self.max_context, seed=request_seed(params.seed))
-        if not self.scheduler.fits(req):
-            raise InvalidRequest(f"request needs {req.max_total_tokens} tokens of KV, more than the "
-                                 f"pool's {self.runner.num_pages * PAGE_SIZE}", "max_tokens",
-                                 "context_length_exceeded")
-        return req
+        return self.admission.make_request(prompt_ids, params)
 
     def submit(self, req: Request, sink: Callable[[StreamEvent], None] | None = None) -> None:
         """Queue `req`; `sink` receives its events on the engine thread. Raises `Overloaded`."""
@@ -153,6 +129,10 @@ class Engine:
         """Queue all of `reqs` or none of them (raises `Overloaded` when the queue is full)."""
         if self.num_waiting + len(reqs) > self.max_waiting:
             raise Overloaded(f"{self.max_waiting} requests already waiting")
+        self.enqueue(reqs, sinks)
+
+    def enqueue(self, reqs: list[Request], sinks: list) -> None:
+        """Queue `reqs` whatever the queue's length (a caller that checked it itself)."""
         self._inbox.extend(("add", r, s) for r, s in zip(reqs, sinks))
         self._wake.set()
 
@@ -191,6 +171,8 @@ class Engine:
                 for req in [*self.scheduler.running, *self.scheduler.waiting]:
                     self._finish(req, "error")
                 busy = True
+            if self.after_step is not None:
+                self.after_step()
             if not busy:
                 self._wake.wait(0.05)
                 self._wake.clear()

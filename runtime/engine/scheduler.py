@@ -82,11 +82,6 @@ class Scheduler:
 
     # -- queue -----------------------------------------------------------------------------------
 
-    def fits(self, req: Request) -> bool:
-        """Whether `req` could ever run alone: its longest sequence fits the pool and a row."""
-        return (num_pages_for(req.max_total_tokens, self.page_size) <= self.allocator.num_pages
-                and req.max_total_tokens <= self.req_pool.max_context)
-
     def add(self, req: Request) -> None:
         req.status = Status.WAITING
         self.waiting.append(req)
@@ -265,9 +260,6 @@ class DataParallelScheduler:
     @property
     def num_pages_held(self) -> int:
         return sum(s.num_pages_held for s in self.ranks)
-
-    def fits(self, req: Request) -> bool:
-        return self.ranks[0].fits(req)  # every rank has the same pool
 
     def add(self, req: Request) -> None:
         if len(self.ranks) > 1:

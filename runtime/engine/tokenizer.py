@@ -124,6 +124,10 @@ class Tokenizer:
             eos.update(_as_list(_read_json(path / name).get("eos_token_id")))
         return cls(tok, template, sorted(eos), special)
 
+    def __getstate__(self) -> dict:
+        """Picklable (the HTTP process gets a copy): the compiled chat template is made again."""
+        return {**self.__dict__, "_template": None}
+
     @property
     def vocab_size(self) -> int:
         return self.tok.get_vocab_size()

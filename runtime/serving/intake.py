@@ -13,7 +13,8 @@ import json.decoder
 import json.scanner
 from dataclasses import dataclass
 
-from glmc.runtime.engine.engine import Engine, InvalidRequest
+from glmc.runtime.engine.admission import InvalidRequest
+from glmc.runtime.engine.engine import Engine
 from glmc.runtime.engine.request import Request
 from glmc.runtime.engine.sampling import SamplingError
 from glmc.runtime.serving.prompts import Prompts, chat_prompts, completion_prompts
@@ -29,12 +30,12 @@ from starlette.requests import ClientDisconnect
 
 MAX_DEPTH = 64
 MAX_ITEMS = 4096  # longest array besides `prompt` and `messages`, whose bound is the context
-DRAIN_FACTOR = 4
+DRAIN_FACTOR = 4  # read (and drop) up to this many times the limit of a too-large body
 # The sampler works in fp32: logits are divided by the first two, and a top_p below fp32's range
 # reads as 0, which drops every token. Past these, one request's draw failed its whole batch.
 MIN_TEMPERATURE = 1e-5  # below it, greedy (vLLM's rule)
 MIN_REPETITION_PENALTY = 1e-5
-MIN_TOP_P = 1e-6  # keeps only the most likely token, as any smaller top_p does  # read (and drop) up to this many times the limit of a too-large body
+MIN_TOP_P = 1e-6  # keeps only the most likely token, as any smaller top_p does
 
 
 def _no_constant(name: str):

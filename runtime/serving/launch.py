@@ -60,7 +60,7 @@ def serve_model(cfg: ServeConfig) -> None:
     process per rank (then a failing rank raises `launch.RankFailed`). A signal during start-up
     raises KeyboardInterrupt once every rank is gone."""
     from glmc.runtime.engine.startup import build_engine
-    from glmc.runtime.serving.server import serve
+    from glmc.runtime.serving.http_process import serve
     from glmc.runtime.worker.launch import RankFailed, from_env, launched_by_env, spawn
 
     world = cfg.plan.world
@@ -205,7 +205,7 @@ def _rank_main(rank: int, world: int, cfg: ServeConfig) -> None:
     from glmc.runtime.engine.engine import Engine
     from glmc.runtime.engine.startup import warm_up
     from glmc.runtime.engine.tokenizer import Tokenizer
-    from glmc.runtime.serving.server import serve
+    from glmc.runtime.serving.http_process import serve
     from glmc.runtime.worker.comm import Comm
     from glmc.runtime.worker.loader import load_runner
 

@@ -1,4 +1,5 @@
-"""OpenAI-compatible HTTP server (FastAPI) over an `Engine`.
+"""OpenAI-compatible HTTP server (FastAPI) over an `Engine` in this process (tests, embedding) or
+a `RemoteEngine` in the HTTP process `glmc run` starts (`runtime/serving/http_process.py`).
 
 Routes: POST /v1/chat/completions, POST /v1/completions (SSE when `stream`), GET /v1/models,
 GET /v1/models/{id}, GET /health, GET /metrics (Prometheus, `prometheus-client`). Every error,
@@ -8,15 +9,12 @@ when the waiting queue is momentarily full. Bodies are parsed, validated and tok
 threads (`runtime/serving/intake.py`), so neither a huge body nor a long prompt stalls `/health`
 or other streams. A client that disconnects (streaming or not) has its requests aborted, which
 frees their KV pages. Chat output is split into reasoning, content and tool calls
-(`runtime/serving/glm_output.py`). On SIGINT/SIGTERM in-flight requests get `shutdown_timeout_s`
-to finish, then are aborted; a second signal exits at once.
+(`runtime/serving/glm_output.py`). `begin_shutdown` gives in-flight requests `shutdown_timeout_s`
+to finish, then aborts them (`http_process` calls it at the first SIGINT/SIGTERM).
 """
 from __future__ import annotations
 
 import asyncio
-import signal
-import socket
-import sys
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -40,10 +38,8 @@ from glmc.runtime.serving.responses import (
     sse_data,
     usage,
 )
-from glmc.runtime.serving.signals import SignalledServer
 from starlette.exceptions import HTTPException
 
-SWITCH_INTERVAL_S = 0.001   # the GIL hand-over interval while serving (see `serve`)
 SHUT_DOWN = APIError(503, "the server shut down before this request finished (its shutdown "
                      "timeout passed)", None, "shutdown", "server_error")
 
@@ -270,88 +266,8 @@ def create_app(engine: Engine, model_name: str = "glmc-tiny",
         return {"trace": path, "table": path + ".txt", "num_steps": steps}
 
     @app.get("/metrics")
-    async def metrics():
-        body, content_type = engine.metrics.exposition()
+    async def metrics():   # off the loop: a remote engine's metrics come over its pipe
+        body, content_type = await asyncio.to_thread(engine.metrics.exposition)
         return Response(body, media_type=content_type)
 
     return app
-
-
-def listen(host: str, port: int) -> socket.socket:
-    """A listening TCP socket for uvicorn, with TCP_NODELAY (inherited by accepted connections;
-    uvicorn sets it only on sockets it makes itself): without it Nagle's algorithm and delayed
-    ACKs add ~40 ms to every response written in two parts (headers, then body)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.create_server((host, port), family=family)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    return sock
-
-
-def _warm_then_announce(server, engine: Engine, url: str, model_name: str) -> None:
-    """Once uvicorn runs: one streamed chat request and one completion through the whole HTTP path,
-    then forget them (metrics, prefix cache) and print the URL. The first request a server answers
-    pays one-time costs no engine warm-up reaches (the chat template's compile, validators', the
-    SSE path's first use: ~90 ms of the first TTFT on the H200 host, 2026-12-01); this request
-    pays them instead, as SGLang's start-up request does. A failure is logged, never fatal."""
-    import httpx
-    while not server.started:
-        if server.should_exit:
-            return
-        time.sleep(0.01)
-    t0 = time.perf_counter()
-    try:
-        with httpx.Client(base_url=url + "/v1", timeout=300) as c:
-            for path, body in (("/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                                                      "stream": True}),
-                               ("/completions", {"prompt": "hi"})):
-                with c.stream("POST", path, json={"model": model_name, "max_tokens": 2, **body}) as r:
-                    r.read()
-        engine.flush_cache()
-        engine.reset_metrics()
-        print(f"glmc: start-up requests answered in {(time.perf_counter() - t0) * 1e3:.0f} ms",
-              flush=True)
-    except Exception as e:  # noqa: BLE001 - serving goes on; the first request pays the costs instead
-        print(f"glmc: start-up request failed ({type(e).__name__}: {e}); serving anyway", flush=True)
-    print(f"glmc: serving {model_name} at {url}/v1", flush=True)
-
-
-def serve(engine: Engine, model_name: str = "glmc-tiny", host: str = "127.0.0.1",
-          port: int = 8000, log_level: str = "info", options: ServerOptions = ServerOptions(),
-          signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM)) -> None:
-    """Serve in the foreground until one of `signals` (then shut down as the module docstring
-    says). The URL is printed once the server answers and a start-up request went through it
-    (`_warm_then_announce`), so a client that read the URL is served at full speed; port 0 picks
-    a free one."""
-    import threading
-
-    import uvicorn
-
-    # The event loop and the engine thread share the GIL: a thread that wants it waits up to the
-    # switch interval (Python's default 5 ms) while the other runs Python. 1 ms: c32 on the H200
-    # served 3650-3941 output tok/s against 3442 at 5 ms (2026-12-01, bench/NOTES.md).
-    sys.setswitchinterval(SWITCH_INTERVAL_S)
-    sock = listen(host, port)
-    url = f"http://{'[' + host + ']' if ':' in host else host}:{sock.getsockname()[1]}"
-    app = create_app(engine, model_name, options)
-    # uvicorn cancels what is left a little after our own deadline (which ends requests cleanly)
-    config = uvicorn.Config(app, log_level=log_level,
-                            timeout_graceful_shutdown=options.shutdown_timeout_s + 5)
-
-    def on_stop():
-        print(f"glmc: shutting down: in-flight requests have {options.shutdown_timeout_s:g} s to "
-              "finish (signal again to exit now)", flush=True)
-        app.state.api.begin_shutdown()
-    main = threading.current_thread() is threading.main_thread()
-    handled = (signal.SIGINT, signal.SIGTERM)
-    previous = {s: signal.getsignal(s) for s in handled} if main else {}
-    server = SignalledServer(config, signals, previous, on_stop)
-    for s in previous:
-        signal.signal(s, server.record)
-    threading.Thread(target=_warm_then_announce, args=(server.server, engine, url, model_name),
-                     name="glmc-http-warmup", daemon=True).start()
-    try:
-        server.run(sock)
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-    print(f"glmc: stopped serving {model_name}", flush=True)

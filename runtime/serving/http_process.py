@@ -1,0 +1,159 @@
+"""`serve(engine)`: the engine in this process, the HTTP server in a process of its own.
+
+The engine thread keeps this process's GIL to itself; the server process (`http_main`, started
+with spawn, in its own session) parses, tokenises, formats and writes, and talks to the engine over
+one pipe (`runtime/serving/engine_link.py`). Signals: this process takes `signals` and forwards
+each to the server process, which applies glmc's rules (`runtime/serving/signals.py`): the first
+starts a graceful shutdown (in-flight requests get `shutdown_timeout_s`, then are aborted), the
+second exits at once. A terminal's Ctrl-C reaches only this process (the server has its own
+session), so it is forwarded once. `serve` returns when the server process has exited; a server
+process whose engine process died exits on its own (the pipe closes).
+"""
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import socket
+import threading
+import time
+from dataclasses import dataclass
+
+from glmc.runtime.engine.admission import Admission
+from glmc.runtime.engine.engine import Engine
+from glmc.runtime.engine.tokenizer import Tokenizer
+from glmc.runtime.serving.engine_link import EngineHost, RemoteEngine
+from glmc.runtime.serving.server import ServerOptions, create_app
+from glmc.runtime.serving.signals import SignalledServer
+
+
+@dataclass
+class HttpSpec:
+    """What the server process needs (picklable)."""
+
+    model_name: str
+    host: str
+    port: int
+    log_level: str
+    options: ServerOptions
+    tokenizer: Tokenizer
+    admission: Admission
+    max_waiting: int
+
+
+class ServerProcessFailed(RuntimeError):
+    """The HTTP server process exited with an error (its traceback is on stderr)."""
+
+
+def serve(engine: Engine, model_name: str = "glmc-tiny", host: str = "127.0.0.1",
+          port: int = 8000, log_level: str = "info", options: ServerOptions = ServerOptions(),
+          signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM)) -> None:
+    """Serve `engine` in the foreground until one of `signals` (see the module docstring). The
+    URL is printed once the server answers and a start-up request went through it, so a client
+    that read it is served at full speed; port 0 picks a free one."""
+    ctx = multiprocessing.get_context("spawn")
+    ours, theirs = ctx.Pipe()
+    spec = HttpSpec(model_name, host, port, log_level, options, engine.tokenizer, engine.admission,
+                    engine.max_waiting)
+    proc = ctx.Process(target=http_main, args=(theirs, spec), name="glmc-http")
+    link = EngineHost(engine, ours)
+    forwarded: list[int] = []
+
+    def forward(signum, frame) -> None:
+        forwarded.append(signum)
+        try:
+            os.kill(proc.pid, signum)
+        except ProcessLookupError:
+            pass
+    main = threading.current_thread() is threading.main_thread()
+    previous = {}
+    try:
+        proc.start()
+        theirs.close()
+        previous = {s: signal.signal(s, forward) for s in signals} if main else {}
+        link.start()
+        engine.start()
+        proc.join()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        link.close()
+        engine.stop()
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+        ours.close()
+    if proc.exitcode != 0 and not forwarded:
+        raise ServerProcessFailed(f"the HTTP server process exited with status {proc.exitcode}")
+
+
+def http_main(conn, spec: HttpSpec) -> None:
+    """The server process: uvicorn over a `RemoteEngine` on `conn` until told to stop."""
+    os.setsid()   # a terminal's signals go to the engine's process, which forwards them
+    import uvicorn
+
+    sock = listen(spec.host, spec.port)
+    url = f"http://{'[' + spec.host + ']' if ':' in spec.host else spec.host}:{sock.getsockname()[1]}"
+    remote = RemoteEngine(conn, spec.tokenizer, spec.admission, spec.max_waiting, on_lost=_engine_lost)
+    app = create_app(remote, spec.model_name, spec.options)
+    grace = spec.options.shutdown_timeout_s
+    # uvicorn cancels what is left a little after our own deadline (which ends requests cleanly)
+    config = uvicorn.Config(app, log_level=spec.log_level, timeout_graceful_shutdown=grace + 5)
+
+    def on_stop():
+        print(f"glmc: shutting down: in-flight requests have {grace:g} s to finish (signal again "
+              "to exit now)", flush=True)
+        app.state.api.begin_shutdown()
+    handled = (signal.SIGINT, signal.SIGTERM)
+    server = SignalledServer(config, handled, {s: signal.getsignal(s) for s in handled}, on_stop)
+    for s in handled:
+        signal.signal(s, server.record)
+    threading.Thread(target=_warm_then_announce, args=(server.server, remote, url, spec.model_name),
+                     name="glmc-http-warmup", daemon=True).start()
+    server.run(sock)
+    print(f"glmc: stopped serving {spec.model_name}", flush=True)
+
+
+def _engine_lost() -> None:
+    """Nothing can be answered any more (open streams just got an error event): exit now, as the
+    engine's process did, without unwinding the server."""
+    print("glmc: the engine's process is gone; the server exits", flush=True)
+    os._exit(1)
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A listening TCP socket for uvicorn, with TCP_NODELAY (inherited by accepted connections;
+    uvicorn sets it only on sockets it makes itself): without it Nagle's algorithm and delayed
+    ACKs add ~40 ms to every response written in two parts (headers, then body)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.create_server((host, port), family=family)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
+def _warm_then_announce(server, engine: RemoteEngine, url: str, model_name: str) -> None:
+    """Once uvicorn runs: one streamed chat request and one completion through the whole HTTP path,
+    then forget them (metrics, prefix cache) and print the URL. The first request a server answers
+    pays one-time costs no engine warm-up reaches (the chat template's compile, validators', the
+    SSE path's first use: ~90 ms of the first TTFT on the H200 host, 2026-12-01); this request
+    pays them instead, as SGLang's start-up request does. A failure is logged, never fatal."""
+    import httpx
+    while not server.started:
+        if server.should_exit:
+            return
+        time.sleep(0.01)
+    t0 = time.perf_counter()
+    try:
+        with httpx.Client(base_url=url + "/v1", timeout=300) as c:
+            for path, body in (("/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                      "stream": True}),
+                               ("/completions", {"prompt": "hi"})):
+                with c.stream("POST", path, json={"model": model_name, "max_tokens": 2, **body}) as r:
+                    r.read()
+        engine.flush_cache()
+        engine.reset_metrics()
+        print(f"glmc: start-up requests answered in {(time.perf_counter() - t0) * 1e3:.0f} ms",
+              flush=True)
+    except Exception as e:  # noqa: BLE001 - serving goes on; the first request pays the costs instead
+        print(f"glmc: start-up request failed ({type(e).__name__}: {e}); serving anyway", flush=True)
+    print(f"glmc: serving {model_name} at {url}/v1", flush=True)
