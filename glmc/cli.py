@@ -105,7 +105,7 @@ def cmd_run(a) -> int:
     try:
         serve_model(ServeConfig(plan, str(ckpt), a.device, name, a.host, a.port, a.num_pages,
                                 a.max_context, engine_kwargs, not a.no_warmup, a.log_level,
-                                server=server))
+                                server=server, prefill_graphs=not a.no_prefill_graphs))
     except RankFailed as e:
         print(f"glmc run: error: {e}", file=sys.stderr)
         return 1
@@ -185,6 +185,9 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--kv-dtype", choices=("fp8", "bf16"), help=KV_DTYPE_HELP)
     r.add_argument("--no-warmup", action="store_true", help="skip the warm-up (on a GPU it compiles "
                    "every kernel variant serving hits; without it first requests wait for compiles)")
+    r.add_argument("--no-prefill-graphs", action="store_true", help="run prefill and mixed steps "
+                   "eagerly (default on one GPU: replayed from CUDA graphs captured at start-up per "
+                   "token count up to --max-batch-tokens, which costs start-up time and memory)")
     r.add_argument("--no-overlap", action="store_true", help="read each step's tokens before "
                    "scheduling the next (default: the host prepares step N+1 while the device "
                    "runs step N, where the runner supports it)")

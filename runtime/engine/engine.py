@@ -80,8 +80,10 @@ class StreamEvent:
 class Engine:
     """Continuous-batching engine over a `ModelRunner`; see the module docstring."""
 
+    MAX_BATCH_TOKENS = 256   # the default token budget of one step
+
     def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, *, max_running: int = 32,
-                 max_batch_tokens: int = 256, max_waiting: int = 256,
+                 max_batch_tokens: int = MAX_BATCH_TOKENS, max_waiting: int = 256,
                  enable_prefix_cache: bool = True, overlap: bool | None = None,
                  mixed_prefill_tokens: int | None = None, speculative_num_steps: int = 0):
         if runner.page_size != PAGE_SIZE:

@@ -32,8 +32,9 @@ def require_cuda() -> None:
 
 def build_engine(plan: Plan, ckpt_dir: str | Path, *, runner: str = "plan", device: str = "cpu",
                  num_pages: int = 256, max_context: int | None = None, warmup: bool = True,
-                 **engine_kwargs) -> Engine:
-    """An engine in this process over `plan` (one rank) and the checkpoint's weights."""
+                 prefill_graphs: bool = True, **engine_kwargs) -> Engine:
+    """An engine in this process over `plan` (one rank) and the checkpoint's weights; on a GPU
+    with `prefill_graphs`, prefill steps are replayed from CUDA graphs (`load_runner`)."""
     ckpt_dir = Path(ckpt_dir)
     if device not in DEVICES:
         raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
@@ -49,7 +50,9 @@ def build_engine(plan: Plan, ckpt_dir: str | Path, *, runner: str = "plan", devi
         max_running = engine_kwargs.get("max_running", 32)
         model = load_runner(plan, ckpt_dir, device=device, num_pages=num_pages,
                             max_context=max_context, max_running=max_running,
-                            speculative=engine_kwargs.get("speculative_num_steps", 0) > 0)
+                            speculative=engine_kwargs.get("speculative_num_steps", 0) > 0,
+                            max_batch_tokens=engine_kwargs.get("max_batch_tokens", Engine.MAX_BATCH_TOKENS)
+                            if prefill_graphs else 0)
     else:
         raise ValueError(f"runner must be 'plan' or 'reference', got {runner!r}")
     engine = Engine(model, Tokenizer.from_dir(ckpt_dir), **engine_kwargs)

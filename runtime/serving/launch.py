@@ -53,6 +53,7 @@ class ServeConfig:
     log_level: str = "info"
     timeout_s: float = 600.0  # collectives of one step (and start-up) fail after this long
     server: ServerOptions = field(default_factory=ServerOptions)  # body limit, shutdown grace
+    prefill_graphs: bool = True  # one-rank CUDA plans: prefill steps replayed from CUDA graphs
 
 
 def serve_model(cfg: ServeConfig) -> None:
@@ -77,7 +78,8 @@ def serve_model(cfg: ServeConfig) -> None:
         with _sigterm_interrupts():  # start-up ends with KeyboardInterrupt on either signal
             engine = build_engine(cfg.plan, cfg.ckpt_dir, device=cfg.device,
                                   num_pages=cfg.num_pages, max_context=cfg.max_context,
-                                  warmup=cfg.warmup, **cfg.engine_kwargs)
+                                  warmup=cfg.warmup, prefill_graphs=cfg.prefill_graphs,
+                                  **cfg.engine_kwargs)
         serve(engine, cfg.model_name, cfg.host, cfg.port, cfg.log_level, cfg.server)
         return
     stop = _StopRanks()

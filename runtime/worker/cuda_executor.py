@@ -1,4 +1,4 @@
-"""Run a compiled plan on one GPU: eager prefill; decode (and MTP verify / draft) captured as one CUDA
+"""Run a compiled plan on one GPU: prefill, decode (and MTP verify / draft) captured as one CUDA
 graph per bucket.
 
 `GpuRunner(plan, weights, pool, comm, max_reqs=, max_context=)` is a `PlanExecutor` whose op table
@@ -16,6 +16,12 @@ graph over static buffers [ids | positions | slots | rows] x b (largest first, o
 position 0 of the spare row, KV slot = the pool's last slot, which allocators never hand out),
 copies the four vectors in and replays; B above the largest bucket, or an uncaptured runner, runs
 eagerly with the same code. No host sync inside the captured region (see cuda_target).
+
+Prefill (and mixed prefill + decode) steps replay the prefill graph of the smallest captured token
+count >= T (`prefill_buckets`, up to the engine's token budget; one-rank plans): the same
+per-token ops plus the gather of each request's last token (static [L] `last` indices, L = up
+to max_reqs requests), with attention and indexer sized for PREFILL_GRAPH_MAX_LEN positions; a
+step with more tokens or requests, or a longer sequence, runs the same ops eagerly.
 
 The MTP phases run through the same per-token body (`_body`): every op of the CUDA target is
 per token (attention reads the paged KV through r2t up to the token's own position, after the
@@ -47,6 +53,19 @@ from glmc.runtime.worker.kv_cache import KVPool
 from glmc.plan import Plan
 
 FP32_WEIGHTS = ("mlp.gate.weight", "e_score_correction_bias")  # the router stays fp32 (HF, SGLang)
+# Prefill (and mixed prefill + decode) steps replay a graph of the smallest of these token counts
+# that holds them. Eager, such a step is host-bound: on the H200 at GLM-5.3 width a mixed step of
+# a 512-token chunk and 32 decodes took 13-19 ms of host time for ~6 ms of kernels (2026-12-01).
+PREFILL_GRAPH_TOKENS = (16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
+# The graphs' attention and indexer read up to this many positions per token whatever the step's
+# longest sequence (a graph's shapes are fixed), so a step with a longer sequence runs eagerly.
+PREFILL_GRAPH_MAX_LEN = 4096
+
+
+def prefill_buckets(max_batch_tokens: int) -> list[int]:
+    """Token counts to capture prefill graphs at for steps of up to `max_batch_tokens` tokens."""
+    top = min(max_batch_tokens, PREFILL_GRAPH_TOKENS[-1])
+    return sorted({b for b in PREFILL_GRAPH_TOKENS if b < top} | {top})
 
 
 @dataclass
@@ -78,11 +97,13 @@ class Captured:
     copied: object = None  # torch.cuda.Event: the last host->device copy of `host` is done
     counts: dict = field(default_factory=dict)  # the collectives one replay runs (as captured)
     hidden: torch.Tensor | None = None  # mtp_draft: [b, hidden] static input rows
+    last: torch.Tensor | None = None    # prefill: [L] int64, each request's last token (padded 0)
+    last_host: torch.Tensor | None = None   # prefill: its pinned staging buffer
 
 
 class GpuRunner(PlanExecutor):
     def __init__(self, plan: Plan, weights, pool: KVPool, comm: Comm | None, max_reqs: int,
-                 max_context: int, stacks: dict | None = None):
+                 max_context: int, stacks: dict | None = None, max_batch_tokens: int = 0):
         super().__init__(plan, weights, pool, comm, impls=CUDA_IMPLS, device=pool.device,
                          stacks=stacks)
         self.max_context, self.pad_row, self.scratch = max_context, max_reqs, pool.num_slots - 1
@@ -96,12 +117,18 @@ class GpuRunner(PlanExecutor):
         self._derived: dict = {}
         self.captured: dict[int, Captured] = {}   # decode graphs by bucket
         self.mtp_captured: dict[str, dict[int, Captured]] = {p: {} for p in MTP_PHASES}
+        self.prefill_captured: dict[int, Captured] = {}
+        self.num_prefill_replays = 0   # prefill steps that replayed a graph
         split = plan.mesh["attn_tp"] if plan.mesh["ep"] > 1 else 1   # tokens split over attn_tp
         self.buckets = [b for b in plan.decode_buckets if b % split == 0]
         verify = [b for b in plan.graphs["mtp_verify"].meta.get("cuda_graph_buckets", [])
                   if b % split == 0] if "mtp_verify" in plan.graphs else []
+        # prefill graphs on one rank only: ranks would pick buckets by their own longest sequence
+        prefill = prefill_buckets(max_batch_tokens) if max_batch_tokens and comm.world == 1 else []
+        self.prefill_max_len = min(max_context, PREFILL_GRAPH_MAX_LEN)
         self.phase_buckets = {"decode": self.buckets, "mtp_verify": verify,
-                              "mtp_draft": sorted(set(self.buckets) | set(verify)) if verify else []}
+                              "mtp_draft": sorted(set(self.buckets) | set(verify)) if verify else [],
+                              "prefill": prefill}
         self.timings: dict = {}
         self.last_bucket: int | None = None   # the bucket the last decode step replayed
 
@@ -180,13 +207,29 @@ class GpuRunner(PlanExecutor):
             return self._mtp(phase, batch, hidden, dp_tokens, longest)
         self._load_rows(batch)
         size = self.padded_tokens(batch.num_tokens, dp_tokens)
+        bucket = next((b for b in sorted(self.prefill_captured) if b >= size), None)
+        if bucket is not None and longest <= self.prefill_max_len \
+                and B <= self.prefill_captured[bucket].last.numel():
+            self.num_prefill_replays += 1
+            return self._replay(bucket, batch, self.prefill_captured[bucket])
         ids, pos, loc, rows = to_device(self._host_vectors(batch, size), self.r2t.device)
+        last = to_device(self._last_tokens(batch, B), self.r2t.device)
+        return self._prefill_body(ids, pos, loc, rows, last, longest)
+
+    def _prefill_body(self, ids, pos, loc, rows, last, max_len) -> dict:
+        """A prefill (or mixed) step's ops over device vectors: outputs of each request's last token
+        (`last`: its index among the step's tokens). The device table already holds the rows."""
         ids = torch.where(ids < 0, self.last_token[rows], ids)
-        last = to_device(torch.cumsum(batch.extend_lens, 0) - 1, self.r2t.device)
         graph = self.graphs["prefill"]
-        values = self.run_ops(graph, self._step(graph, batch, ids, pos, loc, rows, longest,
-                                                last), "prefill")
-        return self._outputs(graph, values)
+        return self._outputs(graph, self.run_ops(graph, self._step(graph, None, ids, pos, loc, rows, max_len,
+                                                                   last), "prefill"))
+
+    @staticmethod
+    def _last_tokens(batch: ForwardBatch, size: int) -> torch.Tensor:
+        """[size] int64: each request's last token among the step's tokens, padded with 0."""
+        last = torch.zeros(size, dtype=torch.int64)
+        last[:batch.batch_size] = torch.cumsum(batch.extend_lens, 0) - 1
+        return last
 
     def _mtp(self, phase: str, batch: ForwardBatch, hidden, dp_tokens, longest: int) -> dict:
         """A verify or draft step: every token's outputs ([T, ...]), replayed from the smallest
@@ -213,6 +256,9 @@ class GpuRunner(PlanExecutor):
         cap.copied.synchronize()             # the previous step's copy has read the staging buffer
         cap.host.copy_(self._host_vectors(batch, bucket))
         cap.packed.copy_(cap.host, non_blocking=True)
+        if cap.last is not None:   # a prefill graph: outputs per request
+            cap.last_host.copy_(self._last_tokens(batch, cap.last.numel()))
+            cap.last.copy_(cap.last_host, non_blocking=True)
         cap.copied.record()
         if cap.hidden is not None:
             T = batch.num_tokens
@@ -220,12 +266,14 @@ class GpuRunner(PlanExecutor):
             cap.hidden[T:].zero_()
         cap.graph.replay()
         self.comm.add(cap.counts)
-        return {k: v[:batch.num_tokens] for k, v in cap.out.items()}
+        n = batch.batch_size if cap.last is not None else batch.num_tokens
+        return {k: v[:n] for k, v in cap.out.items()}
 
     def release(self) -> None:
         """Drop the captured graphs (they hold NCCL work) and wait for the device: NCCL
         communicators are destroyed only after no graph can launch on them."""
         self.captured.clear()
+        self.prefill_captured.clear()
         for caps in self.mtp_captured.values():
             caps.clear()
         if self.r2t.is_cuda:
@@ -246,11 +294,14 @@ class GpuRunner(PlanExecutor):
             for b in sorted(chosen, reverse=True):
                 t0 = time.perf_counter()
                 cap = self._capture_one(phase, b, warmup, pool, side)
-                (self.captured if phase == "decode" else self.mtp_captured[phase])[b] = cap
+                self._graphs_of(phase)[b] = cap
                 self.timings[b if phase == "decode" else (phase, b)] = time.perf_counter() - t0
                 if progress is not None:
                     progress()
         return {b: t for b, t in self.timings.items() if isinstance(b, int)}
+
+    def _graphs_of(self, phase: str) -> dict[int, Captured]:
+        return {"decode": self.captured, "prefill": self.prefill_captured}.get(phase) or self.mtp_captured[phase]
 
     def num_graphs(self, phases=("decode",)) -> int:
         """How many graphs `capture(phases=phases)` records with the plan's buckets."""
@@ -261,20 +312,28 @@ class GpuRunner(PlanExecutor):
         packed[2].fill_(self.scratch), packed[3].fill_(self.pad_row)
         hidden = (torch.zeros(b, self.config.hidden_size, dtype=self.dtype, device=self.r2t.device)
                   if phase == "mtp_draft" else None)
+        last = (torch.zeros(min(b, self.pad_row), dtype=torch.int64, device=self.r2t.device)
+                if phase == "prefill" else None)   # up to max_reqs requests per step
+
+        def body():
+            if phase == "prefill":
+                return self._prefill_body(*packed, last, self.prefill_max_len)
+            return self._body(phase, *packed, hidden)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):        # compile kernels, create handles, fill caches
             for _ in range(warmup):
-                self._body(phase, *packed, hidden)
+                body()
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         saved = self.comm.reset()
         with torch.cuda.graph(graph, pool=pool):
-            out = self._body(phase, *packed, hidden)
+            out = body()
         counts = self.comm.reset()            # one step's collectives, credited per replay
         self.comm.add(saved)
         torch.cuda.synchronize()
         host = torch.empty(4, b, dtype=torch.int64).pin_memory()
-        return Captured(graph, packed, host, out, torch.cuda.Event(), counts, hidden)
+        return Captured(graph, packed, host, out, torch.cuda.Event(), counts, hidden, last,
+                        None if last is None else torch.empty(last.numel(), dtype=torch.int64).pin_memory())
 
 
 def to_device_weight(w, device, dtype, fp32: bool = False):

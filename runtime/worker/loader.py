@@ -56,7 +56,7 @@ def load_runner(plan: Plan, weights: Weights, *, device: str | torch.device | No
                 comm: Comm | None = None, num_pages: int = 256, max_context: int | None = None,
                 max_running: int = 32, capture: bool = True, target: str | None = None,
                 stacks: dict | None = None, kv_fp8: str | None = None,
-                speculative: bool = False) -> PlanRunner:
+                speculative: bool = False, max_batch_tokens: int = 0) -> PlanRunner:
     """This rank's runner of `plan`. `weights` is a checkpoint directory or a mapping of full
     HF-named tensors; `device` defaults to "cuda" for the CUDA target, else "cpu" (a CUDA-target
     plan on "cpu" runs the same code uncaptured, Triton under TRITON_INTERPRET=1: a dry run).
@@ -66,7 +66,9 @@ def load_runner(plan: Plan, weights: Weights, *, device: str | torch.device | No
     ({weight prefix: (gate, up, down)}, benchmarks holding HF's fused expert tensors). `kv_fp8`
     ("store", "emulate", "none"; default: "store" on the CUDA target, "none" on the torch target)
     says what becomes of the caches the plan stores fp8 (`KVPool.for_plan`). `speculative`: also
-    capture the MTP verify and draft graphs (a CUDA plan with MTP phases)."""
+    capture the MTP verify and draft graphs (a CUDA plan with MTP phases). `max_batch_tokens` > 0:
+    also capture prefill graphs for steps of up to that many tokens (one-rank CUDA plans;
+    `cuda_executor.prefill_buckets`)."""
     target = target or plan.target
     device = torch.device(device or ("cuda" if target == "cuda" else "cpu"))
     comm = comm or Comm(plan.mesh, plan.groups)
@@ -90,18 +92,20 @@ def load_runner(plan: Plan, weights: Weights, *, device: str | torch.device | No
     local = to_device_weights(local, device, dtype)
     pool = KVPool.for_plan(plan, num_pages + 1, dtype, device, kv_fp8 or "store")
     gpu = GpuRunner(plan, local, pool, comm, max_reqs=max_running, max_context=max_ctx,
-                    stacks=stacks)
+                    stacks=stacks, max_batch_tokens=max_batch_tokens)
     loaded, captured = time.perf_counter() - t0, {}
     phases = ("decode", *MTP_PHASES) if speculative and plan.has_mtp else ("decode",)
+    phases += ("prefill",) if gpu.phase_buckets["prefill"] else ()
     if capture and device.type == "cuda":
         with progress(total=gpu.num_graphs(phases), desc="capturing CUDA graphs", unit="graph") as bar:
             gpu.capture(progress=bar.update, phases=phases)
         captured = gpu.timings
     if comm.rank == 0:
-        mtp = {p: sorted(gpu.mtp_captured[p]) for p in MTP_PHASES if gpu.mtp_captured[p]}
+        others = {p: sorted(gpu.mtp_captured[p]) for p in MTP_PHASES if gpu.mtp_captured[p]}
+        others.update({"prefill": sorted(gpu.prefill_captured)} if gpu.prefill_captured else {})
         print(f"glmc: {device} runner ({plan.parallel}, rank 0 of {comm.world}): "
               f"weights {loaded:.1f} s, {len(gpu.captured)} decode graphs {sorted(gpu.captured)}"
-              f"{''.join(f', {len(b)} {p} graphs {b}' for p, b in mtp.items())} captured "
+              f"{''.join(f', {len(b)} {p} graphs {b}' for p, b in others.items())} captured "
               f"in {sum(captured.values()):.1f} s", file=sys.stderr, flush=True)
     return DevicePlanRunner(gpu, max_ctx)
 
