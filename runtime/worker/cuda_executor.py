@@ -301,7 +301,8 @@ class GpuRunner(PlanExecutor):
         return {b: t for b, t in self.timings.items() if isinstance(b, int)}
 
     def _graphs_of(self, phase: str) -> dict[int, Captured]:
-        return {"decode": self.captured, "prefill": self.prefill_captured}.get(phase) or self.mtp_captured[phase]
+        own = {"decode": self.captured, "prefill": self.prefill_captured}
+        return own[phase] if phase in own else self.mtp_captured[phase]
 
     def num_graphs(self, phases=("decode",)) -> int:
         """How many graphs `capture(phases=phases)` records with the plan's buckets."""
