@@ -506,9 +506,18 @@ def main():
                     "requests' mean context while decoding is 509-592; default %(default)s)")
     ap.add_argument("--skip-decode-bench", action="store_true", help="no decode step (no ratios)")
     ap.add_argument("--prefill-check", action="store_true", help="then bench/gpu_prefill_check.py, if time is left")
+    ap.add_argument("--server-args", default="", help="flags added to the server's (an A/B, e.g. --no-prefill-graphs)")
+    ap.add_argument("--runs", help="only these runs, comma-separated (e.g. c32,c128; default all)")
+    ap.add_argument("--profile-base", help="the run whose workload the profiled run repeats (default c32)")
     a = ap.parse_args()
-    t0, out, work = now(), Path(a.out_dir), Path(a.work_dir)
+    if a.profile_base:
+        kind0 = "cpu" if a.cpu else "gpu"
+        PROFILE[kind0].update(base=a.profile_base, name=f"{a.profile_base}_prof")
     kind = "cpu" if a.cpu else "gpu"
+    SERVER_FLAGS[kind] = f"{SERVER_FLAGS[kind]} {a.server_args}".strip()
+    if a.runs:
+        RUNS[kind] = tuple(r for r in RUNS[kind] if r[0] in a.runs.split(","))
+    t0, out, work = now(), Path(a.out_dir), Path(a.work_dir)
     a.ckpt_dir = a.ckpt_dir or ("/tmp/glmc_slice_cpu" if a.cpu else "/tmp/glmc_slice")
     budget = a.budget or (1800.0 if a.cpu else 540.0)
     delay = 1.0 if a.profile_delay is None else a.profile_delay
