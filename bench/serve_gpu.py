@@ -551,7 +551,7 @@ def main():
             torch.cuda.empty_cache()
         t = now()
         first = RUNS[kind][0][0]
-        proc, url = start_server(Path(a.ckpt_dir), out, a.cpu, serving_end - RUN_MIN_S[kind][first])
+        proc, url = start_server(Path(a.ckpt_dir), out, a.cpu, serving_end - RUN_MIN_S[kind].get(first, 25))
         root = url.removesuffix("/v1")
         info["stages"]["server_start_s"] = round(now() - t, 1)
         info["server_log_start"] = [ln for ln in (out / "server.log").read_text().splitlines() if ln.startswith("glmc")]
@@ -561,9 +561,9 @@ def main():
         pr = PROFILE[kind]
         for name, conc, args in all_runs(kind):
             left = serving_end - now()
-            if left < RUN_MIN_S[kind][name]:
+            if left < RUN_MIN_S[kind].get(name, 25):
                 info["runs"][name] = {"concurrency": conc, "error": f"not run: budget spent ({left:.0f} s left "
-                                      f"before the decode benchmark's share, {RUN_MIN_S[kind][name]} s needed)"}
+                                      f"before the decode benchmark's share, {RUN_MIN_S[kind].get(name, 25)} s needed)"}
                 save()
                 continue
             prof = Profiler(root, delay, pr["steps"], pr["max_wait"], conc) if name == pr["name"] else None
