@@ -7,8 +7,7 @@ and what a step allocates above what the runner holds (cuda target, `workspace_m
 decode_workspace_bytes {bucket: bytes} (one eager decode step's peak; graph_bytes: the same, its
 old name), graph_pool_bytes (what capturing every decode bucket keeps allocated) and graph_pool
 {outputs, inputs, workspaces, pool_reserved}, prefill_workspace_bytes at prefill_point {tokens,
-requests, max_len} (the plan's largest chunk at the context) with prefill_peak_op and
-prefill_workspace_if_freed_bytes (values freed at their last use instead: what-if),
+requests, max_len} (the plan's largest chunk at the context) with prefill_peak_op,
 indexer_workspace_bytes (the indexer's scores and top-k buffers at that chunk), workspace_notes),
 kv_bytes_per_token, kv_elements_per_token_per_layer, kv_dtype, index_dtype,
 kv_bytes_per_token_per_layer, index_bytes_per_token_per_layer (what the runtime's pool allocates per
@@ -32,8 +31,7 @@ from glmc.ir.types import DTYPE_BYTES
 from glmc.parallel import parse_parallel
 from glmc.passes.costs import params_of
 from glmc.passes.estimate_cost import bill
-from glmc.passes.plan_memory import BLOCK_BYTES, phase_workspaces, prefill_point
-from glmc.passes.step_memory import step_memory
+from glmc.passes.plan_memory import phase_workspaces, prefill_point
 from glmc.passes.rewrite import FUSIONS
 from glmc.plan import Plan
 from glmc.predict import predict_plan
@@ -123,7 +121,7 @@ def explain_plan(plan: Plan, batch: int = 32, context: int = 4096,
 
 WORKSPACE_NOTES = [
     "CUDA target, one rank: every op's tensor allocations replayed in execution order "
-    "(passes/step_memory.py), each op result held to the end of the step (the executor keeps every value)",
+    "(passes/step_memory.py), each value freed after its last use as the executor drops it (the step's outputs kept)",
     "each allocation rounded up to the CUDA caching allocator's 512-byte block; segments and splits not modelled",
     "flash-decoding splits for an H200 (132 SMs); decode indexer scores span the context (the runner's max_context)",
     "graph pool: each graph's outputs and static inputs, plus torch's 32 MiB cuBLAS workspace (sm90 default) "
@@ -141,14 +139,13 @@ def workspace_memory(plan: Plan, context: int, num_sms: int | None = None) -> di
     chunk = opts.chunked_prefill
     dec = phase_workspaces(plan.graphs["decode"], "decode", dtypes, cfg, chunk, context, **sms)
     pre = phase_workspaces(plan.graphs["prefill"], "prefill", dtypes, cfg, chunk, context, **sms)
-    step, target = pre["steps"][chunk], pre["targets"][chunk]
+    step = pre["steps"][chunk]
     top = max(step.regions, key=lambda r: r[2])[0]
-    freed = step_memory(plan.graphs["prefill"], target, cfg, "prefill", BLOCK_BYTES, free_dead=True)
     pool = dec.get("graph_pool", {"allocated": 0})
     return {"decode_workspace_bytes": dec["workspace_bytes"], "graph_bytes": dec["workspace_bytes"],
             "graph_pool_bytes": pool["allocated"], "graph_pool": {k: v for k, v in pool.items() if k != "allocated"},
             "prefill_workspace_bytes": step.peak, "prefill_point": prefill_point(chunk, context),
-            "prefill_peak_op": f"{top.kind} %{top.results[0]}", "prefill_workspace_if_freed_bytes": freed.peak,
+            "prefill_peak_op": f"{top.kind} %{top.results[0]}",
             "indexer_workspace_bytes": pre["indexer_workspace_bytes"],
             "workspace_notes": WORKSPACE_NOTES + [f"no model for {k} (its result bytes counted)"
                                                   for k in sorted(step.guessed | set().union(

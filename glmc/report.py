@@ -102,9 +102,8 @@ def _workspaces(m: dict, context: int) -> list[str]:
             f"{_b(pool['outputs'])}, cuBLAS workspaces {_b(pool['workspaces'])}; their pool reserves at "
             f"least {_b(pool['pool_reserved'])})",
             f"- prefill step workspace ({pt['tokens']} tokens, {pt['requests']} request(s), indexer over "
-            f"{pt['max_len']} positions): {_b(m['prefill_workspace_bytes'])}, peak at `{m['prefill_peak_op']}` "
-            f"(values freed at their last use: {_b(m['prefill_workspace_if_freed_bytes'])}); indexer "
-            f"workspace {_b(m['indexer_workspace_bytes'])}"]
+            f"{pt['max_len']} positions): {_b(m['prefill_workspace_bytes'])}, peak at `{m['prefill_peak_op']}`; "
+            f"indexer workspace {_b(m['indexer_workspace_bytes'])}"]
 
 
 def render(d: dict) -> str:

@@ -20,6 +20,8 @@ class Graph:
     def __init__(self, ops: Iterable[Op], meta: dict | None = None):
         ops = list(ops)
         self.meta = dict(meta or {})
+        self._outputs: tuple | None = None
+        self._dead: list | None = None
         self._producer: dict[str, Op] = {}
         g = nx.DiGraph()
         for i, op in enumerate(ops):
@@ -73,6 +75,32 @@ class Graph:
 
     def with_ops(self, ops: Iterable[Op], **meta) -> "Graph":
         return Graph(ops, {**self.meta, **meta})
+
+    def step_outputs(self) -> tuple[str, str, str]:
+        """(logits, final hidden states, sampled ids): the values a phase graph's step returns (the
+        operand of `sample.tokens`, the operand of `lm.head`, the last op's result)."""
+        if self._outputs is None:
+            head = next(op for op in self.ops if op.kind == "lm.head")
+            sample = next(op for op in self.ops if op.kind == "sample.tokens")
+            self._outputs = (sample.operands[0], head.operands[0], self.ops[-1].results[0])
+        return self._outputs
+
+    def dead_after(self) -> list[tuple[str, ...]]:
+        """Per op, in order: the values whose last use is that op (its operands read for the last
+        time, its results nobody reads), never `step_outputs`: what an executor that frees values at
+        their last use drops after running it. A graph without a head (a fragment) drops nothing."""
+        if self._dead is None:
+            dead: list[list[str]] = [[] for _ in self.ops]
+            if {"lm.head", "sample.tokens"} <= {op.kind for op in self.ops}:
+                last = {r: i for i, op in enumerate(self.ops) for r in op.results}
+                for i, op in enumerate(self.ops):
+                    last.update((v, i) for v in op.operands)
+                keep = set(self.step_outputs())
+                for v, i in last.items():
+                    if v not in keep:
+                        dead[i].append(v)
+            self._dead = [tuple(sorted(d)) for d in dead]
+        return self._dead
 
     def count(self, prefix: str) -> int:
         return sum(op.kind.startswith(prefix) for op in self.ops)

@@ -9,7 +9,7 @@ A-projection in the compute dtype, expert weights once in their [E, ...] stacks)
 layers; an fp8 row is FlashMLA's: e4m3 latent + a fp32 scale per 128 + bf16 k_pe, `costs.kv_row_bytes`),
 `index_bytes_per_token` (indexer keys + fp8 scale, full layers only), the layer counts,
 and, for the CUDA target, what one step allocates above that (`step_memory`: every op's allocations
-replayed in execution order, each value held to the step's end as the executor holds it, 512-byte
+replayed in execution order, each value freed after its last use as the executor drops it, 512-byte
 blocks, an H200's 132 SMs, a runner of `workspace_context` = 4096 tokens of context):
 `workspace_bytes` {bucket: peak} of one eager step (decode, MTP phases; prefill: {chunk: peak} at
 its largest chunk, `Options.chunked_prefill` tokens ending at that context; it replaces the earlier

@@ -2,11 +2,11 @@
 
 `step_memory(graph, target, cfg, mode)` walks a lowered phase graph in execution order on an
 `Arena`: first what the GPU runner puts on the device before the ops run (`prologue`), then each op's
-allocations as `MODELS` replays them. Every op result stays allocated to the end of the step, as
-the executor holds it (`PlanExecutor.run_ops` keeps every value in one dict); `free_dead=True` frees
-a value's storage after its last use instead (what freeing at last use would give: the lead's
-what-if, not what runs). -> `StepMemory`: the peak, the bytes left at the end, per op (live at its
-start, its peak, live at its end) and the kinds counted without a model.
+allocations as `MODELS` replays them. A value's storage is freed after its last use, as the executor
+drops it (`PlanExecutor.run_ops`, `Graph.dead_after`; a storage goes when no value viewing it is
+left), except the step's outputs (`Graph.step_outputs`). -> `StepMemory`: the peak, the bytes left
+at the end, per op (live at its start, its peak, live at its end) and the kinds counted without a
+model.
 
 Modes, as `runtime/worker/cuda_executor.GpuRunner` runs a phase:
 - "eager": `forward("decode")` without a graph: the batch's req_to_token rows copied into the device
@@ -66,23 +66,7 @@ def prologue(arena: Arena, t: Target, mode: str) -> dict:
     return {"input_ids": Val(ids, 8), "positions": Val(vectors, 8, False), "hidden": Val(0, t.act)}
 
 
-def _last_uses(graph: Graph) -> dict[str, int]:
-    last = {}
-    for i, op in enumerate(graph.ops):
-        for v in op.operands:
-            last[v] = i
-    return last
-
-
-def _outputs(graph: Graph) -> set[str]:
-    """The values a step returns: logits, the final hidden states, the sampled ids."""
-    head = next(op for op in graph.ops if op.kind == "lm.head")
-    sample = next(op for op in graph.ops if op.kind == "sample.tokens")
-    return {head.operands[0], sample.operands[0], graph.ops[-1].results[0]}
-
-
-def step_memory(graph: Graph, target: Target, cfg, mode: str = "eager", rounding: int = 1,
-                free_dead: bool = False) -> StepMemory:
+def step_memory(graph: Graph, target: Target, cfg, mode: str = "eager", rounding: int = 1) -> StepMemory:
     """One step of `graph` at `target` in `mode` (module docstring); `rounding` 512 books each
     allocation as the CUDA caching allocator's block, 1 counts tensor bytes (the CPU measurement)."""
     arena = Arena(rounding)
@@ -91,9 +75,8 @@ def step_memory(graph: Graph, target: Target, cfg, mode: str = "eager", rounding
     first = arena.peak
     vals: dict[str, Val | None] = {}
     out = StepMemory(0, 0)
-    last, keep = _last_uses(graph), _outputs(graph)
-    users: dict[int, int] = {}
-    for i, op in enumerate(graph.ops):
+    users = {v.buf: 1 for v in step.feeds.values()}     # the step holds its feeds to its end
+    for op, dead in zip(graph.ops, graph.dead_after()):
         start = arena.live
         arena.peak = start
         if op.kind not in MODELS:
@@ -104,25 +87,24 @@ def step_memory(graph: Graph, target: Target, cfg, mode: str = "eager", rounding
             vals[name] = v
             if v is not None:
                 users[v.buf] = users.get(v.buf, 0) + 1
-        if free_dead:
-            _free_dead(op, i, vals, last, keep, users, arena)
-        out.regions.append((op, start, arena.peak, arena.live))
+        out.regions.append((op, start, arena.peak, arena.live))   # as LiveBytes: the op's own call
+        _free(dead, vals, users, arena)
     out.prologue = out.regions[0][1] if out.regions else arena.live
     out.peak = max([first] + [r[2] for r in out.regions])
     out.end = arena.live
-    out.outputs = sum(arena.bytes_of(vals[v].buf) for v in keep if vals.get(v) is not None)
+    out.outputs = sum(arena.bytes_of(vals[v].buf) for v in graph.step_outputs() if vals.get(v) is not None)
     return out
 
 
-def _free_dead(op, i, vals, last, keep, users, arena) -> None:
-    """Drop the values whose last use is op i (never the step's outputs); a storage goes when no
-    value viewing it is left."""
-    for v in set(op.operands) | set(op.results):
-        if last.get(v, -1) <= i and v not in keep and vals.get(v) is not None:
-            buf = vals.pop(v).buf
-            users[buf] -= 1
-            if not users[buf]:
-                arena.free(buf)
+def _free(dead, vals, users, arena) -> None:
+    """Drop the values `dead` (an op's `Graph.dead_after`); a storage goes when no value viewing it
+    is left."""
+    for v in dead:
+        val = vals.pop(v, None)
+        if val is not None:
+            users[val.buf] -= 1
+            if not users[val.buf]:
+                arena.free(val.buf)
 
 
 def graph_pool(steps: dict, targets: dict, rounding: int = 512, workspace: int = CUBLAS_WORKSPACE_SM90) -> dict:

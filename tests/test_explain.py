@@ -49,7 +49,9 @@ def test_step_workspaces(bills):
     assert m["graph_pool_bytes"] == pool["outputs"] + pool["inputs"] + pool["workspaces"]
     assert m["prefill_point"] == {"tokens": 8192, "requests": 2, "max_len": 4096}
     assert m["indexer_workspace_bytes"] == 8192 * (4096 * 4 + 8 + 2048 * 8)
-    assert m["prefill_workspace_if_freed_bytes"] < m["prefill_workspace_bytes"]
+    # values freed at their last use: a few layers' activations live, not all 78 layers' (held to
+    # the step's end, as the executor once did, this chunk needed 679 GB)
+    assert 4 * 2**30 < m["prefill_workspace_bytes"] < 24 * 2**30
     assert "prefill step workspace (8192 tokens" in render(bills["dp8ep8"])
 
 

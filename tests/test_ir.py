@@ -153,3 +153,29 @@ def test_verifier_catches_placement_on_unit_axis():
 def test_repr_is_the_printer():
     g = graph(TINY, "tp1", "mtp_draft")
     assert repr(g) == print_graph(g)
+
+
+@pytest.mark.parametrize("par,phase", [("tp1", "prefill"), ("tp8ep8", "decode"), ("dp8ep8", "mtp_verify")])
+def test_dead_after_drops_each_value_once_after_its_last_use(par, phase):
+    """Graph.dead_after (what the executor frees): every value but the step's outputs exactly once,
+    at its last reader (or its producer when nothing reads it), never before a later reader."""
+    g = graph(TINY, par, phase)
+    dead = g.dead_after()
+    where = {v: i for i, vs in enumerate(dead) for v in vs}
+    assert sum(map(len, dead)) == len(where)                       # once each
+    values = {r for op in g.ops for r in op.results}
+    assert set(where) == values - set(g.step_outputs())
+    for i, op in enumerate(g.ops):
+        for v in op.operands:
+            assert v in g.step_outputs() or where[v] >= i, (op.where(), v)
+        for r in op.results:
+            assert r in g.step_outputs() or where[r] >= i
+    for v, i in where.items():
+        readers = [j for j, op in enumerate(g.ops) if v in op.operands]
+        assert i == max(readers, default=i), v
+
+
+def test_a_fragment_without_a_head_drops_nothing():
+    g = graph(TINY, "tp1", "decode")
+    part = Graph(g.ops[:5])
+    assert part.dead_after() == [()] * 5

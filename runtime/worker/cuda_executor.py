@@ -144,10 +144,8 @@ class GpuRunner(PlanExecutor):
                        kernels=self.kernels)
 
     def _outputs(self, graph, values) -> dict:
-        head = next(op for op in graph.ops if op.kind == "lm.head")
-        sample = next(op for op in graph.ops if op.kind == "sample.tokens")
-        return {"logits": values[sample.operands[0]], "hidden": values[head.operands[0]],
-                "next_ids": values[graph.ops[-1].result]}
+        logits, hidden, ids = (values[v] for v in graph.step_outputs())
+        return {"logits": logits, "hidden": hidden, "next_ids": ids}
 
     def record_tokens(self, rows: list[int], tokens: torch.Tensor) -> None:
         """last_token[rows] = tokens (device), queued on the stream: later FUTURE_TOKEN ids read it."""

@@ -134,14 +134,20 @@ class PlanExecutor:
         """Free device state before the process group goes (the torch target holds none)."""
 
     def run_ops(self, graph: Graph, step, phase: str = "") -> dict:
-        """Evaluate every op of `graph` in order with `self.impls`; -> {value name: result}."""
+        """Evaluate every op of `graph` in order with `self.impls`, dropping each value after its
+        last use (`Graph.dead_after`: a tensor's storage goes when nothing else holds it, so a
+        step's peak is its largest live set, not the sum of its values); -> {value name: result}
+        of the values left: the step's outputs (`Graph.step_outputs`)."""
         values = {}
-        for op in graph.ops:
+        for op, dead in zip(graph.ops, graph.dead_after()):
             try:
                 out = self.impls[op.kind](op, [values[v] for v in op.operands], step)
             except Exception as e:
                 raise RuntimeError(f"rank {self.comm.rank}, {phase}: {op.where()}: {e}") from e
             values.update(zip(op.results, out if isinstance(out, tuple) else (out,)))
+            del out
+            for v in dead:
+                del values[v]
         return values
 
     @torch.no_grad()
@@ -160,8 +166,6 @@ class PlanExecutor:
         if self.device is not None:
             feeds, loc = {k: v.to(self.device) for k, v in feeds.items()}, loc.to(self.device)
         values = self.run_ops(graph, Step(self, graph, batch, feeds, loc), phase)
-        head = next(op for op in graph.ops if op.kind == "lm.head")
         rows = batch.batch_size if phase == "prefill" else t
-        logits = values[next(op for op in graph.ops if op.kind == "sample.tokens").operands[0]]
-        return {"logits": logits[:rows], "hidden": values[head.operands[0]][:rows],
-                "next_ids": values[graph.ops[-1].result][:rows]}
+        logits, hidden, ids = (values[v] for v in graph.step_outputs())
+        return {"logits": logits[:rows], "hidden": hidden[:rows], "next_ids": ids[:rows]}
