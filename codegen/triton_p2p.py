@@ -1,0 +1,53 @@
+"""Launch the one-shot peer-memory collective (`p2p_allreduce.py.j2`) over a channel's buffers.
+
+A channel (`runtime/worker/peer_memory.PeerChannel`) is one rank's end of a set of equal buffers,
+one per rank of a group, each mapped into every rank (CUDA P2P through torch's symmetric memory on
+GPUs; shared memory between processes on the CPU, where the interpreter runs the same kernel):
+`bufs` / `flags` are int64 tensors of the group's buffer and flag-array addresses in rank order,
+`epochs` this rank's per-program epoch counters, `cap` the programs (output rows) a call may use,
+`row_bytes` the bytes a row may hold. Layout of a buffer, in elements of the partials' dtype:
+[2 slots][cap programs][rows per program][row_bytes / element]: program p's region is its own,
+whatever the call's width, so calls of different sizes never share a region under different epochs.
+"""
+from __future__ import annotations
+
+import torch
+from glmc.codegen.triton_contexts import P2pAllReduceCtx
+from glmc.codegen.triton_render import JIT, KernelLibrary
+
+
+def fits(channel, rows_out: int, hidden: int, dtype: torch.dtype) -> bool:
+    """Whether a call of `rows_out` output rows of `hidden` elements fits `channel`."""
+    return 0 < rows_out <= channel.cap and hidden * dtype.itemsize <= channel.row_bytes
+
+
+def p2p_allreduce(x: torch.Tensor, channel, residual=None, weight=None, eps=None, scatter: bool = False,
+                  lib: KernelLibrary = JIT):
+    """Sum of `x` [T, H] over the channel's group, in rank order (the same bits on every rank);
+    `scatter`: this rank's T / world rows of it (rank-major slices, as NCCL's reduce-scatter).
+    With `residual` and `weight`: (rms_norm(sum + residual) * weight, sum + residual), as
+    torch_ref.add_rms_norm of the reduced sum. Every rank of the group must make the same calls."""
+    n, rank = channel.world, channel.rank
+    x = x.contiguous()
+    T, H = x.shape
+    rows = T // n if scatter else T
+    if scatter and rows * n != T:
+        raise ValueError(f"p2p reduce-scatter: {T} rows do not split over {n} ranks")
+    if not fits(channel, rows, H, x.dtype):
+        raise ValueError(f"p2p collective of {rows} rows x {H} {x.dtype} exceeds its channel "
+                         f"({channel.cap} rows of {channel.row_bytes} bytes)")
+    elem = x.element_size()
+    row_stride = channel.row_bytes // elem
+    prog_stride = (n if scatter else 1) * row_stride
+    out = torch.empty(rows, H, dtype=x.dtype, device=x.device)
+    ctx = P2pAllReduceCtx.make(n, H, eps, residual is not None, scatter)
+    args = [x, x.stride(0), channel.bufs, channel.flags, channel.epochs, rank, rows,
+            channel.cap * prog_stride, prog_stride, row_stride]
+    if residual is None:
+        lib(ctx)[(rows,)](*args, out, out.stride(0), num_warps=ctx.num_warps)
+        return out
+    res = residual.contiguous()
+    new_res = torch.empty(rows, H, dtype=torch.result_type(x, res), device=x.device)
+    lib(ctx)[(rows,)](*args, res, res.stride(0), new_res, new_res.stride(0), weight, out, out.stride(0),
+                      num_warps=ctx.num_warps)
+    return out, new_res
