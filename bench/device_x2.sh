@@ -7,7 +7,8 @@
 # httpx2, httpcore2, truststore, sniffio, anyio, idna. glmc itself is installed from this tree.
 # JOBS picks what runs: calibrate (bench/calibrate.py), multi (bench/multi_gpu_check.py), spec
 # (spec_bench.py: decode per spec at batch 1/32/128 per rank), plan
-# (gpu_plan_check.py), serve (serve_multi_gpu.py, SERVE_ARGS="--only tp2"), decode (decode_bench.py);
+# (gpu_plan_check.py), serve (serve_multi_gpu.py, SERVE_ARGS="--only tp2"), decode (decode_bench.py),
+# p2p (p2p_bench.py: the one-shot peer-memory kernels against NCCL, and replay stability);
 # default: multi plan. With a calibration (the newest in $OUT or bench/results, or $CALIBRATION),
 # multi and decode print each step predicted next to measured (~7 min in all):
 #   JOBS="calibrate multi decode" DECODE_ARGS="--skip eager,compile" bash bench/device_x2.sh
@@ -37,6 +38,8 @@ for job in ${JOBS:-multi plan}; do
            echo "plan rc=$?"; grep -E 'PLAN CHECK|Error' "$OUT/plan.log" | tail -5 ;;
     serve) timeout 400 python3 bench/serve_multi_gpu.py --out "$OUT/serve_multi_gpu.json" ${SERVE_ARGS:-} > "$OUT/serve.log" 2>&1
            echo "serve rc=$?"; grep -E '^\{|SERVE' "$OUT/serve.log" | cut -c1-400 | tail -8 ;;
+    p2p)   timeout 300 python3 bench/p2p_bench.py --out "$OUT/p2p_bench.json" > "$OUT/p2p.log" 2>&1
+           echo "p2p rc=$?"; grep -A12 -E '^P2P BENCH' "$OUT/p2p.log"; grep -E 'STABILITY|Error' "$OUT/p2p.log" | cut -c1-600 ;;
     decode) timeout 480 python3 bench/decode_bench.py --out-dir "$OUT" ${CAL:+--calibration "$CAL"} ${DECODE_ARGS:-} \
              > "$OUT/decode.log" 2>&1
            echo "decode rc=$?"; grep PREDICTED "$OUT/decode.log"; tail -25 "$OUT/decode.log" ;;

@@ -100,23 +100,24 @@ def run_spec(kind, parallel, a2a, world, job, backend) -> list[dict]:
     return [torch.load(f"{out}/rank{r}.pt") for r in range(world)]
 
 
-def compile_for(kind, source, parallel, a2a, max_running, dtype_name):
+def compile_for(kind, source, parallel, a2a, max_running, dtype_name, p2p=True):
+    """The CUDA-target plan a check runs (`p2p`: small collectives over peer memory, the default)."""
     from glmc.compiler import compile_plan
     from glmc.config import Options
     from glmc.parallel import parse_parallel
     from glmc.spec import load_spec
     if kind == "width":
-        return pc.glmc_plan(source, max_running, dtype_name, parallel, moe_a2a=a2a)
+        return pc.glmc_plan(source, max_running, dtype_name, parallel, moe_a2a=a2a, p2p_collectives=p2p)
     spec = load_spec(source)
     return compile_plan(spec, parse_parallel(parallel, spec.config),
-                        Options(device="cuda", max_batch=max_running, moe_a2a=a2a))
+                        Options(device="cuda", max_batch=max_running, moe_a2a=a2a, p2p_collectives=p2p))
 
 
 def bill_at(plan, t, context):
     from glmc.passes.estimate_cost import bill
     got = bill(plan.graphs["decode"], {"T": t, "B": t, "S": context, "K": plan.config.index_topk},
                plan.dtypes)["comm"]
-    return {k: {"count": v["count"], "message_bytes": v["message_bytes"]} for k, v in got.items()}
+    return {k: {kk: v[kk] for kk in ("count", "message_bytes", "p2p") if kk in v} for k, v in got.items()}
 
 
 def check(kind, args, root, backend, dev) -> list[dict]:

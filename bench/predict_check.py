@@ -70,7 +70,9 @@ def spec_plans(data: dict) -> dict:
     for r in rows:
         if r["spec"] not in plans:
             parallel, a2a = _spec_args(r["spec"])
-            plans[r["spec"]] = pc.glmc_plan(cfg, max_batch, "bfloat16", parallel, moe_a2a=a2a)
+            # measured before glmc had peer-memory collectives: every reduction through NCCL
+            plans[r["spec"]] = pc.glmc_plan(cfg, max_batch, "bfloat16", parallel, moe_a2a=a2a,
+                                            p2p_collectives=data.get("p2p_collectives", False))
     return plans
 
 
@@ -105,7 +107,9 @@ def multi_plans(root: Path) -> dict:
             SimpleNamespace(config=GlmMoeDsaConfig(**{**pc.GLM53, **pc.SLICE}))
         for parallel, a2a in [("tp1", None), *mg.SPECS]:
             moe = {None: "-", False: "gather", True: "a2a"}[a2a]
-            plans[kind, parallel, moe] = mg.compile_for(kind, source, parallel, a2a, len(lengths), dtype)
+            # measured (2026-11-30) before peer-memory collectives: every collective through NCCL
+            plans[kind, parallel, moe] = mg.compile_for(kind, source, parallel, a2a, len(lengths), dtype,
+                                                        p2p=False)
     return plans
 
 

@@ -93,9 +93,17 @@ LAUNCHES: dict[str, Launches] = {
 STEP_TORCH_OPS = 1          # the decode body's own write of each row's slot into the device table
 
 
-def launches(kind: str, attrs: dict) -> Launches:
+P2P_KINDS = frozenset({"comm.all_reduce", "comm.reduce_scatter", "comm.all_gather", "fused.allreduce_add_rms",
+                       "fused.reduce_scatter_add_rms"})
+
+
+def launches(kind: str, attrs: dict, p2p: bool = False) -> Launches:
     """LAUNCHES[kind], with what depends on attributes: a vocab-parallel embedding masks its rows,
-    a collective along a dim other than 0 concatenates its chunks."""
+    a collective along a dim other than 0 concatenates its chunks; `p2p`: a collective run by the
+    one-shot peer-memory kernel (one Triton launch, a fused add + RMSNorm in it; no NCCL call; its
+    time, launch included, is the collective's: `glmc.calibration.p2p_collective_seconds`)."""
+    if p2p and kind in P2P_KINDS:
+        return Launches()
     base = LAUNCHES[kind]
     if kind == "embed.lookup" and int(attrs.get("tp", 1)) > 1:
         return Launches(torch_ops=8)     # sub, ge, lt, and, clamp, gather, cast, mul

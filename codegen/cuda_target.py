@@ -23,6 +23,7 @@ from glmc.codegen import torch_ref as ref
 from glmc.codegen import torch_target
 from glmc.codegen import triton_fp8 as tf
 from glmc.codegen import triton_moe as tm
+from glmc.codegen import triton_p2p as tp2p
 from glmc.codegen import triton_target as tt
 from glmc.codegen.context import CudaStepContext
 from glmc.codegen.fp8_ref import Fp8Weight, fp8_row_groups
@@ -34,9 +35,7 @@ IMPLS: dict = dict(torch_target.IMPLS)
 # (views, slices, element-wise, KV writes by index, collectives through `Comm`, whose NCCL path
 # has fixed sizes). Every other kind is overridden below; none is CPU-only.
 FROM_TORCH_TARGET = frozenset({"io.input", "elt.add", "tensor.slice", "tensor.view", "tensor.concat",
-                               "tensor.shard", "mem.kv_write", "mem.index_k_write", "comm.all_reduce",
-                               "comm.all_gather", "comm.reduce_scatter", "comm.broadcast",
-                               "fused.allreduce_add_rms", "fused.reduce_scatter_add_rms"})
+                               "tensor.shard", "mem.kv_write", "mem.index_k_write", "comm.broadcast"})
 CPU_ONLY: frozenset = frozenset()
 
 
@@ -131,6 +130,57 @@ def _linear(op, args, ctx: CudaStepContext):
 @impl("tensor.select_last")
 def _select_last(op, args, ctx: CudaStepContext):
     return args[0][ctx.last_rows]
+
+
+# ----------------------------------------------------------------------------- small collectives over peer memory
+def _p2p_channel(op, x, ctx: CudaStepContext, mode: str):
+    """The peer-memory channel `op` (mode "reduce", "scatter" or "gather") of `x` runs on, or None
+    for NCCL: the plan gave it a threshold (select-collective-backend), the message (an all-gather's
+    output, the others' input, in the plan's dtype) is within it and the group's peers mapped."""
+    limit = op.attr("p2p_max_bytes")
+    if limit is None or x.dim() != 2 or x.shape[0] == 0:
+        return None
+    n = int(op.attr("size"))
+    plan_row = x.shape[1] * DTYPE_BYTES[ctx.type_of(op.operands[0]).dtype]
+    if x.shape[0] * plan_row * (n if mode == "gather" else 1) > int(limit):
+        return None
+    per_program = n if mode != "reduce" else 1       # a scatter program holds n rows; a gather one is 1 of n
+    cap = int(limit) // plan_row // per_program
+    scatter = mode == "scatter"
+    ch = ctx.comm.peer_channel(torch_target._axes(op), scatter, x.shape[1] * x.element_size(), cap, x.device)
+    rows = x.shape[0] // n if scatter else x.shape[0]
+    return ch if ch is not None and tp2p.fits(ch, rows, x.shape[1], x.dtype) else None
+
+
+def _reduce(op, args, ctx: CudaStepContext, scatter: bool, fused: bool):
+    """comm.all_reduce / comm.reduce_scatter and their fused add + RMSNorm forms: the one-shot
+    kernel where `_p2p_channel` allows, else the torch target's NCCL path."""
+    x = args[0]
+    ch = _p2p_channel(op, x, ctx, "scatter" if scatter else "reduce")
+    if ch is None:
+        return torch_target.IMPLS[op.kind](op, args, ctx)
+    ctx.comm.count("reduce_scatter" if scatter else "all_reduce",
+                   torch_target._plan_bytes(x, ctx, op.operands[0]), p2p=True)
+    if not fused:
+        return tp2p.p2p_allreduce(x, ch, scatter=scatter, lib=ctx.kernels)
+    return tp2p.p2p_allreduce(x, ch, args[1], ctx.w(op.attr("weight")), op.attr("eps"), scatter, ctx.kernels)
+
+
+for _kind, _scatter, _fused in (("comm.all_reduce", False, False), ("comm.reduce_scatter", True, False),
+                                ("fused.allreduce_add_rms", False, True),
+                                ("fused.reduce_scatter_add_rms", True, True)):
+    IMPLS[_kind] = (lambda s, f: lambda op, args, ctx: _reduce(op, args, ctx, s, f))(_scatter, _fused)
+
+
+@impl("comm.all_gather")
+def _all_gather(op, args, ctx: CudaStepContext):
+    """The one-shot all-gather where `_p2p_channel` allows (dim 0 only), else the torch target's."""
+    x = args[0]
+    ch = _p2p_channel(op, x, ctx, "gather")
+    if ch is None:
+        return torch_target.IMPLS[op.kind](op, args, ctx)
+    ctx.comm.count("all_gather", torch_target._plan_bytes(x, ctx, op.operands[0], int(op.attr("size"))), p2p=True)
+    return tp2p.p2p_all_gather(x, ch, ctx.kernels)
 
 
 @impl("fused.add_rms")

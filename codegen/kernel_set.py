@@ -16,6 +16,8 @@ and the GPU choose grids and split counts at launch:
   at each row class (`Fp8BlockGemmCtx.variants`: decode, mid, prefill tiles, and the split-K reduction;
   the split count is a launch argument); the routed experts' FP8 grouped GEMMs instead of the bf16 ones. A bf16 plan
   carries none of them.
+- peer-memory collectives: the one-shot all-reduce / reduce-scatter (+ add + RMSNorm) / all-gather
+  of each collective that select-collective-backend gave a `p2p_max_bytes` (larger messages: NCCL);
 - FP8 KV (a plan whose `dtypes.kv_cache` is fp8, `kv_fp8`): the KV-write, indexer-scores and sparse
   MLA kernels in their FP8-cache variants (quantise / dequantise in registers) instead of the plain
   ones; the indexer cache follows `dtypes.index_cache`.
@@ -102,18 +104,28 @@ def _sample(op, graph, dtype, kv=(False, False)):
     return [tc.SampleCtx.make(_dims(graph, op.operands[0])[-1])]
 
 
+def _p2p(op, graph, dtype, kv=(False, False)):
+    """The one-shot peer-memory reduction where select-collective-backend allowed it (else NCCL)."""
+    if op.attr("p2p_max_bytes") is None:
+        return []
+    fused, scatter = op.kind.startswith("fused."), "reduce_scatter" in op.kind
+    return [tc.P2pAllReduceCtx.make(int(op.attr("size")), _dims(graph, op.operands[0])[-1],
+                                    op.attr("eps") if fused else None, fused, scatter, op.kind == "comm.all_gather")]
+
+
 # op kind -> the kernel contexts its CUDA implementation can launch
 KERNELS_OF = {
     "norm.rms": _rms, "fused.add_rms": _rms, "rope.apply": _rope,
     "fused.qkv_a_norm_rope_write": _qkv, "fused.qkv_a_norm_rope_write_index": _qkv,
     "idx.topk": _topk, "attn.mla_absorbed": _attn, "attn.sparse_mla": _attn, "attn.mla_mha": _attn,
     "moe.topk": _router, "moe.experts": _experts, "sample.tokens": _sample,
+    "comm.all_reduce": _p2p, "comm.reduce_scatter": _p2p, "fused.allreduce_add_rms": _p2p,
+    "fused.reduce_scatter_add_rms": _p2p, "comm.all_gather": _p2p,
 }
 # CUDA implementations that launch no Triton kernel (cuBLAS, torch ops, NCCL)
 NO_TRITON = frozenset({
     "io.input", "elt.add", "tensor.slice", "tensor.view", "tensor.concat", "tensor.shard", "tensor.select_last",
-    "mem.kv_write", "mem.index_k_write", "comm.all_reduce", "comm.all_gather", "comm.reduce_scatter",
-    "comm.broadcast", "fused.allreduce_add_rms", "fused.reduce_scatter_add_rms", "embed.lookup", "norm.layer",
+    "mem.kv_write", "mem.index_k_write", "comm.broadcast", "embed.lookup", "norm.layer",
     "linear", "mla.a_proj", "lm.head", "moe.gate", "mlp.swiglu", "moe.dispatch", "moe.combine",
 })
 

@@ -34,20 +34,24 @@ class RmsNormCtx:
 @dataclass(frozen=True)
 class P2pAllReduceCtx:
     """p2p_allreduce.py.j2: a one-shot all-reduce (or reduce-scatter) over peer memory, one output
-    row per program, optionally fused with the residual add and RMSNorm (fused.allreduce_add_rms)."""
+    row per program, optionally fused with the residual add and RMSNorm (fused.allreduce_add_rms);
+    or (`gather`) a one-shot all-gather of rows, one input row per program."""
     template: ClassVar[str] = "p2p_allreduce"
     world: int
     hidden: int
     eps: float
     has_norm: bool
     scatter: bool
+    gather: bool
     block_d: int
     num_warps: int
 
     @classmethod
-    def make(cls, world: int, hidden: int, eps: float | None, has_norm: bool, scatter: bool) -> "P2pAllReduceCtx":
+    def make(cls, world: int, hidden: int, eps: float | None, has_norm: bool, scatter: bool,
+             gather: bool = False) -> "P2pAllReduceCtx":
         block = next_pow2(hidden)
-        return cls(int(world), hidden, float(eps or 0.0), bool(has_norm), bool(scatter), block, _warps(block, 1024))
+        return cls(int(world), hidden, float(eps or 0.0), bool(has_norm), bool(scatter), bool(gather), block,
+                   _warps(block, 1024))
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ def p2p_allreduce(x: torch.Tensor, channel, residual=None, weight=None, eps=None
     row_stride = channel.row_bytes // elem
     prog_stride = (n if scatter else 1) * row_stride
     out = torch.empty(rows, H, dtype=x.dtype, device=x.device)
-    ctx = P2pAllReduceCtx.make(n, H, eps, residual is not None, scatter)
+    ctx = P2pAllReduceCtx.make(n, H, eps, residual is not None, scatter, False)
     args = [x, x.stride(0), channel.bufs, channel.flags, channel.epochs, rank, rows,
             channel.cap * prog_stride, prog_stride, row_stride]
     if residual is None:
@@ -51,3 +51,20 @@ def p2p_allreduce(x: torch.Tensor, channel, residual=None, weight=None, eps=None
     lib(ctx)[(rows,)](*args, res, res.stride(0), new_res, new_res.stride(0), weight, out, out.stride(0),
                       num_warps=ctx.num_warps)
     return out, new_res
+
+
+def p2p_all_gather(x: torch.Tensor, channel, lib: KernelLibrary = JIT) -> torch.Tensor:
+    """[world x T, W]: every rank's `x` [T, W] in rank order (dim 0), over a channel of one row per
+    program (an all-reduce channel). Every rank of the group must make the same calls."""
+    n = channel.world
+    x = x.contiguous()
+    T, W = x.shape
+    if channel.scatter or not fits(channel, T, W, x.dtype):
+        raise ValueError(f"p2p all-gather of {T} rows x {W} {x.dtype} exceeds its channel "
+                         f"({channel.cap} rows of {channel.row_bytes} bytes{', a scatter channel' if channel.scatter else ''})")
+    row_stride = channel.row_bytes // x.element_size()
+    out = torch.empty(n * T, W, dtype=x.dtype, device=x.device)
+    ctx = P2pAllReduceCtx.make(n, W, None, False, False, True)
+    lib(ctx)[(T,)](x, x.stride(0), channel.bufs, channel.flags, channel.epochs, channel.rank, T,
+                   channel.cap * row_stride, row_stride, row_stride, out, out.stride(0), num_warps=ctx.num_warps)
+    return out

@@ -49,6 +49,8 @@ without a table uses the nearest measured one (the largest below, else the small
 message that gives each rank the same wire bytes (ring: (n-1)/n of the message, (n-1)/n^2 for
 all-to-all), so bus bandwidth and latency carry over unchanged: NVSwitch puts every GPU one hop
 away; NCCL's small-message latency still grows with the group, which this does not model.
+Optional tables `p2p_all_reduce` / `p2p_reduce_scatter` / `p2p_all_gather` time glmc's one-shot peer-memory kernel
+(`p2p_collective_seconds`; without them its fitted model).
 """
 from __future__ import annotations
 
@@ -57,9 +59,12 @@ import json
 import math
 from pathlib import Path
 
+from glmc.passes.costs import p2p_seconds
+
 SCHEMA = "glmc-calibration/2"
 SCHEMA_V1 = "glmc-calibration/1"      # still read (module docstring)
-COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p_all_reduce",
+                    "p2p_reduce_scatter", "p2p_all_gather")
 _REQUIRED_V1 = {"schema": str, "device": str, "gpus": int, "date": str, "commit": str,
                 "hbm_bytes_per_s": float, "gemm_flops_per_s": dict, "kernel_overhead_s": float,
                 "collectives": dict}
@@ -199,6 +204,18 @@ def measured_ranks(cal: dict, kind: str, ranks: int) -> int:
         return ranks
     below = [r for r in have if r < ranks]
     return below[-1] if below else have[0]
+
+
+def p2p_collective_seconds(cal: dict, kind: str, nbytes: float, ranks: int) -> float:
+    """One all-reduce / reduce-scatter / all-gather (`kind`) run by the one-shot peer-memory kernel: the
+    calibration's `p2p_<kind>` table for exactly `ranks` GPUs (the kernel with its add + RMSNorm,
+    in a graph), else the model `glmc.passes.costs.p2p_seconds` fitted to torch's one-shot
+    all-reduce on two H200s (it reads every peer's message, so other group sizes do not carry over
+    as NCCL's ring does)."""
+    tables = cal["collectives"].get(str(ranks), {})
+    if f"p2p_{kind}" in tables:
+        return table_seconds(tables[f"p2p_{kind}"], nbytes)
+    return p2p_seconds(kind, nbytes, ranks)
 
 
 def collective_seconds(cal: dict, kind: str, nbytes: float, ranks: int) -> float:

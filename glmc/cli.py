@@ -39,7 +39,8 @@ def cmd_compile(a) -> int:
         bad = [x for x in dump if x != "all" and x not in PASS_NAMES]
         if bad:
             raise ValueError(f"--dump-after: unknown pass {bad}; passes: {', '.join(PASS_NAMES)}")
-    opts = Options(moe_a2a=a.moe_a2a, topk_broadcast=a.topk_broadcast, device=a.device)
+    opts = Options(moe_a2a=a.moe_a2a, topk_broadcast=a.topk_broadcast, device=a.device,
+                   p2p_collectives=not a.no_p2p)
     plan = compile_plan(spec, par, opts, dump)
     out = Path(a.output or f"build/{spec.name}-{par.name}")
     plan.save(out, {"report.md": render(explain_plan(plan))})
@@ -123,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--dump-after", help="comma-separated pass names, or 'all'")
     c.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     c.add_argument("--topk-broadcast", action="store_true", help="broadcast top-k from attn_tp rank 0")
+    c.add_argument("--no-p2p", action="store_true", help="every all-reduce / reduce-scatter through NCCL "
+                   "(default: small ones run glmc's one-shot peer-memory kernel)")
     c.add_argument("--quantize", choices=("fp8",), help=QUANTIZE_HELP)
     c.add_argument("--kv-dtype", choices=("fp8", "bf16"), help=KV_DTYPE_HELP)
     g = c.add_mutually_exclusive_group()

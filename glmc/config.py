@@ -192,6 +192,7 @@ class Options:
     moe_a2a: bool | None = None
     topk_broadcast: bool = False
     device: str = "cuda"
+    p2p_collectives: bool = True   # small all-reduces / reduce-scatters over peer memory (cuda)
     mtp_draft_tokens: int = 6
     decode_batch: int = 32
     max_batch: int = 128

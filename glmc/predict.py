@@ -38,6 +38,7 @@ from collections import defaultdict
 from glmc.calibration import (
     SCHEMA_V1,
     collective_seconds,
+    p2p_collective_seconds,
     gemm_launch_seconds,
     measured_ranks,
     topk_select_seconds,
@@ -100,10 +101,12 @@ def op_seconds(op, graph, env: dict, dtypes, cal: dict, weight_bytes: dict) -> d
         pairs, _ = moe_pairs(op, graph, env)
         inter = int(op.attr("inter")) // int(op.attr("moe_tp", 1))
         hbm += moe_workspace_bytes(pairs, int(op.attr("hidden")), inter, DTYPE_BYTES[dtypes.activation])
-    launch = launches(op.kind, dict(op.attrs))
-    comm = 0.0
+    limit = op.attr("p2p_max_bytes")
+    p2p = limit is not None and 0 < cost.message_bytes <= int(limit)   # the plan's one-shot kernel
+    launch = launches(op.kind, dict(op.attrs), p2p)
+    size = int(op.attr("size", 1))
+    comm = p2p_collective_seconds(cal, cost.comm, cost.message_bytes, size) if p2p else 0.0
     for kind in launch.collectives:
-        size = int(op.attr("size", 1))
         comm += collective_seconds(cal, kind, collective_bytes(op.kind, cost.message_bytes, size), size)
     memory, compute = hbm / cal["hbm_bytes_per_s"], _compute_seconds(op, cost.flops, env, dtypes, cal)
     overhead = (launch.gemms * gemm_launch_seconds(cal) + (launch.kernels - launch.gemms) * cal["kernel_overhead_s"]

@@ -14,11 +14,13 @@ def _b(n: float) -> str:
 
 
 def _step_table(per_step: dict) -> list[str]:
-    rows = ["| collective | count | message bytes | wire bytes / rank |", "|---|---:|---:|---:|"]
+    rows = ["| collective | count | of them peer-memory one-shot | message bytes | wire bytes / rank |",
+            "|---|---:|---:|---:|---:|"]
     for k in KINDS:
         if k in per_step:
             r = per_step[k]
-            rows.append(f"| {k} | {r['count']} | {_b(r['message_bytes'])} | {_b(r['wire_bytes'])} |")
+            rows.append(f"| {k} | {r['count']} | {r.get('p2p', 0)} | {_b(r['message_bytes'])} | "
+                        f"{_b(r['wire_bytes'])} |")
     return rows if len(rows) > 2 else ["(no communication)"]
 
 

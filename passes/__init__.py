@@ -11,13 +11,14 @@ from .lower_moe import LowerMoE
 from .plan_memory import PlanMemory
 from .propagate_sharding import PropagateSharding
 from .select_attention_backend import SelectAttentionBackend
+from .select_collective_backend import SelectCollectiveBackend
 from .select_mla_form import SelectMLAForm
 from .share_indexer import ShareIndexer
 
 PIPELINE: list[Pass] = [
     ExpandLayers(), InferShapes(), PropagateSharding(), InsertCollectives(), LowerMoE(),
     FuseAddNorm(), FuseQKVNormRope(), ShareIndexer(), SelectMLAForm(), SelectAttentionBackend(),
-    BucketCudaGraphs(), PlanMemory(), EstimateCost(),
+    SelectCollectiveBackend(), BucketCudaGraphs(), PlanMemory(), EstimateCost(),
 ]
 PASS_NAMES = [p.name for p in PIPELINE]
 

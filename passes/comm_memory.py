@@ -1,4 +1,5 @@
-"""What the collectives allocate on the CUDA target (NCCL path of `runtime/worker/comm.Comm`).
+"""What the collectives allocate on the CUDA target (NCCL path of `runtime/worker/comm.Comm`, or
+the one-shot peer-memory kernel where the plan allows it: `p2p_runs`).
 
 Replays `Comm.all_reduce` / `broadcast` (a contiguous clone reduced in place), `all_gather` /
 `reduce_scatter` (a new output; along a dim > 0 a concatenation) and the torch target's fused
@@ -10,9 +11,33 @@ from __future__ import annotations
 from .step_arena import Step, Val, model
 
 
+def p2p_runs(op, s: Step) -> bool:
+    """Whether the CUDA target runs `op` with the one-shot peer-memory kernel at this step (its
+    message, an all-gather's output or the others' input, in the plan's dtype, within the
+    `p2p_max_bytes` select-collective-backend set)."""
+    limit = op.attr("p2p_max_bytes")
+    if limit is None:
+        return False
+    t = op.types[0] if op.kind == "comm.all_gather" else s.type_of(op.operands[0])   # the message
+    return 0 < t.nbytes(s.env) <= int(limit)
+
+
+def _p2p(op, args, s) -> Val | tuple[Val, Val]:
+    """codegen/triton_p2p.p2p_allreduce: a contiguous copy of a strided input, the output rows
+    (and the new residual for the fused forms), all in the input's dtype."""
+    x = args[0]
+    copy = None if x.dense else s.tmp(s.type_of(op.operands[0]).numel(s.env), x.elem)
+    out = s.arena.new(s.numel(op), x.elem)
+    res = s.arena.new(s.numel(op, 1), x.elem) if op.kind.startswith("fused.") else None
+    s.free(copy)
+    return out if res is None else (out, res)
+
+
 @model("comm.all_reduce", "comm.broadcast")
 def _clone_collective(op, args, s):
-    """Comm.all_reduce / broadcast: a contiguous clone, reduced in place."""
+    """Comm.all_reduce / broadcast: a contiguous clone, reduced in place (or the p2p kernel's output)."""
+    if p2p_runs(op, s):
+        return _p2p(op, args, s)
     x = args[0]
     copy = None if x.dense else s.tmp(s.numel(op), x.elem)
     out = s.arena.new(s.numel(op), x.elem)
@@ -23,6 +48,8 @@ def _clone_collective(op, args, s):
 @model("comm.all_gather")
 def _all_gather(op, args, s):
     """Comm.all_gather: the gathered [n T, ...] tensor; along a dim > 0 its chunks concatenated."""
+    if p2p_runs(op, s):
+        return _p2p(op, args, s)
     x = args[0]
     if not int(op.attr("dim", 0)):
         return s.arena.new(s.numel(op), x.elem)
@@ -43,7 +70,7 @@ def _reduce_scatter(op, args, s, numel: int) -> Val:
 
 @model("comm.reduce_scatter")
 def _reduce_scatter_op(op, args, s):
-    return _reduce_scatter(op, args, s, s.numel(op))
+    return _p2p(op, args, s) if p2p_runs(op, s) else _reduce_scatter(op, args, s, s.numel(op))
 
 
 def _torch_add_rms(op, s: Step, x: Val) -> tuple[Val, Val]:
@@ -68,6 +95,8 @@ def _torch_add_rms(op, s: Step, x: Val) -> tuple[Val, Val]:
 
 @model("fused.allreduce_add_rms")
 def _fused_allreduce(op, args, s):
+    if p2p_runs(op, s):
+        return _p2p(op, args, s)
     reduced = _clone_collective(op, args, s)
     out = _torch_add_rms(op, s, reduced)
     s.free(reduced.buf)
@@ -76,6 +105,8 @@ def _fused_allreduce(op, args, s):
 
 @model("fused.reduce_scatter_add_rms")
 def _fused_reduce_scatter(op, args, s):
+    if p2p_runs(op, s):
+        return _p2p(op, args, s)
     reduced = _reduce_scatter(op, args, s, s.numel(op, 1))
     out = _torch_add_rms(op, s, reduced)
     s.free(reduced.buf)

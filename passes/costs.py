@@ -162,6 +162,39 @@ def comm_of(op: Op, graph: Graph, env: dict) -> tuple[str, int, float] | None:
     return kind, src, frac * src
 
 
+# One-shot peer-memory collectives against NCCL inside CUDA graphs, measured on two H200s
+# (2026-11-30, issue 16): torch's one-shot all-reduce over P2P 6.6 / 7.0 / 9.0 / 15.4 us at
+# 12 / 96 / 384 / 1536 KiB, NCCL 13.0 / 12.7 / 14.2 / 22.2 us. Fitted: one-shot = latency + the
+# (n - 1) peer messages it reads / P2P_READ_BPS; NCCL = latency + its ring wire bytes / NCCL_BUS_BPS.
+P2P_LATENCY_S, P2P_READ_BPS = 6.5e-6, 177e9
+NCCL_LATENCY_S, NCCL_BUS_BPS = 12.9e-6, 170e9
+P2P_MAX_BYTES = 4 * 2**20   # the largest message a peer-memory channel holds (2 slots per rank)
+
+
+def p2p_seconds(kind: str, nbytes: float, n: int) -> float:
+    """The one-shot kernel's modelled time: each rank reads every peer's rows of its output."""
+    read = (n - 1) * nbytes / (1 if kind == "all_reduce" else n)    # an all-gather's message: its output
+    return P2P_LATENCY_S + read / P2P_READ_BPS
+
+
+def nccl_seconds(kind: str, nbytes: float, n: int) -> float:
+    """NCCL's modelled time at small messages (ring: all-reduce sends 2 (n-1)/n of the message)."""
+    wire = (2 if kind == "all_reduce" else 1) * (n - 1) / n * nbytes
+    return NCCL_LATENCY_S + wire / NCCL_BUS_BPS
+
+
+def p2p_max_bytes(kind: str, n: int) -> int:
+    """The largest message (bytes) of an all-reduce / reduce-scatter / all-gather over n ranks that the one-shot
+    kernel runs faster than NCCL by the models above, at most P2P_MAX_BYTES (16-byte multiple)."""
+    lo, hi = 0, P2P_MAX_BYTES
+    if p2p_seconds(kind, hi, n) <= nccl_seconds(kind, hi, n):
+        return hi
+    while hi - lo > 16:          # the one-shot's cost grows faster: one crossing
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if p2p_seconds(kind, mid, n) <= nccl_seconds(kind, mid, n) else (lo, mid)
+    return lo // 16 * 16
+
+
 # Kinds whose results alias their operands or host values: no kernel, no HBM traffic.
 VIEW_KINDS = frozenset({"io.input", "tensor.view", "tensor.slice", "tensor.shard", "idx.reuse", "comm.reshard"})
 SCALE_BYTES = {"fp8": 4}   # one fp32 scale per token row of an fp8 indexer cache

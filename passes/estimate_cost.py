@@ -22,7 +22,9 @@ from .costs import op_cost, weight_bytes_for
 
 
 def bill(graph: Graph, env: dict, dtypes) -> dict:
-    """Totals and per-layer/per-kind communication for one step at `env`."""
+    """Totals and per-layer/per-kind communication for one step at `env`; a kind's row counts
+    under `p2p` the collectives that run the one-shot peer-memory kernel at this point (message
+    within the op's `p2p_max_bytes`), the rest being NCCL's."""
     wb = weight_bytes_for(dtypes)
     total = defaultdict(float)
     comm = defaultdict(lambda: {"count": 0, "message_bytes": 0, "wire_bytes": 0.0})
@@ -37,6 +39,9 @@ def bill(graph: Graph, env: dict, dtypes) -> dict:
             row["count"] += 1
             row["message_bytes"] += c.message_bytes
             row["wire_bytes"] += c.wire_bytes
+            limit = op.attr("p2p_max_bytes")
+            if limit is not None and 0 < c.message_bytes <= int(limit):   # the one-shot kernel, not NCCL
+                row["p2p"] = row.get("p2p", 0) + 1
             cell = per_layer["-" if op.layer is None else str(op.layer)][c.comm]
             cell["count"] += 1
             cell["message_bytes"] += c.message_bytes

@@ -2,7 +2,8 @@
 strict): `bench/multi_gpu_check.py --cpu` for the specs whose kernels differ from tp1's (tokens split
 over attention TP; one dispatched row per route under a2a). Greedy tokens equal tp1's and logits are
 within tolerance (the per-step bill is checked on the GPUs, where steps replay captured buckets); a
-kernel the plan's kernel set misses fails here, not first on the GPUs."""
+kernel the plan's kernel set misses fails here, not first on the GPUs. The plans' small all-reduces
+and reduce-scatters run the one-shot peer-memory kernel (shared memory between the processes)."""
 import json
 import subprocess
 import sys
@@ -21,3 +22,8 @@ def test_tp2ep2_and_dp2ep2_a2a_on_the_cuda_target(tmp_path):
     assert [(r["parallel"], r["moe"]) for r in rows] == [("tp2ep2", "gather"), ("dp2ep2", "a2a")]
     for r in rows:
         assert r["pass"] and r["tokens_equal"] and r["logits_ok"], r
+    # tp2ep2's reductions (its reduce-scatters + add + RMSNorm) ran the one-shot peer-memory kernel
+    # over shared memory between the two processes (select-collective-backend: 2 ranks, 4 MiB)
+    step = rows[0]["counts_rank0"]
+    reductions = [step[k] for k in ("all_reduce", "reduce_scatter") if k in step]
+    assert reductions and all(c.get("p2p") == c["count"] > 0 for c in reductions), step

@@ -1,12 +1,13 @@
-"""The one-shot peer-memory collective (codegen/templates/p2p_allreduce.py.j2) across real processes.
+"""The one-shot peer-memory collectives (codegen/templates/p2p_allreduce.py.j2) across real processes.
 
 Each rank is a gloo process; the group's buffers are shared-memory files mapped into every rank
 (`runtime/worker/peer_memory.py`, the CPU mapping), and the Triton interpreter runs the kernel with
 its flag protocol. Many calls in a row, with inputs that change every call and calls of changing
 widths (the region of each program is its own; epochs advance in memory, as in CUDA-graph
 replays): every result equals gloo's all-reduce (fp32 partials: exact for 2 ranks, the same sum in
-rank order for 3), the fused residual add + RMSNorm equals torch_ref's on that sum, and every rank
-holds the same bits. A stale read (a peer's last epoch, or the other slot) fails the comparison.
+rank order for 3), the fused residual add + RMSNorm equals torch_ref's on that sum, the all-gather
+(fp32 rows on the all-reduce channel, int32 route ids on their own) equals gloo's exactly, and every
+rank holds the same bits. A stale read (a peer's last epoch, or the other slot) fails the comparison.
 """
 import os
 
@@ -28,13 +29,14 @@ def _rank(rank, world, out_dir):
     os.environ["TRITON_INTERPRET"] = "1"
     import torch.distributed as dist
     from glmc.codegen import torch_ref as ref
-    from glmc.codegen.triton_p2p import p2p_allreduce
+    from glmc.codegen.triton_p2p import p2p_all_gather, p2p_allreduce
     from glmc.runtime.worker.peer_memory import PeerChannel
     torch.set_num_threads(1)
     ranks = list(range(world))
     cap, row_bytes = 24, H * 4
     ar = PeerChannel.open(None, ranks, rank, cap, row_bytes, False, torch.device("cpu"))
     rs = PeerChannel.open(None, ranks, rank, cap, row_bytes, True, torch.device("cpu"))
+    ids = PeerChannel.open(None, ranks, rank, cap, 8 * 4, False, torch.device("cpu"))   # [rows, 8] int32
     weight = torch.rand(H, generator=torch.Generator().manual_seed(7)) + 0.5
     bad = []
     outs = []
@@ -56,7 +58,18 @@ def _rank(rank, world, out_dir):
         scat = p2p_allreduce(x, rs, scatter=True)
         if not torch.allclose(scat, want[rank * rows:(rank + 1) * rows], atol=1e-5):
             bad.append(("reduce_scatter", call, float((scat - want[rank * rows:(rank + 1) * rows]).abs().max())))
-        outs.append((got, normed, new_res))
+        gathered = p2p_all_gather(x[:rows], ar)                # the all-gather shares the all-reduce channel
+        parts = [torch.empty_like(x[:rows]) for _ in range(world)]
+        dist.all_gather(parts, x[:rows].contiguous())
+        if not torch.equal(gathered, torch.cat(parts)):
+            bad.append(("all_gather", call, 0.0))
+        route = torch.randint(0, 256, (rows, 8), generator=torch.Generator().manual_seed(call * 7 + rank),
+                              dtype=torch.int32)
+        parts = [torch.empty_like(route) for _ in range(world)]
+        dist.all_gather(parts, route)
+        if not torch.equal(p2p_all_gather(route, ids), torch.cat(parts)):
+            bad.append(("all_gather int32", call, 0.0))
+        outs.append((got, normed, new_res, gathered))
     torch.save({"bad": bad, "outs": outs, "epochs": ar.epochs.tolist()}, f"{out_dir}/rank{rank}.pt")
 
 
@@ -69,9 +82,10 @@ def test_one_shot_collective_equals_gloo_call_after_call(tmp_path, world):
         assert not got[r]["bad"], (r, got[r]["bad"][:5])
     for a, b in zip(got[0]["outs"], got[1]["outs"]):      # the same bits on every rank
         assert all(torch.equal(x, y) for x, y in zip(a, b))
-    # program p ran once per call at least p + 1 rows wide: the plain call (rows x world), the fused one (rows)
+    # program p ran once per call at least p + 1 rows wide: the plain call (rows x world), the fused
+    # one and the all-gather (rows each)
     widths = [WIDTHS[c % len(WIDTHS)] for c in range(CALLS)]
-    want = [sum((p < w * world) + (p < w) for w in widths) for p in range(24)]
+    want = [sum((p < w * world) + 2 * (p < w) for w in widths) for p in range(24)]
     assert got[0]["epochs"] == want
 
 

@@ -61,7 +61,7 @@ def test_tp8_ledger_two_allreduces_per_layer():
         assert len(lines(text, rf"fused\.allreduce_add_rms.*# L{layer}$")) == 2, layer
     assert len(lines(text, r"fused\.allreduce_add_rms.*# L0$")) == 1
     assert lines(text, r"%xf, %L77\.x_out = fused\.allreduce_add_rms\(%L77\.ffn, %L77\.h\)")
-    assert lines(text, r"%x\.ar = comm\.all_reduce\(%x\) \{group=\[attn_tp\], size=8\}")
+    assert lines(text, r"%x\.ar = comm\.all_reduce\(%x\) \{group=\[attn_tp\], p2p_max_bytes=\d+, size=8\}")
     assert lines(text, r"%logits\.ag = comm\.all_gather\(%logits\) \{dim=1, group=\[attn_tp\]")
     assert lines(text, r"%L0\.q = linear\(.*tp=8.* : \[T, 2048\] bf16 @ \{attn_tp=S\(1\)\}")
 
@@ -69,7 +69,8 @@ def test_tp8_ledger_two_allreduces_per_layer():
 def test_tp8ep8_reduce_scatter_then_all_gather_and_ep():
     text = ir(FULL, "tp8ep8", "prefill")
     assert lines(text, r"%L5\.hn, %L5\.h = fused\.reduce_scatter_add_rms\(%L5\.o, %L4\.x_out\)")
-    assert lines(text, r"%L5\.xn\.ag = comm\.all_gather\(%L5\.xn\) \{group=\[attn_tp\], size=8\} : \[T, 6144\]")
+    assert lines(text, r"%L5\.xn\.ag = comm\.all_gather\(%L5\.xn\) \{group=\[attn_tp\], p2p_max_bytes=\d+, size=8\} "
+                       r": \[T, 6144\]")
     assert lines(text, r"moe\.dispatch\(%L5\.hn, %L5\.route_w, %L5\.route_ids\) \{dtype=fp8")
 
 
@@ -78,7 +79,8 @@ def test_dp8ep8_attention_is_local_and_moe_lowerings():
     layer5 = lines(gather, r"# L5$")
     assert [l.split(" = ")[1].split("(")[0] for l in layer5 if "comm." in l] == \
         ["comm.all_gather"] * 3 + ["comm.reduce_scatter"]
-    assert lines(gather, r"%L5\.hn\.ag = comm\.all_gather\(%L5\.hn\) \{group=\[attn_dp\], size=8\} : \[T\*8, 6144\] bf16 @ R")
+    assert lines(gather, r"%L5\.hn\.ag = comm\.all_gather\(%L5\.hn\) \{group=\[attn_dp\], p2p_max_bytes=\d+, size=8\} "
+                        r": \[T\*8, 6144\] bf16 @ R")
     a2a = ir(FULL, "dp8ep8", "decode", moe_a2a=True)
     assert not lines(a2a, r"comm\.")
     assert lines(a2a, r"%L5\.routed\.cb = moe\.combine\(%L5\.routed, %L5\.hn\).* : \[T, 6144\] bf16 @ \{attn_dp=S\(0\)\}")
@@ -141,3 +143,27 @@ def test_topk_broadcast_option():
     assert lines(text, r"%L0\.topk\.bc = comm\.broadcast\(%L0\.topk\)")
     assert lines(text, r"attn\.mla_absorbed\(%L1\.q_nope, %L1\.q_pe, %L1\.kv, %L0\.topk\.bc\)")
     assert not lines(ir(TINY, "dp8ep8", "decode", topk_broadcast=True), r"comm\.broadcast")
+
+
+def test_select_collective_backend_thresholds_by_group_size():
+    """Small collectives take the one-shot peer-memory kernel: all-reduces and dim-0 reduce-scatters
+    and all-gathers over > 1 rank carry p2p_max_bytes (4 MiB, the channel's capacity, at 2 ranks; an
+    all-reduce's crossing with NCCL at 8, below GLM-5.3's [32, 6144] bf16 decode message); nothing
+    else does, nor a cpu plan, nor --no-p2p."""
+    def marked(g):
+        return {(op.kind, op.attr("p2p_max_bytes")) for op in g.ops if op.attr("p2p_max_bytes") is not None}
+    tp2 = marked(graph(FULL, "tp2", "decode"))
+    assert tp2 == {("comm.all_reduce", 4 * 2**20), ("fused.allreduce_add_rms", 4 * 2**20)}
+    tp8 = marked(graph(FULL, "tp8", "decode"))
+    assert {k for k, _ in tp8} == {"comm.all_reduce", "fused.allreduce_add_rms"}
+    (limit,) = {v for _, v in tp8}
+    assert 8 * 6144 * 2 < limit < 32 * 6144 * 2
+    g = graph(FULL, "tp8ep8", "decode")
+    kinds = {k for k, _ in marked(g)}
+    assert {"fused.reduce_scatter_add_rms", "comm.all_gather"} <= kinds
+    for op in g.ops:                 # the vocab-parallel logits gather (dim 1) stays NCCL's
+        if op.kind == "comm.all_gather":
+            assert (op.attr("p2p_max_bytes") is None) == bool(op.attr("dim", 0)), op.where()
+    assert not marked(graph(FULL, "tp8", "decode", device="cpu"))
+    assert not marked(graph(FULL, "tp8", "decode", p2p_collectives=False))
+    assert not marked(graph(FULL, "tp1", "decode"))

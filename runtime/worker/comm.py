@@ -14,8 +14,11 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
+import sys
+
 import torch
 import torch.distributed as dist
+from glmc.runtime.worker.peer_memory import PeerChannel, PeerMemoryUnavailable
 
 ATTN, MOE = ("attn_dp", "attn_tp"), ("ep", "moe_tp")
 
@@ -57,6 +60,7 @@ class Comm:
         self.nccl = dist.is_initialized() and dist.get_backend() == "nccl"
         self.counts: dict = defaultdict(lambda: {"count": 0, "message_bytes": 0})
         self._groups: dict = {}
+        self._channels: dict = {}     # (axes, scatter, row bytes) -> PeerChannel | None
         for axes in sorted(groups_used, key=repr):       # same order on every rank
             for ranks in group_ranks(axes, mesh, self.world):
                 g = dist.new_group(ranks) if self.world > 1 else None
@@ -66,9 +70,29 @@ class Comm:
     def _g(self, axes):
         return self._groups[axes]
 
-    def _count(self, kind: str, nbytes: int) -> None:
+    def count(self, kind: str, nbytes: int, p2p: bool = False) -> None:
         self.counts[kind]["count"] += 1
         self.counts[kind]["message_bytes"] += int(nbytes)
+        if p2p:      # run by the one-shot peer-memory kernel, not NCCL / gloo
+            self.counts[kind]["p2p"] = self.counts[kind].get("p2p", 0) + 1
+
+    def peer_channel(self, axes, scatter: bool, row_bytes: int, cap: int, device):
+        """This rank's `PeerChannel` over the group of `axes` for one-shot all-reduces and all-gathers
+        (`scatter`: reduce-scatters) of up to `cap` rows of `row_bytes`; opened on first use, which
+        every rank of the group reaches at the same op (opening is collective). None where peer
+        memory cannot be mapped (logged once; the caller keeps NCCL / gloo)."""
+        row_bytes = -(-row_bytes // 16) * 16
+        key = (axes, scatter, row_bytes)
+        if key not in self._channels:
+            g, ranks = self._g(axes)
+            try:
+                self._channels[key] = PeerChannel.open(g, ranks, self.rank, cap, row_bytes, scatter,
+                                                       torch.device(device))
+            except PeerMemoryUnavailable as e:
+                print(f"glmc: rank {self.rank}: no peer memory over {list(axes)} ({e}); NCCL/gloo instead",
+                      file=sys.stderr, flush=True)
+                self._channels[key] = None
+        return self._channels[key]
 
     def reset(self) -> dict:
         out = {k: dict(v) for k, v in self.counts.items()}
@@ -80,12 +104,14 @@ class Comm:
         for kind, c in counts.items():
             self.counts[kind]["count"] += c["count"]
             self.counts[kind]["message_bytes"] += c["message_bytes"]
+            if c.get("p2p"):
+                self.counts[kind]["p2p"] = self.counts[kind].get("p2p", 0) + c["p2p"]
 
     def all_reduce(self, x, axes, nbytes=None):
         g, _ = self._g(axes)
         x = x.contiguous().clone()
         dist.all_reduce(x, group=g)
-        self._count("all_reduce", x.numel() * x.element_size() if nbytes is None else nbytes)
+        self.count("all_reduce", x.numel() * x.element_size() if nbytes is None else nbytes)
         return x
 
     def all_gather(self, x, axes, dim=0, nbytes=None):
@@ -98,14 +124,14 @@ class Comm:
             parts = [torch.empty_like(x) for _ in ranks]
             dist.all_gather(parts, x.contiguous(), group=g)
             out = torch.cat(parts, dim=dim)
-        self._count("all_gather", out.numel() * out.element_size() if nbytes is None else nbytes)
+        self.count("all_gather", out.numel() * out.element_size() if nbytes is None else nbytes)
         return out
 
     def reduce_scatter(self, x, axes, dim=0, nbytes=None):
         """Sum over the group, keep this rank's 1/n slice of dim (all-reduce + slice: gloo has no
         reduce_scatter; the traffic counted is the collective's, not the implementation's)."""
         g, ranks = self._g(axes)
-        self._count("reduce_scatter", x.numel() * x.element_size() if nbytes is None else nbytes)
+        self.count("reduce_scatter", x.numel() * x.element_size() if nbytes is None else nbytes)
         if self.nccl:
             parts = x.chunk(len(ranks), dim=dim)
             out = x.new_empty(parts[0].shape)
@@ -119,7 +145,7 @@ class Comm:
         g, ranks = self._g(axes)
         x = x.contiguous().clone()
         dist.broadcast(x, src=ranks[0], group=g)
-        self._count("broadcast", x.numel() * x.element_size() if nbytes is None else nbytes)
+        self.count("broadcast", x.numel() * x.element_size() if nbytes is None else nbytes)
         return x
 
     def all_to_all_equal(self, x: torch.Tensor, axes, kind: str, nbytes: int) -> torch.Tensor:
@@ -128,7 +154,7 @@ class Comm:
         g, _ = self._g(axes)
         out = torch.empty_like(x)
         dist.all_to_all_single(out, x.contiguous(), group=g)
-        self._count(kind, nbytes)
+        self.count(kind, nbytes)
         return out
 
     def all_to_all(self, chunks: list[torch.Tensor], axes, kind: str, nbytes: int):
@@ -141,5 +167,5 @@ class Comm:
         out = torch.empty((int(recv_sizes.sum()),) + tuple(rest), dtype=chunks[0].dtype)
         dist.all_to_all_single(out, torch.cat(chunks).contiguous(), recv_sizes.tolist(),
                                sizes.tolist(), group=g)
-        self._count(kind, nbytes)
+        self.count(kind, nbytes)
         return list(out.split(recv_sizes.tolist()))
