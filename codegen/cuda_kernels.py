@@ -94,7 +94,7 @@ STEP_TORCH_OPS = 1          # the decode body's own write of each row's slot int
 
 
 P2P_KINDS = frozenset({"comm.all_reduce", "comm.reduce_scatter", "comm.all_gather", "fused.allreduce_add_rms",
-                       "fused.reduce_scatter_add_rms"})
+                       "fused.reduce_scatter_add_rms", "moe.dispatch", "moe.combine"})
 
 
 def launches(kind: str, attrs: dict, p2p: bool = False) -> Launches:
@@ -102,9 +102,11 @@ def launches(kind: str, attrs: dict, p2p: bool = False) -> Launches:
     a collective along a dim other than 0 concatenates its chunks; `p2p`: a collective run by the
     one-shot peer-memory kernel (one Triton launch, a fused add + RMSNorm in it; no NCCL call; its
     time, launch included, is the collective's: `glmc.calibration.p2p_collective_seconds`)."""
+    base = LAUNCHES[kind]
+    if p2p and kind in ("moe.dispatch", "moe.combine"):    # its torch ops stay; the exchange is the kernel
+        return Launches(base.kernels, base.torch_ops, (), base.gemms)
     if p2p and kind in P2P_KINDS:
         return Launches()
-    base = LAUNCHES[kind]
     if kind == "embed.lookup" and int(attrs.get("tp", 1)) > 1:
         return Launches(torch_ops=8)     # sub, ge, lt, and, clamp, gather, cast, mul
     if kind in ("comm.all_gather", "comm.reduce_scatter") and int(attrs.get("dim", 0)):

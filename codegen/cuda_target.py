@@ -144,10 +144,9 @@ def _p2p_channel(op, x, ctx: CudaStepContext, mode: str):
     plan_row = x.shape[1] * DTYPE_BYTES[ctx.type_of(op.operands[0]).dtype]
     if x.shape[0] * plan_row * (n if mode == "gather" else 1) > int(limit):
         return None
-    per_program = n if mode != "reduce" else 1       # a scatter program holds n rows; a gather one is 1 of n
-    cap = int(limit) // plan_row // per_program
     scatter = mode == "scatter"
-    ch = ctx.comm.peer_channel(torch_target._axes(op), scatter, x.shape[1] * x.element_size(), cap, x.device)
+    cap = int(limit) // plan_row // (1 if mode == "reduce" else n)   # programs: output rows (gather: input)
+    ch = ctx.comm.peer_channel(torch_target._axes(op), mode, x.shape[1] * x.element_size(), cap, x.device)
     rows = x.shape[0] // n if scatter else x.shape[0]
     return ch if ch is not None and tp2p.fits(ch, rows, x.shape[1], x.dtype) else None
 
@@ -281,6 +280,22 @@ def _swiglu(op, args, ctx: CudaStepContext):
     return _mm(F.silu(gu[:, :inter]) * gu[:, inter:], ctx.w(f"{p}.down_proj.weight"))
 
 
+def _exchange(op, buf, ctx: CudaStepContext, kind: str, nbytes: int):
+    """The fixed-capacity MoE exchange of `buf` [n x C, W] (chunk q to rank q): the one-shot kernel
+    where the plan's threshold allows (`nbytes`, the bill's message: the whole buffer in the plan's
+    dtypes) and the group's peers mapped, else NCCL's all_to_all_single."""
+    limit, n = op.attr("p2p_max_bytes"), int(op.attr("size"))
+    C = buf.shape[0] // n
+    if limit is not None and C and nbytes <= int(limit):
+        cap = int(limit) // (nbytes // (n * C)) // n          # chunk rows the limit allows
+        ch = ctx.comm.peer_channel(torch_target._axes(op), "exchange", buf.shape[1] * buf.element_size(), cap,
+                                   buf.device)
+        if ch is not None and tp2p.fits(ch, C, buf.shape[1], buf.dtype):
+            ctx.comm.count(kind, nbytes, p2p=True)
+            return tp2p.p2p_all_to_all(buf, ch, ctx.kernels)
+    return ctx.comm.all_to_all_equal(buf, torch_target._axes(op), kind, nbytes)
+
+
 @impl("moe.dispatch")
 def _dispatch(op, args, ctx: CudaStepContext):
     """The a2a MoE lowering, capture-safe: every rank sends each peer a fixed buffer of T*k slots
@@ -303,7 +318,7 @@ def _dispatch(op, args, ctx: CudaStepContext):
     send[:, -4:] = 255                                         # expert id -1: an empty slot
     send[pos] = bits
     nbytes = sum(t.nbytes({"T": x.shape[0]}) for t in op.types) * n
-    got = ctx.comm.all_to_all_equal(send, torch_target._axes(op), "dispatch", nbytes)
+    got = _exchange(op, send, ctx, "dispatch", nbytes)
     ctx.routes[op.results[0]] = pos
     return (got[:, :hx].contiguous().view(x.dtype), got[:, hx:hx + 4].contiguous().view(torch.float32),
             got[:, hx + 4:].contiguous().view(torch.int32).long())
@@ -316,7 +331,7 @@ def _combine(op, args, ctx: CudaStepContext):
     pos = ctx.routes[op.operands[0] + ".dx"]
     n, k = int(op.attr("size")), int(op.attr("top_k"))
     nbytes = like.shape[0] * k * y.shape[1] * DTYPE_BYTES[ctx.type_of(op.operands[0]).dtype] * n
-    back = ctx.comm.all_to_all_equal(y, torch_target._axes(op), "combine", nbytes)
+    back = _exchange(op, y, ctx, "combine", nbytes)
     return back[pos].view(like.shape[0], k, -1).float().sum(1).to(y.dtype)
 
 

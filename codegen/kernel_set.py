@@ -105,9 +105,15 @@ def _sample(op, graph, dtype, kv=(False, False)):
 
 
 def _p2p(op, graph, dtype, kv=(False, False)):
-    """The one-shot peer-memory reduction where select-collective-backend allowed it (else NCCL)."""
+    """The one-shot peer-memory collective where select-collective-backend allowed it (else NCCL)."""
     if op.attr("p2p_max_bytes") is None:
         return []
+    n, width = int(op.attr("size")), _dims(graph, op.operands[0])[-1]
+    if op.kind == "moe.dispatch":   # one byte row per slot: x's bytes (compute dtype, or fp32 from a torch op), weight, id
+        return [tc.P2pAllReduceCtx.make(n, width * b + 8, None, False, True, False, True)
+                for b in sorted({dtype.itemsize, 4})]
+    if op.kind == "moe.combine":
+        return [tc.P2pAllReduceCtx.make(n, width, None, False, True, False, True)]
     fused, scatter = op.kind.startswith("fused."), "reduce_scatter" in op.kind
     return [tc.P2pAllReduceCtx.make(int(op.attr("size")), _dims(graph, op.operands[0])[-1],
                                     op.attr("eps") if fused else None, fused, scatter, op.kind == "comm.all_gather")]
@@ -120,13 +126,13 @@ KERNELS_OF = {
     "idx.topk": _topk, "attn.mla_absorbed": _attn, "attn.sparse_mla": _attn, "attn.mla_mha": _attn,
     "moe.topk": _router, "moe.experts": _experts, "sample.tokens": _sample,
     "comm.all_reduce": _p2p, "comm.reduce_scatter": _p2p, "fused.allreduce_add_rms": _p2p,
-    "fused.reduce_scatter_add_rms": _p2p, "comm.all_gather": _p2p,
+    "fused.reduce_scatter_add_rms": _p2p, "comm.all_gather": _p2p, "moe.dispatch": _p2p, "moe.combine": _p2p,
 }
 # CUDA implementations that launch no Triton kernel (cuBLAS, torch ops, NCCL)
 NO_TRITON = frozenset({
     "io.input", "elt.add", "tensor.slice", "tensor.view", "tensor.concat", "tensor.shard", "tensor.select_last",
     "mem.kv_write", "mem.index_k_write", "comm.broadcast", "embed.lookup", "norm.layer",
-    "linear", "mla.a_proj", "lm.head", "moe.gate", "mlp.swiglu", "moe.dispatch", "moe.combine",
+    "linear", "mla.a_proj", "lm.head", "moe.gate", "mlp.swiglu",
 })
 
 

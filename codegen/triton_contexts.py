@@ -35,7 +35,8 @@ class RmsNormCtx:
 class P2pAllReduceCtx:
     """p2p_allreduce.py.j2: a one-shot all-reduce (or reduce-scatter) over peer memory, one output
     row per program, optionally fused with the residual add and RMSNorm (fused.allreduce_add_rms);
-    or (`gather`) a one-shot all-gather of rows, one input row per program."""
+    or (`gather`) a one-shot all-gather of rows, one input row per program; or (`exchange`, with the
+    reduce-scatter's layout) an all-to-all of equal chunks, output rows by source rank."""
     template: ClassVar[str] = "p2p_allreduce"
     world: int
     hidden: int
@@ -43,15 +44,16 @@ class P2pAllReduceCtx:
     has_norm: bool
     scatter: bool
     gather: bool
+    exchange: bool
     block_d: int
     num_warps: int
 
     @classmethod
     def make(cls, world: int, hidden: int, eps: float | None, has_norm: bool, scatter: bool,
-             gather: bool = False) -> "P2pAllReduceCtx":
+             gather: bool = False, exchange: bool = False) -> "P2pAllReduceCtx":
         block = next_pow2(hidden)
-        return cls(int(world), hidden, float(eps or 0.0), bool(has_norm), bool(scatter), bool(gather), block,
-                   _warps(block, 1024))
+        return cls(int(world), hidden, float(eps or 0.0), bool(has_norm), bool(scatter or exchange), bool(gather),
+                   bool(exchange), block, _warps(block, 1024))
 
 
 @dataclass(frozen=True)

@@ -68,3 +68,22 @@ def p2p_all_gather(x: torch.Tensor, channel, lib: KernelLibrary = JIT) -> torch.
     lib(ctx)[(T,)](x, x.stride(0), channel.bufs, channel.flags, channel.epochs, channel.rank, T,
                    channel.cap * row_stride, row_stride, row_stride, out, out.stride(0), num_warps=ctx.num_warps)
     return out
+
+
+def p2p_all_to_all(x: torch.Tensor, channel, lib: KernelLibrary = JIT) -> torch.Tensor:
+    """x [world x C, W] in world equal chunks, chunk q to rank q; -> [world x C, W]: chunk q is
+    what rank q sent here (as dist.all_to_all_single), over a reduce-scatter-layout channel. Every
+    rank of the group must make the same calls."""
+    n = channel.world
+    x = x.contiguous()
+    T, W = x.shape
+    C = T // n
+    if C * n != T or not channel.scatter or not fits(channel, C, W, x.dtype):
+        raise ValueError(f"p2p all-to-all of {T} rows x {W} {x.dtype} over {n} ranks does not fit its channel "
+                         f"({channel.cap} chunk rows of {channel.row_bytes} bytes, scatter layout {channel.scatter})")
+    row_stride = channel.row_bytes // x.element_size()
+    out = torch.empty_like(x)
+    ctx = P2pAllReduceCtx.make(n, W, None, False, True, False, True)
+    lib(ctx)[(C,)](x, x.stride(0), channel.bufs, channel.flags, channel.epochs, channel.rank, C,
+                   channel.cap * n * row_stride, n * row_stride, row_stride, out, out.stride(0), num_warps=ctx.num_warps)
+    return out

@@ -49,7 +49,8 @@ without a table uses the nearest measured one (the largest below, else the small
 message that gives each rank the same wire bytes (ring: (n-1)/n of the message, (n-1)/n^2 for
 all-to-all), so bus bandwidth and latency carry over unchanged: NVSwitch puts every GPU one hop
 away; NCCL's small-message latency still grows with the group, which this does not model.
-Optional tables `p2p_all_reduce` / `p2p_reduce_scatter` / `p2p_all_gather` time glmc's one-shot peer-memory kernel
+Optional tables `p2p_all_reduce` / `p2p_reduce_scatter` / `p2p_all_gather` / `p2p_all_to_all` (the MoE
+exchange) time glmc's one-shot peer-memory kernel
 (`p2p_collective_seconds`; without them its fitted model).
 """
 from __future__ import annotations
@@ -64,7 +65,7 @@ from glmc.passes.costs import p2p_seconds
 SCHEMA = "glmc-calibration/2"
 SCHEMA_V1 = "glmc-calibration/1"      # still read (module docstring)
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p_all_reduce",
-                    "p2p_reduce_scatter", "p2p_all_gather")
+                    "p2p_reduce_scatter", "p2p_all_gather", "p2p_all_to_all")
 _REQUIRED_V1 = {"schema": str, "device": str, "gpus": int, "date": str, "commit": str,
                 "hbm_bytes_per_s": float, "gemm_flops_per_s": dict, "kernel_overhead_s": float,
                 "collectives": dict}

@@ -105,7 +105,8 @@ def op_seconds(op, graph, env: dict, dtypes, cal: dict, weight_bytes: dict) -> d
     p2p = limit is not None and 0 < cost.message_bytes <= int(limit)   # the plan's one-shot kernel
     launch = launches(op.kind, dict(op.attrs), p2p)
     size = int(op.attr("size", 1))
-    comm = p2p_collective_seconds(cal, cost.comm, cost.message_bytes, size) if p2p else 0.0
+    kind = "all_to_all" if cost.comm in ("dispatch", "combine") else cost.comm
+    comm = p2p_collective_seconds(cal, kind, cost.message_bytes, size) if p2p else 0.0
     for kind in launch.collectives:
         comm += collective_seconds(cal, kind, collective_bytes(op.kind, cost.message_bytes, size), size)
     memory, compute = hbm / cal["hbm_bytes_per_s"], _compute_seconds(op, cost.flops, env, dtypes, cal)

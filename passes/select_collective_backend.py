@@ -1,16 +1,17 @@
-"""select-collective-backend: which all-reduces, reduce-scatters and all-gathers may run over peer memory.
+"""select-collective-backend: which collectives may run over peer memory instead of NCCL.
 
 Assumes: fusions ran (fuse-add-norm). Guarantees: for device cuda with `Options.p2p_collectives`,
-every all-reduce and every dim-0 reduce-scatter or all-gather of a [rows, width] tensor over more
-than one rank (`comm.all_reduce`, `comm.reduce_scatter`, `comm.all_gather`,
-`fused.allreduce_add_rms`, `fused.reduce_scatter_add_rms`) carries `p2p_max_bytes`: a call whose
-message (an all-gather's output, the others' input) is at most that many bytes runs the one-shot
+every all-reduce, every dim-0 reduce-scatter or all-gather of a [rows, width] tensor, and the a2a
+MoE exchange, over more than one rank (`comm.all_reduce`, `comm.reduce_scatter`, `comm.all_gather`,
+`fused.allreduce_add_rms`, `fused.reduce_scatter_add_rms`, `moe.dispatch`, `moe.combine`) carries
+`p2p_max_bytes`: a call whose message (`costs.comm_of`: an all-gather's output, a reduction's input,
+the exchange's whole fixed-capacity buffer) is at most that many bytes runs the one-shot
 peer-memory kernel (`codegen/templates/p2p_allreduce.py.j2`, the residual add and RMSNorm in the
 same launch for the fused forms), a larger one NCCL. The threshold is where the one-shot's
 and NCCL's latency models cross for the group size (`costs.p2p_max_bytes`: 4 MiB, the channel's
-capacity, at 2 ranks, and for reduce-scatters and all-gathers at any size; 214 KiB for an
-all-reduce over 8), so decode steps take the kernel and long prefill chunks NCCL. Broadcasts,
-dispatch / combine, cpu plans and `--no-p2p` plans are unchanged.
+capacity, at 2 ranks, and for reduce-scatters, all-gathers and the exchange at any size; 214 KiB
+for an all-reduce over 8), so decode steps take the kernel and long prefill chunks NCCL.
+Broadcasts, cpu plans and `--no-p2p` plans are unchanged.
 
 Example (GLM-5.3, tp8, decode):
 
@@ -27,7 +28,7 @@ from .rewrite import Rewrite, apply_patterns
 
 P2P_KINDS = {"comm.all_reduce": "all_reduce", "fused.allreduce_add_rms": "all_reduce",
              "comm.reduce_scatter": "reduce_scatter", "fused.reduce_scatter_add_rms": "reduce_scatter",
-             "comm.all_gather": "all_gather"}
+             "comm.all_gather": "all_gather", "moe.dispatch": "all_to_all", "moe.combine": "all_to_all"}
 
 
 def _p2p(op: Op, graph: Graph):

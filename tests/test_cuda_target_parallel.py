@@ -27,3 +27,6 @@ def test_tp2ep2_and_dp2ep2_a2a_on_the_cuda_target(tmp_path):
     step = rows[0]["counts_rank0"]
     reductions = [step[k] for k in ("all_reduce", "reduce_scatter") if k in step]
     assert reductions and all(c.get("p2p") == c["count"] > 0 for c in reductions), step
+    # dp2ep2's a2a MoE exchange (the fixed-capacity dispatch and combine) ran it too
+    step = rows[1]["counts_rank0"]
+    assert all(step[k].get("p2p") == step[k]["count"] > 0 for k in ("dispatch", "combine")), step

@@ -116,7 +116,8 @@ def test_diff_shows_a_lowering_change_once_per_class_of_layers():
     hunks = [line.split(" @@ ")[1] for line in text.splitlines() if line.startswith("@@ ")]
     assert hunks == ["#! cost = {", "#! memory = {", "#! model = glm-5.3", "#! rewrites = {", "layers 3..75 step 4 {",
                      "layers 4..76 step 4 {", "layers 5..77 step 4 {", "layers 6..74 step 4 {"]
-    assert text.count("\n+  %L.routed.cb = moe.combine(%L.routed, %L.hn) {group=[ep], size=2, top_k=8}") == 4
+    assert text.count("\n+  %L.routed.cb = moe.combine(%L.routed, %L.hn) {group=[ep], p2p_max_bytes=4194304, size=2, "
+                      "top_k=8}") == 4
     assert "+75 moe.dispatch (0 -> 75)" in text and len(text.splitlines()) < 110
 
 

@@ -6,8 +6,8 @@ its flag protocol. Many calls in a row, with inputs that change every call and c
 widths (the region of each program is its own; epochs advance in memory, as in CUDA-graph
 replays): every result equals gloo's all-reduce (fp32 partials: exact for 2 ranks, the same sum in
 rank order for 3), the fused residual add + RMSNorm equals torch_ref's on that sum, the all-gather
-(fp32 rows on the all-reduce channel, int32 route ids on their own) equals gloo's exactly, and every
-rank holds the same bits. A stale read (a peer's last epoch, or the other slot) fails the comparison.
+(fp32 rows on the all-reduce channel, int32 route ids on their own) and the equal-chunk all-to-all
+(byte rows, as the MoE exchange sends) equal gloo's exactly, and every rank holds the same bits. A stale read (a peer's last epoch, or the other slot) fails the comparison.
 """
 import os
 
@@ -29,7 +29,7 @@ def _rank(rank, world, out_dir):
     os.environ["TRITON_INTERPRET"] = "1"
     import torch.distributed as dist
     from glmc.codegen import torch_ref as ref
-    from glmc.codegen.triton_p2p import p2p_all_gather, p2p_allreduce
+    from glmc.codegen.triton_p2p import p2p_all_gather, p2p_all_to_all, p2p_allreduce
     from glmc.runtime.worker.peer_memory import PeerChannel
     torch.set_num_threads(1)
     ranks = list(range(world))
@@ -37,6 +37,7 @@ def _rank(rank, world, out_dir):
     ar = PeerChannel.open(None, ranks, rank, cap, row_bytes, False, torch.device("cpu"))
     rs = PeerChannel.open(None, ranks, rank, cap, row_bytes, True, torch.device("cpu"))
     ids = PeerChannel.open(None, ranks, rank, cap, 8 * 4, False, torch.device("cpu"))   # [rows, 8] int32
+    a2a = PeerChannel.open(None, ranks, rank, cap, H + 8, True, torch.device("cpu"))    # byte rows, as the MoE's
     weight = torch.rand(H, generator=torch.Generator().manual_seed(7)) + 0.5
     bad = []
     outs = []
@@ -69,6 +70,12 @@ def _rank(rank, world, out_dir):
         dist.all_gather(parts, route)
         if not torch.equal(p2p_all_gather(route, ids), torch.cat(parts)):
             bad.append(("all_gather int32", call, 0.0))
+        send = torch.randint(0, 256, (rows * world, H + 8), dtype=torch.uint8,
+                             generator=torch.Generator().manual_seed(call * 11 + rank))
+        want_x = torch.empty_like(send)
+        dist.all_to_all_single(want_x, send)
+        if not torch.equal(p2p_all_to_all(send, a2a), want_x):
+            bad.append(("all_to_all", call, 0.0))
         outs.append((got, normed, new_res, gathered))
     torch.save({"bad": bad, "outs": outs, "epochs": ar.epochs.tolist()}, f"{out_dir}/rank{rank}.pt")
 

@@ -60,7 +60,7 @@ class Comm:
         self.nccl = dist.is_initialized() and dist.get_backend() == "nccl"
         self.counts: dict = defaultdict(lambda: {"count": 0, "message_bytes": 0})
         self._groups: dict = {}
-        self._channels: dict = {}     # (axes, scatter, row bytes) -> PeerChannel | None
+        self._channels: dict = {}     # (axes, mode, row bytes) -> PeerChannel | None
         for axes in sorted(groups_used, key=repr):       # same order on every rank
             for ranks in group_ranks(axes, mesh, self.world):
                 g = dist.new_group(ranks) if self.world > 1 else None
@@ -76,17 +76,19 @@ class Comm:
         if p2p:      # run by the one-shot peer-memory kernel, not NCCL / gloo
             self.counts[kind]["p2p"] = self.counts[kind].get("p2p", 0) + 1
 
-    def peer_channel(self, axes, scatter: bool, row_bytes: int, cap: int, device):
-        """This rank's `PeerChannel` over the group of `axes` for one-shot all-reduces and all-gathers
-        (`scatter`: reduce-scatters) of up to `cap` rows of `row_bytes`; opened on first use, which
-        every rank of the group reaches at the same op (opening is collective). None where peer
-        memory cannot be mapped (logged once; the caller keeps NCCL / gloo)."""
+    def peer_channel(self, axes, mode: str, row_bytes: int, cap: int, device):
+        """This rank's `PeerChannel` over the group of `axes` for one-shot collectives of one `mode`
+        ("reduce": all-reduces, "scatter": reduce-scatters, "gather": all-gathers, "exchange": equal-chunk
+        all-to-alls) of up to `cap` programs' rows of `row_bytes`; opened on first use, which every rank of the group reaches at
+        the same op (opening is collective). None where peer memory cannot be mapped (logged once;
+        the caller keeps NCCL / gloo)."""
         row_bytes = -(-row_bytes // 16) * 16
-        key = (axes, scatter, row_bytes)
+        key = (axes, mode, row_bytes)
         if key not in self._channels:
             g, ranks = self._g(axes)
             try:
-                self._channels[key] = PeerChannel.open(g, ranks, self.rank, cap, row_bytes, scatter,
+                self._channels[key] = PeerChannel.open(g, ranks, self.rank, cap, row_bytes,
+                                                       mode in ("scatter", "exchange"),
                                                        torch.device(device))
             except PeerMemoryUnavailable as e:
                 print(f"glmc: rank {self.rank}: no peer memory over {list(axes)} ({e}); NCCL/gloo instead",
