@@ -21,52 +21,52 @@ def fits(channel, rows_out: int, hidden: int, dtype: torch.dtype) -> bool:
     return 0 < rows_out <= channel.cap and hidden * dtype.itemsize <= channel.row_bytes
 
 
+def _launch(ctx: P2pAllReduceCtx, lib: KernelLibrary, x: torch.Tensor, channel, programs: int, *tail) -> None:
+    """One launch of `programs` programs over `channel` (its layout: one row per program, or world
+    rows for a scatter channel); `tail`: the template's arguments after the buffer strides."""
+    row_stride = channel.row_bytes // x.element_size()
+    prog_stride = (channel.world if channel.scatter else 1) * row_stride
+    lib(ctx)[(programs,)](x, x.stride(0), channel.bufs, channel.flags, channel.epochs, channel.rank, programs,
+                          channel.cap * prog_stride, prog_stride, row_stride, *tail, num_warps=ctx.num_warps)
+
+
 def p2p_allreduce(x: torch.Tensor, channel, residual=None, weight=None, eps=None, scatter: bool = False,
                   lib: KernelLibrary = JIT):
     """Sum of `x` [T, H] over the channel's group, in rank order (the same bits on every rank);
     `scatter`: this rank's T / world rows of it (rank-major slices, as NCCL's reduce-scatter).
     With `residual` and `weight`: (rms_norm(sum + residual) * weight, sum + residual), as
     torch_ref.add_rms_norm of the reduced sum. Every rank of the group must make the same calls."""
-    n, rank = channel.world, channel.rank
+    n = channel.world
     x = x.contiguous()
     T, H = x.shape
     rows = T // n if scatter else T
     if scatter and rows * n != T:
         raise ValueError(f"p2p reduce-scatter: {T} rows do not split over {n} ranks")
-    if not fits(channel, rows, H, x.dtype):
+    if channel.scatter != scatter or not fits(channel, rows, H, x.dtype):
         raise ValueError(f"p2p collective of {rows} rows x {H} {x.dtype} exceeds its channel "
-                         f"({channel.cap} rows of {channel.row_bytes} bytes)")
-    elem = x.element_size()
-    row_stride = channel.row_bytes // elem
-    prog_stride = (n if scatter else 1) * row_stride
+                         f"({channel.cap} rows of {channel.row_bytes} bytes, scatter layout {channel.scatter})")
     out = torch.empty(rows, H, dtype=x.dtype, device=x.device)
     ctx = P2pAllReduceCtx.make(n, H, eps, residual is not None, scatter, False)
-    args = [x, x.stride(0), channel.bufs, channel.flags, channel.epochs, rank, rows,
-            channel.cap * prog_stride, prog_stride, row_stride]
     if residual is None:
-        lib(ctx)[(rows,)](*args, out, out.stride(0), num_warps=ctx.num_warps)
+        _launch(ctx, lib, x, channel, rows, out, out.stride(0))
         return out
     res = residual.contiguous()
     new_res = torch.empty(rows, H, dtype=torch.result_type(x, res), device=x.device)
-    lib(ctx)[(rows,)](*args, res, res.stride(0), new_res, new_res.stride(0), weight, out, out.stride(0),
-                      num_warps=ctx.num_warps)
+    _launch(ctx, lib, x, channel, rows, res, res.stride(0), new_res, new_res.stride(0), weight, out, out.stride(0))
     return out, new_res
 
 
 def p2p_all_gather(x: torch.Tensor, channel, lib: KernelLibrary = JIT) -> torch.Tensor:
     """[world x T, W]: every rank's `x` [T, W] in rank order (dim 0), over a channel of one row per
-    program (an all-reduce channel). Every rank of the group must make the same calls."""
+    program. Every rank of the group must make the same calls."""
     n = channel.world
     x = x.contiguous()
     T, W = x.shape
     if channel.scatter or not fits(channel, T, W, x.dtype):
         raise ValueError(f"p2p all-gather of {T} rows x {W} {x.dtype} exceeds its channel "
-                         f"({channel.cap} rows of {channel.row_bytes} bytes{', a scatter channel' if channel.scatter else ''})")
-    row_stride = channel.row_bytes // x.element_size()
+                         f"({channel.cap} rows of {channel.row_bytes} bytes, scatter layout {channel.scatter})")
     out = torch.empty(n * T, W, dtype=x.dtype, device=x.device)
-    ctx = P2pAllReduceCtx.make(n, W, None, False, False, True)
-    lib(ctx)[(T,)](x, x.stride(0), channel.bufs, channel.flags, channel.epochs, channel.rank, T,
-                   channel.cap * row_stride, row_stride, row_stride, out, out.stride(0), num_warps=ctx.num_warps)
+    _launch(P2pAllReduceCtx.make(n, W, None, False, False, True), lib, x, channel, T, out, out.stride(0))
     return out
 
 
@@ -81,9 +81,6 @@ def p2p_all_to_all(x: torch.Tensor, channel, lib: KernelLibrary = JIT) -> torch.
     if C * n != T or not channel.scatter or not fits(channel, C, W, x.dtype):
         raise ValueError(f"p2p all-to-all of {T} rows x {W} {x.dtype} over {n} ranks does not fit its channel "
                          f"({channel.cap} chunk rows of {channel.row_bytes} bytes, scatter layout {channel.scatter})")
-    row_stride = channel.row_bytes // x.element_size()
     out = torch.empty_like(x)
-    ctx = P2pAllReduceCtx.make(n, W, None, False, True, False, True)
-    lib(ctx)[(C,)](x, x.stride(0), channel.bufs, channel.flags, channel.epochs, channel.rank, C,
-                   channel.cap * n * row_stride, n * row_stride, row_stride, out, out.stride(0), num_warps=ctx.num_warps)
+    _launch(P2pAllReduceCtx.make(n, W, None, False, True, False, True), lib, x, channel, C, out, out.stride(0))
     return out

@@ -53,7 +53,7 @@ from glmc.codegen.cuda_kernels import (
     topk_select_passes,
 )
 from glmc.ir.types import DTYPE_BYTES
-from glmc.passes.costs import moe_pairs, op_cost, weight_bytes_for
+from glmc.passes.costs import moe_pairs, op_cost, runs_p2p, weight_bytes_for
 
 TABLE_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 _FIELDS = ("seconds", "memory_s", "compute_s", "data_s", "overhead_s", "latency_s", "comm_s", "hbm_bytes",
@@ -101,8 +101,7 @@ def op_seconds(op, graph, env: dict, dtypes, cal: dict, weight_bytes: dict) -> d
         pairs, _ = moe_pairs(op, graph, env)
         inter = int(op.attr("inter")) // int(op.attr("moe_tp", 1))
         hbm += moe_workspace_bytes(pairs, int(op.attr("hidden")), inter, DTYPE_BYTES[dtypes.activation])
-    limit = op.attr("p2p_max_bytes")
-    p2p = limit is not None and 0 < cost.message_bytes <= int(limit)   # the plan's one-shot kernel
+    p2p = runs_p2p(op, cost.message_bytes)          # the plan's one-shot kernel
     launch = launches(op.kind, dict(op.attrs), p2p)
     size = int(op.attr("size", 1))
     kind = "all_to_all" if cost.comm in ("dispatch", "combine") else cost.comm

@@ -8,18 +8,14 @@ collective + add + RMS norm (`torch_ref.add_rms_norm`: fp32 temporaries, an fp32
 """
 from __future__ import annotations
 
+from .costs import comm_of, runs_p2p
 from .step_arena import Step, Val, model
 
 
 def p2p_runs(op, s: Step) -> bool:
-    """Whether the CUDA target runs `op` with the one-shot peer-memory kernel at this step (its
-    message, an all-gather's output or the others' input, in the plan's dtype, within the
-    `p2p_max_bytes` select-collective-backend set)."""
-    limit = op.attr("p2p_max_bytes")
-    if limit is None:
-        return False
-    t = op.types[0] if op.kind == "comm.all_gather" else s.type_of(op.operands[0])   # the message
-    return 0 < t.nbytes(s.env) <= int(limit)
+    """Whether the CUDA target runs `op` with the one-shot peer-memory kernel at this step
+    (`costs.runs_p2p` of its billed message)."""
+    return runs_p2p(op, comm_of(op, s.graph, s.env)[1])
 
 
 def _p2p(op, args, s) -> Val | tuple[Val, Val]:

@@ -183,6 +183,14 @@ def nccl_seconds(kind: str, nbytes: float, n: int) -> float:
     return NCCL_LATENCY_S + wire / NCCL_BUS_BPS
 
 
+def runs_p2p(op: Op, message_bytes: float) -> bool:
+    """Whether the CUDA target runs `op` with the one-shot peer-memory kernel for a message of
+    `message_bytes` (`comm_of`'s convention): select-collective-backend gave it a threshold and the
+    message is within it; else NCCL."""
+    limit = op.attr("p2p_max_bytes")
+    return limit is not None and 0 < message_bytes <= int(limit)
+
+
 def p2p_max_bytes(kind: str, n: int) -> int:
     """The largest message (bytes) of an all-reduce / reduce-scatter / all-gather over n ranks that the one-shot
     kernel runs faster than NCCL by the models above, at most P2P_MAX_BYTES (16-byte multiple)."""

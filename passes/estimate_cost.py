@@ -18,7 +18,7 @@ from collections import defaultdict
 from glmc.ir import Graph
 
 from .base import Pass, PassContext
-from .costs import op_cost, weight_bytes_for
+from .costs import op_cost, runs_p2p, weight_bytes_for
 
 
 def bill(graph: Graph, env: dict, dtypes) -> dict:
@@ -39,8 +39,7 @@ def bill(graph: Graph, env: dict, dtypes) -> dict:
             row["count"] += 1
             row["message_bytes"] += c.message_bytes
             row["wire_bytes"] += c.wire_bytes
-            limit = op.attr("p2p_max_bytes")
-            if limit is not None and 0 < c.message_bytes <= int(limit):   # the one-shot kernel, not NCCL
+            if runs_p2p(op, c.message_bytes):         # the one-shot kernel, not NCCL
                 row["p2p"] = row.get("p2p", 0) + 1
             cell = per_layer["-" if op.layer is None else str(op.layer)][c.comm]
             cell["count"] += 1
