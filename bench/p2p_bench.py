@@ -2,6 +2,7 @@
 
     python bench/p2p_bench.py --out p2p_bench.json              # every visible GPU, NCCL
     python bench/p2p_bench.py --cpu --world 2                   # gloo + /dev/shm, Triton interpreted
+    python bench/p2p_bench.py --one-gpu 2,8 --out one_gpu.json  # one GPU: ranks as streams of one process
 
 One process per GPU. At each message size (rows x 6144 bf16, 12 KiB to 6 MiB), inside CUDA graphs
 (CALLS calls per graph, replayed; microseconds per call, the slowest rank's median):
@@ -15,6 +16,16 @@ Then stability: one graph of a fused call replayed REPLAYS times, a fresh input 
 static buffer before each replay; every result compared with NCCL's sum of the same inputs (new
 residual bitwise for 2 ranks, where one rounding of a + b is NCCL's too; normed output within bf16
 tolerance); a stale peer read shows as a mismatch. `--cpu` runs the stability part only, briefly.
+
+`--one-gpu WORLDS` checks the kernels on the GPU where only one is lent: each "rank" is a stream of
+one process, its buffer plain device memory of the same GPU (the flag protocol, the sys-scope
+atomics and the compiled kernel are the real ones; the peers' memory is local HBM, not NVLink).
+Per world: every mode (all-reduce, + add + RMSNorm, reduce-scatter, + add + RMSNorm, all-gather,
+equal-chunk all-to-all) at several widths (each width's calls one graph, replayed once) against torch (sums in rank order in fp32: the
+same bits), then one CUDA graph holding every rank's calls of all modes, replayed REPLAYS times
+with new inputs copied in before each replay, each replay's results compared on the device; then
+us per call in graphs (CALLS calls per rank stream; all ranks' programs must be resident at once,
+so widths stay at world x rows <= 1024 programs).
 """
 from __future__ import annotations
 
@@ -148,14 +159,189 @@ def _stability(ch, weight, dev, dtype, replays: int, world: int, cpu: bool) -> d
     return {"replays": replays, "residual_mismatches": bad_res, "normed_over_tol": bad_norm, "worst_rel_err": worst}
 
 
+def _one_gpu_channels(world: int, cap: int, row_bytes: int, scatter: bool):
+    """One channel per emulated rank over buffers of the current GPU (PeerChannel's layout)."""
+    import torch
+    from glmc.runtime.worker.peer_memory import PeerChannel
+    nbytes = PeerChannel.buffer_bytes(world, cap, row_bytes, scatter)
+    bufs = [torch.zeros(nbytes, dtype=torch.uint8, device="cuda") for _ in range(world)]
+    flags = [torch.zeros(cap * world, dtype=torch.int64, device="cuda") for _ in range(world)]
+    b = torch.tensor([t.data_ptr() for t in bufs], dtype=torch.int64, device="cuda")
+    f = torch.tensor([t.data_ptr() for t in flags], dtype=torch.int64, device="cuda")
+    return [PeerChannel(world, r, cap, row_bytes, scatter, b, f, torch.zeros(cap, dtype=torch.int64, device="cuda"),
+                        [bufs, flags]) for r in range(world)]
+
+
+def _one_gpu(world: int, replays: int) -> dict:
+    """The --one-gpu check for one world size (see the module docstring)."""
+    import torch
+    from glmc.codegen import torch_ref as ref
+    from glmc.codegen.triton_p2p import p2p_all_gather, p2p_all_to_all, p2p_allreduce
+    dt, cap = torch.bfloat16, max(64, 16 * world)           # the widest call: 16 rows x world
+    ar = _one_gpu_channels(world, cap, H * 2, False)
+    rs = _one_gpu_channels(world, cap, H * 2, True)
+    a2a = _one_gpu_channels(world, cap, H * 2, True)
+    streams = [torch.cuda.Stream() for _ in range(world)]
+    weight = torch.rand(H, device="cuda", generator=torch.Generator("cuda").manual_seed(9)).to(dt) + 0.5
+
+    def calls(xs, res):
+        """Every mode on every rank, each rank on its own stream; -> per rank a list of outputs."""
+        main, outs = torch.cuda.current_stream(), []
+        for r in range(world):
+            streams[r].wait_stream(main)
+        for r in range(world):
+            with torch.cuda.stream(streams[r]):
+                x, rows = xs[r], xs[r].shape[0] // world
+                o = [p2p_allreduce(x, ar[r]), *p2p_allreduce(x[:rows], ar[r], res[:rows], weight, 1e-5),
+                     p2p_allreduce(x, rs[r], scatter=True),
+                     *p2p_allreduce(x, rs[r], res[:rows], weight, 1e-5, scatter=True),
+                     p2p_all_gather(x[:rows], ar[r]), p2p_all_to_all(x, a2a[r])]
+                outs.append(o)
+        for r in range(world):
+            main.wait_stream(streams[r])
+        return outs
+
+    def want(xs, res):
+        rows = xs[0].shape[0] // world
+        tot = xs[0].float()
+        for x in xs[1:]:
+            tot = tot + x.float()
+        tot = tot.to(dt)
+        head = xs[0][:rows].float()
+        for x in xs[1:]:
+            head = head + x[:rows].float()
+        n_head, r_head = ref.add_rms_norm(head.to(dt), res[:rows], weight, 1e-5)
+        gathered = torch.cat([x[:rows] for x in xs])
+        per = []
+        for r in range(world):
+            sl = slice(r * rows, (r + 1) * rows)
+            n_s, r_s = ref.add_rms_norm(tot[sl], res[:rows], weight, 1e-5)
+            a2 = torch.cat([xs[q][sl] for q in range(world)])
+            per.append([tot, n_head, r_head, tot[sl], n_s, r_s, gathered, a2])
+        return per
+
+    names = ["all_reduce", "ar_add_rms.normed", "ar_add_rms.residual", "reduce_scatter", "rs_add_rms.normed",
+             "rs_add_rms.residual", "all_gather", "all_to_all"]
+    exact = {"all_reduce", "reduce_scatter", "all_gather", "all_to_all", "ar_add_rms.residual", "rs_add_rms.residual"}
+
+    def compare(got, exp):
+        """Per output name: max abs error (exact ones must be 0) over ranks; as device tensors."""
+        errs = {}
+        for r in range(world):
+            for n, g, w in zip(names, got[r], exp[r]):
+                e = (g.float() - w.float()).abs().max()
+                errs[n] = torch.maximum(errs[n], e) if n in errs else e
+        return errs
+
+    def inputs(seed, rows):
+        g = torch.Generator("cuda").manual_seed(seed)
+        xs = [torch.randn(rows * world, H, device="cuda", generator=g).to(dt) * (1 + seed % 5) for _ in range(world)]
+        return xs, torch.randn(rows, H, device="cuda", generator=g).to(dt)
+
+    out = {"world": world, "eager": {}, "graph": {}, "us_per_call": {}}
+    for i, rows in enumerate((1, 3, 8, 2, 16, 5)):               # programs come and go between calls
+        xs, res = inputs(i, rows)
+        g, got = _captured(lambda: calls(xs, res))
+        g.replay()
+        errs = compare(got, want(xs, res))
+        out["eager"][f"call{i}_rows{rows}"] = {k: float(v) for k, v in errs.items()}
+        print(f"world {world} width {rows}: {out['eager'][f'call{i}_rows{rows}']}", flush=True)
+    rows = 4
+    xs, res = inputs(100, rows)
+    g, got = _captured(lambda: calls(xs, res))
+    pool = [inputs(200 + k, rows) for k in range(7)]
+    exps = [want(*p) for p in pool]
+    worst = None
+    for i in range(replays):
+        src_x, src_r = pool[i % 7]
+        for r in range(world):
+            xs[r].copy_(src_x[r])
+        res.copy_(src_r)
+        g.replay()
+        errs = compare(got, exps[i % 7])
+        worst = errs if worst is None else {k: torch.maximum(worst[k], v) for k, v in errs.items()}
+    out["graph"] = {"replays": replays, "rows": rows, "max_abs_err": {k: float(v) for k, v in worst.items()}}
+    print(f"world {world} graph: {out['graph']}", flush=True)
+    for rows in (1, 8, 32, 128):
+        if rows * world > 1024 or rows > cap:
+            continue
+        xs, res = inputs(300 + rows, rows)
+        x1 = [x[:rows] for x in xs]
+        t = {"bytes": rows * H * 2}
+        for name, fn in (("glmc", lambda r: p2p_allreduce(x1[r], ar[r])),
+                         ("glmc_add_rms", lambda r: p2p_allreduce(x1[r], ar[r], res, weight, 1e-5))):
+            t[name] = _time_streams(fn, streams)
+        out["us_per_call"][rows] = t
+    ok = all(v == 0 for c in out["eager"].values() for k, v in c.items() if k in exact) and \
+        all(v < 0.1 for c in out["eager"].values() for v in c.values()) and \
+        all(v == 0 if k in exact else v < 0.1 for k, v in out["graph"]["max_abs_err"].items())
+    out["ok"] = ok
+    return out
+
+
+def _captured(fn):
+    """(graph, fn's result): fn captured, never run eagerly. With every rank a stream of one process,
+    an eager call can deadlock: rank 0's kernel spins for rank 1's while the host, before launching
+    rank 1's, loads a module or grows the allocator (calls that wait for the device). A capture runs
+    nothing, and a replay launches every rank's kernels at once. Relaxed: Triton may compile inside."""
+    import torch
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, capture_error_mode="relaxed"):
+        out = fn()
+    return g, out
+
+
+def _time_streams(fn, streams, reps: int = 20) -> float:
+    """Microseconds per call of fn(rank) on every rank's stream (CALLS calls each, one graph)."""
+    import torch
+
+    def body():
+        main = torch.cuda.current_stream()          # the capture stream: the rank streams fork from it
+        for s in streams:
+            s.wait_stream(main)
+        for r, s in enumerate(streams):
+            with torch.cuda.stream(s):
+                for _ in range(CALLS):
+                    fn(r)
+        for s in streams:
+            main.wait_stream(s)
+    g, _ = _captured(body)
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / CALLS)
+    return sorted(times)[len(times) // 2]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--cpu", action="store_true")
     ap.add_argument("--world", type=int)
     ap.add_argument("--out")
     ap.add_argument("--replays", type=int)
+    ap.add_argument("--one-gpu", help="comma-separated world sizes emulated on one GPU")
     a = ap.parse_args()
     import torch
+    if a.one_gpu:
+        t0 = time.perf_counter()
+        runs = []
+        for w in a.one_gpu.split(","):
+            runs.append(_one_gpu(int(w), a.replays or REPLAYS))
+            if a.out:                                        # a later world may hang: keep this one
+                Path(a.out).write_text(json.dumps(runs, indent=1))
+        result = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "mode": "one-gpu",
+                  "runs": runs, "seconds": round(time.perf_counter() - t0, 1)}
+        if a.out:
+            Path(a.out).write_text(json.dumps(result, indent=1))
+        for r in runs:
+            print(f"P2P ONE-GPU world {r['world']}: {'PASS' if r['ok'] else 'FAIL'} graph {r['graph']}")
+            print(f"  eager {r['eager']}")
+            print(f"  us per call (all ranks on one GPU) {r['us_per_call']}")
+        return 0 if all(r["ok"] for r in runs) else 1
     from glmc.runtime.worker.launch import spawn
     world = a.world or (2 if a.cpu else torch.cuda.device_count())
     if a.cpu:
