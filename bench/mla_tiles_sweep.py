@@ -3,6 +3,8 @@ latent 512, rope 64, top-k 2048), per token count: which (key_major, block_h, bl
 stages) is fastest, against the plan's default (`SparseMlaDecodeCtx.make`).
 
     python bench/mla_tiles_sweep.py --out-dir $OUT [--tokens 1,8,32,128]
+    python bench/mla_tiles_sweep.py --out-dir $OUT --focus     # FP8 rows: the two best tiles of the full
+        sweep x fp16 dot operands (dot16) x split counts (1x / 2x / 4x mla_num_splits')
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ def main():
     ap.add_argument("--out-dir", default="/tmp/mla_tiles_sweep")
     ap.add_argument("--tokens", default="32,128")
     ap.add_argument("--budget", type=float, default=200)
+    ap.add_argument("--focus", action="store_true", help="FP8 rows: best tiles x dot16 x split counts")
     a = ap.parse_args()
     pc.import_glmc()
     import torch
@@ -48,13 +51,22 @@ def main():
                 return tt.sparse_mla_latent(q_lat, q_pe, cache, r2t, rows, pos, topk, 0.07, slots=slots, **tiles)
             want = run().float()
             combos = [(None,) * 5]
-            if kv == "fp8":   # bf16: the default only (the reference)
+            if a.focus and kv == "fp8":
+                from glmc.codegen.triton_contexts import mla_num_splits
+                for km, bh, bn, w in ((False, 32, 32, 4), (True, 64, 64, 8)):
+                    base = mla_num_splits(T, H, bh, K, bn, torch.cuda.get_device_properties(0).multi_processor_count)
+                    for d16, mult in itertools.product((False, True), (1, 2, 4)):
+                        combos.append(dict(key_major=km, block_h=bh, block_n=bn, num_warps=w, num_stages=1,
+                                           dot16=d16, num_splits=min(64, base * mult)))
+            elif kv == "fp8":   # bf16: the default only (the reference)
                 combos += [c for c in itertools.product((True, False), (16, 32, 64), (16, 32, 64), (4, 8), (1, 2))
                            if (c[1] == 64) == c[0]]   # key-major: 64-head blocks; head-major: 16 or 32
-            for km, bh, bn, w, st in combos:
+            for c in combos:
                 if time.perf_counter() > t_end:
                     break
-                tiles = {} if km is None else dict(key_major=km, block_h=bh, block_n=bn, num_warps=w, num_stages=st)
+                km, bh, bn, w, st = c if isinstance(c, tuple) else (0,) * 5
+                tiles = c if isinstance(c, dict) else \
+                    {} if km is None else dict(key_major=km, block_h=bh, block_n=bn, num_warps=w, num_stages=st)
                 try:
                     got = run(**tiles).float()
                     err = float((got - want).abs().max() / want.abs().max())

@@ -25,7 +25,8 @@ equal-chunk all-to-all) at several widths (each width's calls one graph, replaye
 same bits), then one CUDA graph holding every rank's calls of all modes, replayed REPLAYS times
 with new inputs copied in before each replay, each replay's results compared on the device; then
 us per call in graphs (CALLS calls per rank stream; all ranks' programs must be resident at once,
-so widths stay at world x rows <= 1024 programs).
+so widths stay at world x rows <= 1024 programs). First, world 1 over a one-rank NCCL group:
+PeerChannel.open's torch-symmetric-memory mapping, the calls the runtime makes, on this torch.
 """
 from __future__ import annotations
 
@@ -279,6 +280,35 @@ def _one_gpu(world: int, replays: int) -> dict:
     return out
 
 
+def _symm_world1() -> dict:
+    """PeerChannel.open's CUDA mapping (torch symmetric memory) over a one-rank NCCL group: the API
+    calls the runtime makes, on this torch, and each collective through it (world 1: a copy)."""
+    import torch
+    import torch.distributed as dist
+    from glmc.codegen.triton_p2p import p2p_all_gather, p2p_all_to_all, p2p_allreduce
+    from glmc.runtime.worker.peer_memory import PeerChannel
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29577")
+    dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
+    try:
+        dev = torch.device("cuda", 0)
+        ar = PeerChannel.open(None, [0], 0, 16, H * 2, False, dev)
+        rs = PeerChannel.open(None, [0], 0, 16, H * 2, True, dev)
+        x = torch.randn(8, H, device=dev).to(torch.bfloat16)
+        res = torch.randn(8, H, device=dev).to(torch.bfloat16)
+        w = torch.ones(H, device=dev, dtype=torch.bfloat16)
+        got = {"all_reduce": p2p_allreduce(x, ar), "add_rms.residual": p2p_allreduce(x, ar, res, w, 1e-5)[1],
+               "reduce_scatter": p2p_allreduce(x, rs, scatter=True), "all_gather": p2p_all_gather(x, ar),
+               "all_to_all": p2p_all_to_all(x, rs)}
+        want = {"all_reduce": x, "add_rms.residual": x + res, "reduce_scatter": x, "all_gather": x, "all_to_all": x}
+        return {"ok": all(torch.equal(got[k], want[k]) for k in got), "bufs": int(ar.bufs.numel()),
+                "equal": {k: bool(torch.equal(got[k], want[k])) for k in got}}
+    except Exception as e:
+        return {"ok": False, "error": f"{type(e).__name__}: {e}"[:400]}
+    finally:
+        dist.destroy_process_group()
+
+
 def _captured(fn):
     """(graph, fn's result): fn captured, never run eagerly. With every rank a stream of one process,
     an eager call can deadlock: rank 0's kernel spins for rank 1's while the host, before launching
@@ -328,7 +358,9 @@ def main() -> int:
     import torch
     if a.one_gpu:
         t0 = time.perf_counter()
-        runs = []
+        runs = [{"world": 1, "symmetric_memory": _symm_world1()}]
+        runs[0]["ok"] = runs[0]["symmetric_memory"]["ok"]
+        print(f"P2P ONE-GPU world 1 over torch symmetric memory: {runs[0]['symmetric_memory']}", flush=True)
         for w in a.one_gpu.split(","):
             runs.append(_one_gpu(int(w), a.replays or REPLAYS))
             if a.out:                                        # a later world may hang: keep this one
@@ -337,7 +369,7 @@ def main() -> int:
                   "runs": runs, "seconds": round(time.perf_counter() - t0, 1)}
         if a.out:
             Path(a.out).write_text(json.dumps(result, indent=1))
-        for r in runs:
+        for r in runs[1:]:
             print(f"P2P ONE-GPU world {r['world']}: {'PASS' if r['ok'] else 'FAIL'} graph {r['graph']}")
             print(f"  eager {r['eager']}")
             print(f"  us per call (all ranks on one GPU) {r['us_per_call']}")

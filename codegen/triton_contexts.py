@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+import torch
+
 from glmc.codegen.cuda_kernels import TOPK_CHUNK
 from glmc.codegen.fp8_ref import BLOCK as FP8_GROUP
 from glmc.codegen.fp8_ref import KV_PAGE
@@ -211,7 +213,8 @@ def mla_num_splits(num_tokens: int, num_heads: int, block_h: int, num_keys: int,
 class SparseMlaDecodeCtx:
     """sparse_mla_decode.py.j2: absorbed MLA split-K partials over top-k slots (or causal positions).
     The split count is a run-time argument (`mla_num_splits`), so one kernel serves every batch of
-    its token class: < 32 tokens (head-major) or >= 32 with >= 64 heads (key-major)."""
+    its token class: < 32 tokens (head-major) or >= 32 with >= 64 heads (key-major; FP8 rows: fp16
+    operands, key-major below 64 tokens, head-major from 64)."""
     template: ClassVar[str] = "sparse_mla_decode"
     num_heads: int
     kv_lora: int
@@ -231,20 +234,24 @@ class SparseMlaDecodeCtx:
 
     @classmethod
     def make(cls, num_heads, kv_lora, rope_dim, topk, scale, dtype, num_tokens, block_h=None, block_n=None,
-             num_warps=None, num_stages=None, key_major=None, kv_fp8=False):
+             num_warps=None, num_stages=None, key_major=None, kv_fp8=False, dot16=None):
         if kv_lora != next_pow2(kv_lora) or rope_dim != next_pow2(rope_dim):
             raise ValueError(f"sparse_mla_decode needs power-of-two kv_lora/rope dims, got {kv_lora}/{rope_dim}")
-        dot_dtype, precision = _DOT[dtype]
         # Measured on an H200 (bench/results/gpu_kernels_2026-11-29.json, K=2048, 64 heads): with >= 32
         # tokens, key-major 64 heads x 32 keys (one KV read per token, wgmma) was fastest (318 us at
         # B=128 vs 355); with 1 token, head-major 16 x 32 at 4 warps (9.9 us vs 16.6). Both spill-free.
         wide = num_tokens >= 32 and num_heads >= 64 and key_major is None
         if wide and kv_fp8:
-            # FP8 rows, >= 32 tokens: head-major 32 x 32 at 4 warps, 1 stage (bench/results/
-            # mla_tiles_sweep_h200_2026-12-01.json: 224 / 576 us at 32 / 128 tokens, against 311 / 1174
-            # for the bf16 rows' key-major tiles and 197 / 696 for the best key-major ones)
-            key_major, block_h, block_n = False, block_h or 32, block_n or 32
-            num_warps, num_stages = num_warps or 4, num_stages or 1
+            # FP8 rows, >= 32 tokens, fp16 dot operands (dot16: e4m3 -> fp16 is one exact conversion,
+            # e4m3 -> bf16 goes through fp32; bf16 q -> fp16 is exact within fp16's range). Sweep of
+            # 2026-12-01 (bench/results/mla_tiles_sweep_h200_2026-12-01_focus.json, K=2048): 32 tokens
+            # key-major 64 x 64 at 8 warps 164 us (bf16 operands, head-major 32 x 32: 227); 128 tokens
+            # head-major 32 x 32 at 4 warps 537 us (585).
+            dot16 = True if dot16 is None else dot16
+            wide_km = num_tokens < 64
+            key_major, block_h, block_n = wide_km, block_h or (64 if wide_km else 32), block_n or (64 if wide_km else 32)
+            num_warps, num_stages = num_warps or (8 if wide_km else 4), num_stages or 1
+        dot_dtype, precision = _DOT[torch.float16 if dot16 and kv_fp8 and dtype != torch.float32 else dtype]
         if key_major is None:
             key_major = wide
         block_h = block_h or (64 if wide else 16)
@@ -258,7 +265,7 @@ class SparseMlaDecodeCtx:
     @classmethod
     def variants(cls, num_heads, kv_lora, rope_dim, topk, scale, dtype, kv_fp8=False) -> list["SparseMlaDecodeCtx"]:
         """Every context `make` gives for some token count (the token classes)."""
-        out = [cls.make(num_heads, kv_lora, rope_dim, topk, scale, dtype, t, kv_fp8=kv_fp8) for t in (1, 32)]
+        out = [cls.make(num_heads, kv_lora, rope_dim, topk, scale, dtype, t, kv_fp8=kv_fp8) for t in (1, 32, 64)]
         return list(dict.fromkeys(out))
 
 

@@ -24,17 +24,20 @@ def test_every_cuda_op_lists_its_kernels():
     assert not set(KERNELS_OF) & NO_TRITON
 
 
-@pytest.mark.parametrize("parallel,heads,head_blocks", [("tp1", 64, {16, 32}), ("tp8", 8, {16})])
-def test_glm53_kernel_set_is_small_and_fits_the_rank(parallel, heads, head_blocks):
+@pytest.mark.parametrize("parallel,heads,tiles", [
+    ("tp1", 64, {(False, 16, "tl.bfloat16"), (True, 64, "tl.float16"), (False, 32, "tl.float16")}),
+    ("tp8", 8, {(False, 16, "tl.bfloat16")})])
+def test_glm53_kernel_set_is_small_and_fits_the_rank(parallel, heads, tiles):
     """GLM-5.3 (FP8 weights, FP8 KV): a few dozen kernels, attention specialised to the rank's heads
-    (on FP8 rows head-major; 32-head blocks for >= 32 tokens where a rank holds >= 64 heads); the
-    FP8 experts and GEMMs at the rank's widths (A-projection: q_a | kv_a joined, wk alone, as their
-    128-row scale blocks allow)."""
+    (head-major 16-head blocks below 32 tokens; where a rank holds >= 64 heads, fp16 operands and
+    key-major 64-head blocks for 32-63 tokens, head-major 32-head blocks from 64); the FP8 experts
+    and GEMMs at the rank's widths (A-projection: q_a | kv_a joined, wk alone, as their 128-row
+    scale blocks allow)."""
     kernels = plan_kernels(compiled("glm_moe_dsa", parallel, device="cuda"))
     assert 15 <= len(kernels) <= 80   # 3 FP8 GEMM row classes per weight shape, MoE split forms
     attn = [c for c in kernels.values() if c.template == "sparse_mla_decode"]
     assert {c.num_heads for c in attn} == {heads} and {c.topk for c in attn} == {2048}
-    assert not any(c.key_major for c in attn) and {c.block_h for c in attn} == head_blocks
+    assert {(c.key_major, c.block_h, c.dot_dtype) for c in attn} == tiles
     assert not [c for c in kernels.values() if c.template == "moe_experts"]
     experts = [c for c in kernels.values() if c.template == "moe_experts_fp8"]
     assert {(c.block_m, c.down) for c in experts} == {(m, d) for m in (16, 32, 64) for d in (False, True)}

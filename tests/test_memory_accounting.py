@@ -232,7 +232,8 @@ def test_mirrored_constants_match_codegen():
     assert step_arena.MAX_SPLITS == triton_contexts.MAX_SPLITS and step_arena.BLOCK_MS == triton_moe.BLOCK_MS
     for rows, experts in [(1, 256), (2048, 256), (4096, 64), (65536, 256)]:
         assert moe_memory.block_m_for(rows, experts) == triton_moe.block_m_for(rows, experts)
-    for T, H, fp8, topk in [(1, 64, True, 2048), (32, 64, True, 2048), (128, 64, False, 2048), (8192, 16, True, None)]:
+    for T, H, fp8, topk in [(1, 64, True, 2048), (32, 64, True, 2048), (48, 64, True, 64), (64, 64, True, 2048),
+                            (128, 64, False, 2048), (8192, 16, True, None)]:
         ctx = triton_contexts.SparseMlaDecodeCtx.make(H, 512, 64, topk, 0.1, torch.bfloat16, T, kv_fp8=fp8)
         want = triton_contexts.mla_num_splits(T, H, ctx.block_h, topk or 4096, ctx.block_n, 132)
         s = type("S", (), {"t": step_arena.Target(2, True, fp8, T, T, 4096)})()
