@@ -2,7 +2,7 @@
 
     python bench/p2p_bench.py --out p2p_bench.json              # every visible GPU, NCCL
     python bench/p2p_bench.py --cpu --world 2                   # gloo + /dev/shm, Triton interpreted
-    python bench/p2p_bench.py --one-gpu 2,8 --out one_gpu.json  # one GPU: ranks as streams of one process
+    python bench/p2p_bench.py --one-gpu 2 --out one_gpu.json    # one GPU: ranks as streams of one process
 
 One process per GPU. At each message size (rows x 6144 bf16, 12 KiB to 6 MiB), inside CUDA graphs
 (CALLS calls per graph, replayed; microseconds per call, the slowest rank's median):
@@ -25,7 +25,8 @@ equal-chunk all-to-all) at several widths (each width's calls one graph, replaye
 same bits), then one CUDA graph holding every rank's calls of all modes, replayed REPLAYS times
 with new inputs copied in before each replay, each replay's results compared on the device; then
 us per call in graphs (CALLS calls per rank stream; all ranks' programs must be resident at once,
-so widths stay at world x rows <= 1024 programs). First, world 1 over a one-rank NCCL group:
+so widths stay at world x rows <= 1024 programs). Use 2 ranks: with 8 rank streams in one graph
+the H200 hung (2026-12-01), as nothing makes a GPU run 8 spinning graph branches at once. First, world 1 over a one-rank NCCL group:
 PeerChannel.open's torch-symmetric-memory mapping, the calls the runtime makes, on this torch.
 """
 from __future__ import annotations
