@@ -167,7 +167,8 @@ def _one_gpu_channels(world: int, cap: int, row_bytes: int, scatter: bool):
     from glmc.runtime.worker.peer_memory import PeerChannel
     nbytes = PeerChannel.buffer_bytes(world, cap, row_bytes, scatter)
     bufs = [torch.zeros(nbytes, dtype=torch.uint8, device="cuda") for _ in range(world)]
-    flags = [torch.zeros(cap * world, dtype=torch.int64, device="cuda") for _ in range(world)]
+    flags = [torch.zeros(PeerChannel.flag_bytes(world, cap) // 8, dtype=torch.int64, device="cuda")
+             for _ in range(world)]
     b = torch.tensor([t.data_ptr() for t in bufs], dtype=torch.int64, device="cuda")
     f = torch.tensor([t.data_ptr() for t in flags], dtype=torch.int64, device="cuda")
     return [PeerChannel(world, r, cap, row_bytes, scatter, b, f, torch.zeros(cap, dtype=torch.int64, device="cuda"),
@@ -187,7 +188,9 @@ def _one_gpu(world: int, replays: int) -> dict:
     weight = torch.rand(H, device="cuda", generator=torch.Generator("cuda").manual_seed(9)).to(dt) + 0.5
 
     def calls(xs, res):
-        """Every mode on every rank, each rank on its own stream; -> per rank a list of outputs."""
+        """Every mode on every rank, each rank on its own stream; -> per rank a list of outputs
+        (the all-to-all with every slot routed)."""
+        ones = [torch.ones(x.shape[0], dtype=torch.int32, device="cuda") for x in xs]
         main, outs = torch.cuda.current_stream(), []
         for r in range(world):
             streams[r].wait_stream(main)
@@ -197,7 +200,7 @@ def _one_gpu(world: int, replays: int) -> dict:
                 o = [p2p_allreduce(x, ar[r]), *p2p_allreduce(x[:rows], ar[r], res[:rows], weight, 1e-5),
                      p2p_allreduce(x, rs[r], scatter=True),
                      *p2p_allreduce(x, rs[r], res[:rows], weight, 1e-5, scatter=True),
-                     p2p_all_gather(x[:rows], ar[r]), p2p_all_to_all(x, a2a[r])]
+                     p2p_all_gather(x[:rows], ar[r]), p2p_all_to_all(x, ones[r], a2a[r])[0]]
                 outs.append(o)
         for r in range(world):
             main.wait_stream(streams[r])
@@ -295,12 +298,13 @@ def _symm_world1() -> dict:
         dev = torch.device("cuda", 0)
         ar = PeerChannel.open(None, [0], 0, 16, H * 2, False, dev)
         rs = PeerChannel.open(None, [0], 0, 16, H * 2, True, dev)
+        a2a = PeerChannel.open(None, [0], 0, 16, H * 2, True, dev)
         x = torch.randn(8, H, device=dev).to(torch.bfloat16)
         res = torch.randn(8, H, device=dev).to(torch.bfloat16)
         w = torch.ones(H, device=dev, dtype=torch.bfloat16)
         got = {"all_reduce": p2p_allreduce(x, ar), "add_rms.residual": p2p_allreduce(x, ar, res, w, 1e-5)[1],
                "reduce_scatter": p2p_allreduce(x, rs, scatter=True), "all_gather": p2p_all_gather(x, ar),
-               "all_to_all": p2p_all_to_all(x, rs)}
+               "all_to_all": p2p_all_to_all(x, torch.ones(8, dtype=torch.int32, device=dev), a2a)[0]}
         want = {"all_reduce": x, "add_rms.residual": x + res, "reduce_scatter": x, "all_gather": x, "all_to_all": x}
         return {"ok": all(torch.equal(got[k], want[k]) for k in got), "bufs": int(ar.bufs.numel()),
                 "equal": {k: bool(torch.equal(got[k], want[k])) for k in got}}

@@ -280,10 +280,12 @@ def _swiglu(op, args, ctx: CudaStepContext):
     return _mm(F.silu(gu[:, :inter]) * gu[:, inter:], ctx.w(f"{p}.down_proj.weight"))
 
 
-def _exchange(op, buf, ctx: CudaStepContext, kind: str, nbytes: int):
-    """The fixed-capacity MoE exchange of `buf` [n x C, W] (chunk q to rank q): the one-shot kernel
-    where the plan's threshold allows (`nbytes`, the bill's message: the whole buffer in the plan's
-    dtypes) and the group's peers mapped, else NCCL's all_to_all_single."""
+def _exchange(op, buf, valid, ctx: CudaStepContext, kind: str, nbytes: int):
+    """The fixed-capacity MoE exchange of `buf` [n x C, W] (chunk q to rank q) -> (what arrived,
+    recv_valid or None). Where the plan's threshold allows (`nbytes`, the bill's message: the whole
+    buffer in the plan's dtypes) and the group's peers mapped: the one-shot kernel, which moves only
+    the rows with `valid` [n x C] set and says which arrived (recv_valid [n x C] int32); else NCCL's
+    all_to_all_single of the whole buffer (recv_valid None: every row arrived)."""
     limit, n = op.attr("p2p_max_bytes"), int(op.attr("size"))
     C = buf.shape[0] // n
     if limit is not None and C and nbytes <= int(limit):
@@ -292,17 +294,18 @@ def _exchange(op, buf, ctx: CudaStepContext, kind: str, nbytes: int):
                                    buf.device)
         if ch is not None and tp2p.fits(ch, C, buf.shape[1], buf.dtype):
             ctx.comm.count(kind, nbytes, p2p=True)
-            return tp2p.p2p_all_to_all(buf, ch, ctx.kernels)
-    return ctx.comm.all_to_all_equal(buf, torch_target._axes(op), kind, nbytes)
+            return tp2p.p2p_all_to_all(buf, valid, ch, ctx.kernels)
+    return ctx.comm.all_to_all_equal(buf, torch_target._axes(op), kind, nbytes), None
 
 
 @impl("moe.dispatch")
 def _dispatch(op, args, ctx: CudaStepContext):
-    """The a2a MoE lowering, capture-safe: every rank sends each peer a fixed buffer of T*k slots
-    (no counts exchanged, no host sync); row (t, j) takes the next free slot of the buffer of the
-    rank holding its expert, unused slots carry expert id -1 (the experts kernel drops them). The
-    payload travels bit-exact in one byte message (NCCL has no int16): x, the fp32 weight, the
-    int32 expert id.
+    """The a2a MoE lowering, capture-safe: every rank has a fixed buffer of T*k slots for each peer
+    (no host sync); row (t, j) takes the next free slot of the buffer of the rank holding its
+    expert, unused slots carry expert id -1 (the experts kernel drops them). The payload travels
+    bit-exact in one byte message (NCCL has no int16): x, the fp32 weight, the int32 expert id.
+    Over peer memory only the used slots travel (their valid bits ride on the kernel's flags), and
+    the slots that did not arrive get id -1 here; NCCL moves the whole buffer.
     Counted with the plan's (payload) bytes, as the torch target counts."""
     x, w, ids = args
     n, k = int(op.attr("size")), ids.shape[1]
@@ -317,21 +320,27 @@ def _dispatch(op, args, ctx: CudaStepContext):
     send = torch.zeros(n * cap, bits.shape[1], dtype=torch.uint8, device=x.device)
     send[:, -4:] = 255                                         # expert id -1: an empty slot
     send[pos] = bits
+    valid = torch.zeros(n * cap, dtype=torch.int32, device=x.device)
+    valid[pos] = 1
     nbytes = sum(t.nbytes({"T": x.shape[0]}) for t in op.types) * n
-    got = _exchange(op, send, ctx, "dispatch", nbytes)
-    ctx.routes[op.results[0]] = pos
+    got, recv = _exchange(op, send, valid, ctx, "dispatch", nbytes)
+    got_ids = got[:, hx + 4:].contiguous().view(torch.int32)
+    if recv is not None:
+        got_ids = torch.where(recv[:, None] != 0, got_ids, -1)
+    ctx.routes[op.results[0]] = (pos, (got_ids[:, 0] >= 0).to(torch.int32))   # the combine sends those back
     return (got[:, :hx].contiguous().view(x.dtype), got[:, hx:hx + 4].contiguous().view(torch.float32),
-            got[:, hx + 4:].contiguous().view(torch.int32).long())
+            got_ids.long())
 
 
 @impl("moe.combine")
 def _combine(op, args, ctx: CudaStepContext):
-    """Expert outputs back to their tokens' ranks (the same fixed buffers), each token's k summed."""
+    """Expert outputs back to their tokens' ranks (the same fixed buffers; over peer memory only the
+    slots that arrived in the dispatch), each token's k summed."""
     y, like = args
-    pos = ctx.routes[op.operands[0] + ".dx"]
+    pos, used = ctx.routes[op.operands[0] + ".dx"]
     n, k = int(op.attr("size")), int(op.attr("top_k"))
     nbytes = like.shape[0] * k * y.shape[1] * DTYPE_BYTES[ctx.type_of(op.operands[0]).dtype] * n
-    back = _exchange(op, y, ctx, "combine", nbytes)
+    back, _ = _exchange(op, y, used, ctx, "combine", nbytes)
     return back[pos].view(like.shape[0], k, -1).float().sum(1).to(y.dtype)
 
 

@@ -8,6 +8,7 @@ GPUs; shared memory between processes on the CPU, where the interpreter runs the
 `row_bytes` the bytes a row may hold. Layout of a buffer, in elements of the partials' dtype:
 [2 slots][cap programs][rows per program][row_bytes / element]: program p's region is its own,
 whatever the call's width, so calls of different sizes never share a region under different epochs.
+Flags: [cap programs][world sources][2 parities] int64 (the parity slots: the all-to-all's).
 """
 from __future__ import annotations
 
@@ -70,17 +71,22 @@ def p2p_all_gather(x: torch.Tensor, channel, lib: KernelLibrary = JIT) -> torch.
     return out
 
 
-def p2p_all_to_all(x: torch.Tensor, channel, lib: KernelLibrary = JIT) -> torch.Tensor:
-    """x [world x C, W] in world equal chunks, chunk q to rank q; -> [world x C, W]: chunk q is
-    what rank q sent here (as dist.all_to_all_single), over a reduce-scatter-layout channel. Every
-    rank of the group must make the same calls."""
+def p2p_all_to_all(x: torch.Tensor, valid: torch.Tensor, channel, lib: KernelLibrary = JIT):
+    """x [world x C, W] in world equal chunks, chunk q to rank q, of which only the rows with
+    valid [world x C] != 0 travel (the routed ones); -> (out [world x C, W], recv_valid [world x C]
+    int32): chunk q of out is what rank q sent here (as dist.all_to_all_single) where recv_valid is 1,
+    unspecified elsewhere. Over a reduce-scatter-layout channel that only these calls use (their flags
+    carry the valid bits). Every rank of the group must make the same calls."""
     n = channel.world
     x = x.contiguous()
     T, W = x.shape
     C = T // n
-    if C * n != T or not channel.scatter or not fits(channel, C, W, x.dtype):
-        raise ValueError(f"p2p all-to-all of {T} rows x {W} {x.dtype} over {n} ranks does not fit its channel "
-                         f"({channel.cap} chunk rows of {channel.row_bytes} bytes, scatter layout {channel.scatter})")
+    if C * n != T or not channel.scatter or not fits(channel, C, W, x.dtype) or valid.numel() != T:
+        raise ValueError(f"p2p all-to-all of {T} rows x {W} {x.dtype} ({valid.numel()} valid flags) over {n} "
+                         f"ranks does not fit its channel ({channel.cap} chunk rows of {channel.row_bytes} "
+                         f"bytes, scatter layout {channel.scatter})")
     out = torch.empty_like(x)
-    _launch(P2pAllReduceCtx.make(n, W, None, False, True, False, True), lib, x, channel, C, out, out.stride(0))
-    return out
+    recv = torch.empty(T, dtype=torch.int32, device=x.device)
+    _launch(P2pAllReduceCtx.make(n, W, None, False, True, False, True), lib, x, channel, C, out, out.stride(0),
+            valid.to(torch.int32).contiguous(), recv)
+    return out, recv

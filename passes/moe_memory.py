@@ -4,10 +4,11 @@ the a2a lowering's dispatch and combine.
 Replays `cuda_target._gate` / `_moe_topk` / `_experts` / `_dispatch` / `_combine` and
 `triton_moe.align_rows`, `moe_experts[_fp8]` on a `step_arena.Arena` (see `op_memory.py` for the
 conventions). The dispatch and combine follow the code (NCCL's all_to_all_single into an
-`empty_like`), unmeasured: the CPU tests run one rank.
+`empty_like`, or the peer-memory exchange and its recv_valid), unmeasured: the CPU tests run one rank.
 """
 from __future__ import annotations
 
+from .comm_memory import p2p_runs
 from .op_memory import quantize
 from .step_arena import BLOCK_MS, FP8_BLOCK, Step, Val, model
 
@@ -180,12 +181,22 @@ def _dispatch(op, args, s):
     id32 = s.tmp(cap, 4)
     bits = s.tmp(cap * width, 1)
     send = s.tmp(n * cap * width, 1)
+    valid = s.tmp(n * cap, 4)
     got = s.tmp(n * cap * width, 1)
+    recv = s.tmp(n * cap, 4) if p2p_runs(op, s) else None    # the kernel's recv_valid
+    di32 = s.tmp(n * cap, 4)
+    if recv is not None:                                      # torch.where(recv != 0, ids, -1)
+        ne = s.tmp(n * cap, 1)
+        masked = s.tmp(n * cap, 4)
+        s.free(ne, di32)
+        di32 = masked
+    ge = s.tmp(n * cap, 1)
+    s.tmp(n * cap, 4)                                         # the used slots: kept in ctx.routes
+    s.free(ge)
     dx = s.arena.new(n * cap * H, x.elem)
     dw = s.arena.new(n * cap, 4)
-    di32 = s.tmp(n * cap, 4)
     di = s.arena.new(n * cap, 8)
-    s.free(di32, dest, slot, x_bits, id32, bits, send, got)
+    s.free(di32, dest, slot, x_bits, id32, bits, send, valid, got, recv)
     return dx, dw, di
 
 
@@ -196,11 +207,12 @@ def _combine(op, args, s):
     y, T = args[0], s.rows(op)
     k, H = int(op.attr("top_k")), s.type_of(op.operands[0]).shape[1].eval(s.env)
     back = s.tmp(s.type_of(op.operands[0]).numel(s.env), y.elem)
+    recv = s.tmp(s.type_of(op.operands[0]).shape[0].eval(s.env), 4) if p2p_runs(op, s) else None
     rows = s.tmp(T * k * H, y.elem)
     f32 = s.tmp(T * k * H, 4)
     s.free(rows)
     summed = s.tmp(T * H, 4)
     s.free(f32)
     out = s.arena.new(T * H, y.elem)
-    s.free(summed, back)
+    s.free(summed, back, recv)
     return out

@@ -7,7 +7,8 @@ widths (the region of each program is its own; epochs advance in memory, as in C
 replays): every result equals gloo's all-reduce (fp32 partials: exact for 2 ranks, the same sum in
 rank order for 3), the fused residual add + RMSNorm equals torch_ref's on that sum, the all-gather
 (fp32 rows on the all-reduce channel, int32 route ids on their own) and the equal-chunk all-to-all
-(byte rows, as the MoE exchange sends) equal gloo's exactly, and every rank holds the same bits. A stale read (a peer's last epoch, or the other slot) fails the comparison.
+(byte rows, as the MoE exchange sends; a random ~60% of the slots routed, the rest never sent: the
+rows that arrived and which ones did) equal gloo's exactly, and every rank holds the same bits. A stale read (a peer's last epoch, or the other slot) fails the comparison.
 """
 import os
 
@@ -72,9 +73,13 @@ def _rank(rank, world, out_dir):
             bad.append(("all_gather int32", call, 0.0))
         send = torch.randint(0, 256, (rows * world, H + 8), dtype=torch.uint8,
                              generator=torch.Generator().manual_seed(call * 11 + rank))
-        want_x = torch.empty_like(send)
+        valid = (torch.rand(rows * world, generator=torch.Generator().manual_seed(call * 13 + rank)) < 0.6)
+        valid = valid.to(torch.int32)                          # the routed slots: only these travel
+        want_x, want_v = torch.empty_like(send), torch.empty_like(valid)
         dist.all_to_all_single(want_x, send)
-        if not torch.equal(p2p_all_to_all(send, a2a), want_x):
+        dist.all_to_all_single(want_v, valid)
+        got_x, got_v = p2p_all_to_all(send, valid, a2a)
+        if not (torch.equal(got_v, want_v) and torch.equal(got_x[got_v == 1], want_x[want_v == 1])):
             bad.append(("all_to_all", call, 0.0))
         outs.append((got, normed, new_res, gathered))
     torch.save({"bad": bad, "outs": outs, "epochs": ar.epochs.tolist()}, f"{out_dir}/rank{rank}.pt")

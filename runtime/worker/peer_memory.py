@@ -44,13 +44,18 @@ class PeerChannel:
         """Bytes of one rank's buffer: 2 slots x cap programs x rows per program x row_bytes."""
         return 2 * cap * (world if scatter else 1) * row_bytes
 
+    @staticmethod
+    def flag_bytes(world: int, cap: int) -> int:
+        """Bytes of one rank's flag array: int64 per (program, source rank, epoch parity)."""
+        return cap * world * 2 * 8
+
     @classmethod
     def open(cls, group, ranks: list[int], rank: int, cap: int, row_bytes: int, scatter: bool,
              device: torch.device) -> "PeerChannel":
         world, me = len(ranks), ranks.index(rank)
         nbytes = cls.buffer_bytes(world, cap, row_bytes, scatter)
         mapper = _map_cuda if device.type == "cuda" else _map_shm
-        bufs, flags, keep = mapper(group, ranks, me, nbytes, cap * world * 8, device)
+        bufs, flags, keep = mapper(group, ranks, me, nbytes, cls.flag_bytes(world, cap), device)
         return cls(world, me, cap, row_bytes, scatter, bufs, flags,
                    torch.zeros(cap, dtype=torch.int64, device=device), keep)
 
