@@ -258,6 +258,13 @@ def _moe_topk(op, args, ctx: CudaStepContext):
 def _experts(op, args, ctx: CudaStepContext):
     x, w, ids = args
     gate, up, down = ctx.experts(op)
+    if x.dtype == torch.float8_e4m3fn:     # rows an FP8 dispatch delivered, with their scales
+        if not isinstance(gate, Fp8Weight):
+            raise TypeError(f"{op.results[0]}: the plan dispatches FP8 rows (moe.dispatch dtype=fp8) but this "
+                            f"rank's experts are {gate.dtype}, not block FP8: load FP8 weights or recompile")
+        xs, act = ctx.routes[op.operands[0] + ".scales"]
+        return tm.moe_experts_fp8(x, ids, w, gate, up, down, expert_offset=ctx.expert_offset(op),
+                                  lib=ctx.kernels, x_scales=xs, act_dtype=act).to(act)
     if isinstance(gate, Fp8Weight):
         return tm.moe_experts_fp8(x, ids, w, gate, up, down, expert_offset=ctx.expert_offset(op),
                                   lib=ctx.kernels).to(x.dtype)
@@ -304,6 +311,9 @@ def _dispatch(op, args, ctx: CudaStepContext):
     (no host sync); row (t, j) takes the next free slot of the buffer of the rank holding its
     expert, unused slots carry expert id -1 (the experts kernel drops them). The payload travels
     bit-exact in one byte message (NCCL has no int16): x, the fp32 weight, the int32 expert id.
+    With the plan's dtype=fp8 (FP8 experts, DeepEP's FP8 dispatch) x travels quantised: e4m3 rows
+    and their fp32 scale per 128 columns, exactly what the experts kernel would make of x itself;
+    the rows come out e4m3 (the plan's type) and the experts take them with their scales.
     Over peer memory only the used slots travel (their valid bits ride on the kernel's flags), and
     the slots that did not arrive get id -1 here; NCCL moves the whole buffer.
     Counted with the plan's (payload) bytes, as the torch target counts."""
@@ -313,7 +323,12 @@ def _dispatch(op, args, ctx: CudaStepContext):
     dest = (ids // (ctx.num_experts // n)).reshape(-1)
     slot = (F.one_hot(dest, n).cumsum(0) - 1).gather(1, dest[:, None]).squeeze(1)
     pos = dest * cap + slot                                   # row of the [n * cap] send buffer
-    x_bits = x.repeat_interleave(k, 0).view(torch.uint8)     # element bytes of x
+    fp8 = op.attr("dtype") == "fp8"
+    if fp8:
+        xq, xs = tf.quantize_tokens(x, ctx.kernels)
+        x_bits = torch.cat([xq.view(torch.uint8), xs.view(torch.uint8)], 1).repeat_interleave(k, 0)
+    else:
+        x_bits = x.repeat_interleave(k, 0).view(torch.uint8)  # element bytes of x
     hx = x_bits.shape[1]
     bits = torch.cat([x_bits, w.reshape(-1, 1).float().view(torch.uint8),
                       ids.reshape(-1, 1).to(torch.int32).view(torch.uint8)], dim=1)
@@ -322,14 +337,19 @@ def _dispatch(op, args, ctx: CudaStepContext):
     send[pos] = bits
     valid = torch.zeros(n * cap, dtype=torch.int32, device=x.device)
     valid[pos] = 1
-    nbytes = sum(t.nbytes({"T": x.shape[0]}) for t in op.types) * n
+    nbytes = torch_target.dispatch_bytes(op, x.shape[0])
     got, recv = _exchange(op, send, valid, ctx, "dispatch", nbytes)
     got_ids = got[:, hx + 4:].contiguous().view(torch.int32)
     if recv is not None:
         got_ids = torch.where(recv[:, None] != 0, got_ids, -1)
     ctx.routes[op.results[0]] = (pos, (got_ids[:, 0] >= 0).to(torch.int32))   # the combine sends those back
-    return (got[:, :hx].contiguous().view(x.dtype), got[:, hx:hx + 4].contiguous().view(torch.float32),
-            got_ids.long())
+    if fp8:
+        h = x.shape[1]
+        dx = got[:, :h].contiguous().view(torch.float8_e4m3fn)
+        ctx.routes[op.results[0] + ".scales"] = (got[:, h:hx].contiguous().view(torch.float32), x.dtype)
+    else:
+        dx = got[:, :hx].contiguous().view(x.dtype)
+    return dx, got[:, hx:hx + 4].contiguous().view(torch.float32), got_ids.long()
 
 
 @impl("moe.combine")

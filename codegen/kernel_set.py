@@ -105,10 +105,15 @@ def _sample(op, graph, dtype, kv=(False, False)):
 
 
 def _p2p(op, graph, dtype, kv=(False, False)):
-    """The one-shot peer-memory collective where select-collective-backend allowed it (else NCCL)."""
-    if op.attr("p2p_max_bytes") is None:
-        return []
+    """The one-shot peer-memory collective where select-collective-backend allowed it (else NCCL);
+    an FP8 dispatch also quantises x."""
     n, width = int(op.attr("size")), _dims(graph, op.operands[0])[-1]
+    fp8 = op.kind == "moe.dispatch" and op.attr("dtype") == "fp8"
+    if op.attr("p2p_max_bytes") is None:
+        return [Fp8QuantTokensCtx.make(width)] if fp8 else []
+    if fp8:   # e4m3 x + its scales per 128, weight, id
+        return [Fp8QuantTokensCtx.make(width),
+                tc.P2pAllReduceCtx.make(n, width + 4 * -(-width // 128) + 8, None, False, True, False, True)]
     if op.kind == "moe.dispatch":   # one byte row per slot: x's bytes (compute dtype, or fp32 from a torch op), weight, id
         return [tc.P2pAllReduceCtx.make(n, width * b + 8, None, False, True, False, True)
                 for b in sorted({dtype.itemsize, 4})]

@@ -353,11 +353,13 @@ class MoeExpertsFp8Ctx:
 
 
 def moe_experts_fp8(x, ids, weights, w_gate, w_up, w_down, expert_offset=0, tiles=None,
-                    lib: KernelLibrary = JIT):
+                    lib: KernelLibrary = JIT, x_scales=None, act_dtype=None):
     """`moe_experts` on block-FP8 expert stacks (`fp8_ref.Fp8Weight` [E, out, in]): x quantised per
     token per 128 columns, h quantised in the gate/up kernel (or, split K, in the reduction), fp32
     accumulation; -> fp32 [T, H] (reference: `fp8_ref.moe_experts_fp8`). `tiles` as `moe_experts`'
-    (per stage: splits, block_n, num_warps, num_stages; K steps are the 128-wide scale blocks)."""
+    (per stage: splits, block_n, num_warps, num_stages; K steps are the 128-wide scale blocks).
+    With `x_scales`, x is already e4m3 with those per-128 scales (rows an FP8 dispatch delivered)
+    and `act_dtype` the activations' dtype the kernels are specialised for."""
     from glmc.codegen.triton_fp8 import quantize_tokens
     if w_gate.shape != w_up.shape or tuple(w_down.shape) != (w_gate.shape[0], w_gate.shape[2], w_gate.shape[1]):
         raise ValueError(f"moe_experts_fp8: gate {tuple(w_gate.shape)}, up {tuple(w_up.shape)}, "
@@ -367,6 +369,7 @@ def moe_experts_fp8(x, ids, weights, w_gate, w_up, w_down, expert_offset=0, tile
                          f"{w_down.q.stride()} must be row-major with equal gate/up strides")
     T, k = ids.shape
     E, inter, hidden = w_gate.shape
+    act = act_dtype or x.dtype
     tiles = tiles or {}
     n = T * k
     out = torch.empty(T, hidden, dtype=torch.float32, device=x.device)
@@ -376,12 +379,12 @@ def moe_experts_fp8(x, ids, weights, w_gate, w_up, w_down, expert_offset=0, tile
     bm = launch["block_m"]
     sorted_rows, block_expert = align_rows(ids, E, bm, expert_offset, lib)
     nb = block_expert.shape[0]
-    xq, xs = quantize_tokens(x, lib)
+    xq, xs = (x, x_scales) if x_scales is not None else quantize_tokens(x, lib)
     hq = torch.empty(nb * bm, inter, dtype=torch.float8_e4m3fn, device=x.device)
     hs = torch.empty(nb * bm, -(-inter // 128), dtype=torch.float32, device=x.device)
     gq, gs = w_gate.q, w_gate.scale_inv
     s1, over = _stage_tiles(launch, tiles, "gate_up")
-    up = MoeExpertsFp8Ctx.make(False, hidden, inter, k, x.dtype, bm, s1 > 1, **over)
+    up = MoeExpertsFp8Ctx.make(False, hidden, inter, k, act, bm, s1 > 1, **over)
     part = _partials(s1, nb * bm, 2 * inter, x.device) if s1 > 1 else None
     outs = (part, part.stride(1), part.stride(0)) if s1 > 1 else (hq, hq.stride(0), hs, hs.stride(0))
     lib(up)[(nb, -(-inter // up.block_n), s1)](
@@ -389,12 +392,12 @@ def moe_experts_fp8(x, ids, weights, w_gate, w_up, w_down, expert_offset=0, tile
         w_up.q, w_up.scale_inv, *outs, sorted_rows, block_expert, n, s1,
         num_warps=up.num_warps, num_stages=up.num_stages)
     if s1 > 1:
-        red = MoeSwigluReduceCtx.make(inter, bm, x.dtype, fp8=True)
+        red = MoeSwigluReduceCtx.make(inter, bm, act, fp8=True)
         lib(red)[(nb, -(-inter // red.block_n))](part, part.stride(1), part.stride(0), hq, hq.stride(0), hs,
                                                  hs.stride(0), sorted_rows, block_expert, n, s1,
                                                  num_warps=red.num_warps)
     s2, over = _stage_tiles(launch, tiles, "down")
-    dn = MoeExpertsFp8Ctx.make(True, inter, hidden, k, x.dtype, bm, s2 > 1, **over)
+    dn = MoeExpertsFp8Ctx.make(True, inter, hidden, k, act, bm, s2 > 1, **over)
     y = _partials(s2, n, hidden, x.device)
     dq, ds = w_down.q, w_down.scale_inv
     lib(dn)[(nb, -(-hidden // dn.block_n), s2)](

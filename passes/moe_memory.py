@@ -138,17 +138,21 @@ def _experts(op, args, s):
         sorted_rows, block_expert, nb = align_rows(s, n, E, bm)
     s1, s2 = moe_splits(n, E, H, inter, s.t.num_sms, s.t.fp8_weights, bm)
     work = []
+    src = s.graph.producer(op.operands[0])                  # e4m3 rows from an FP8 dispatch, scales with them
+    pre = src.kind == "moe.dispatch" and src.attr("dtype") == "fp8"
     if s.t.fp8_weights:
-        work += [*quantize(s, rows, H), s.tmp(nb * bm * inter, 1), s.tmp(nb * bm * -(-inter // FP8_BLOCK), 4)]
+        work += [*([] if pre else quantize(s, rows, H)), s.tmp(nb * bm * inter, 1),
+                 s.tmp(nb * bm * -(-inter // FP8_BLOCK), 4)]
     else:
         work.append(s.tmp(nb * bm * inter, args[0].elem))
     if s1 > 1:
         work.append(s.tmp(_partials(s1, nb * bm, 2 * inter), 4))
     y = s.tmp(_partials(s2, n, H), 4)
     s.free(sorted_rows, block_expert, y, *work)
-    if args[0].elem == 4:                                     # .to(x.dtype): no copy
+    act = s.t.act if pre else args[0].elem
+    if act == 4:                                              # .to(the activations' dtype): no copy
         return Val(out, 4)
-    result = s.arena.new(rows * H, args[0].elem)
+    result = s.arena.new(rows * H, act)
     s.free(out)
     return result
 
@@ -162,7 +166,10 @@ def _dispatch(op, args, s):
     x, (T, H) = args[0], (d.eval(s.env) for d in s.type_of(op.operands[0]).shape)
     k, n = int(op.attr("top_k")), int(op.attr("size"))
     cap = T * k
-    width = H * x.elem + 8
+    fp8 = op.attr("dtype") == "fp8"                           # x quantised: e4m3 + fp32 per 128 columns
+    groups = -(-H // FP8_BLOCK)
+    row = H + 4 * groups if fp8 else H * x.elem
+    width = row + 8
     dest = s.tmp(cap, 8)
     hot = s.tmp(cap * n, 8)
     cum = s.tmp(cap * n, 8)
@@ -174,10 +181,11 @@ def _dispatch(op, args, s):
     scaled = s.tmp(cap, 8)
     s.tmp(cap, 8)                                             # pos: kept in ctx.routes
     s.free(scaled)
+    quant = [*quantize(s, T, H), s.tmp(T * row, 1)] if fp8 else []   # + their bytes side by side
     ar = s.tmp(T, 8)
     index = s.tmp(cap, 8)
-    x_bits = s.tmp(cap * H, x.elem)                           # repeat_interleave: index_select of an index
-    s.free(ar, index)
+    x_bits = s.tmp(cap * row, 1)                              # repeat_interleave: index_select of an index
+    s.free(ar, index, *quant)
     id32 = s.tmp(cap, 4)
     bits = s.tmp(cap * width, 1)
     send = s.tmp(n * cap * width, 1)
@@ -193,7 +201,9 @@ def _dispatch(op, args, s):
     ge = s.tmp(n * cap, 1)
     s.tmp(n * cap, 4)                                         # the used slots: kept in ctx.routes
     s.free(ge)
-    dx = s.arena.new(n * cap * H, x.elem)
+    if fp8:
+        s.tmp(n * cap * groups, 4)                            # the rows' scales: kept (ctx.routes) for the experts
+    dx = s.arena.new(n * cap * H, 1 if fp8 else x.elem)
     dw = s.arena.new(n * cap, 4)
     di = s.arena.new(n * cap, 8)
     s.free(di32, dest, slot, x_bits, id32, bits, send, valid, got, recv)

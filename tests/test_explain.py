@@ -72,13 +72,26 @@ def test_tp8ep8_ledger(bills):
     assert layer["all_gather"][0] == 32 * 6144 * 2
 
 
+def test_runtime_counts_the_billed_dispatch_message():
+    """The targets count a moe.dispatch with torch_target.dispatch_bytes, the bill with costs.comm_of:
+    the same rule (an FP8 dispatch's scales included) at any token count."""
+    from glmc.codegen.torch_target import dispatch_bytes
+    from glmc.passes.costs import comm_of
+    g = graph(FULL, "dp8ep8", "decode", moe_a2a=True)
+    op = next(o for o in g.ops if o.kind == "moe.dispatch")
+    assert op.attr("dtype") == "fp8" and op.types[0].dtype == "fp8"
+    for t in (1, 32, 257):
+        assert dispatch_bytes(op, t) == comm_of(op, g, {"T": t})[1] == 8 * t * 8 * (6144 + 8 + 48 * 4)
+
+
 def test_dp8ep8_decode_bill_at_batch_32(bills):
     d = bills["dp8ep8"]
     assert _per_layer(d, "decode", 5)["all_gather"][0] == 393216      # 393 KB per DP gather
     assert d["ep_dispatch_bytes_per_token"] == 49152                  # 48 KB per token, fp8
     a2a = d["moe_alternatives"]["a2a"]
     assert a2a["dispatch"]["count"] == 75
-    assert a2a["dispatch"]["message_bytes"] == 75 * 32 * (49152 + 8 * 8)   # + routing weights/ids
+    # + routing weights/ids, + each row's fp32 scale per 128 columns (FP8 dispatch)
+    assert a2a["dispatch"]["message_bytes"] == 75 * 32 * (49152 + 8 * 8 + 8 * 48 * 4)
     assert a2a["combine"]["message_bytes"] == 75 * 32 * 8 * 6144 * 2
     assert "all_reduce" not in d["comm"]["decode"]["per_step"]         # attention is local
 

@@ -248,3 +248,20 @@ def test_split_sources_defer_swiglu_to_the_reduction():
     assert red8.index("tl.exp(-g)") < red8.index("_e4m3_round(v).to") and "tl.bfloat16" in red8
     up8 = render("moe_experts_fp8", tm.MoeExpertsFp8Ctx.make(False, 6144, 2048, 8, torch.bfloat16, 16, split=True))
     assert "range(kb_lo, tl.minimum(kb_lo + per_split, 48))" in up8 and "_e4m3_round" not in up8
+
+
+def test_fp8_experts_take_rows_an_fp8_dispatch_quantised():
+    """Rows that arrive quantised (an FP8 dispatch: e4m3 + fp32 scales per 128 columns, as the
+    experts' own quantiser makes them) give the bits the experts give on x itself."""
+    from glmc.codegen import fp8_ref
+    from glmc.codegen.triton_fp8 import quantize_tokens
+    E, k, hidden, inter, T = 4, 2, 384, 256, 3
+    g = torch.Generator().manual_seed(6)
+    ws = [fp8_ref.Fp8Weight.quantize(torch.randn(E, *shape, generator=g) * shape[1] ** -0.5)
+          for shape in ((inter, hidden), (inter, hidden), (hidden, inter))]
+    x = torch.randn(T, hidden, generator=g)
+    ids = torch.randint(0, E, (T, k), generator=g)
+    w = torch.rand(T, k, generator=g)
+    xq, xs = quantize_tokens(x)
+    got = tm.moe_experts_fp8(xq, ids, w, *ws, x_scales=xs, act_dtype=torch.float32)
+    assert torch.equal(got, tm.moe_experts_fp8(x, ids, w, *ws))
