@@ -28,6 +28,12 @@ one-GPU ceilings while the others wait:
 - collectives: groups of the first n ranks, n = 2, 4, 8, ... and all GPUs; all_reduce,
   all_gather, reduce_scatter, all_to_all of bf16 messages from 4 KiB to 256 MiB (powers of two;
   message convention of glmc/calibration.py), `reps` calls captured in one CUDA graph, replayed.
+- p2p collectives (the same groups): glmc's one-shot peer-memory kernels (`codegen/triton_p2p.py`
+  over `PeerChannel`s) at GLM-5.3's row width (6144 bf16) from 1 row to the 4 MiB channel cap:
+  p2p_all_reduce and p2p_reduce_scatter with the residual add + RMSNorm fused (as the plans call
+  them), p2p_all_gather, p2p_all_to_all (every slot routed: the exchange's worst case), as
+  [[message bytes, seconds], ...] tables `glmc.calibration.p2p_collective_seconds` reads. A group
+  whose peers cannot be mapped gets no tables (and says why). --smoke: 64 fp32 columns, 1-2 rows.
 Timing: CUDA events around back-to-back replays (eager calls for copies and GEMMs), the median of
 three windows; a collective's time is the slowest rank's. --smoke times eager calls on the CPU.
 """
@@ -301,12 +307,12 @@ def collective_fn(kind: str, x, out, group, nccl: bool):
     return lambda: (dist.all_reduce(x, group=group), out.copy_(x.chunk(dist.get_world_size(group))[mine]))
 
 
-def slowest(seconds: float, dev) -> float:
-    """The largest of every rank's `seconds` (ranks outside a group pass 0)."""
+def slowest(seconds: float, dev, group=None) -> float:
+    """The largest of every rank's `seconds` (over `group`; ranks outside a group pass 0)."""
     import torch
     import torch.distributed as dist
     t = torch.tensor([seconds], dtype=torch.float64, device=dev)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return float(t.item())
 
 
@@ -334,12 +340,62 @@ def measure_collectives(rank: int, world: int, sizes: list[int], cuda: bool) -> 
     return tables
 
 
+P2P_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 341)     # x 6144 bf16: 12 KiB .. 4 MiB (the channel cap)
+
+
+def measure_p2p(rank: int, world: int, cuda: bool) -> tuple[dict, dict]:
+    """({group size: {p2p_<kind>: [[message bytes, seconds], ...]}}, {group size: why not}): the
+    one-shot kernels per group size, message convention of glmc/calibration.py (all-reduce and
+    reduce-scatter: the input; all-gather: the output; all-to-all: the whole buffer)."""
+    import torch
+    import torch.distributed as dist
+    from glmc.codegen.triton_p2p import p2p_all_gather, p2p_all_to_all, p2p_allreduce
+    from glmc.runtime.worker.peer_memory import PeerChannel, PeerMemoryUnavailable
+    dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    dtype, H = (torch.bfloat16, 6144) if cuda else (torch.float32, 64)
+    rows_list = P2P_ROWS if cuda else (1, 2)
+    row = H * dtype.itemsize
+    tables, skipped = {}, {}
+    for n in group_sizes(world):
+        group = None if n == world else dist.new_group(list(range(n)))   # every rank makes every group
+        if rank >= n:
+            continue
+        cap = max(rows_list) * n
+        try:
+            ar = PeerChannel.open(group, list(range(n)), rank, cap, row, False, dev)
+            rs = PeerChannel.open(group, list(range(n)), rank, cap, row, True, dev)
+            a2a = PeerChannel.open(group, list(range(n)), rank, cap, row, True, dev)
+        except PeerMemoryUnavailable as e:
+            skipped[str(n)] = str(e)[:300]
+            continue
+        w = torch.ones(H, dtype=dtype, device=dev)
+        out = {f"p2p_{k}": [] for k in ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")}
+        for r in rows_list:
+            x = torch.randn(n * r, H, device=dev).to(dtype)
+            res = torch.randn(n * r, H, device=dev).to(dtype)
+            valid = torch.ones(n * r, dtype=torch.int32, device=dev)
+            calls = {"p2p_all_reduce": (r * row, lambda: p2p_allreduce(x[:r], ar, res[:r], w, 1e-5)),
+                     "p2p_reduce_scatter": (n * r * row, lambda: p2p_allreduce(x, rs, res[:r], w, 1e-5, True)),
+                     "p2p_all_gather": (n * r * row, lambda: p2p_all_gather(x[:r], ar)),
+                     "p2p_all_to_all": (n * r * row, lambda: p2p_all_to_all(x, valid, a2a))}
+            for kind, (msg, fn) in calls.items():
+                reps, replays = plan_calls(guess_seconds(msg)) if cuda else (1, 2)
+                out[kind].append([msg, slowest(seconds_per_call(fn, reps, replays, cuda), dev, group)])
+        tables[str(n)] = out
+    return tables, skipped
+
+
 def run_rank(rank: int, world: int, job: dict, out_dir: str) -> None:
     """One rank: the device ceilings (rank 0), then every collective; rank 0 writes rank0.json."""
     import torch.distributed as dist
     result = device_ceilings(job["smoke"]) if rank == 0 else {}
     dist.barrier()
     result["collectives"] = measure_collectives(rank, world, job["sizes"], not job["smoke"])
+    p2p, skipped = measure_p2p(rank, world, not job["smoke"])
+    for n, t in p2p.items():
+        result["collectives"].setdefault(n, {}).update(t)
+    if skipped:
+        result["p2p_unavailable"] = skipped
     if rank == 0:
         Path(out_dir, "rank0.json").write_text(json.dumps(result))
 
@@ -370,11 +426,17 @@ def summary(cal: dict) -> str:
               f"torch add, {cal['torch_op_s'] * 1e6:.2f} us per target torch op, {cal['gemm_launch_s'] * 1e6:.2f} us "
               "per GEMM call beyond its bytes (in a graph); top-k select at "
               + ", ".join(f"{r} rows {s * 1e6:.1f} us" for r, s in cal["topk_select"]["seconds"]))]
-    for n, tables in cal["collectives"].items():
-        lines.append(f"-- {n} GPUs: us per call (message bytes) --")
+    for n, all_tables in cal["collectives"].items():
+        tables = {k: t for k, t in all_tables.items() if not k.startswith("p2p_")}
+        lines.append(f"-- {n} GPUs, NCCL: us per call (message bytes) --")
         lines.append(f"{'bytes':>10} " + " ".join(f"{k:>14}" for k in tables))
         for i, (nbytes, _) in enumerate(next(iter(tables.values()))):
             lines.append(f"{nbytes:>10} " + " ".join(f"{t[i][1] * 1e6:14.1f}" for t in tables.values()))
+        for k, t in all_tables.items():
+            if k.startswith("p2p_"):
+                lines.append(f"-- {n} GPUs, {k} (one-shot kernel): " + ", ".join(f"{b} B {s * 1e6:.1f} us" for b, s in t))
+    for n, why in cal.get("p2p_unavailable", {}).items():
+        lines.append(f"-- {n} GPUs: no peer-memory tables: {why}")
     return "\n".join(lines)
 
 
@@ -403,6 +465,8 @@ def main(argv: list[str] | None = None) -> Path:
     if world < 1:
         raise SystemExit("calibrate: no GPU visible (use --smoke for a CPU dry run)")
     sizes = message_sizes(4 * KIB, 16 * KIB) if args.smoke else message_sizes(4 * KIB, args.max_mib * MIB)
+    if args.smoke:
+        os.environ.setdefault("TRITON_INTERPRET", "1")    # the peer-memory kernels, interpreted
     tmp = tempfile.mkdtemp(prefix="glmc_calibrate_")
     spawn(run_rank, world, {"smoke": args.smoke, "sizes": sizes}, tmp,
           backend="gloo" if args.smoke else "nccl", timeout_s=600)

@@ -45,8 +45,13 @@ def test_smoke_run(tmp_path):
     (path,) = tmp_path.glob("calibration_cpu-smoke-x2_*.json")
     cal = load(path)
     assert cal["measured"] is False and cal["gpus"] == 2
-    assert {k: [b for b, _ in t] for k, t in cal["collectives"]["2"].items()} == \
-        {k: [4096, 8192, 16384] for k in calibrate.KINDS}
+    tables = cal["collectives"]["2"]
+    assert {k: [b for b, _ in tables[k]] for k in calibrate.KINDS} == {k: [4096, 8192, 16384] for k in calibrate.KINDS}
+    # the one-shot peer-memory kernels (shared memory between the two processes), 1 and 2 rows of 256 B
+    assert {k: [b for b, _ in t] for k, t in tables.items() if k.startswith("p2p_")} == \
+        {"p2p_all_reduce": [256, 512], "p2p_reduce_scatter": [512, 1024], "p2p_all_gather": [512, 1024],
+         "p2p_all_to_all": [512, 1024]}
+    assert all(s > 0 for k, t in tables.items() for _, s in t) and "p2p_unavailable" not in cal
     assert f"wrote {path}" in run.stdout
     assert cal["torch_op_s"] > 0 and cal["gemm_launch_s"] > 0 and cal["torch_op_detail"]["aten_ops"] == 51
     assert [r for r, _ in cal["topk_select"]["seconds"]] == [1, 2]
