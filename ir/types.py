@@ -39,9 +39,10 @@ class Dim:
 
     def eval(self, env: dict[str, int]) -> int:
         """Value with the symbol bound; a fractional token count is padded up."""
+        c = self.coeff                      # integer arithmetic: Fraction's is the compiler's hot spot
         if self.sym is None:
-            return int(self.coeff)
-        return math.ceil(env[self.sym] * self.coeff)
+            return c.numerator // c.denominator
+        return -(-env[self.sym] * c.numerator // c.denominator)
 
     def __str__(self) -> str:
         if self.sym is None:
