@@ -63,6 +63,12 @@ def _time_graph(fn, reps: int = 30) -> float:
     with torch.cuda.graph(g):
         for _ in range(CALLS):
             fn()
+    return _median_us_per_call(g, reps)
+
+
+def _median_us_per_call(g, reps: int) -> float:
+    """Microseconds per call of a graph of CALLS calls: the median of `reps` timed replays."""
+    import torch
     times = []
     for _ in range(reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -341,15 +347,7 @@ def _time_streams(fn, streams, reps: int = 20) -> float:
         for s in streams:
             main.wait_stream(s)
     g, _ = _captured(body)
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / CALLS)
-    return sorted(times)[len(times) // 2]
+    return _median_us_per_call(g, reps)
 
 
 def main() -> int:
