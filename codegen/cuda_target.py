@@ -258,16 +258,15 @@ def _moe_topk(op, args, ctx: CudaStepContext):
 def _experts(op, args, ctx: CudaStepContext):
     x, w, ids = args
     gate, up, down = ctx.experts(op)
+    xs, act = None, x.dtype
     if x.dtype == torch.float8_e4m3fn:     # rows an FP8 dispatch delivered, with their scales
         if not isinstance(gate, Fp8Weight):
             raise TypeError(f"{op.results[0]}: the plan dispatches FP8 rows (moe.dispatch dtype=fp8) but this "
                             f"rank's experts are {gate.dtype}, not block FP8: load FP8 weights or recompile")
         xs, act = ctx.routes[op.operands[0] + ".scales"]
-        return tm.moe_experts_fp8(x, ids, w, gate, up, down, expert_offset=ctx.expert_offset(op),
-                                  lib=ctx.kernels, x_scales=xs, act_dtype=act).to(act)
     if isinstance(gate, Fp8Weight):
         return tm.moe_experts_fp8(x, ids, w, gate, up, down, expert_offset=ctx.expert_offset(op),
-                                  lib=ctx.kernels).to(x.dtype)
+                                  lib=ctx.kernels, x_scales=xs, act_dtype=act).to(act)
     return tm.moe_experts(x, ids, w, gate, up, down, expert_offset=ctx.expert_offset(op),
                           tiles=ctx.moe_tiles, lib=ctx.kernels).to(x.dtype)
 
@@ -337,7 +336,7 @@ def _dispatch(op, args, ctx: CudaStepContext):
     send[pos] = bits
     valid = torch.zeros(n * cap, dtype=torch.int32, device=x.device)
     valid[pos] = 1
-    nbytes = torch_target.dispatch_bytes(op, x.shape[0])
+    nbytes = sum(t.payload_bytes({"T": x.shape[0]}) for t in op.types) * n
     got, recv = _exchange(op, send, valid, ctx, "dispatch", nbytes)
     got_ids = got[:, hx + 4:].contiguous().view(torch.int32)
     if recv is not None:

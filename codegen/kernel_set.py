@@ -38,6 +38,7 @@ from glmc.codegen.triton_moe import MoeExpertsCtx, MoeExpertsFp8Ctx
 from glmc.codegen.weight_formats import is_fp8_name, op_weight_names
 from glmc.codegen.triton_render import render
 from glmc.ir import Graph, Op
+from glmc.ir.types import fp8_row_bytes
 
 
 def compute_dtype(dtypes) -> torch.dtype:
@@ -113,7 +114,7 @@ def _p2p(op, graph, dtype, kv=(False, False)):
         return [Fp8QuantTokensCtx.make(width)] if fp8 else []
     if fp8:   # e4m3 x + its scales per 128, weight, id
         return [Fp8QuantTokensCtx.make(width),
-                tc.P2pAllReduceCtx.make(n, width + 4 * -(-width // 128) + 8, None, False, True, False, True)]
+                tc.P2pAllReduceCtx.make(n, fp8_row_bytes(width) + 8, None, False, True, False, True)]
     if op.kind == "moe.dispatch":   # one byte row per slot: x's bytes (compute dtype, or fp32 from a torch op), weight, id
         return [tc.P2pAllReduceCtx.make(n, width * b + 8, None, False, True, False, True)
                 for b in sorted({dtype.itemsize, 4})]

@@ -237,17 +237,6 @@ def _bc(op, args, ctx: StepContext):
     return ctx.comm.broadcast(args[0], _axes(op), _plan_bytes(args[0], ctx, op.operands[0]))
 
 
-def dispatch_bytes(op, tokens: int) -> int:
-    """The bill's message of a moe.dispatch of `tokens` rows (passes/costs.comm_of): its results'
-    bytes, with an FP8 dispatch's fp32 scale per 128 columns of each row, over the group's ranks."""
-    env = {"T": tokens}
-    sent = sum(t.nbytes(env) for t in op.types)
-    dx = op.types[0]
-    if dx.dtype == "fp8":
-        sent += dx.shape[0].eval(env) * -(-dx.shape[-1].eval(env) // 128) * 4
-    return sent * int(op.attr("size"))
-
-
 @impl("moe.dispatch")
 def _dispatch(op, args, ctx: StepContext):
     """Send each (token, expert) row to the rank holding the expert; remember the routing."""
@@ -258,7 +247,7 @@ def _dispatch(op, args, ctx: StepContext):
     rows = torch.cat([x.float().repeat_interleave(k, 0), w.reshape(-1, 1).float(),
                       ids.reshape(-1, 1).float()], dim=1)[order]
     send = torch.bincount(dest, minlength=n).tolist()
-    nbytes = dispatch_bytes(op, x.shape[0])
+    nbytes = sum(t.payload_bytes({"T": x.shape[0]}) for t in op.types) * n
     got = ctx.comm.all_to_all(list(rows.split(send)), _axes(op), "dispatch", nbytes)
     ctx.routes[op.results[0]] = (order, send, [g.shape[0] for g in got])
     got = torch.cat(got)

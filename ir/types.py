@@ -64,6 +64,12 @@ def parse_dim(text: str) -> Dim:
 
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "i64": 8, "i32": 4}
+FP8_SCALE_GROUP = 128   # an FP8 activation row carries one fp32 scale per 128 values (fp8_ref.BLOCK)
+
+
+def fp8_row_bytes(cols: int) -> int:
+    """Bytes of one FP8 activation row as it travels: e4m3 values + an fp32 scale per 128 columns."""
+    return cols + 4 * -(-cols // FP8_SCALE_GROUP)
 
 
 @dataclass(frozen=True)
@@ -82,6 +88,12 @@ class TensorType:
 
     def nbytes(self, env: dict[str, int]) -> int:
         return self.numel(env) * DTYPE_BYTES[self.dtype]
+
+    def payload_bytes(self, env: dict[str, int]) -> int:
+        """What a transfer of it moves: nbytes, with an fp8 tensor's per-row scales (fp8_row_bytes)."""
+        if self.dtype != "fp8":
+            return self.nbytes(env)
+        return math.prod(d.eval(env) for d in self.shape[:-1]) * fp8_row_bytes(self.shape[-1].eval(env))
 
     def with_dim(self, i: int, dim: Dim) -> "TensorType":
         shape = list(self.shape)

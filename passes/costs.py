@@ -155,10 +155,7 @@ def comm_of(op: Op, graph: Graph, env: dict) -> tuple[str, int, float] | None:
         out = op.types[0].nbytes(env)
         return kind, out, frac * out
     if kind == "dispatch":
-        sent = sum(t.nbytes(env) for t in op.types)
-        dx = op.types[0]
-        if dx.dtype == "fp8":     # and each row's fp32 scale per 128 columns, as FP8 dispatches send them
-            sent += dx.shape[0].eval(env) * -(-dx.shape[-1].eval(env) // 128) * 4
+        sent = sum(t.payload_bytes(env) for t in op.types)   # an FP8 dispatch sends its rows' scales too
         return kind, sent * n, frac * sent
     if kind == "combine":
         return kind, src * n, frac * src

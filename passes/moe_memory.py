@@ -8,6 +8,8 @@ conventions). The dispatch and combine follow the code (NCCL's all_to_all_single
 """
 from __future__ import annotations
 
+from glmc.ir.types import fp8_row_bytes
+
 from .comm_memory import p2p_runs
 from .op_memory import quantize
 from .step_arena import BLOCK_MS, FP8_BLOCK, Step, Val, model
@@ -168,7 +170,7 @@ def _dispatch(op, args, s):
     cap = T * k
     fp8 = op.attr("dtype") == "fp8"                           # x quantised: e4m3 + fp32 per 128 columns
     groups = -(-H // FP8_BLOCK)
-    row = H + 4 * groups if fp8 else H * x.elem
+    row = fp8_row_bytes(H) if fp8 else H * x.elem
     width = row + 8
     dest = s.tmp(cap, 8)
     hot = s.tmp(cap * n, 8)

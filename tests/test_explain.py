@@ -73,15 +73,15 @@ def test_tp8ep8_ledger(bills):
 
 
 def test_runtime_counts_the_billed_dispatch_message():
-    """The targets count a moe.dispatch with torch_target.dispatch_bytes, the bill with costs.comm_of:
-    the same rule (an FP8 dispatch's scales included) at any token count."""
-    from glmc.codegen.torch_target import dispatch_bytes
+    """The targets count a moe.dispatch as its results' payload_bytes over the group, the bill with
+    costs.comm_of: the same bytes (an FP8 dispatch's scales included) at any token count."""
     from glmc.passes.costs import comm_of
     g = graph(FULL, "dp8ep8", "decode", moe_a2a=True)
     op = next(o for o in g.ops if o.kind == "moe.dispatch")
     assert op.attr("dtype") == "fp8" and op.types[0].dtype == "fp8"
     for t in (1, 32, 257):
-        assert dispatch_bytes(op, t) == comm_of(op, g, {"T": t})[1] == 8 * t * 8 * (6144 + 8 + 48 * 4)
+        counted = sum(ty.payload_bytes({"T": t}) for ty in op.types) * int(op.attr("size"))
+        assert counted == comm_of(op, g, {"T": t})[1] == 8 * t * 8 * (6144 + 8 + 48 * 4)
 
 
 def test_dp8ep8_decode_bill_at_batch_32(bills):

@@ -27,6 +27,7 @@ from test_fp8_plan import cuda_plan, runner
 from tiny_hf import save_tiny, save_tiny_fp8
 
 from glmc.codegen.fp8_ref import Fp8Weight
+from glmc.ir.types import FP8_SCALE_GROUP
 from glmc.compiler import compile_plan
 from glmc.config import Options
 from glmc.parallel import parse_parallel
@@ -224,7 +225,7 @@ def test_mirrored_constants_match_codegen():
     from glmc.codegen import cuda_kernels, cuda_target, fp8_ref, triton_contexts, triton_moe, triton_target
     from glmc.codegen import weight_formats
     from glmc.passes import moe_memory, step_arena
-    assert step_arena.FP8_BLOCK == fp8_ref.BLOCK
+    assert step_arena.FP8_BLOCK == fp8_ref.BLOCK == FP8_SCALE_GROUP
     assert step_arena.FP8_KINDS == weight_formats.FP8_KINDS and step_arena.UNQUANTISED == weight_formats.UNQUANTISED
     assert step_arena.TOPK_CHUNK == cuda_kernels.TOPK_CHUNK == cuda_target.TOPK_CHUNK
     assert step_arena.TOPK_SEGMENTS == triton_target.TOPK_SEGMENTS
