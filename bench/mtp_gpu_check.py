@@ -12,7 +12,9 @@
    at concurrency 1 and 16 against each (fixed seeded chat workload, 64 tokens per request):
    output tok/s, TTFT, TPOT and the server's accept length (/metrics).
 3. width: a GLM-5.3-width slice with an MTP layer (layer 0 dense, 1 MoE with a full indexer, 2 MoE
-   with a shared one, the MTP layer; random bf16 weights; FP8 KV at context `--ctx`). Each layer's
+   with a shared one, the MTP layer; random weights, bf16 and (`--weights bf16,fp8`, the default)
+   block FP8 as GLM-5.3 is served (744B parameters fit eight H200s only in FP8); FP8 KV at context
+   `--ctx`). Each layer's
    ops and the head (final norm, lm_head, sampling) are captured as a CUDA graph of their own, with
    the inputs of one real step, and replayed: the time per layer kind of a decode step of B tokens
    and of a verify step of B x (N + 1) tokens, and of the MTP draft step (MTP layer + shared head)
@@ -143,9 +145,10 @@ def check_serve(out_dir: Path, cpu: bool):
 
 
 # ----------------------------------------------------------------------------- 3. GLM-5.3 width
-def slice_with_mtp(dev, dtype, narrow):
+def slice_with_mtp(dev, dtype, narrow, fp8=False):
     """HF slice of 4 layers (dense full, MoE full, MoE shared, MoE full): the last becomes the MTP
-    layer; -> (glmc plan with MTP phases, weights, expert stacks)."""
+    layer; -> (glmc plan with MTP phases, weights, expert stacks). fp8: block-FP8 linear weights
+    (the loader quantises the random bf16 ones on load, as gpu_plan_check's width slice)."""
     import tempfile
 
     import torch
@@ -166,6 +169,8 @@ def slice_with_mtp(dev, dtype, narrow):
     raw = model.config.to_dict()
     raw.update(model_type="glm_moe_dsa", dtype="bfloat16", num_hidden_layers=3, num_nextn_predict_layers=1,
                indexer_types=["full", "full", "shared"], mlp_layer_types=raw["mlp_layer_types"][:3])
+    if fp8:
+        raw["quantization_config"] = pc.FP8_CONFIG
     d = Path(tempfile.mkdtemp(prefix="glmc_mtp_slice_"))
     (d / "config.json").write_text(json.dumps(raw))
     spec = load_spec(d)
@@ -197,12 +202,12 @@ def segment_ms(runner, phase, batch, hidden, bench):
     return {k: bench(lambda cs=cs: [fn(op, args, rt) for op, args, rt, fn in cs]) for k, cs in groups.items()}
 
 
-def check_width(dev, narrow, ctx, budget_end, batches=(1, 16)):
+def check_width(dev, narrow, ctx, budget_end, batches=(1, 16), fp8=False):
     import torch
     from decode_bench import bench_ms
     from glmc.runtime.worker.forward_batch import ForwardBatch
     t0 = now()
-    model, plan, weights, stacks = slice_with_mtp(dev, torch.bfloat16, narrow)
+    model, plan, weights, stacks = slice_with_mtp(dev, torch.bfloat16, narrow, fp8)
     B_max = max(batches)
     runner = pc.gpu_runner(plan, weights, dev, B_max, ctx + 64, stacks=stacks)
     table = pc.req_table(B_max, (ctx + 64) // 64)
@@ -210,7 +215,7 @@ def check_width(dev, narrow, ctx, budget_end, batches=(1, 16)):
     vocab = plan.config.vocab_size
     prompts = [torch.randint(0, vocab, (ctx,), generator=g).tolist() for _ in range(B_max)]
     pc.prefill(runner, prompts, table, group=max(1, 8192 // ctx))
-    out = {"ctx": ctx, "setup_s": now() - t0, "segments": {}}
+    out = {"ctx": ctx, "weights": "fp8" if fp8 else "bf16", "setup_s": now() - t0, "segments": {}}
     bench = (lambda fn: bench_ms(fn)) if dev == "cuda" else (lambda fn: bench_ms(fn, graph=False))
     for B in batches:
         for T in sorted({B * (n + 1) for n in (0, *STEPS)}):
@@ -225,7 +230,7 @@ def check_width(dev, narrow, ctx, budget_end, batches=(1, 16)):
                                                                batch, None, bench),
                    "draft": segment_ms(runner, "mtp_draft", batch, hid, bench)}
             out["segments"][f"B={B} T={T}"] = row
-            print(f"width B={B} T={T}: " + ", ".join(f"{ph} " + " ".join(f"{k} {v:.3f}" for k, v in seg.items())
+            print(f"width {out['weights']} B={B} T={T}: " + ", ".join(f"{ph} " + " ".join(f"{k} {v:.3f}" for k, v in seg.items())
                                                       for ph, seg in row.items()), flush=True)
     return out
 
@@ -322,6 +327,7 @@ def main():
     ap.add_argument("--concurrency", help="comma list (small; default 1,16, --cpu 1,2)")
     ap.add_argument("--ctx", type=int, default=4096, help="context of the width slice's requests")
     ap.add_argument("--budget", type=float, default=480)
+    ap.add_argument("--weights", default="bf16,fp8", help="width part: weight formats, each its own slice")
     ap.add_argument("--accept", default="", help="N=a,... accept lengths for the prediction (default: measured)")
     ap.add_argument("--calibration", help="bench/calibrate.py's file: also predict the whole GLM-5.3 on tp8ep8 "
                     "with glmc explain's cost model")
@@ -352,10 +358,17 @@ def main():
     if "serve" in parts:
         res["serve"] = check_serve(out.resolve(), a.cpu)
         save()
-    if "width" in parts:
-        res["width"] = check_width(dev, a.cpu, 80 if a.cpu else a.ctx, t0 + a.budget, (1, 2) if a.cpu else (1, 16))
-        res["prediction"] = predict(res["width"], accept)
-        print_prediction("GLM-5.3 (one GPU's measured layers x 78)", res["prediction"])
+    for fmt in a.weights.split(",") if "width" in parts else ():
+        key = "width" if fmt == "bf16" else f"width_{fmt}"
+        res[key] = check_width(dev, a.cpu, 80 if a.cpu else a.ctx, t0 + a.budget, (1, 2) if a.cpu else (1, 16),
+                               fp8=fmt == "fp8")
+        res[key.replace("width", "prediction")] = pred = predict(res[key], accept)
+        print_prediction(f"GLM-5.3, {fmt} weights (one GPU's measured layers x 78)", pred)
+        save()
+        import gc
+        import torch
+        gc.collect()
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
     if a.calibration and accept:
         res["prediction_mesh"] = predict_mesh(accept, a.calibration)
         print_prediction(f"GLM-5.3 {res['prediction_mesh']['parallel']} (calibrated model)", res["prediction_mesh"])
