@@ -29,6 +29,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -365,8 +366,6 @@ def main():
         res[key.replace("width", "prediction")] = pred = predict(res[key], accept)
         print_prediction(f"GLM-5.3, {fmt} weights (one GPU's measured layers x 78)", pred)
         save()
-        import gc
-        import torch
         gc.collect()
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
     if a.calibration and accept:
