@@ -16,9 +16,8 @@ one-GPU ceilings while the others wait:
   `add_rms_norm` Triton kernels, each reading the last's output; torch_op_overhead_s: 256 `add_`
   (a one-element add: the floor);
 - torch_op_s (schema /2): the CUDA target's own torch code at one token in a graph: the MoE row
-  alignment (`triton_moe.align_rows`, top-8 of 256 experts), the top-k slot gather
-  (`triton_target.topk_slots`, 2048 slots) and the torch add + RMS norm ([1, 6144] bf16), replay
-  time over their aten ops (`codegen/cuda_kernels.py`'s counts);
+  alignment (`triton_moe.align_rows`, top-8 of 256 experts) and the torch add + RMS norm ([1, 6144]
+  bf16), replay time over their aten ops (`codegen/cuda_kernels.py`'s counts);
 - gemm_launch_s (/2): the cuBLAS calls of one GLM-5.3 decode layer at one token row (A-projection,
   indexer Q, Q, W_UK / W_UV bmm, O, the fp32 router, shared and dense SwiGLU, lm_head), each weight
   its own tensor (2.8 GB: none stays in L2), in one graph: (replay - their bytes / hbm_bytes_per_s)
@@ -197,20 +196,16 @@ def launch_overheads(dev: str, cuda: bool) -> dict:
 def target_torch_ops(dev: str, cuda: bool) -> tuple[float, dict]:
     """Seconds per aten op of the CUDA target's torch sequences at one token, replayed in a graph."""
     import torch
-    from glmc.codegen import cuda_kernels, torch_ref, triton_moe, triton_target
+    from glmc.codegen import cuda_kernels, torch_ref, triton_moe
     g = torch.Generator(device=dev).manual_seed(0)
     ids = torch.randint(0, 256, (1, 8), device=dev, generator=g)
-    slots = torch.arange(8192, device=dev).view(1, -1)
-    topk = torch.randint(-1, 4097, (1, 2048), device=dev, generator=g)
-    rows, pos = torch.zeros(1, dtype=torch.int64, device=dev), torch.full((1,), 4096, device=dev)
     x, r = (torch.randn(1, 6144, device=dev, dtype=torch.bfloat16, generator=g) for _ in range(2))
     w = torch.ones(6144, device=dev, dtype=torch.bfloat16)
 
     def sequences():
         triton_moe.align_rows(ids, 256, 16, 0)
-        triton_target.topk_slots(topk, slots, rows, pos)
         torch_ref.add_rms_norm(x, r, w, 1e-5)
-    ops = cuda_kernels._ALIGN_ROWS + cuda_kernels._TOPK_SLOTS + cuda_kernels._ADD_RMS_TORCH
+    ops = cuda_kernels._ALIGN_ROWS + cuda_kernels._ADD_RMS_TORCH
     sec = seconds_per_call(sequences, 8, 5, cuda)
     return sec / ops, {"sequences_s": sec, "aten_ops": ops}
 

@@ -10,7 +10,8 @@
 2. width: a 2-layer GLM-5.3-width slice (hidden 6144, 64 heads, 256 experts top-8, index_topk 2048;
    layer 0 dense, layer 1 MoE, both full indexers), random weights in bf16: glmc (bf16, graphs) logits
    vs the torch target (codegen/torch_target.py, fp32 compute on the same bf16-rounded weights, on the
-   GPU) for a prefill of requests of 2100 (DSA active past 2048) and 300 tokens, then decode steps.
+   GPU) for a prefill of requests of 2100 (DSA active past 2048) and 300 tokens, then decode steps
+   (`--lengths`: e.g. 9000,300 runs the split top-k select of rows past 8192 scores, issue 15 item 6).
 With --fp8 the plans store their linear weights block-FP8 (codegen/weight_formats.py): tiny is an FP8
 checkpoint (tests/tiny_hf.save_tiny_fp8) and width quantises the random weights on load. The oracle
 that decides pass/fail is then the torch target with the same activation quantisation
@@ -261,7 +262,26 @@ def check_tiny(dev, capture, steps=16, fp8=False, kv_dtype=None):
             "capture_s": round(time.perf_counter() - t0, 2), "tokens": got[0].tolist()[:8]}
 
 
-def check_width(dev, dtype, narrow, lengths, steps=3, tol=2e-2, fp8=False, kv_dtype=None):
+def record_routes(runner) -> list:
+    """Every moe.topk call's expert ids (host), appended to the list returned, as the runner runs
+    (eagerly: a replayed graph runs no Python)."""
+    calls, impls = [], dict(runner.impls)
+    fn = impls["moe.topk"]
+
+    def rec(op, args, ctx):
+        out = fn(op, args, ctx)
+        calls.append(out[1].sort(-1).values.cpu())
+        return out
+    runner.impls = {**impls, "moe.topk": rec}
+    return calls
+
+
+def route_diffs(got: list, want: list) -> int:
+    """Tokens x MoE layers whose routed expert sets differ between two runs' recorded calls."""
+    return sum(int((a != b).any(-1).sum()) for a, b in zip(got, want))
+
+
+def check_width(dev, dtype, narrow, lengths, steps=3, tol=2e-2, fp8=False, kv_dtype=None, routes=False):
     import torch
     model = slice_model(dev, dtype, seed=0, narrow=narrow)
     B, max_ctx = len(lengths), -(-(max(lengths) + steps + 1) // 64) * 64
@@ -276,8 +296,9 @@ def check_width(dev, dtype, narrow, lengths, steps=3, tol=2e-2, fp8=False, kv_dt
     plain = None
     if fp8:    # decide against the w8a8 torch target; report the plain one on the dequantised weights
         plain, ref = ref, w8a8_twin(plan, ref, ref.pool.num_pages)
-    if dev != "cpu":
+    if dev != "cpu" and not routes:
         runner.capture([B])
+    got_routes, want_routes = (record_routes(runner), record_routes(ref)) if routes else ([], [])
     table = req_table(B, max_ctx // 64)
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, c.vocab_size, (n,), generator=g).tolist() for n in lengths]
@@ -288,9 +309,12 @@ def check_width(dev, dtype, narrow, lengths, steps=3, tol=2e-2, fp8=False, kv_dt
         for s in seqs:
             s.append(int(torch.randint(0, c.vocab_size, (1,), generator=g)))
         batch = decode_batch(seqs, table)
+        n = len(got_routes)
         rows.append(_compare(f"decode {i}", runner.forward("decode", batch)["logits"].float(),
                              ref.forward("decode", batch)["logits"].float(),
                              plain and plain.forward("decode", batch)["logits"].float()))
+        if routes:
+            rows[-1]["route_diffs"] = route_diffs(got_routes[n:], want_routes[n:])
     ok = all(r["rel_err"] < tol for r in rows)
     what = "w8a8 torch target" if fp8 else "torch target"
     return {"check": f"width logits vs {what} (tol {tol})", "pass": ok, "lengths": list(lengths),
@@ -314,6 +338,13 @@ def main():
     ap.add_argument("--cpu", action="store_true")
     ap.add_argument("--out", default=None)
     ap.add_argument("--skip-width", action="store_true")
+    ap.add_argument("--lengths", default="2100,300",
+                    help="width: prompt lengths (GPU); > 8192 runs the split top-k select (long context)")
+    ap.add_argument("--skip-tiny", action="store_true")
+    ap.add_argument("--steps", type=int, default=3, help="width: decode steps after the prefill")
+    ap.add_argument("--routes", action="store_true",
+                    help="width: run eagerly (no graphs) and count per step the tokens x MoE layers whose "
+                         "routed experts differ from the oracle's (a flip explains a large logit error)")
     ap.add_argument("--fp8", action="store_true", help="block-FP8 linear weights (see the module doc)")
     ap.add_argument("--kv-dtype", choices=("fp8", "bf16"), default=None,
                     help="KV cache dtype (default: the plan's; see the module doc)")
@@ -326,10 +357,12 @@ def main():
     dev = "cpu" if args.cpu else "cuda"
     results = {"device": "cpu-interpreter" if args.cpu else torch.cuda.get_device_name(),
                "date": time.strftime("%Y-%m-%d %H:%M:%S"), "torch": torch.__version__, "checks": []}
-    jobs = [("tiny", lambda: check_tiny(dev, not args.cpu, fp8=args.fp8, kv_dtype=args.kv_dtype))]
+    jobs = [] if args.skip_tiny else [("tiny", lambda: check_tiny(dev, not args.cpu, fp8=args.fp8,
+                                                                  kv_dtype=args.kv_dtype))]
+    lengths = (40, 21) if args.cpu else tuple(int(n) for n in args.lengths.split(","))
     if not args.skip_width:
         jobs.append(("width", lambda: check_width(dev, torch.float32 if args.cpu else torch.bfloat16, args.cpu,
-                                                  (40, 21) if args.cpu else (2100, 300), fp8=args.fp8,
+                                                  lengths, steps=args.steps, routes=args.routes, fp8=args.fp8,
                                                   kv_dtype=args.kv_dtype)))
     for name, job in jobs:
         t0 = time.perf_counter()

@@ -38,6 +38,7 @@ import gpu_plan_check as pc  # noqa: E402
 
 GIB = 2**30
 HF_PROMPT = 37     # the short prefill HF's cache is grown from (a length no weight dimension has)
+SEGMENTS = (1024, 2048, 4096, 8192, 16384)   # top-k micro-bench: split segment sizes also timed
 
 
 def fail(e: BaseException) -> dict:
@@ -110,22 +111,24 @@ def kernel_rows(runner, batch, ctx, bw):
     op, args, rt = next(c for c in calls if c[0].kind == "idx.topk")
     q, w, layer = args
     heads, k, T = int(op.attr("heads")), int(op.attr("k")), q.shape[0]
-    wts = w.float() * heads ** -0.5
     kv_row, idx_row = rt.pool.bytes_per_token_per_layer()
-    scores = tt.indexer_scores(q, wts, rt.pool.index_k[layer], rt.r2t, rt.rows, rt.pos, rt.max_len, lib=rt.kernels)
-    topk = tt.topk_select(scores, rt.pos + 1, k, TOPK_CHUNK, rt.kernels)
+    scores = tt.indexer_scores(q, w, rt.pool.index_k[layer], rt.r2t, rt.rows, rt.pos, rt.max_len, lib=rt.kernels,
+                               w_scale=heads ** -0.5)
+    slots = tt.topk_select(scores, rt.pos + 1, k, TOPK_CHUNK, rt.kernels, slots_of=(rt.r2t, rt.rows))
     attn = next(c for c in calls if c[0].kind.startswith("attn."))[0]
     H, R, dr = int(attn.attr("heads")), int(attn.attr("kv_lora")), int(attn.attr("dr"))
     q_lat, q_pe = (torch.randn(T, H, d, device=q.device, dtype=q.dtype) for d in (R, dr))   # activation dtype
     keys = min(ctx + 1, k)
     jobs = [
-        ("indexer scores", lambda: tt.indexer_scores(q, wts, rt.pool.index_k[layer], rt.r2t, rt.rows, rt.pos,
-                                                     rt.max_len, lib=rt.kernels),
+        ("indexer scores", lambda: tt.indexer_scores(q, w, rt.pool.index_k[layer], rt.r2t, rt.rows, rt.pos,
+                                                     rt.max_len, lib=rt.kernels, w_scale=heads ** -0.5),
          T * (ctx + 1) * (idx_row + 4)),                                  # keys read, fp32 scores written
-        ("top-k select", lambda: tt.topk_select(scores, rt.pos + 1, k, TOPK_CHUNK, rt.kernels),
-         T * ((ctx + 1) * 4 + k * 8)),                                    # scores read, positions written
+        ("top-k select", lambda: tt.topk_select(scores, rt.pos + 1, k, TOPK_CHUNK, rt.kernels,
+                                                slots_of=(rt.r2t, rt.rows)),
+         T * ((ctx + 1) * 4 + k * 4)),                                    # scores read, slots written
         ("sparse MLA decode", lambda: tt.sparse_mla_latent(q_lat, q_pe, rt.pool.kv[layer], rt.r2t, rt.rows, rt.pos,
-                                                           topk, float(attn.attr("scale")), lib=rt.kernels),
+                                                           slots, float(attn.attr("scale")), slots=slots,
+                                                           lib=rt.kernels),
          T * (keys * kv_row + H * (2 * R + dr) * q_lat.element_size())),  # selected rows, q in, out
     ]
     rows = []
@@ -199,6 +202,27 @@ def run_glmc(model, kv_dtype, contexts, batches, dev, dtype, info, deadline, sav
 
 
 # ----------------------------------------------------------------------------- top-k micro-benchmark
+def launch_times(fn, calls: int = 20) -> list:
+    """Device time of each kernel one call of fn launches, in launch order (us, median over
+    `calls` eager calls under torch.profiler): where a multi-launch kernel's time goes."""
+    import statistics
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+                      and e.device_time > 0), key=lambda e: e.time_range.start)
+    per = len(kernels) // calls
+    if not per or len(kernels) % calls:
+        return []
+    return [round(statistics.median(kernels[c * per + i].device_time for c in range(calls)), 2) for i in range(per)]
+
+
 def topk_micro(lengths, batches, k, dev, deadline):
     """glmc's top-k select vs torch.topk: k of n random fp32 scores per row (graph replays)."""
     import torch
@@ -215,10 +239,16 @@ def topk_micro(lengths, batches, k, dev, deadline):
                 scores = torch.randn(B, n, device=dev)
                 lens = torch.full((B,), n, device=dev, dtype=torch.int64)
                 got = tt.topk_select(scores, lens, k, TOPK_CHUNK)
-                want = torch.topk(scores, k, dim=-1).indices.sort(-1).values
-                r["agrees_with_torch"] = bool(torch.equal(got, want))
+                kk = min(k, n)          # n < k: every position, -1 padded (torch.topk: all n)
+                want = torch.topk(scores, kk, dim=-1).indices.sort(-1).values
+                r["agrees_with_torch"] = bool(torch.equal(got[:, :kk], want) and bool((got[:, kk:] == -1).all()))
                 r["glmc_us"] = db.bench_ms(lambda: tt.topk_select(scores, lens, k, TOPK_CHUNK)) * 1e3
-                r["torch_topk_us"] = db.bench_ms(lambda: torch.topk(scores, k, dim=-1)) * 1e3
+                r["torch_topk_us"] = db.bench_ms(lambda: torch.topk(scores, kk, dim=-1)) * 1e3
+                if n > TOPK_CHUNK:   # the split's segment size (topk_segment's choice is `glmc_us`)
+                    r["by_segment_us"] = {seg: db.bench_ms(lambda seg=seg: tt.topk_select(
+                        scores, lens, k, TOPK_CHUNK, segment=seg)) * 1e3 for seg in SEGMENTS if seg < n}
+                if dev == "cuda":
+                    r["launch_us"] = launch_times(lambda: tt.topk_select(scores, lens, k, TOPK_CHUNK))
             except Exception as e:
                 r.update(fail(e))
             rows.append(r)
@@ -343,8 +373,12 @@ def kernel_table(res):
 def topk_table(rows):
     lines = [f"{'n':>7} {'B':>3} {'glmc us':>9} {'torch.topk us':>13} {'same set':>8}"]
     for r in rows:
+        segs = " ".join(f"{seg}:{us:.1f}" for seg, us in r.get("by_segment_us", {}).items())
+        if r.get("launch_us"):
+            segs += f"  launches (eager, device us): {r['launch_us']}"
         lines.append(f"{r['n']:>7} {r['batch']:>3} {fmt(r.get('glmc_us'), 9, 1)} {fmt(r.get('torch_topk_us'), 13, 1)}"
-                     f" {str(r.get('agrees_with_torch', '-')):>8} {r.get('failed', '')}")
+                     f" {str(r.get('agrees_with_torch', '-')):>8} {r.get('failed', '')}"
+                     + (f"  by segment: {segs}" if segs else ""))
     return "\n".join(lines)
 
 
@@ -361,7 +395,7 @@ def main():
     ap.add_argument("--contexts", type=ints, default=[1024, 8192, 32768, 131072])
     ap.add_argument("--batches", type=ints, default=[1, 8, 32])
     ap.add_argument("--kv-dtypes", default="fp8,bf16", help="KV cache dtypes, measured in this order")
-    ap.add_argument("--topk-lengths", type=ints, default=[8192, 32768, 65536, 131072])
+    ap.add_argument("--topk-lengths", type=ints, default=[1025, 4096, 8192, 32768, 65536, 131072])
     ap.add_argument("--budget", type=float, default=480, help="seconds for the whole run")
     ap.add_argument("--hf-point-s", type=float, default=40, help="time limit of one transformers point")
     ap.add_argument("--skip", default="", help="comma list of: hf, topk")

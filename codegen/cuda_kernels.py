@@ -12,11 +12,13 @@ a captured decode graph; pure data, no torch, so the compiler side may read it.
 The indexer's top-k select (`topk_select.py.j2`) runs a row of n <= TOPK_CHUNK scores in one
 program, held in registers: 33 counting passes and a compaction when n > k, else one count and the
 compaction (`topk_select_passes`); latency-bound, so the predictor times it from the calibration's
-measured launches, scaled by these passes. A workspace wider than TOPK_CHUNK splits its long rows
-over programs of 2048-4096 scores (`triton_target.topk_segment`) and selects them by bytes in five
-launches, plus the short rows' launch: each costs about TOPK_SPLIT_STAGE_PASSES register passes (an
-estimate until bench/long_context_bench.py's top-k table is folded into the calibration),
-independent of n while the segments fit on the GPU.
+measured launches, scaled by these passes. A workspace
+wider than TOPK_CHUNK splits its long rows over programs of 1024-8192 scores
+(`triton_target.topk_segment`) and selects them by bytes in five launches (the last also runs the
+short rows): each costs about TOPK_SPLIT_STAGE_PASSES register passes (an estimate until
+bench/long_context_bench.py's top-k table is folded into the calibration), independent of n while
+the segments fit on the GPU. The select writes the KV slots of what it selects (int32) beside the
+positions, so the attention ops gather nothing.
 
 Extra HBM traffic of the CUDA implementation beyond the IR's tensors (`moe_workspace_bytes`): the MoE
 experts write and read their [pairs, inter] hidden and their fp32 [pairs, hidden] per-pair
@@ -43,7 +45,7 @@ class Launches:
 TOPK_CHUNK = 8192  # scores per top-k pass in a plan: a row up to this long is read once and held in registers
 
 
-TOPK_SPLIT_STAGES = 6          # launches of a wide workspace: 4 histogram rounds, compaction, short rows
+TOPK_SPLIT_STAGES = 5          # launches of a wide workspace: 4 histogram rounds, compaction (+ short rows)
 TOPK_SPLIT_STAGE_PASSES = 3    # register passes one of those launches costs (estimate; module docstring)
 
 
@@ -56,7 +58,6 @@ def topk_select_passes(row_len: int, k: int, chunk: int = TOPK_CHUNK) -> int:
 
 _ADD_RMS_TORCH = 8          # torch_ref.add_rms_norm: add, cast, pow, mean, add, rsqrt, mul, mul
 _ALIGN_ROWS = 36            # triton_moe.align_rows (aten ops, scalar wrappers excluded)
-_TOPK_SLOTS = 7             # triton_target.topk_slots
 
 LAUNCHES: dict[str, Launches] = {
     # no kernel: views, inputs, ops lowered away before codegen
@@ -69,10 +70,10 @@ LAUNCHES: dict[str, Launches] = {
     "mem.kv_write": Launches(torch_ops=3), "mem.index_k_write": Launches(torch_ops=2),
     "linear": Launches(1, gemms=1), "mla.a_proj": Launches(1, gemms=1), "lm.head": Launches(1, gemms=1),
     "mlp.swiglu": Launches(2, 2, gemms=2),                          # gate|up GEMM, silu, mul, down GEMM
-    "idx.topk": Launches(2, 2),                                     # weights cast + scale; scores; top-k select
-    # W_UK bmm, slot gather, split-K latent kernel, combine kernel, W_UV bmm, head-major copy
-    "attn.mla_absorbed": Launches(4, _TOPK_SLOTS + 1, gemms=2),
-    "attn.sparse_mla": Launches(4, _TOPK_SLOTS + 1, gemms=2), "attn.mla_mha": Launches(4, _TOPK_SLOTS + 1, gemms=2),
+    "idx.topk": Launches(2, 1),                                     # pos + 1; scores; select
+    # W_UK bmm, split-K latent kernel (over the select's slots), combine kernel, W_UV bmm, head-major copy
+    "attn.mla_absorbed": Launches(4, 1, gemms=2),
+    "attn.sparse_mla": Launches(4, 1, gemms=2), "attn.mla_mha": Launches(4, 1, gemms=2),
     "moe.gate": Launches(1, 1, gemms=1),                            # fp32 cast, fp32 GEMM (cuBLAS gemv)
     "moe.topk": Launches(1),                                        # the router kernel
     # align_rows; gate/up and down kernels; weights cast, local mask (3), where, sum, cast

@@ -208,12 +208,16 @@ def _qkv_fused(op, args, ctx: CudaStepContext):
 
 @impl("idx.topk")
 def _topk(op, args, ctx: CudaStepContext):
-    """Indexer scores over the paged K cache into a [T, max_len] workspace, then exact top-k."""
+    """Indexer scores over the paged K cache into a [T, max_len] workspace, then exact top-k. The
+    value is the selected keys' KV slots (int32 [T, k], -1 padded), which the select kernel writes
+    instead of the positions: this target's only readers of a top-k are the attention ops, which
+    read KV rows by slot (the torch target's value is the positions; the IR's type is the same)."""
     q, w, layer = args
     heads = int(op.attr("heads"))
-    scores = tt.indexer_scores(q, w.float() * heads ** -0.5, ctx.pool.index_k[layer], ctx.r2t, ctx.rows,
-                               ctx.pos, ctx.max_len, lib=ctx.kernels)
-    return tt.topk_select(scores, ctx.pos + 1, int(op.attr("k")), TOPK_CHUNK, ctx.kernels)
+    scores = tt.indexer_scores(q, w, ctx.pool.index_k[layer], ctx.r2t, ctx.rows, ctx.pos, ctx.max_len,
+                               lib=ctx.kernels, w_scale=heads ** -0.5)
+    return tt.topk_select(scores, ctx.pos + 1, int(op.attr("k")), TOPK_CHUNK, ctx.kernels,
+                          slots_of=(ctx.r2t, ctx.rows))
 
 
 def _absorbed_weights(ctx: CudaStepContext, name, heads, dn, dv):
@@ -233,9 +237,10 @@ def _attn(op, args, ctx: CudaStepContext):
     w_uk, w_uv = _absorbed_weights(ctx, op.attr("weight"), H, dn, dv)
     T = q_nope.shape[0]
     q_lat = torch.bmm(q_nope.transpose(0, 1).to(w_uk.dtype), w_uk).transpose(0, 1)   # [T, H, R] view
+    slots = topk if topk is not None and topk.dtype == torch.int32 else None   # `_topk`'s slots
     out_lat = tt.sparse_mla_latent(q_lat, q_pe.to(q_lat.dtype), ctx.pool.kv[layer], ctx.r2t, ctx.rows, ctx.pos,
                                    topk, op.attr("scale"), num_keys=None if topk is not None else ctx.max_len,
-                                   lib=ctx.kernels)
+                                   slots=slots, lib=ctx.kernels)
     return torch.bmm(out_lat.transpose(0, 1), w_uv).transpose(0, 1).reshape(T, H * dv)
 
 

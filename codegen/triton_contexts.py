@@ -170,13 +170,14 @@ class IndexerScoresCtx:
     num_warps: int
     fp8: bool = False   # keys from the FP8 page layout, dequantised in registers
     page: int = KV_PAGE
+    w_scale: float = 1.0   # multiplies the head weights as loaded (the plan's: num_heads ** -0.5)
 
     @classmethod
-    def make(cls, num_heads, index_dim, dtype, block_n=None, fp8=False):
+    def make(cls, num_heads, index_dim, dtype, block_n=None, fp8=False, w_scale=1.0):
         dot_dtype, precision = _DOT[dtype]
         block_n = block_n or 64
         return cls(num_heads, index_dim, index_dim ** -0.5, max(16, next_pow2(num_heads)), block_n,
-                   dot_dtype, precision, 4, bool(fp8), KV_PAGE)
+                   dot_dtype, precision, 4, bool(fp8), KV_PAGE, float(w_scale))
 
 
 

@@ -186,12 +186,15 @@ def indexer_topk(q_idx, weights, index_cache, req_to_token, rows, pos, topk, max
 
 
 def indexer_scores(q_idx, weights, k_cache, req_to_token, rows, pos, max_len, block_n=None,
-                   lib: KernelLibrary = JIT):
-    """[T, >= max_len] fp32 index scores of every key position (-inf after the token's own position).
+                   lib: KernelLibrary = JIT, w_scale=1.0):
+    """[T, >= max_len] fp32 index scores of every key position (-inf after the token's own position),
+    with head weights `weights` x w_scale (fp32, in the kernel: the plan's raw weights_proj output
+    and w_scale = heads ** -0.5 give torch_ref's pre-scaled weights to the bit).
     Graph-safe: no host sync; max_len (>= every seq_len) fixes the workspace shape."""
     T, Hi, Di = q_idx.shape
     fp8 = k_cache.dtype == torch.uint8
-    ctx = IndexerScoresCtx.make(Hi, Di, q_idx.dtype if fp8 else k_cache.dtype, block_n, fp8)
+    ctx = IndexerScoresCtx.make(Hi, Di, q_idx.dtype if fp8 else k_cache.dtype, block_n, fp8, w_scale)
+    weights = weights if weights.stride(-1) == 1 else weights.contiguous()
     width = -(-max_len // ctx.block_n) * ctx.block_n
     scores = torch.empty(T, width, dtype=torch.float32, device=q_idx.device)
     if T:
@@ -201,43 +204,52 @@ def indexer_scores(q_idx, weights, k_cache, req_to_token, rows, pos, max_len, bl
     return scores
 
 
-TOPK_SEGMENTS = (2048, 4096)   # scores per program of a long row's radix select: smallest, largest
+TOPK_SEGMENTS = (1024, 8192)   # scores per program of a long row's radix select: smallest, largest
+TOPK_ROW_PROGRAMS = 32         # programs per row of the split select, shared by the rows of a batch
 TOPK_SEG_TILE = 32             # segments' histograms summed per load when a round's digit is found
 
 
-def topk_segment(rows: int, width: int, num_sms: int) -> int:
-    """Scores per program of the split select: small segments (64 programs for one 128K row) while
-    the rows alone leave the GPU idle, larger ones (fewer programs each re-reading the row's
-    histograms) once rows x segments pass ~4 programs per SM."""
+def topk_segment(rows: int, width: int) -> int:
+    """Scores per program of the split select: a row over ~TOPK_ROW_PROGRAMS // rows programs, in
+    TOPK_SEGMENTS. Measured on an H200 (bench/long_context_bench.py's top-k table, 2026-12-02, us):
+    one row of 32K / 64K / 128K is fastest at 1024 / 2048 / 2048 (26.8 / 28.2 / 33.6; this rule
+    gives 1024 / 2048 / 4096: 35.3), 32 rows at 8192 (52.9 / 89.4 / 167.7; the rule before, 2048-4096
+    for 4 x 132 programs in all: 75.5 / 95.6 / 180.4): more programs than that each re-read more of
+    their row's histograms than they save."""
     lo, hi = TOPK_SEGMENTS
-    segs = max(1, -(-4 * num_sms // max(rows, 1)))
+    segs = max(1, TOPK_ROW_PROGRAMS // max(rows, 1))
     return max(lo, min(hi, next_pow2(-(-width // segs))))
 
 
-def topk_select(scores, lens, k, chunk=None, lib: KernelLibrary = JIT, segment=None):
+def topk_select(scores, lens, k, chunk=None, lib: KernelLibrary = JIT, segment=None, slots_of=None):
     """Per row t: positions of the k largest of scores[t, :lens[t]], ascending, -1 padded. [T, k] int64.
     Exact ties at the k-th score go to the lowest positions (torch_ref.topk_lowest_first's choice).
+    `slots_of` = (req_to_token, rows): instead the KV slots req_to_token[rows[t], position] of the same
+    selection, int32 [T, k], -1 padded (what `topk_slots` gives from the positions, without its gather).
 
     Rows of <= ctx.chunk scores: one program each, held in registers (one launch when the workspace
     is no wider). Longer rows: a byte-radix select split over programs of `segment` scores
-    (`topk_segment` unless given; five more launches of the same kernel, STAGE 0..4; the
-    template's docstring). Graph-safe: the split comes from the shapes, each row's length is read on the device."""
+    (`topk_segment` unless given) in five launches of the same kernel, STAGE 0..4, the last of
+    which also runs the short rows (the template's docstring). Graph-safe: the split comes from the
+    shapes, each row's length is read on the device."""
     T, width = scores.shape
     ctx = TopkSelectCtx.make(k, width, chunk)
-    out = torch.empty(T, k, dtype=torch.int64, device=scores.device)
+    out = torch.empty(T, k, dtype=torch.int64 if slots_of is None else torch.int32, device=scores.device)
     if not T:
         return out
+    r2t, rows = slots_of if slots_of is not None else (out, out)
     long_rows = width > ctx.chunk
-    segment = segment or topk_segment(T, width, _num_sms(scores.device))
+    segment = segment or topk_segment(T, width)
     num_segs = -(-width // segment) if long_rows else 1
     hist = torch.empty(T, 4, num_segs, 256, dtype=torch.int32, device=scores.device) if long_rows else out
     state = torch.empty(T, 4, 2, dtype=torch.int32, device=scores.device) if long_rows else out
     gt = torch.empty(T, num_segs, dtype=torch.int32, device=scores.device) if long_rows else out
     kernel = lib(ctx)
-    launches = [((T, num_segs), stage, False) for stage in range(5)] if long_rows else []
-    for grid, stage, short in launches + [((T, 1), 0, True)]:
-        kernel[grid](scores, scores.stride(0), lens, out, out.stride(0), hist, state, gt, num_segs, STAGE=stage,
-                     SHORT=short, SEG=segment, SEG_TILE=TOPK_SEG_TILE, num_warps=ctx.num_warps)
+    launches = [(stage, stage == 4) for stage in range(5)] if long_rows else [(-1, True)]
+    for stage, short in launches:
+        kernel[(T, num_segs)](scores, scores.stride(0), lens, out, out.stride(0), hist, state, gt, num_segs,
+                              r2t, r2t.stride(0), rows, STAGE=stage, SHORT=short, SEG=segment,
+                              SEG_TILE=TOPK_SEG_TILE, SLOTS=slots_of is not None, num_warps=ctx.num_warps)
     return out
 
 

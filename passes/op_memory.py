@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from glmc.ir import Op
 
-from .step_arena import (FP8_BLOCK, FP8_KINDS, INDEXER_BLOCK_N, MAX_SPLITS, TOPK_CHUNK, TOPK_SEGMENTS,
-                         UNQUANTISED, Step, Val, model)
+from .step_arena import (FP8_BLOCK, FP8_KINDS, INDEXER_BLOCK_N, MAX_SPLITS, TOPK_CHUNK, TOPK_ROW_PROGRAMS,
+                         TOPK_SEGMENTS, UNQUANTISED, Step, Val, model)
 
 
 # ----------------------------------------------------------------------------- views and elementwise
@@ -225,20 +225,17 @@ def _next_pow2(n: int) -> int:
 
 @model("idx.topk")
 def _topk(op, args, s):
-    """Scaled weights (fp32), the [T, width] fp32 score workspace, the top-k select's buffers
-    (a row wider than TOPK_CHUNK: radix histograms per segment); -> int64 [T, k]."""
-    T, heads, k = s.rows(op), int(op.attr("heads")), int(op.attr("k"))
-    cast = s.tmp(T * heads, 4) if args[1].elem != 4 else None   # w.float()
-    w = s.tmp(T * heads, 4)
-    s.free(cast)
+    """The [T, width] fp32 score workspace (the head weights scaled in the kernel), the top-k
+    select's buffers (a row wider than TOPK_CHUNK: radix histograms per segment); -> the int32 KV
+    slots [T, k] the select writes instead of positions (cuda_target._topk's value)."""
+    T, k = s.rows(op), int(op.attr("k"))
     width = -(-s.t.max_len // INDEXER_BLOCK_N) * INDEXER_BLOCK_N
     scores = s.tmp(T * width, 4)
-    s.free(w)
     lens = s.tmp(T, 8)                                        # pos + 1
-    out = Val(s.arena.alloc(T * k * 8), 8, cols=k)
+    out = Val(s.arena.alloc(T * k * 4), 4, cols=k)
     if T and width > TOPK_CHUNK:
-        lo, hi = TOPK_SEGMENTS
-        segs = max(1, -(-4 * s.t.num_sms // T))
+        lo, hi = TOPK_SEGMENTS                                # triton_target.topk_segment
+        segs = max(1, TOPK_ROW_PROGRAMS // T)
         segment = max(lo, min(hi, _next_pow2(-(-width // segs))))
         n = -(-width // segment)
         s.free(s.tmp(T * 4 * n * 256, 4), s.tmp(T * 8, 4), s.tmp(T * n, 4))   # hist, state, gt
@@ -288,7 +285,7 @@ def _attn(op, args, s):
     o_part, lse = s.tmp(T * H * S * R, 4), s.tmp(T * H * S, 4)
     out_lat = s.tmp(T * H * R, s.t.act)
     if T:
-        slots = topk_slots(s, T, K) if K is not None else None
+        slots = topk_slots(s, T, K) if K is not None and args[3].elem != 4 else None   # int32: slots already
         s.free(o_part, lse, slots)
     s.free(pe)
     o = s.tmp(H * T * dv, s.t.act)

@@ -198,11 +198,12 @@ def test_the_graphs_keep_their_outputs_and_inputs(measured, fmt):
 
 
 def test_a_workspace_left_out_fails_naming_its_op(measured, monkeypatch):
-    """The comparison above is what catches a forgotten workspace: without topk_slots' temporaries
-    the decode step's attention ops no longer match, and only they."""
+    """The comparison above is what catches a wrong workspace: with the split-K partials of one
+    split more than the kernel runs, the decode step's attention ops no longer match, and only they."""
     m = measured("bf16")
     args, mem = m.points["decode4"]
-    monkeypatch.setattr(op_memory, "topk_slots", lambda s, T, K: s.tmp(T * K, 4))
+    splits = op_memory.mla_splits
+    monkeypatch.setattr(op_memory, "mla_splits", lambda T, H, K, s: splits(T, H, K, s) + 1)
     off = mismatches(mem, model_step(m.plan, *args, cpu=True))
     assert off and all("attn.mla_absorbed" in line for line in off), off
 
@@ -229,6 +230,7 @@ def test_mirrored_constants_match_codegen():
     assert step_arena.FP8_KINDS == weight_formats.FP8_KINDS and step_arena.UNQUANTISED == weight_formats.UNQUANTISED
     assert step_arena.TOPK_CHUNK == cuda_kernels.TOPK_CHUNK == cuda_target.TOPK_CHUNK
     assert step_arena.TOPK_SEGMENTS == triton_target.TOPK_SEGMENTS
+    assert step_arena.TOPK_ROW_PROGRAMS == triton_target.TOPK_ROW_PROGRAMS
     assert step_arena.INDEXER_BLOCK_N == triton_contexts.IndexerScoresCtx.make(32, 128, torch.bfloat16).block_n
     assert step_arena.MAX_SPLITS == triton_contexts.MAX_SPLITS and step_arena.BLOCK_MS == triton_moe.BLOCK_MS
     for rows, experts in [(1, 256), (2048, 256), (4096, 64), (65536, 256)]:

@@ -57,7 +57,7 @@ def test_a_hand_computed_step():
 def test_the_top_k_select_latency():
     """idx.topk pays the measured select launch at its rows, scaled by the row walks of S + 1 scores,
     less the launch already counted; a /1 calibration has no such term."""
-    assert topk_select_passes(8193, 2048) == 18 and topk_select_passes(8192, 2048) == 34   # 8193: split, 6 launches
+    assert topk_select_passes(8193, 2048) == 15 and topk_select_passes(8192, 2048) == 34   # 8193: split, 5 launches
     assert topk_select_passes(1025, 2048) == 2 and topk_select_passes(101, 16) == 34
     from glmc.codegen import triton_contexts
     assert triton_contexts.TOPK_CHUNK is TOPK_CHUNK          # the kernel's pass width is the one counted
@@ -70,7 +70,7 @@ def test_the_top_k_select_latency():
         assert got == pytest.approx(n_topk * (table - 1e-6), rel=1e-9)   # 101 scores: the measured row walks
         env["S"] = 8192                                                  # 8193 scores: the split select
         got = predict_step(g, env, DTypes(), ROUND2, ranks=1)["by_kind"]["idx.topk"]["latency_s"]
-        assert got == pytest.approx(n_topk * (table * 18 / 34 - 1e-6), rel=1e-9)
+        assert got == pytest.approx(n_topk * (table * 15 / 34 - 1e-6), rel=1e-9)
     assert predict_step(g, env, DTypes(), ROUND, ranks=1)["by_kind"]["idx.topk"]["latency_s"] == 0.0
 
 
@@ -182,7 +182,20 @@ def test_the_slice_lands_near_its_measured_steps():
         assert predicted.predict_ms(slice_plan, batch, 1024, cal) == pytest.approx(measured, rel=0.2)
 
 
-def test_every_spec_bench_row_within_20_percent():
+@pytest.fixture
+def launches_as_measured(monkeypatch):
+    """The launch counts of the code the recorded 2-GPU runs (2026-11-30) measured: each attention op
+    then gathered its top-k's KV slots in 7 torch ops (the select writes them since 2026-12-02), and
+    the select's pos + 1 was not counted. Predictions of those runs are checked with that code's counts."""
+    from glmc.codegen import cuda_kernels
+    from glmc.codegen.cuda_kernels import Launches
+    table = dict(cuda_kernels.LAUNCHES, **{k: Launches(4, 8, gemms=2) for k in
+                                           ("attn.mla_absorbed", "attn.sparse_mla", "attn.mla_mha")})
+    table["idx.topk"] = Launches(2, 2)
+    monkeypatch.setattr(cuda_kernels, "LAUNCHES", table)
+
+
+def test_every_spec_bench_row_within_20_percent(launches_as_measured):
     """bench/results/spec_bench_2026-11-30.json (2x H200: tp1, tp2, tp2ep2/gather, dp2ep2/gather and
     /a2a at 1, 32 and 128 per rank, context 4096): the plans rebuilt on the CPU predict the measured
     replay within 20% with the measured calibration, and give what the benchmark printed with it."""
@@ -234,15 +247,10 @@ def test_the_launch_counts_follow_the_torch_code():
     ids = torch.randint(0, 256, (4, 8))
     with Count() as align:
         triton_moe.align_rows(ids, 32, 16, 0)
-    rows, pos = torch.arange(4), torch.tensor([50, 60, 70, 80])
-    args = (torch.randint(-1, 100, (4, 2048)), torch.arange(512).view(4, 128), rows, pos)
-    with Count() as slots:
-        triton_target.topk_slots(*args)
     assert len(align.ops) == cuda_kernels._ALIGN_ROWS
-    assert len(slots.ops) == cuda_kernels._TOPK_SLOTS
 
 
-def test_every_multi_gpu_check_row_within_20_percent(tmp_path):
+def test_every_multi_gpu_check_row_within_20_percent(tmp_path, launches_as_measured):
     """bench/results/multi_gpu_check_2026-11-30_predicted.json (2x H200: the tiny checkpoint and the
     GLM-width slice, tp1 to dp2ep2 at buckets 2-4): the measured calibration predicts each replay
     within 20%."""

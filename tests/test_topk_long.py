@@ -73,3 +73,17 @@ def test_deterministic_on_ties():
     lens = torch.tensor([160, 130])
     first = tt.topk_select(scores, lens, 8, chunk=16, segment=16)
     assert torch.equal(first, tt.topk_select(scores, lens, 8, chunk=16, segment=16))
+
+
+@pytest.mark.parametrize("chunk, segment", [(256, None), (32, 16)])   # the register path / the split path
+def test_slots_are_the_selected_positions_through_the_table(chunk, segment):
+    """slots_of: the select writes req_to_token[rows[t], position] (int32, -1 padded) for the
+    positions it selects: what the attention's topk_slots gather gives, on short and long rows."""
+    g = torch.Generator().manual_seed(5)
+    scores = torch.randn(4, 200, generator=g)
+    lens = torch.tensor([200, 100, 9, 37])
+    r2t = torch.randperm(8 * 256, generator=g).view(8, 256)      # int64, as the runtime's table
+    rows = torch.tensor([3, 0, 7, 5])
+    slots = tt.topk_select(scores, lens, 12, chunk=chunk, segment=segment, slots_of=(r2t, rows))
+    pos = tt.topk_select(scores, lens, 12, chunk=chunk, segment=segment)
+    assert slots.dtype == torch.int32 and torch.equal(slots, tt.topk_slots(pos, r2t, rows, lens - 1))
