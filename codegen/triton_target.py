@@ -205,20 +205,22 @@ def indexer_scores(q_idx, weights, k_cache, req_to_token, rows, pos, max_len, bl
 
 
 TOPK_SEGMENTS = (1024, 8192)   # scores per program of a long row's radix select: smallest, largest
-TOPK_ROW_PROGRAMS = 32         # programs per row of the split select, shared by the rows of a batch
+TOPK_PROGRAMS = (64, 16, 256)  # programs of the split select in all: at least, per row, at most
 TOPK_SEG_TILE = 32             # segments' histograms summed per load when a round's digit is found
 
 
 def topk_segment(rows: int, width: int) -> int:
-    """Scores per program of the split select: a row over ~TOPK_ROW_PROGRAMS // rows programs, in
-    TOPK_SEGMENTS. Measured on an H200 (bench/long_context_bench.py's top-k table, 2026-12-02, us):
-    one row of 32K / 64K / 128K is fastest at 1024 / 2048 / 2048 (26.8 / 28.2 / 33.6; this rule
-    gives 1024 / 2048 / 4096: 35.3), 32 rows at 8192 (52.9 / 89.4 / 167.7; the rule before, 2048-4096
-    for 4 x 132 programs in all: 75.5 / 95.6 / 180.4): more programs than that each re-read more of
-    their row's histograms than they save."""
+    """Scores per program of the split select: the batch over min(256, max(64, 16 x rows))
+    programs, a power of two in TOPK_SEGMENTS at or below the row's share. Measured on an H200
+    (bench/long_context_bench.py's top-k tables, 2026-12-02, us): one row of 32K / 128K is fastest
+    at 1024 / 2048 (25.9 / 35.6), 8 rows of 32K at 2048 (40.2; 8192: 51.7), 32 rows of 32K / 128K at
+    4096-8192 (53.4 / 168; 2048: 74 / 320): more programs each re-read more of their row's
+    histograms than they save, fewer leave the GPU idle."""
     lo, hi = TOPK_SEGMENTS
-    segs = max(1, TOPK_ROW_PROGRAMS // max(rows, 1))
-    return max(lo, min(hi, next_pow2(-(-width // segs))))
+    least, per_row, most = TOPK_PROGRAMS
+    segs = max(1, max(least, min(most, per_row * rows)) // max(rows, 1))
+    share = -(-width // segs)
+    return max(lo, min(hi, 1 << (share.bit_length() - 1)))
 
 
 def topk_select(scores, lens, k, chunk=None, lib: KernelLibrary = JIT, segment=None, slots_of=None):

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from glmc.ir import Op
 
-from .step_arena import (FP8_BLOCK, FP8_KINDS, INDEXER_BLOCK_N, MAX_SPLITS, TOPK_CHUNK, TOPK_ROW_PROGRAMS,
+from .step_arena import (FP8_BLOCK, FP8_KINDS, INDEXER_BLOCK_N, MAX_SPLITS, TOPK_CHUNK, TOPK_PROGRAMS,
                          TOPK_SEGMENTS, UNQUANTISED, Step, Val, model)
 
 
@@ -234,9 +234,9 @@ def _topk(op, args, s):
     lens = s.tmp(T, 8)                                        # pos + 1
     out = Val(s.arena.alloc(T * k * 4), 4, cols=k)
     if T and width > TOPK_CHUNK:
-        lo, hi = TOPK_SEGMENTS                                # triton_target.topk_segment
-        segs = max(1, TOPK_ROW_PROGRAMS // T)
-        segment = max(lo, min(hi, _next_pow2(-(-width // segs))))
+        (lo, hi), (least, per_row, most) = TOPK_SEGMENTS, TOPK_PROGRAMS   # triton_target.topk_segment
+        share = -(-width // max(1, max(least, min(most, per_row * T)) // T))
+        segment = max(lo, min(hi, 1 << (share.bit_length() - 1)))
         n = -(-width // segment)
         s.free(s.tmp(T * 4 * n * 256, 4), s.tmp(T * 8, 4), s.tmp(T * n, 4))   # hist, state, gt
     s.free(lens, scores)
