@@ -293,7 +293,9 @@ def sparse_mla_latent(q_lat, q_pe, kv_cache, req_to_token, rows, pos, topk, scal
 
 def topk_slots(topk, req_to_token, rows, pos):
     """Top-k positions [T, K] -> KV slots (int32), -1 where padded or after the token (causal).
-    One gather per layer in torch, so the attention kernel's loads depend on one index load, not two."""
+    For top-k given as positions (the torch target's form; the CUDA target's select writes the slots
+    itself, `topk_select(slots_of=)`): one gather in torch, so the attention kernel's loads depend
+    on one index load, not two."""
     valid = (topk >= 0) & (topk <= pos[:, None])
     slots = req_to_token[rows[:, None], topk.clamp(min=0)]
     return torch.where(valid, slots, -1).to(torch.int32)
