@@ -213,7 +213,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:  # Ctrl-C (or, while `glmc run` starts up, SIGTERM)
         print(f"glmc {a.cmd}: interrupted", file=sys.stderr)
+        _forget_interrupt()
         return 130
+
+
+def _forget_interrupt() -> None:
+    """Keep exit status 130 after a handled KeyboardInterrupt. CPython notes an interrupt that
+    escapes an `exec` of source text (dataclasses and typing run one per class they make, so one
+    lands there when Ctrl-C comes during an import) and, under `python -m glmc.cli`, kills the
+    finished process with SIGINT instead of exiting with the status it was given, even when the
+    interrupt was handled further up; every later `exec` of source text clears that note."""
+    exec("")
 
 
 if __name__ == "__main__":

@@ -5,9 +5,12 @@ with spawn, in its own session) parses, tokenises, formats and writes, and talks
 one pipe (`runtime/serving/engine_link.py`). Signals: this process takes `signals` and forwards
 each to the server process, which applies glmc's rules (`runtime/serving/signals.py`): the first
 starts a graceful shutdown (in-flight requests get `shutdown_timeout_s`, then are aborted), the
-second exits at once. A terminal's Ctrl-C reaches only this process (the server has its own
-session), so it is forwarded once. `serve` returns when the server process has exited; a server
-process whose engine process died exits on its own (the pipe closes).
+second exits at once. A terminal's Ctrl-C reaches only this process once the server has its own
+session, so it is forwarded once. Before that (while the server process starts: its interpreter,
+its imports) it ignores both signals, and what this process gets meanwhile is counted instead of
+forwarded: the server reads the count once its handlers are in, so a signal then stops it before
+it serves. `serve` returns when the server process has exited; a server process whose engine
+process died exits on its own (the pipe closes).
 """
 from __future__ import annotations
 
@@ -55,12 +58,17 @@ def serve(engine: Engine, model_name: str = "glmc-tiny", host: str = "127.0.0.1"
     ours, theirs = ctx.Pipe()
     spec = HttpSpec(model_name, host, port, log_level, options, engine.tokenizer, engine.admission,
                     engine.max_waiting)
-    proc = ctx.Process(target=http_main, args=(theirs, spec), name="glmc-http")
+    early = ctx.Value("i", 0)  # signals got before the server process took them; -1 once it has
+    proc = ctx.Process(target=http_main, args=(theirs, spec, early), name="glmc-http")
     link = EngineHost(engine, ours)
     forwarded: list[int] = []
 
     def forward(signum, frame) -> None:
         forwarded.append(signum)
+        with early.get_lock():  # a re-entrant lock: a signal during this handler waits for nothing
+            if early.value >= 0:
+                early.value += 1
+                return
         try:
             os.kill(proc.pid, signum)
         except ProcessLookupError:
@@ -68,9 +76,11 @@ def serve(engine: Engine, model_name: str = "glmc-tiny", host: str = "127.0.0.1"
     main = threading.current_thread() is threading.main_thread()
     previous = {}
     try:
-        proc.start()
+        if main:
+            previous = _start_ignoring(proc, {s: forward for s in signals})
+        else:
+            proc.start()
         theirs.close()
-        previous = {s: signal.signal(s, forward) for s in signals} if main else {}
         link.start()
         engine.start()
         proc.join()
@@ -87,8 +97,24 @@ def serve(engine: Engine, model_name: str = "glmc-tiny", host: str = "127.0.0.1"
         raise ServerProcessFailed(f"the HTTP server process exited with status {proc.exitcode}")
 
 
-def http_main(conn, spec: HttpSpec) -> None:
-    """The server process: uvicorn over a `RemoteEngine` on `conn` until told to stop."""
+def _start_ignoring(proc, handlers: dict) -> dict:
+    """Start `proc` with SIGINT and SIGTERM ignored (ignored dispositions survive its exec; a
+    signal mask would not: the spawn start method clears it), then install `handlers` here.
+    Returns the handlers they replaced. A signal that comes during the start itself (a few ms:
+    pickling the arguments, fork and exec) is lost; one that comes later reaches `handlers`."""
+    before = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        proc.start()
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handlers.get(s, handler))
+    return {s: before[s] for s in handlers}
+
+
+def http_main(conn, spec: HttpSpec, early) -> None:
+    """The server process: uvicorn over a `RemoteEngine` on `conn` until told to stop. It starts
+    with SIGINT and SIGTERM ignored (`_start_ignoring`); `early` counts the signals its engine's
+    process got until this one takes them."""
     os.setsid()   # a terminal's signals go to the engine's process, which forwards them
     import uvicorn
 
@@ -108,6 +134,10 @@ def http_main(conn, spec: HttpSpec) -> None:
     server = SignalledServer(config, handled, {s: signal.getsignal(s) for s in handled}, on_stop)
     for s in handled:
         signal.signal(s, server.record)
+    with early.get_lock():
+        got, early.value = early.value, -1  # from now on the engine's process forwards them
+    if got:
+        server.record(handled[0], None)
     threading.Thread(target=_warm_then_announce, args=(server.server, remote, url, spec.model_name),
                      name="glmc-http-warmup", daemon=True).start()
     server.run(sock)
