@@ -77,7 +77,8 @@ def cmd_run(a) -> int:
     from glmc.runtime.serving.launch import ServeConfig, serve_model
     from glmc.runtime.serving.server import ServerOptions
     from glmc.runtime.worker.launch import RankFailed
-    from glmc.tiny import SMALL_DIR, SMALL_NAME, TINY_NAME, default_cache_dir, make_tiny_checkpoint
+    from glmc.tiny import (RANDOM_NAME, SMALL_DIR, SMALL_NAME, TINY_NAME, default_cache_dir, make_random_glm,
+                           make_tiny_checkpoint)
     if a.device == "cuda":  # before anything slow: a GPU torch can see
         from glmc.runtime.engine.startup import require_cuda
         require_cuda()
@@ -86,6 +87,8 @@ def cmd_run(a) -> int:
         ckpt = SMALL_DIR
     elif weights == TINY_NAME:    # random weights, made on first use (tests)
         ckpt = make_tiny_checkpoint(Path(a.cache_dir or default_cache_dir()) / "tiny")
+    elif weights == RANDOM_NAME:  # GLM-5.3 at full size, random weights made by each rank
+        ckpt = make_random_glm(Path(a.cache_dir or default_cache_dir()) / RANDOM_NAME)
     else:
         ckpt = Path(weights)
         if not (ckpt / "config.json").exists():
@@ -100,7 +103,7 @@ def cmd_run(a) -> int:
                          overlap=False if a.no_overlap or a.speculative_num_steps else None,
                          mixed_prefill_tokens=a.mixed_prefill_tokens,
                          speculative_num_steps=a.speculative_num_steps)
-    name = a.served_model_name or (weights if weights in (SMALL_NAME, TINY_NAME) else ckpt.name)
+    name = a.served_model_name or (weights if weights in (SMALL_NAME, TINY_NAME, RANDOM_NAME) else ckpt.name)
     server = ServerOptions(max_body_bytes=int(a.max_body_mb * 2**20),
                            shutdown_timeout_s=a.shutdown_timeout, profile_dir=a.profile_dir)
     try:
@@ -158,7 +161,10 @@ def main(argv: list[str] | None = None) -> int:
                    "the model of --weights for --parallel)")
     r.add_argument("--weights", help="HF checkpoint dir (config.json, safetensors, tokenizer.json, "
                    "tokenizer_config.json) or a packaged model: glmc-small (the default: trained, "
-                   "7.5M parameters, it writes Python) or glmc-tiny (random weights, for tests)")
+                   "7.5M parameters, it writes Python), glmc-tiny (random weights, for tests) or "
+                   "glm-5.3-random (GLM-5.3 at full size, 753B parameters with the MTP layer, random "
+                   "block-FP8 weights each rank makes on its device at start-up: no checkpoint, "
+                   "glmc-small's tokenizer; ~95 GB per GPU under dp8ep8 or tp8ep8, for benchmarks)")
     r.add_argument("--parallel", help="parallel spec, one process per rank (default tp1, or the "
                    "plan's)")
     r.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu: the torch "

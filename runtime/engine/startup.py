@@ -62,13 +62,19 @@ def build_engine(plan: Plan, ckpt_dir: str | Path, *, runner: str = "plan", devi
 
 
 def load_weights(ckpt_dir: Path, config) -> dict[str, torch.Tensor]:
-    """Every tensor of the checkpoint (for the reference model, which is not sharded)."""
+    """Every tensor of the checkpoint (for the reference model, which is not sharded); a random
+    checkpoint directory's made now (`random_weights`)."""
     from glmc.runtime.worker.checkpoint import (
         detect_mtp,
         expected_tensors,
         load_checkpoint,
     )
+    from glmc.runtime.worker.random_weights import RandomWeights
 
+    random = RandomWeights.in_dir(ckpt_dir)
+    if random is not None:
+        return {name: random[name] for name in progress(random, desc="making random weights",
+                                                        unit="tensor")}
     expected = expected_tensors(config, **detect_mtp(ckpt_dir))
     with progress(total=len(expected), desc="loading weights", unit="tensor") as bar:
         weights = load_checkpoint(ckpt_dir, expected)  # no per-tensor hook: one jump at the end

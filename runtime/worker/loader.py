@@ -4,9 +4,10 @@ Every way of running a plan goes through `load_runner`: `glmc run` (one rank or 
 API (`glmc.api`), the multi-rank server's ranks and the bench scripts. It
 
 1. makes this rank's collectives (`Comm` over the plan's process groups) unless given one,
-2. reads this rank's shard of the weights: from a HF checkpoint directory (`shards.load_rank_weights`)
-   or from full tensors held in memory (`shards.cut_rank_weights`, for benchmarks with random
-   weights), in the formats the plan states (`codegen.weight_formats`): under an FP8 plan its FP8
+2. reads this rank's shard of the weights: from a HF checkpoint directory (`shards.load_rank_weights`),
+   from full tensors held in memory (`shards.iter_rank_weights`, for benchmarks with random
+   weights) or made on the device (a random checkpoint directory: `random_weights`), in the
+   formats the plan states (`codegen.weight_formats`): under an FP8 plan its FP8
    weights stay e4m3 + 128 x 128 block scales (`Fp8Weight`; quantised on load where the checkpoint
    holds them unquantised, `--quantize fp8`), FP8 tensors of other weights are dequantised; the
    torch target holds the FP8 weights' values dequantised in fp32,
@@ -25,6 +26,7 @@ Slow steps show progress bars on stderr (off with $TQDM_DISABLE, as ranks other 
 """
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
@@ -34,11 +36,13 @@ import torch
 from glmc.codegen.fp8_ref import Fp8Weight
 from glmc.codegen.kernel_set import compute_dtype
 from glmc.codegen.weight_formats import fp8_weights
+from glmc.runtime.worker.checkpoint import detect_mtp, expected_tensors
 from glmc.runtime.worker.comm import Comm, Coords
 from glmc.runtime.worker.executor import PlanExecutor, pop_expert_stacks, rank_expert_names
 from glmc.runtime.worker.kv_cache import KVPool
 from glmc.runtime.worker.model_runner import DevicePlanRunner, PlanRunner, context_limit
-from glmc.runtime.worker.shards import cut_rank_stacks, cut_rank_weights, load_rank_weights
+from glmc.runtime.worker.random_weights import RandomWeights
+from glmc.runtime.worker.shards import cut_rank_stacks, iter_rank_weights, load_rank_weights, rank_shards
 from tqdm import tqdm as _tqdm
 
 from glmc.plan import Plan
@@ -57,8 +61,8 @@ def load_runner(plan: Plan, weights: Weights, *, device: str | torch.device | No
                 max_running: int = 32, capture: bool = True, target: str | None = None,
                 stacks: dict | None = None, kv_fp8: str | None = None,
                 speculative: bool = False, max_batch_tokens: int = 0) -> PlanRunner:
-    """This rank's runner of `plan`. `weights` is a checkpoint directory or a mapping of full
-    HF-named tensors; `device` defaults to "cuda" for the CUDA target, else "cpu" (a CUDA-target
+    """This rank's runner of `plan`. `weights` is a checkpoint directory (a random one makes its
+    weights on `device`: `random_weights`) or a mapping of full HF-named tensors; `device` defaults to "cuda" for the CUDA target, else "cpu" (a CUDA-target
     plan on "cpu" runs the same code uncaptured, Triton under TRITON_INTERPRET=1: a dry run).
     The scheduler may hand out `num_pages` pages and `max_running` requests per step.
     `target` overrides the plan's ("cpu": the fp32 torch target, e.g. as the oracle of a CUDA
@@ -76,7 +80,7 @@ def load_runner(plan: Plan, weights: Weights, *, device: str | torch.device | No
     given = _rank_stacks(cut_rank_stacks(stacks, plan, comm.coords), fp8, target) if stacks else {}
     t0 = time.perf_counter()
     if target != "cuda":
-        local = _rank_weights(plan, weights, comm, torch.float32, fp8, keep_fp8=False)
+        local = _rank_weights(plan, weights, comm, torch.float32, fp8, False, device)
         stacks = _moved({**stack_experts(local, plan, comm.coords), **given}, lambda w: w.to(device))
         local = {n: w.to(device) for n, w in local.items()}
         pool = KVPool.for_plan(plan, num_pages + 1, torch.float32, device, kv_fp8 or "none")
@@ -86,7 +90,7 @@ def load_runner(plan: Plan, weights: Weights, *, device: str | torch.device | No
 
     dtype = compute_dtype(plan.dtypes)
     max_ctx = context_limit(plan.config.max_position_embeddings, num_pages, max_context)
-    local = _rank_weights(plan, weights, comm, dtype, fp8, keep_fp8=True)
+    local = _rank_weights(plan, weights, comm, dtype, fp8, True, device)
     stacks = _moved({**stack_experts(local, plan, comm.coords), **given},
                     lambda w: to_device_weight(w, device, dtype))
     local = to_device_weights(local, device, dtype)
@@ -111,20 +115,64 @@ def load_runner(plan: Plan, weights: Weights, *, device: str | torch.device | No
 
 
 def _rank_weights(plan: Plan, weights: Weights, comm: Comm, dtype: torch.dtype, fp8: frozenset,
-                  keep_fp8: bool) -> dict:
+                  keep_fp8: bool, device: torch.device) -> dict:
     """This rank's weights in `dtype`; the names in `fp8` as `Fp8Weight` (keep_fp8) or as the
-    values of their FP8 form in `dtype` (quantised and dequantised when they come unquantised)."""
-    with progress(total=1, desc="loading weights", unit="shard") as bar:
-        if isinstance(weights, Mapping):
-            local = {n: w.to(dtype) if w.is_floating_point() and n not in fp8 else w
-                     for n, w in cut_rank_weights(weights, plan, comm.coords).items()}
-        else:
+    values of their FP8 form in `dtype` (quantised and dequantised when they come unquantised).
+    From a checkpoint directory; or from a mapping of full tensors, or the weights a random
+    checkpoint directory makes on `device` (`RandomWeights`), one tensor at a time, each converted
+    as it is cut. First checks that they fit the device's memory."""
+    source = weights if isinstance(weights, Mapping) else RandomWeights.in_dir(weights, device)
+    if isinstance(source, RandomWeights):
+        source = source.on(device)
+    shapes = (source.shapes if isinstance(source, RandomWeights) else
+              {n: tuple(w.shape) for n, w in source.items()} if source is not None else
+              expected_tensors(plan.config, **detect_mtp(weights)))
+    _check_fits(plan, comm, shapes, fp8 if keep_fp8 else frozenset(), dtype, device)
+    if source is None:
+        with progress(total=1, desc="loading weights", unit="shard") as bar:
             local = load_rank_weights(weights, plan, comm.coords, dtype, keep_fp8=fp8)
-        for name in fp8 & local.keys():
-            w = local[name] if isinstance(local[name], Fp8Weight) else Fp8Weight.quantize(local[name])
-            local[name] = w if keep_fp8 else w.dequant(dtype)
-        bar.update()
+            local = {n: _as_planned(n, w, dtype, fp8, keep_fp8) for n, w in local.items()}
+            bar.update()
+        return local
+    names = [n for n in rank_shards(plan.graphs.values(), comm.coords) if n in source]
+    desc = "making random weights" if isinstance(source, RandomWeights) else "cutting weights"
+    local = {}
+    with progress(total=len(names), desc=desc, unit="tensor") as bar:
+        for name, w in iter_rank_weights(source, plan, comm.coords):
+            local[name] = _as_planned(name, w, dtype, fp8, keep_fp8)
+            bar.update()
     return local
+
+
+def _as_planned(name: str, w, dtype: torch.dtype, fp8: frozenset, keep_fp8: bool):
+    """One weight in the loader's format (see `_rank_weights`)."""
+    if name in fp8:
+        q = w if isinstance(w, Fp8Weight) else Fp8Weight.quantize(w)
+        return q if keep_fp8 else q.dequant(dtype)
+    return w.to(dtype) if w.is_floating_point() else w
+
+
+def _check_fits(plan: Plan, comm: Comm, shapes: dict, fp8: frozenset, dtype: torch.dtype,
+                device: torch.device) -> None:
+    """ValueError when this rank's weights (its shards of `shapes`: `fp8` names at one byte per
+    value plus block scales, the rest in `dtype`) exceed the device's whole memory."""
+    need = 0
+    for name, spec in rank_shards(plan.graphs.values(), comm.coords).items():
+        if name not in shapes:
+            continue
+        numel = math.prod(shapes[name]) // (spec[2] if spec else 1)
+        need += numel + numel // 128**2 * 4 if name in fp8 else numel * dtype.itemsize
+    if device.type == "cuda":
+        have = torch.cuda.mem_get_info(device)[1]
+    else:
+        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if need > have:
+        hint = ("; the CPU target holds every weight in fp32" if device.type == "cpu" else
+                "" if fp8 else " or store its linear weights FP8 (--quantize fp8)")
+        raise ValueError(f"{plan.parallel}: rank {comm.rank}'s weights need {need / 2**30:.1f} GiB "
+                         f"({'FP8 linears, ' if fp8 else ''}{str(dtype).removeprefix('torch.')}), more than the "
+                         f"{device.type} memory of {have / 2**30:.1f} GiB: spread the model over more "
+                         f"ranks (--parallel){hint}")
 
 
 def stack_experts(local: dict, plan: Plan, coords: Coords) -> dict:

@@ -73,18 +73,23 @@ def load_rank_weights(ckpt_dir, plan, coords: Coords, dtype: torch.dtype = torch
                            only=needed, keep_fp8=keep_fp8)
 
 
-def cut_rank_weights(weights, plan, coords: Coords) -> dict[str, torch.Tensor]:
-    """This rank's slices of full HF-named tensors held in memory (random weights of a benchmark)."""
-    out = {}
+def iter_rank_weights(weights, plan, coords: Coords):
+    """(name, this rank's slice) of each full HF-named tensor of `weights` the rank needs, one at a
+    time: a mapping that makes its tensors on lookup (`random_weights.RandomWeights`) then never
+    has more than one full tensor alive. A slice is a copy, so it holds no full tensor's storage."""
     for name, spec in rank_shards(plan.graphs.values(), coords).items():
         if name not in weights:
             continue
         w = weights[name]
         if spec is not None:
             dim, index, parts = spec
-            w = w.chunk(parts, dim=dim)[index]
-        out[name] = w
-    return out
+            w = w.chunk(parts, dim=dim)[index].clone()
+        yield name, w
+
+
+def cut_rank_weights(weights, plan, coords: Coords) -> dict[str, torch.Tensor]:
+    """This rank's slices of full HF-named tensors held in memory (random weights of a benchmark)."""
+    return dict(iter_rank_weights(weights, plan, coords))
 
 
 def cut_rank_stacks(stacks: dict, plan, coords: Coords) -> dict:
