@@ -27,7 +27,7 @@ def dirs(tmp_path_factory):
     random_dir = make_random_checkpoint(tmp_path_factory.mktemp("random"), tiny_hf_config(), TINY_DIR,
                                         seed=3)
     twin = make_random_checkpoint(tmp_path_factory.mktemp("twin"), tiny_hf_config(), TINY_DIR, seed=3)
-    save_file(dict(RandomWeights.in_dir(twin)), str(twin / "model.safetensors"))
+    save_file(dict(RandomWeights.in_dir(twin, load_spec(twin).config)), str(twin / "model.safetensors"))
     (twin / MARKER).unlink()
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (19, 27, 12)]
@@ -77,7 +77,7 @@ def test_a_rank_makes_only_its_shard(dirs):
             return super().__getitem__(name)
 
     plan = compiled("glm_moe_dsa_tiny", "tp2ep2", device="cpu")
-    source = RandomWeights.in_dir(dirs[0])
+    source = RandomWeights.in_dir(dirs[0], plan.config)
     counting = Counting(source.config, source.seed)
     coords = Coords(1, plan.mesh)
     local = dict(iter_rank_weights(counting, plan, coords))
@@ -96,7 +96,8 @@ def test_glm_at_full_size_fails_clearly_where_it_cannot_fit(tmp_path):
                            "--cache-dir", str(tmp_path), "--port", "0"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr[-2000:]
-    shapes = RandomWeights.in_dir(tmp_path / "glm-5.3-random").shapes
+    ckpt = tmp_path / "glm-5.3-random"
+    shapes = RandomWeights.in_dir(ckpt, load_spec(ckpt).config).shapes
     need = sum(math.prod(s) for s in shapes.values()) * 4 / 2**30
     assert f"tp1: rank 0's weights need {need:.1f} GiB (float32)" in proc.stderr, proc.stderr[-2000:]
     assert "making random weights" not in proc.stderr

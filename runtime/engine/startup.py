@@ -71,7 +71,7 @@ def load_weights(ckpt_dir: Path, config) -> dict[str, torch.Tensor]:
     )
     from glmc.runtime.worker.random_weights import RandomWeights
 
-    random = RandomWeights.in_dir(ckpt_dir)
+    random = RandomWeights.in_dir(ckpt_dir, config)
     if random is not None:
         return {name: random[name] for name in progress(random, desc="making random weights",
                                                         unit="tensor")}

@@ -121,7 +121,7 @@ def _rank_weights(plan: Plan, weights: Weights, comm: Comm, dtype: torch.dtype, 
     From a checkpoint directory; or from a mapping of full tensors, or the weights a random
     checkpoint directory makes on `device` (`RandomWeights`), one tensor at a time, each converted
     as it is cut. First checks that they fit the device's memory."""
-    source = weights if isinstance(weights, Mapping) else RandomWeights.in_dir(weights, device)
+    source = weights if isinstance(weights, Mapping) else RandomWeights.in_dir(weights, plan.config, device)
     if isinstance(source, RandomWeights):
         source = source.on(device)
     shapes = (source.shapes if isinstance(source, RandomWeights) else

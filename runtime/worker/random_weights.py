@@ -71,19 +71,19 @@ class RandomWeights(Mapping):
         return RandomWeights(self.config, self.seed, device)
 
     @classmethod
-    def in_dir(cls, ckpt_dir, device: str | torch.device = "cpu") -> RandomWeights | None:
-        """The weights of a random checkpoint directory, or None for any other path."""
+    def in_dir(cls, ckpt_dir, config, device: str | torch.device = "cpu") -> RandomWeights | None:
+        """The weights of random checkpoint directory `ckpt_dir` whose config.json is `config` (the
+        plan's: the runtime does not parse model configs), or None for any other path."""
         marker = Path(ckpt_dir) / MARKER
         if not marker.is_file():
             return None
-        from glmc.spec import load_spec
         try:
             seed = json.loads(marker.read_text())["seed"]
         except (ValueError, KeyError, TypeError) as e:
             raise ValueError(f"{marker}: expected {{\"seed\": <integer>}} ({e})") from None
         if not isinstance(seed, int):
             raise ValueError(f"{marker}: field seed: expected an integer, got {seed!r}")
-        return cls(load_spec(ckpt_dir).config, seed, device)
+        return cls(config, seed, device)
 
 
 def make_random_checkpoint(ckpt_dir: str | Path, hf_config: dict, tokenizer_dir: str | Path,
