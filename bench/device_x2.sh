@@ -8,7 +8,8 @@
 # JOBS picks what runs: calibrate (bench/calibrate.py), multi (bench/multi_gpu_check.py), spec
 # (spec_bench.py: decode per spec at batch 1/32/128 per rank), plan
 # (gpu_plan_check.py), serve (serve_multi_gpu.py, SERVE_ARGS="--only tp2"), decode (decode_bench.py),
-# p2p (p2p_bench.py: the one-shot peer-memory kernels against NCCL, and replay stability);
+# p2p (p2p_bench.py: the one-shot peer-memory kernels against NCCL, and replay stability),
+# full (full_model.py: GLM-5.3's width and as many layers as fit, random FP8 weights, FULL_ARGS);
 # default: multi plan. With a calibration (the newest in $OUT or bench/results, or $CALIBRATION),
 # multi and decode print each step predicted next to measured (~7 min in all):
 #   JOBS="calibrate multi decode" DECODE_ARGS="--skip eager,compile" bash bench/device_x2.sh
@@ -40,6 +41,9 @@ for job in ${JOBS:-multi plan}; do
            echo "serve rc=$?"; grep -E '^\{|SERVE' "$OUT/serve.log" | cut -c1-400 | tail -8 ;;
     p2p)   timeout 300 python3 bench/p2p_bench.py --out "$OUT/p2p_bench.json" > "$OUT/p2p.log" 2>&1
            echo "p2p rc=$?"; grep -A12 -E '^P2P BENCH' "$OUT/p2p.log"; grep -E 'STABILITY|Error' "$OUT/p2p.log" | cut -c1-600 ;;
+    full)  timeout 560 python3 bench/full_model.py --out-dir "$OUT" ${CAL:+--calibration "$CAL"} \
+             ${FULL_ARGS:---concurrency 1,16,64 --reps 10} > "$OUT/full.log" 2>&1
+           echo "full rc=$?"; grep -A30 '^spec ' "$OUT/full.log"; grep -E 'FAILED|Error' "$OUT/full.log" | cut -c1-600 ;;
     decode) timeout 480 python3 bench/decode_bench.py --out-dir "$OUT" ${CAL:+--calibration "$CAL"} ${DECODE_ARGS:-} \
              > "$OUT/decode.log" 2>&1
            echo "decode rc=$?"; grep PREDICTED "$OUT/decode.log"; tail -25 "$OUT/decode.log" ;;

@@ -164,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
                    "7.5M parameters, it writes Python), glmc-tiny (random weights, for tests) or "
                    "glm-5.3-random (GLM-5.3 at full size, 753B parameters with the MTP layer, random "
                    "block-FP8 weights each rank makes on its device at start-up: no checkpoint, "
-                   "glmc-small's tokenizer; ~95 GB per GPU under dp8ep8 or tp8ep8, for benchmarks)")
+                   "glmc-small's tokenizer; weights of 110 GiB per GPU under dp8ep8, 95 under tp8ep8: "
+                   "for benchmarks)")
     r.add_argument("--parallel", help="parallel spec, one process per rank (default tp1, or the "
                    "plan's)")
     r.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu: the torch "
