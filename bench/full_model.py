@@ -72,11 +72,11 @@ def per_rank_batch(plan, c: int) -> int:
 
 
 def rank_bytes(plan, b: int, context: int, mtp: int) -> dict:
-    """What one rank holds at per-rank batch b: weights (explain's), KV + indexer cache, headroom."""
+    """What one rank holds at per-rank batch b: weights (explain's), the KV pool of b requests of
+    context + mtp tokens (long_context_bench.pool_bytes), headroom."""
     mem = plan.graphs["decode"].meta["memory"]
-    per_token = mem["kv_bytes_per_token"] + mem["index_bytes_per_token"]
-    kv = (b * -(-(context + mtp + 64) // 64) + 1) * 64 * per_token
-    return {"weights": mem["weights_bytes"] + mem.get("weight_copies_bytes", 0), "kv": kv, "headroom": HEADROOM}
+    return {"weights": mem["weights_bytes"] + mem.get("weight_copies_bytes", 0),
+            "kv": lc.pool_bytes(plan, b, context + mtp)[0], "headroom": HEADROOM}
 
 
 def fitting_layers(n: int, context: int, c_max: int, device_bytes: int, mtp: int) -> int:

@@ -219,10 +219,6 @@ def mm(s: Step, x: Val, x_numel: int, out_numel: int) -> Val:
 
 
 # ----------------------------------------------------------------------------- indexer and attention
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
-
-
 @model("idx.topk")
 def _topk(op, args, s):
     """The [T, width] fp32 score workspace (the head weights scaled in the kernel), the top-k

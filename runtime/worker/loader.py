@@ -127,18 +127,19 @@ def _rank_weights(plan: Plan, weights: Weights, comm: Comm, dtype: torch.dtype, 
     shapes = (source.shapes if isinstance(source, RandomWeights) else
               {n: tuple(w.shape) for n, w in source.items()} if source is not None else
               expected_tensors(plan.config, **detect_mtp(weights)))
-    _check_fits(plan, comm, shapes, fp8 if keep_fp8 else frozenset(), dtype, device)
+    shards = rank_shards(plan.graphs.values(), comm.coords)
+    _check_fits(plan, comm, shards, shapes, fp8 if keep_fp8 else frozenset(), dtype, device)
     if source is None:
         with progress(total=1, desc="loading weights", unit="shard") as bar:
             local = load_rank_weights(weights, plan, comm.coords, dtype, keep_fp8=fp8)
             local = {n: _as_planned(n, w, dtype, fp8, keep_fp8) for n, w in local.items()}
             bar.update()
         return local
-    names = [n for n in rank_shards(plan.graphs.values(), comm.coords) if n in source]
+    names = [n for n in shards if n in source]
     desc = "making random weights" if isinstance(source, RandomWeights) else "cutting weights"
     local = {}
     with progress(total=len(names), desc=desc, unit="tensor") as bar:
-        for name, w in iter_rank_weights(source, plan, comm.coords):
+        for name, w in iter_rank_weights(source, shards):
             local[name] = _as_planned(name, w, dtype, fp8, keep_fp8)
             bar.update()
     return local
@@ -152,12 +153,12 @@ def _as_planned(name: str, w, dtype: torch.dtype, fp8: frozenset, keep_fp8: bool
     return w.to(dtype) if w.is_floating_point() else w
 
 
-def _check_fits(plan: Plan, comm: Comm, shapes: dict, fp8: frozenset, dtype: torch.dtype,
+def _check_fits(plan: Plan, comm: Comm, shards: dict, shapes: dict, fp8: frozenset, dtype: torch.dtype,
                 device: torch.device) -> None:
-    """ValueError when this rank's weights (its shards of `shapes`: `fp8` names at one byte per
+    """ValueError when this rank's weights (its `shards` of `shapes`: `fp8` names at one byte per
     value plus block scales, the rest in `dtype`) exceed the device's whole memory."""
     need = 0
-    for name, spec in rank_shards(plan.graphs.values(), comm.coords).items():
+    for name, spec in shards.items():
         if name not in shapes:
             continue
         numel = math.prod(shapes[name]) // (spec[2] if spec else 1)

@@ -73,11 +73,12 @@ def load_rank_weights(ckpt_dir, plan, coords: Coords, dtype: torch.dtype = torch
                            only=needed, keep_fp8=keep_fp8)
 
 
-def iter_rank_weights(weights, plan, coords: Coords):
-    """(name, this rank's slice) of each full HF-named tensor of `weights` the rank needs, one at a
-    time: a mapping that makes its tensors on lookup (`random_weights.RandomWeights`) then never
-    has more than one full tensor alive. A slice is a copy, so it holds no full tensor's storage."""
-    for name, spec in rank_shards(plan.graphs.values(), coords).items():
+def iter_rank_weights(weights, shards: dict):
+    """(name, this rank's slice) of each full HF-named tensor of `weights` the rank needs (`shards`:
+    `rank_shards`'), one at a time: a mapping that makes its tensors on lookup
+    (`random_weights.RandomWeights`) then never has more than one full tensor alive. A slice is a
+    copy, so it holds no full tensor's storage."""
+    for name, spec in shards.items():
         if name not in weights:
             continue
         w = weights[name]
@@ -89,7 +90,7 @@ def iter_rank_weights(weights, plan, coords: Coords):
 
 def cut_rank_weights(weights, plan, coords: Coords) -> dict[str, torch.Tensor]:
     """This rank's slices of full HF-named tensors held in memory (random weights of a benchmark)."""
-    return dict(iter_rank_weights(weights, plan, coords))
+    return dict(iter_rank_weights(weights, rank_shards(plan.graphs.values(), coords)))
 
 
 def cut_rank_stacks(stacks: dict, plan, coords: Coords) -> dict:
