@@ -5,6 +5,11 @@ stages) is fastest, against the plan's default (`SparseMlaDecodeCtx.make`).
     python bench/mla_tiles_sweep.py --out-dir $OUT [--tokens 1,8,32,128]
     python bench/mla_tiles_sweep.py --out-dir $OUT --focus     # FP8 rows: the two best tiles of the full
         sweep x fp16 dot operands (dot16) x split counts (1x / 2x / 4x mla_num_splits')
+    python bench/mla_tiles_sweep.py --out-dir $OUT --dequant --tokens 1,8,32,128 --contexts 1024,2048
+        # FP8 rows scaled once per gathered tile (one dot over the latent dim) against the per-group
+        # kernel, head- and key-major, 16-64 heads, 1-2 stages; contexts below k select fewer keys
+
+Each row records the compiled binary's registers and spills (Triton's n_regs / n_spills).
 """
 from __future__ import annotations
 
@@ -25,6 +30,8 @@ def main():
     ap.add_argument("--tokens", default="32,128")
     ap.add_argument("--budget", type=float, default=200)
     ap.add_argument("--focus", action="store_true", help="FP8 rows: best tiles x dot16 x split counts")
+    ap.add_argument("--dequant", action="store_true", help="FP8 rows: per-tile scaling vs per-group dots")
+    ap.add_argument("--contexts", default="2048", help="token positions + 1 (2048 and up: all k keys)")
     a = ap.parse_args()
     pc.import_glmc()
     import torch
@@ -39,19 +46,27 @@ def main():
     k_pe = torch.randn(rows_total, DR, device="cuda", generator=g).to(torch.bfloat16)
     caches = {"bf16": torch.cat([c_kv, k_pe], 1), "fp8": fp8_ref.kv_fp8_pack(c_kv, k_pe)}
     res = []
-    for T in [int(x) for x in a.tokens.split(",")]:
+    for T, n_ctx in itertools.product([int(x) for x in a.tokens.split(",")],
+                                      [int(x) for x in a.contexts.split(",")]):
         q_lat = torch.randn(T, H, R, device="cuda", generator=g).to(torch.bfloat16)
         q_pe = torch.randn(T, H, DR, device="cuda", generator=g).to(torch.bfloat16)
         slots = torch.randint(0, rows_total, (T, K), device="cuda", generator=g, dtype=torch.int32)
+        slots[:, min(n_ctx, K):] = -1     # what the select writes for a context of n_ctx keys
         topk = torch.zeros(T, K, dtype=torch.int64, device="cuda")
-        rows, pos = torch.arange(T, device="cuda"), torch.full((T,), K, device="cuda")
+        rows, pos = torch.arange(T, device="cuda"), torch.full((T,), n_ctx - 1, device="cuda")
         r2t = torch.zeros(T, 1, dtype=torch.int64, device="cuda")
         for kv, cache in caches.items():
             def run(**tiles):
                 return tt.sparse_mla_latent(q_lat, q_pe, cache, r2t, rows, pos, topk, 0.07, slots=slots, **tiles)
             want = run().float()
             combos = [(None,) * 5]
-            if a.focus and kv == "fp8":
+            if a.dequant and kv == "fp8":
+                for dq, km, bh, bn, w, st in _dequant_tiles(T):
+                    combos.append(dict(dequant=dq, key_major=km, block_h=bh, block_n=bn, num_warps=w, num_stages=st))
+            elif a.dequant:
+                combos += [dict(key_major=False, block_h=bh, block_n=32, num_warps=w, num_stages=st)
+                           for bh, w, st in ((64, 8, 1), (64, 8, 2), (32, 4, 2))]
+            elif a.focus and kv == "fp8":
                 from glmc.codegen.triton_contexts import mla_num_splits
                 for km, bh, bn, w in ((False, 32, 32, 4), (True, 64, 64, 8)):
                     base = mla_num_splits(T, H, bh, K, bn, torch.cuda.get_device_properties(0).multi_processor_count)
@@ -72,19 +87,52 @@ def main():
                     err = float((got - want).abs().max() / want.abs().max())
                     us = tb.do_bench_cudagraph(lambda: run(**tiles), rep=20, return_mode="median") * 1e3
                 except Exception as e:   # out of resources etc.
-                    res.append(dict(T=T, kv=kv, tiles=tiles, error=str(e)[:120]))
+                    res.append(dict(T=T, ctx=n_ctx, kv=kv, tiles=tiles, error=str(e)[:120]))
                     continue
-                res.append(dict(T=T, kv=kv, tiles=tiles or "default", us=us, err=err))
-            best = sorted((r for r in res if r["T"] == T and r["kv"] == kv and "us" in r), key=lambda r: r["us"])
+                res.append(dict(T=T, ctx=n_ctx, kv=kv, tiles=tiles or "default", us=us, err=err,
+                                **_binary_stats(T, kv, tiles, q_lat, cache, K)))
+            best = sorted((r for r in res if (r["T"], r["ctx"], r["kv"]) == (T, n_ctx, kv) and "us" in r),
+                          key=lambda r: r["us"])
             default = next((r for r in best if r["tiles"] == "default"), None)
-            errors = [r for r in res if r["T"] == T and r["kv"] == kv and "error" in r]
-            print(f"T={T} {kv}: default {default['us'] if default else None} us; best " +
-                  "; ".join(f"{r['us']:.1f} {r['tiles']}" for r in best[:3]) +
+            errors = [r for r in res if (r["T"], r["ctx"], r["kv"]) == (T, n_ctx, kv) and "error" in r]
+            print(f"T={T} ctx={n_ctx} {kv}: default {default['us'] if default else None} us; best " +
+                  "; ".join(f"{r['us']:.1f} {r['tiles']} regs {r.get('n_regs')} spills {r.get('n_spills')}"
+                            for r in best[:3]) +
                   (f"; {len(errors)} failed, e.g. {errors[0]['tiles']}: {errors[0]['error']}" if errors else ""),
                   flush=True)
     out = Path(a.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "mla_tiles_sweep.json").write_text(json.dumps(res, indent=1))
+
+
+def _dequant_tiles(T):
+    """(dequant, key_major, block_h, block_n, warps, stages) to try at T tokens: the per-group
+    kernel's current choices first, then per-tile scaling over the shapes that fit its registers."""
+    if T < 32:
+        return [(False, False, 16, 32, 4, 2), (True, False, 16, 32, 4, 2), (True, False, 16, 64, 4, 2),
+                (True, False, 16, 32, 4, 1), (True, False, 32, 32, 4, 2), (True, False, 64, 32, 8, 2)]
+    return [(False, True, 64, 64, 8, 1), (False, False, 32, 32, 4, 1),
+            (True, True, 64, 64, 8, 1), (True, True, 64, 32, 8, 1), (True, True, 64, 32, 8, 2),
+            (True, True, 64, 64, 8, 2), (True, False, 64, 32, 8, 1), (True, False, 64, 32, 8, 2),
+            (True, False, 32, 32, 4, 1), (True, False, 32, 32, 4, 2), (True, False, 64, 64, 8, 2)]
+
+
+def _binary_stats(T, kv, tiles, q_lat, cache, K):
+    """Registers and spills of the sparse_mla_decode binary these tiles compiled to (Triton's
+    CompiledKernel fields), {} where this Triton does not expose them."""
+    import torch
+    from glmc.codegen import triton_target as tt
+    from glmc.codegen.triton_contexts import SparseMlaDecodeCtx
+    fp8 = cache.dtype == torch.uint8
+    ctx = SparseMlaDecodeCtx.make(q_lat.shape[1], q_lat.shape[2], 64, K, 0.07,
+                                  q_lat.dtype if fp8 else cache.dtype, T, kv_fp8=fp8,
+                                  **{k: v for k, v in tiles.items() if k != "num_splits"})
+    try:
+        fn = tt.JIT(ctx)
+        kernels = [k for c in fn.device_caches.values() for k in c[0].values()]
+        return dict(n_regs=max(k.n_regs for k in kernels), n_spills=max(k.n_spills for k in kernels))
+    except Exception:   # noqa: BLE001 - a diagnostic only
+        return {}
 
 
 if __name__ == "__main__":

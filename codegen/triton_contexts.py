@@ -232,10 +232,11 @@ class SparseMlaDecodeCtx:
     num_stages: int
     kv_fp8: bool = False   # FlashMLA FP8 rows: c_kv e4m3 with one fp32 scale per `group` values
     group: int = FP8_GROUP
+    dequant: bool = False  # FP8 rows: scale each gathered tile once (one dot over kv_lora), not per group
 
     @classmethod
     def make(cls, num_heads, kv_lora, rope_dim, topk, scale, dtype, num_tokens, block_h=None, block_n=None,
-             num_warps=None, num_stages=None, key_major=None, kv_fp8=False, dot16=None):
+             num_warps=None, num_stages=None, key_major=None, kv_fp8=False, dot16=None, dequant=False):
         if kv_lora != next_pow2(kv_lora) or rope_dim != next_pow2(rope_dim):
             raise ValueError(f"sparse_mla_decode needs power-of-two kv_lora/rope dims, got {kv_lora}/{rope_dim}")
         # Measured on an H200 (bench/results/gpu_kernels_2026-11-29.json, K=2048, 64 heads): with >= 32
@@ -261,7 +262,7 @@ class SparseMlaDecodeCtx:
         num_stages = num_stages or (1 if wide else 2)
         return cls(num_heads, kv_lora, rope_dim, topk is not None, topk or 0, block_h, block_n, bool(key_major),
                    float(scale) * 1.4426950408889634, dot_dtype, precision, num_warps, num_stages, bool(kv_fp8),
-                   FP8_GROUP)
+                   FP8_GROUP, bool(dequant and kv_fp8))
 
     @classmethod
     def variants(cls, num_heads, kv_lora, rope_dim, topk, scale, dtype, kv_fp8=False) -> list["SparseMlaDecodeCtx"]:

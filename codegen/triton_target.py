@@ -259,7 +259,8 @@ def sparse_mla_latent(q_lat, q_pe, kv_cache, req_to_token, rows, pos, topk, scal
                       num_splits=None, lib: KernelLibrary = JIT, **tiles):
     """out_lat[t, h] = softmax_s(scale (q_lat.c_kv_s + q_pe.k_pe_s)) c_kv_s over the token's keys s:
     its top-k positions (topk [T, K], -1 padded) or, with topk None, every position <= its own
-    (num_keys >= max position + 1 then fixes the split size; read from pos if not given).
+    (num_keys >= max position + 1 then fixes the split count; read from pos if not given). Each token
+    splits only its own keys (at most min(pos + 1, K)), so a short context does not pay for K.
     Graph-safe with topk or num_keys given. `slots` (topk_slots of topk) skips the conversion, e.g. when
     shared indexer layers reuse a full layer's top-k. `num_splits` overrides `mla_num_splits`;
     `tiles` override SparseMlaDecodeCtx.make's choices."""
@@ -273,7 +274,6 @@ def sparse_mla_latent(q_lat, q_pe, kv_cache, req_to_token, rows, pos, topk, scal
     ctx = SparseMlaDecodeCtx.make(H, R, q_pe.shape[-1], None if topk is None else topk.shape[1], scale,
                                   q_lat.dtype if fp8 else kv_cache.dtype, T, kv_fp8=fp8, **tiles)
     S = num_splits or mla_num_splits(T, H, ctx.block_h, num_keys, ctx.block_n, _num_sms(dev))
-    per_split = -(-(-(-num_keys // S)) // ctx.block_n) * ctx.block_n
     o_part = torch.empty(T, H, S, R, dtype=torch.float32, device=dev)
     lse = torch.empty(T, H, S, dtype=torch.float32, device=dev)
     out = torch.empty(T, H, R, dtype=q_lat.dtype, device=dev)
@@ -284,7 +284,7 @@ def sparse_mla_latent(q_lat, q_pe, kv_cache, req_to_token, rows, pos, topk, scal
     if topk is not None:
         slots = topk_slots(topk, req_to_token, rows, pos) if slots is None else slots
         args += [slots, slots.stride(0)]
-    lib(ctx)[(-(-H // ctx.block_h), S, T)](*args, o_part, lse, per_split, num_warps=ctx.num_warps,
+    lib(ctx)[(-(-H // ctx.block_h), S, T)](*args, o_part, lse, num_warps=ctx.num_warps,
                                            num_stages=ctx.num_stages)
     cctx = MlaCombineCtx.make(H, R, S)
     lib(cctx)[(T, H)](o_part, lse, out, out.stride(0), out.stride(1), S, num_warps=cctx.num_warps)

@@ -121,12 +121,39 @@ def test_indexer_scores_dequantise_in_registers(mode, prefix, extend, topk):
     _same_selection(got, ref.indexer_topk(q, w, pool, 0, batch, topk), batch)
 
 
+@pytest.mark.parametrize("dequant", [False, True])
 @pytest.mark.parametrize("key_major", [False, True])
 @pytest.mark.parametrize("mode,prefix,extend,use_topk,splits", [("decode", [4, 40, 16], [1, 1, 1], True, 3),
                                                                 ("extend", [0, 9], [12, 3], False, 2)])
-def test_sparse_mla_dequantises_in_registers(mode, prefix, extend, use_topk, splits, key_major):
-    got, want = sparse_mla_case(fill(fp8_pool()), mode, prefix, extend, use_topk, splits, key_major)
+def test_sparse_mla_dequantises_in_registers(mode, prefix, extend, use_topk, splits, key_major, dequant):
+    """Per scale group (the scales multiply the dots' results) or per tile (`dequant`: the gathered
+    tile scaled once, in the dot dtype: fp32 here, so exact to the reference's order of sums)."""
+    got, want = sparse_mla_case(fill(fp8_pool()), mode, prefix, extend, use_topk, splits, key_major,
+                                dequant=dequant)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dequant,key_major", [(False, False), (True, False), (True, True)])
+def test_sparse_mla_over_scale_groups_and_short_contexts(dequant, key_major):
+    """Latent 256 = two FP8 scale groups, top-k 24 of contexts 5-40 (so most tokens select fewer
+    than k keys: each splits only its own). Against fp32 softmax attention over the dequantised rows."""
+    torch.manual_seed(0)
+    T, H, R2, DR2, K, n = 6, 4, 256, 16, 24, 200
+    rows = fp8_ref.kv_fp8_pack(torch.randn(n, R2), torch.randn(n, DR2))
+    c_kv, k_pe = fp8_ref.kv_fp8_unpack(rows, R2)
+    pos = torch.tensor([4, 23, 24, 25, 39, 9])
+    slots = torch.full((T, K), -1, dtype=torch.int32)
+    for t in range(T):
+        m = min(int(pos[t]) + 1, K)
+        slots[t, :m] = torch.randperm(n)[:m].to(torch.int32)
+    q_lat, q_pe = torch.randn(T, H, R2), torch.randn(T, H, DR2)
+    r2t = torch.zeros(T, 1, dtype=torch.int64)
+    got = tt.sparse_mla_latent(q_lat, q_pe, rows, r2t, torch.arange(T), pos, slots.long(), 0.1, slots=slots,
+                               num_splits=3, block_n=4, block_h=4, key_major=key_major, dequant=dequant)
+    for t in range(T):
+        sel = slots[t][slots[t] >= 0].long()
+        p = torch.softmax(0.1 * (q_lat[t] @ c_kv[sel].T + q_pe[t] @ k_pe[sel].T), -1)
+        torch.testing.assert_close(got[t], p @ c_kv[sel], rtol=1e-4, atol=1e-4)
 
 
 # ----------------------------------------------------------------------------- plans

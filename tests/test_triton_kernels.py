@@ -201,7 +201,7 @@ def test_sparse_mla(mode, prefix, extend, use_topk, splits, key_major):
     close(*sparse_mla_case(make_pool(), mode, prefix, extend, use_topk, splits, key_major), 1e-4)
 
 
-def sparse_mla_case(pool, mode, prefix, extend, use_topk, splits, key_major):
+def sparse_mla_case(pool, mode, prefix, extend, use_topk, splits, key_major, **tiles):
     """(the Triton sparse MLA's output, torch_ref's) on random queries over `pool`'s layer 0."""
     H, dn, dv = 4, 16, 8
     batch = make_batch(mode, prefix, extend, pool.num_slots)
@@ -210,7 +210,7 @@ def sparse_mla_case(pool, mode, prefix, extend, use_topk, splits, key_major):
     q_nope, q_pe, w_kv_b = torch.randn(T, H, dn), torch.randn(T, H, DR), torch.randn(H * (dn + dv), R) * 0.2
     rows, pos = tt.token_rows(batch, q_nope.device)
     got = tt.mla_attention_absorbed(q_nope, q_pe, pool.kv[0], w_kv_b, topk, batch.req_to_token, rows, pos, 0.25,
-                                    dn, dv, num_splits=splits, block_n=16, key_major=key_major)
+                                    dn, dv, num_splits=splits, block_n=16, key_major=key_major, **tiles)
     return got, ref.mla_attention_absorbed(q_nope, q_pe, pool, 0, w_kv_b, topk, batch, 0.25, dn, dv)
 
 
@@ -230,7 +230,8 @@ def test_source_is_specialised_for_glm53(tmp_path):
     check(tt.render("moe_router", tt.MoeRouterCtx.make(256, 8, 4, 8, True, 2.5)), "tl.arange(0, 8)",
           "tl.arange(0, 32)", "gscore", "tl.static_range(4)", 'float("-inf")')
     mla = tt.SparseMlaDecodeCtx.make(64, 512, 64, 2048, 1 / 16, torch.bfloat16, 1)
-    check(tt.render("sparse_mla_decode", mla), "tl.arange(0, 512)", "tl.arange(0, 64)", "num_keys = 2048",
+    check(tt.render("sparse_mla_decode", mla), "tl.arange(0, 512)", "tl.arange(0, 64)",
+          "num_keys = tl.minimum(qpos + 1, 2048)",
           "+ 512 + dr", "tl.bfloat16", "* 0.09016844005556021", absent=("num_keys = qpos + 1",))
     wide = tt.SparseMlaDecodeCtx.make(64, 512, 64, 2048, 1 / 16, torch.bfloat16, 128)
     assert (wide.key_major, wide.block_h, wide.num_warps, wide.num_stages) == (True, 64, 8, 1)
