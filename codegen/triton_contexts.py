@@ -214,8 +214,8 @@ def mla_num_splits(num_tokens: int, num_heads: int, block_h: int, num_keys: int,
 class SparseMlaDecodeCtx:
     """sparse_mla_decode.py.j2: absorbed MLA split-K partials over top-k slots (or causal positions).
     The split count is a run-time argument (`mla_num_splits`), so one kernel serves every batch of
-    its token class: < 32 tokens (head-major) or >= 32 with >= 64 heads (key-major; FP8 rows: fp16
-    operands, key-major below 64 tokens, head-major from 64)."""
+    its token class: < 32 tokens or >= 32 with >= 64 heads (wider tiles), head-major; FP8 rows
+    scaled per gathered tile into fp16 operands. Key-major and per-group FP8 forms stay for sweeps."""
     template: ClassVar[str] = "sparse_mla_decode"
     num_heads: int
     kv_lora: int
@@ -236,30 +236,28 @@ class SparseMlaDecodeCtx:
 
     @classmethod
     def make(cls, num_heads, kv_lora, rope_dim, topk, scale, dtype, num_tokens, block_h=None, block_n=None,
-             num_warps=None, num_stages=None, key_major=None, kv_fp8=False, dot16=None, dequant=False):
+             num_warps=None, num_stages=None, key_major=None, kv_fp8=False, dot16=None, dequant=None):
         if kv_lora != next_pow2(kv_lora) or rope_dim != next_pow2(rope_dim):
             raise ValueError(f"sparse_mla_decode needs power-of-two kv_lora/rope dims, got {kv_lora}/{rope_dim}")
-        # Measured on an H200 (bench/results/gpu_kernels_2026-11-29.json, K=2048, 64 heads): with >= 32
-        # tokens, key-major 64 heads x 32 keys (one KV read per token, wgmma) was fastest (318 us at
-        # B=128 vs 355); with 1 token, head-major 16 x 32 at 4 warps (9.9 us vs 16.6). Both spill-free.
-        wide = num_tokens >= 32 and num_heads >= 64 and key_major is None
-        if wide and kv_fp8:
-            # FP8 rows, >= 32 tokens, fp16 dot operands (dot16: e4m3 -> fp16 is one exact conversion,
-            # e4m3 -> bf16 goes through fp32; bf16 q -> fp16 is exact within fp16's range). Sweep of
-            # 2026-12-01 (bench/results/mla_tiles_sweep_h200_2026-12-01_focus.json, K=2048): 32 tokens
-            # key-major 64 x 64 at 8 warps 164 us (bf16 operands, head-major 32 x 32: 227); 128 tokens
-            # head-major 32 x 32 at 4 warps 537 us (585).
+        # Sweep of 2026-12-02 on an H200 (bench/results/mla_tiles_sweep_h200_2026-12-02_dequant.json, 64
+        # heads, k 2048, contexts 1K and 2K): head-major everywhere. FP8 rows scaled once per tile
+        # (dequant); >= 32 tokens: fp16 operands (dot16: e4m3 -> fp16 is exact), 64 x 64 tiles at 8
+        # warps, 2 stages (32 tokens 89.7 us at 2K vs 163.8 for the per-group key-major kernel; 128
+        # tokens 265.5 vs 474.1); fewer: 16 x 32 at 4 warps, 1 stage (1 token 16.5 vs 17.8; 8: 51.6 vs
+        # 60.6). bf16 rows, >= 32 tokens: 64 x 32 at 8 warps, 2 stages (90.6 vs 103.2; 270.0 vs 318.3);
+        # fewer: 16 x 32 at 4 warps, 2 stages (unchanged, best at 1 and 8 tokens).
+        wide = num_tokens >= 32 and num_heads >= 64
+        dequant = kv_fp8 if dequant is None else dequant
+        if kv_fp8 and wide:
             dot16 = True if dot16 is None else dot16
-            wide_km = num_tokens < 64
-            key_major, block_h, block_n = wide_km, block_h or (64 if wide_km else 32), block_n or (64 if wide_km else 32)
-            num_warps, num_stages = num_warps or (8 if wide_km else 4), num_stages or 1
+        key_major = bool(key_major)
+        if wide:
+            block_h, block_n = block_h or 64, block_n or (64 if kv_fp8 else 32)
+            num_warps, num_stages = num_warps or 8, num_stages or 2
+        else:
+            block_h, block_n = block_h or 16, block_n or 32
+            num_warps, num_stages = num_warps or 4, num_stages or (1 if kv_fp8 else 2)
         dot_dtype, precision = _DOT[torch.float16 if dot16 and kv_fp8 and dtype != torch.float32 else dtype]
-        if key_major is None:
-            key_major = wide
-        block_h = block_h or (64 if wide else 16)
-        block_n = block_n or 32
-        num_warps = num_warps or (8 if block_h > 16 else 4)
-        num_stages = num_stages or (1 if wide else 2)
         return cls(num_heads, kv_lora, rope_dim, topk is not None, topk or 0, block_h, block_n, bool(key_major),
                    float(scale) * 1.4426950408889634, dot_dtype, precision, num_warps, num_stages, bool(kv_fp8),
                    FP8_GROUP, bool(dequant and kv_fp8))

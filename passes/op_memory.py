@@ -242,9 +242,8 @@ def _topk(op, args, s):
 def mla_splits(T: int, H: int, topk: int | None, s: Step) -> int:
     """SparseMlaDecodeCtx.make's head block for T tokens, then mla_num_splits at the target's SMs."""
     wide = T >= 32 and H >= 64
-    fp8_km = wide and s.t.kv_fp8 and T < 64          # FP8 rows: key-major 64 x 64 below 64 tokens
-    block_h = (64 if fp8_km else 32 if s.t.kv_fp8 else 64) if wide else 16
-    block_n = 64 if fp8_km else 32
+    block_h = 64 if wide else 16
+    block_n = 64 if wide and s.t.kv_fp8 else 32          # FP8 rows: 64 x 64 tiles from 32 tokens
     num_keys = topk if topk is not None else s.t.max_len
     programs = T * -(-H // block_h)
     return max(1, min(-(-2 * s.t.num_sms // programs), num_keys // (2 * block_n), MAX_SPLITS))

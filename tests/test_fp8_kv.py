@@ -237,7 +237,11 @@ def test_fp8_source_is_specialised_for_glm53():
     check(tt.render("qkv_norm_rope_write", plain), "dst + 512 + j", absent=("_e4m3_round", "kv_scale_ptr"))
     mla = tt.SparseMlaDecodeCtx.make(64, 512, 64, 2048, 1 / 16, torch.bfloat16, 1, kv_fp8=True)
     check(tt.render("sparse_mla_decode", mla), "kv_scale_ptr, kv_scale_stride, kv_pe_ptr",
-          "sc3 = tl.load(kv_scale_ptr + slot * kv_scale_stride + 3", "kv_pe_ptr + slot[:, None] * kv_pe_stride",
-          "* sc3[None, :]", "(p * sc3[None, :])", absent=("+ 512 + dr", "sc4", "tl.float32) * sc"))
+          "rq = tl.arange(0, 4)", "kv_scale_ptr + slot[:, None] * kv_scale_stride + rq[None, :]",
+          "tl.reshape(ck * sc.to(tl.bfloat16)[:, :, None], [32, 512])", "kv_pe_ptr + slot[:, None] * kv_pe_stride",
+          absent=("+ 512 + dr", "sc3", "ckv1", "tl.float32) * sc"))
+    grouped = tt.SparseMlaDecodeCtx.make(64, 512, 64, 2048, 1 / 16, torch.bfloat16, 1, kv_fp8=True, dequant=False)
+    check(tt.render("sparse_mla_decode", grouped), "sc3 = tl.load(kv_scale_ptr + slot * kv_scale_stride + 3",
+          "* sc3[None, :]", "(p * sc3[None, :])", absent=("sc4", "tl.reshape"))
     check(tt.render("indexer_scores", tt.IndexerScoresCtx.make(32, 128, torch.bfloat16, fp8=True)),
           "slot // 64", "(slot % 64) * 128", "k = k * ks[:, None]")

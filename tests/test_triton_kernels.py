@@ -234,9 +234,13 @@ def test_source_is_specialised_for_glm53(tmp_path):
           "num_keys = tl.minimum(qpos + 1, 2048)",
           "+ 512 + dr", "tl.bfloat16", "* 0.09016844005556021", absent=("num_keys = qpos + 1",))
     wide = tt.SparseMlaDecodeCtx.make(64, 512, 64, 2048, 1 / 16, torch.bfloat16, 128)
-    assert (wide.key_major, wide.block_h, wide.num_warps, wide.num_stages) == (True, 64, 8, 1)
-    check(tt.render("sparse_mla_decode", wide), "q0 = tl.trans(q0)", "tl.zeros([512, 64]", "tl.dot(ckv0, q0",
-          "tl.dot(tl.trans(ckv0), p.to(tl.bfloat16)", absent=("q1", "sc0"))
+    assert (wide.key_major, wide.block_h, wide.num_warps, wide.num_stages) == (False, 64, 8, 2)
+    check(tt.render("sparse_mla_decode", wide), "tl.zeros([64, 512]", "tl.dot(q0, tl.trans(ckv0)",
+          "tl.dot(p.to(tl.bfloat16), ckv0", absent=("q1", "sc0", "tl.trans(q0)"))
+    fp8 = tt.SparseMlaDecodeCtx.make(64, 512, 64, 2048, 1 / 16, torch.bfloat16, 32, kv_fp8=True)
+    assert (fp8.dequant, fp8.block_h, fp8.block_n, fp8.dot_dtype) == (True, 64, 64, "tl.float16")
+    check(tt.render("sparse_mla_decode", fp8), "tl.arange(0, 4)", "tl.reshape(ck * sc.to(tl.float16)",
+          absent=("q1", "sc0", "ckv1"))
     qkv = tt.QkvNormRopeWriteCtx.make(2048, 512, 64, 1e-5, True, 128)
     check(tt.render("qkv_norm_rope_write", qkv), "oq < 2048", "oc < 512", "ia = 2 * j", "dst + 512 + j",
           "dst + 544 + j", "oi < 128", "+ 1e-06")
