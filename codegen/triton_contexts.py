@@ -250,7 +250,6 @@ class SparseMlaDecodeCtx:
         dequant = kv_fp8 if dequant is None else dequant
         if kv_fp8 and wide:
             dot16 = True if dot16 is None else dot16
-        key_major = bool(key_major)
         if wide:
             block_h, block_n = block_h or 64, block_n or (64 if kv_fp8 else 32)
             num_warps, num_stages = num_warps or 8, num_stages or 2
