@@ -79,7 +79,7 @@ LAUNCHES: dict[str, Launches] = {
     "moe.experts": Launches(2, _ALIGN_ROWS + 7),
     "elt.add": Launches(torch_ops=1), "tensor.concat": Launches(torch_ops=1),
     "tensor.select_last": Launches(torch_ops=1),
-    "sample.tokens": Launches(1, 10),                               # parameter tensors, the sampler kernel
+    "sample.tokens": Launches(1, 1),                                # the done-counters memset, the split argmax
     "comm.all_reduce": Launches(collectives=("all_reduce",)),
     "comm.all_gather": Launches(collectives=("all_gather",)),
     "comm.reduce_scatter": Launches(collectives=("reduce_scatter",)),

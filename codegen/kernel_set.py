@@ -6,11 +6,11 @@ the runtime can run. That set is small and known at compile time because a kerne
 only on the model's shapes, the compute dtype and a few tile classes; the batch, the context length
 and the GPU choose grids and split counts at launch:
 
-- sparse MLA decode: the head-major tile (< 32 tokens) and, with >= 64 heads on the rank, the
-  key-major one (>= 32 tokens); its split-K combine: one per power-of-two split bound (<= MAX_SPLITS);
+- sparse MLA decode: the head-major tile for < 32 tokens and, with >= 64 heads on the rank, the
+  wide one (>= 32 tokens); its split-K combine: one per power-of-two split bound (<= MAX_SPLITS);
 - MoE experts: gate/up and down at each row-block class (16, 32, 64 rows);
-- top-k select: one pass width (TOPK_CHUNK); the sampler at the full vocabulary (the IR's
-  `sample.tokens`, and the engine's per-request sampler);
+- top-k select: one pass width (TOPK_CHUNK); at the full vocabulary the split greedy argmax (the
+  IR's `sample.tokens`) and the engine's per-request sampler;
 - FP8 weights (a plan whose `dtypes.weight` is fp8, `weight_formats`): per linear-type op the token
   quantiser at its input width and the block-scaled GEMM per joined FP8 part (`cuda_target.fp8_parts`)
   at each row class (`Fp8BlockGemmCtx.variants`: decode, mid, prefill tiles, and the split-K reduction;
@@ -102,7 +102,8 @@ def _experts(op, graph, dtype, kv=(False, False)):
 
 
 def _sample(op, graph, dtype, kv=(False, False)):
-    return [tc.SampleCtx.make(_dims(graph, op.operands[0])[-1])]
+    vocab = _dims(graph, op.operands[0])[-1]
+    return [tc.SampleCtx.make(vocab), tc.ArgmaxCtx.make(vocab)]
 
 
 def _p2p(op, graph, dtype, kv=(False, False)):

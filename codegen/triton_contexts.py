@@ -193,10 +193,10 @@ class TopkSelectCtx:
     num_warps: int
 
     @classmethod
-    def make(cls, k, row_len=None, chunk=None):
+    def make(cls, k, row_len=None, chunk=None, num_warps=None):
         """`chunk` scores per pass: given (a plan's TOPK_CHUNK), else fitted to `row_len`."""
         chunk = chunk or min(TOPK_CHUNK, next_pow2(max(row_len, 16)))
-        return cls(k, chunk, _warps(chunk, 256, 8))
+        return cls(k, chunk, num_warps or _warps(chunk, 256, 8))
 
 
 MAX_SPLITS = 64  # flash-decoding splits of one (token, head block) at most: the combine's widest tile
@@ -303,5 +303,28 @@ class SampleCtx:
     def make(cls, vocab, write_kept=False, chunk=None):
         chunk = chunk or min(4096, next_pow2(vocab))
         return cls(vocab, chunk, min(chunk, 1024), bool(write_kept), _warps(chunk, 256, 8))
+
+
+ARGMAX_SPLITS = 64  # programs one row's argmax is split over at most (argmax.py.j2's partials per row)
+
+
+@dataclass(frozen=True)
+class ArgmaxCtx:
+    """argmax.py.j2: greedy sampling, each row split over programs; the last of a row's reduces."""
+    template: ClassVar[str] = "argmax"
+    vocab: int
+    chunk: int
+    splits_block: int
+    num_warps: int
+
+    @classmethod
+    def make(cls, vocab, chunk=None):
+        chunk = chunk or min(2048, next_pow2(vocab))
+        return cls(int(vocab), chunk, ARGMAX_SPLITS, _warps(chunk, 256, 8))
+
+
+def argmax_splits(rows: int, vocab: int, chunk: int, num_sms: int) -> int:
+    """Programs per row: about two waves of the GPU over all rows, each at least one chunk of ids."""
+    return max(1, min(ARGMAX_SPLITS, -(-2 * num_sms // max(1, rows)), -(-vocab // chunk)))
 
 

@@ -96,10 +96,15 @@ class MoeSwigluReduceCtx:
         return cls(int(inter), int(block_m), block_n, bool(fp8), _ACT[dtype], 4)
 
 
+ALIGN_ROWS = 1024          # routed rows up to which one moe_align program sorts them (decode: T <= 128 at top-8)
+ALIGN_MAX_EXPERTS = 256    # ... over at most this many local experts, at block_m SPLIT_BLOCK_M; else torch ops
+ALIGN_CHUNK = 64           # ... in chunks of this many rows
+
+
 @dataclass(frozen=True)
 class MoeAlignCtx:
-    """moe_align.py.j2: `align_rows` in one program for <= `rows` routed rows over <= `experts_block`
-    local experts (row and expert counts are kernel arguments: one binary for every decode step)."""
+    """moe_align.py.j2: `align_rows` in one program over <= `experts_block` local experts, the routed
+    rows in chunks of `rows` (row and expert counts are kernel arguments: one binary for every step)."""
     template: ClassVar[str] = "moe_align"
     block_m: int
     rows: int
@@ -109,9 +114,8 @@ class MoeAlignCtx:
     num_warps: int
 
     @classmethod
-    def make(cls, block_m):
-        blocks = next_pow2(-(-ALIGN_ROWS // block_m) + ALIGN_ROWS)    # num_blocks_bound at ALIGN_ROWS rows
-        return cls(int(block_m), ALIGN_ROWS, ALIGN_MAX_EXPERTS, blocks, 256, 8)
+    def make(cls, block_m, rows=ALIGN_CHUNK, num_warps=8):
+        return cls(int(block_m), int(rows), ALIGN_MAX_EXPERTS, 128, 256, num_warps)
 
 
 @dataclass(frozen=True)
@@ -148,17 +152,13 @@ def num_blocks_bound(num_rows: int, num_experts: int, block_m: int) -> int:
     return -(-num_rows // block_m) + min(num_experts, num_rows)
 
 
-ALIGN_ROWS = 64            # routed rows up to which one moe_align program sorts them (decode: T <= 8 at top-8)
-ALIGN_MAX_EXPERTS = 256    # ... over at most this many local experts, at block_m SPLIT_BLOCK_M; else torch ops
-
-
 def align_rows(ids, num_experts, block_m, expert_offset=0, lib: KernelLibrary | None = None):
     """Sort routed rows by (local) expert, padding each expert's run to a multiple of block_m.
 
     ids [T, k] (global expert ids). Returns (sorted_rows [NB*BM] int32: flat row t*k+j or the sentinel
     T*k for padding; block_expert [NB] int32: local expert of each block, -1 past the end). Rows routed
     to experts outside [offset, offset+E) are dropped (another EP rank holds them). No host sync.
-    With `lib`, few rows (<= ALIGN_ROWS, <= ALIGN_MAX_EXPERTS experts, block_m SPLIT_BLOCK_M) are sorted
+    With `lib`, decode-sized rows (<= ALIGN_ROWS, <= ALIGN_MAX_EXPERTS experts, block_m SPLIT_BLOCK_M) are sorted
     by one moe_align launch; otherwise (and without `lib`) by torch ops. The result is the same.
     """
     n, nb = ids.numel(), num_blocks_bound(ids.numel(), num_experts, block_m)

@@ -26,7 +26,9 @@ from glmc.codegen.triton_contexts import (  # noqa: F401  (re-exported)
     QkvNormRopeWriteCtx,
     RmsNormCtx,
     RopeCtx,
+    ArgmaxCtx,
     SampleCtx,
+    argmax_splits,
     SparseMlaDecodeCtx,
     TopkSelectCtx,
     mla_num_splits,
@@ -223,7 +225,7 @@ def topk_segment(rows: int, width: int) -> int:
     return max(lo, min(hi, 1 << (share.bit_length() - 1)))
 
 
-def topk_select(scores, lens, k, chunk=None, lib: KernelLibrary = JIT, segment=None, slots_of=None):
+def topk_select(scores, lens, k, chunk=None, lib: KernelLibrary = JIT, segment=None, slots_of=None, num_warps=None):
     """Per row t: positions of the k largest of scores[t, :lens[t]], ascending, -1 padded. [T, k] int64.
     Exact ties at the k-th score go to the lowest positions (torch_ref.topk_lowest_first's choice).
     `slots_of` = (req_to_token, rows): instead the KV slots req_to_token[rows[t], position] of the same
@@ -233,9 +235,9 @@ def topk_select(scores, lens, k, chunk=None, lib: KernelLibrary = JIT, segment=N
     is no wider). Longer rows: a byte-radix select split over programs of `segment` scores
     (`topk_segment` unless given) in five launches of the same kernel, STAGE 0..4, the last of
     which also runs the short rows (the template's docstring). Graph-safe: the split comes from the
-    shapes, each row's length is read on the device."""
+    shapes, each row's length is read on the device. `num_warps` overrides the context's (sweeps)."""
     T, width = scores.shape
-    ctx = TopkSelectCtx.make(k, width, chunk)
+    ctx = TopkSelectCtx.make(k, width, chunk, num_warps)
     out = torch.empty(T, k, dtype=torch.int64 if slots_of is None else torch.int32, device=scores.device)
     if not T:
         return out
@@ -330,7 +332,20 @@ def sample(logits, temperature, top_k, top_p, min_p, seed, step, return_kept=Fal
     return (out, kept.bool()) if return_kept else out
 
 
-def sample_greedy(logits, lib: KernelLibrary = JIT):
-    """The sampler at its defaults (temperature 0: argmax, lowest id on ties): the IR's `sample.tokens`."""
-    zero = torch.zeros((), dtype=torch.int64, device=logits.device)
-    return sample(logits, zero.float(), zero, zero + 1.0, zero.float(), zero, zero, lib=lib)
+def sample_greedy(logits, lib: KernelLibrary = JIT, num_splits=None):
+    """The sampler at its defaults (temperature 0: argmax, lowest id on ties, NaN never chosen): the
+    IR's `sample.tokens`, [B] int64. `sample`'s greedy rows, split over `num_splits` programs per row
+    (default `argmax_splits`) in one launch (argmax.py.j2), plus the zeroed done-counter's memset."""
+    B, V = logits.shape
+    dev = logits.device
+    ctx = ArgmaxCtx.make(V)
+    out = torch.empty(B, dtype=torch.int64, device=dev)
+    if not B:
+        return out
+    S = num_splits or argmax_splits(B, V, ctx.chunk, _num_sms(dev))
+    part_max = torch.empty(B, ctx.splits_block, dtype=torch.float32, device=dev)
+    part_idx = torch.empty(B, ctx.splits_block, dtype=torch.int32, device=dev)
+    count = torch.zeros(B, dtype=torch.int32, device=dev)
+    lg = _rows(logits)
+    lib(ctx)[(B, S)](lg, lg.stride(0), part_max, part_idx, count, out, S, num_warps=ctx.num_warps)
+    return out

@@ -93,7 +93,7 @@ def align_rows(s: Step, n: int, E: int, bm: int) -> tuple[int, int, int]:
 # checks them against triton_moe.moe_launch and its constants)
 MOE_SPLIT_BLOCK_M, MOE_SPLIT_PROGRAMS_PER_SM, MOE_SPLIT_MIN_K, MOE_SPLIT_MAX = 16, 2, 512, 8
 MOE_SPLIT_DTYPES = ("fp8",)
-ALIGN_ROWS, ALIGN_MAX_EXPERTS = 64, 256
+ALIGN_ROWS, ALIGN_MAX_EXPERTS = 1024, 256
 
 
 def moe_splits(n: int, E: int, hidden: int, inter: int, num_sms: int, fp8: bool, bm: int) -> tuple[int, int]:

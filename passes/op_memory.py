@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from glmc.ir import Op
 
-from .step_arena import (FP8_BLOCK, FP8_KINDS, INDEXER_BLOCK_N, MAX_SPLITS, TOPK_CHUNK, TOPK_PROGRAMS,
+from .step_arena import (ARGMAX_SPLITS, FP8_BLOCK, FP8_KINDS, INDEXER_BLOCK_N, MAX_SPLITS, TOPK_CHUNK, TOPK_PROGRAMS,
                          TOPK_SEGMENTS, UNQUANTISED, Step, Val, model)
 
 
@@ -292,11 +292,9 @@ def _attn(op, args, s):
 # ----------------------------------------------------------------------------- sampling
 @model("sample.tokens")
 def _sample(op, args, s):
-    """triton_target.sample_greedy: 0-d parameters, each expanded to a [B] tensor (a view at B 1)."""
+    """triton_target.sample_greedy: ids [B] int64, then the split argmax's partials (fp32 and int32
+    [B, ARGMAX_SPLITS]) and done-counters (int32 [B])."""
     B = s.rows(op)
-    scalars = [s.tmp(1, 8), s.tmp(1, 4), s.tmp(1, 4), s.tmp(1, 4)]   # zero, zero.float(), zero + 1.0, ...
     out = s.arena.new(B, 8)
-    if B > 1:
-        s.free(*[s.tmp(B, e) for e in (4, 8, 4, 4, 8, 8)])    # temperature, top_k, top_p, min_p, seed, step
-    s.free(*scalars)
+    s.free(s.tmp(B * ARGMAX_SPLITS, 4), s.tmp(B * ARGMAX_SPLITS, 4), s.tmp(B, 4))
     return out

@@ -99,7 +99,7 @@ def test_runtime_runs_exactly_the_plan_files(cuda_plan_dir, tiny_ckpt):
     assert len(used) >= 8 and all(p.parent == cuda_plan_dir / "kernels" for p in used)
     assert {p.stem.rsplit("_", 1)[0] for p in used} >= {"rms_norm", "qkv_norm_rope_write", "indexer_scores",
                                                         "topk_select", "sparse_mla_decode", "mla_combine",
-                                                        "moe_router", "moe_experts", "sample"}
+                                                        "moe_router", "moe_experts", "argmax"}
     norm = next(p for p in used if p.stem.startswith("rms_norm"))
     src = norm.read_text()
     assert "    y = x * rstd * w\n" in src

@@ -232,6 +232,7 @@ def test_mirrored_constants_match_codegen():
     assert step_arena.TOPK_SEGMENTS == triton_target.TOPK_SEGMENTS
     assert step_arena.TOPK_PROGRAMS == triton_target.TOPK_PROGRAMS
     assert step_arena.INDEXER_BLOCK_N == triton_contexts.IndexerScoresCtx.make(32, 128, torch.bfloat16).block_n
+    assert step_arena.ARGMAX_SPLITS == triton_contexts.ARGMAX_SPLITS
     assert step_arena.MAX_SPLITS == triton_contexts.MAX_SPLITS and step_arena.BLOCK_MS == triton_moe.BLOCK_MS
     for rows, experts in [(1, 256), (2048, 256), (4096, 64), (65536, 256)]:
         assert moe_memory.block_m_for(rows, experts) == triton_moe.block_m_for(rows, experts)

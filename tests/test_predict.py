@@ -186,12 +186,15 @@ def test_the_slice_lands_near_its_measured_steps():
 def launches_as_measured(monkeypatch):
     """The launch counts of the code the recorded 2-GPU runs (2026-11-30) measured: each attention op
     then gathered its top-k's KV slots in 7 torch ops (the select writes them since 2026-12-02), and
-    the select's pos + 1 was not counted. Predictions of those runs are checked with that code's counts."""
+    the select's pos + 1 was not counted, and the greedy sampler made its 6 parameter tensors in 10
+    torch ops (one split argmax launch and a memset since 2026-12-02). Predictions of those runs are
+    checked with that code's counts."""
     from glmc.codegen import cuda_kernels
     from glmc.codegen.cuda_kernels import Launches
     table = dict(cuda_kernels.LAUNCHES, **{k: Launches(4, 8, gemms=2) for k in
                                            ("attn.mla_absorbed", "attn.sparse_mla", "attn.mla_mha")})
     table["idx.topk"] = Launches(2, 2)
+    table["sample.tokens"] = Launches(1, 10)
     monkeypatch.setattr(cuda_kernels, "LAUNCHES", table)
 
 

@@ -154,3 +154,27 @@ def test_the_ir_sample_op_is_the_greedy_sampler(greedy):
     logits[2, [4, 30]] = 9.0
     want = logits.argmax(-1)
     assert int(want[2]) == 4 and torch.equal(greedy(logits), want)
+
+
+@pytest.mark.parametrize("num_splits", [None, 1, 2, 3, 5])
+def test_split_greedy_argmax_matches_the_sampler(num_splits):
+    """tt.sample_greedy splits each row over programs (argmax.py.j2; 5 splits of 2048 ids leave two
+    empty): the same ids as torch_ref's sampler, ties across splits going to the lowest id, a row of
+    -inf giving 0; NaN is never chosen, as by the one-program Triton sampler (torch's argmax would
+    pick it); the done-counters are back at 0 for the next launch (the second call)."""
+    V = 3 * 2048 + 77
+    logits = torch.randn(6, V, generator=torch.Generator().manual_seed(3))
+    logits[1, [5, 2048 + 7, 3 * 2048 + 70]] = 50.0          # one tie per split: id 5 wins
+    logits[2, [2048 + 9, 4000]] = 60.0                         # tie inside and across splits, none in the first
+    logits[3] = float("-inf")
+    logits[4] = 0.0                                            # all equal: 0
+    logits[5, V - 1] = 70.0                                    # the last id, past the last full chunk
+    want = ref.sample_greedy(logits)
+    assert want[1:].tolist() == [5, 2048 + 9, 0, 0, V - 1]
+    got = tt.sample_greedy(logits, num_splits=num_splits)
+    assert got.dtype == torch.int64 and torch.equal(got, want)
+    assert torch.equal(tt.sample_greedy(-logits, num_splits=num_splits), ref.sample_greedy(-logits))
+    logits[5, :100] = float("nan")
+    zero = torch.zeros(6)
+    one_program = tt.sample(logits, zero, zero.long(), zero + 1.0, zero, zero.long(), zero.long())
+    assert int(one_program[5]) == V - 1 and torch.equal(tt.sample_greedy(logits, num_splits=num_splits), one_program)

@@ -97,11 +97,12 @@ def test_align_rows_pads_each_expert_to_whole_blocks():
     assert block_expert.tolist() == [0, 1, 3, 3] + [-1] * (nb - 4)
 
 
-# rows up to ALIGN_ROWS (64): one moe_align program; up to 256 local experts; global ids in [0, id_range),
+# rows up to ALIGN_ROWS (1024): one moe_align program, in chunks of ALIGN_CHUNK (64) rows; up to 256 local experts; global ids in [0, id_range),
 # this rank holding [offset, offset + E) (EP: the other rows are dropped); int32 and int64 ids
 @pytest.mark.parametrize("T,k,E,offset,id_range,skew", [
     (1, 8, 256, 0, 256, False), (1, 8, 32, 64, 256, False), (3, 2, 6, 0, 6, True), (8, 8, 256, 0, 256, False),
-    (8, 4, 3, 1, 5, True), (32, 2, 4, 2, 8, True), (7, 1, 5, 0, 5, False)])
+    (8, 4, 3, 1, 5, True), (32, 2, 4, 2, 8, True), (7, 1, 5, 0, 5, False), (17, 8, 256, 0, 256, False),
+    (40, 8, 64, 64, 256, True), (128, 8, 256, 0, 256, False)])
 def test_fused_align_equals_the_torch_ops(T, k, E, offset, id_range, skew):
     """moe_align (one launch) gives align_rows' torch result exactly: the padded order, the padding
     sentinel, every block's expert and -1 past the end (all written: outputs start poisoned)."""
@@ -115,7 +116,7 @@ def test_fused_align_equals_the_torch_ops(T, k, E, offset, id_range, skew):
 
 
 def test_align_past_the_fused_size_uses_the_torch_ops():
-    _, ids = _routing(9, 8, 256)                    # 72 rows > ALIGN_ROWS
+    _, ids = _routing(129, 8, 256)                  # 1032 rows > ALIGN_ROWS
     lib = _Launches()
     rows, block_expert = tm.align_rows(ids, 256, 16, lib=lib)
     assert not lib.grids and torch.equal(rows, tm.align_rows(ids, 256, 16)[0])

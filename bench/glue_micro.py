@@ -1,0 +1,102 @@
+"""The small kernels between the GEMMs of a decode step, alone (CUDA-graph replays, us, median):
+
+    python bench/glue_micro.py --out-dir $OUT --commit <sha>
+
+- MoE row alignment (`triton_moe.align_rows`): the moe_align kernel at each chunk x warps against
+  the torch ops, top-8 of 256 experts, 8 .. 2048 routed rows (the kernel's limit is ALIGN_ROWS; above
+  it the bench lifts the limit to time the kernel anyway);
+- the greedy sampler of `sample.tokens`: the split argmax (`sample_greedy`) against the one-program
+  sampler at temperature 0 (`sample`), vocab 154880, B = 1, 32, 128;
+- the top-k select of a short row (`topk_select`, k 2048, the plan's 8192-score pass): rows of 1025
+  (a copy: n <= k) and 4000 / 8000 scores (32 counting passes) at 4 .. 32 warps, B = 1, 32.
+Writes glue_micro_<date>.json. Measures; changes nothing.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import decode_bench as db  # noqa: E402
+import gpu_plan_check as pc  # noqa: E402
+
+
+def us(fn):
+    return round(db.bench_ms(fn) * 1e3, 2)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "results"))
+    ap.add_argument("--commit", default="unknown")
+    args = ap.parse_args()
+    pc.import_glmc()
+    import torch
+    from glmc.codegen import triton_moe as tm
+    from glmc.codegen import triton_target as tt
+    from glmc.codegen.cuda_kernels import TOPK_CHUNK
+    from glmc.codegen.triton_render import JIT
+    dev = "cuda"
+    res = {"info": {"device": torch.cuda.get_device_name(), "commit": args.commit,
+                    "date": time.strftime("%Y-%m-%d %H:%M:%S"), "torch": torch.__version__}}
+    g = torch.Generator(device=dev).manual_seed(0)
+    rows = []
+    for n in (8, 64, 256, 1024, 2048):
+        ids = torch.stack([torch.randperm(256, device=dev, generator=g)[:8] for _ in range(n // 8)])
+        r = {"rows": n, "torch_us": us(lambda: tm.align_rows(ids, 256, 16))}
+        want = tm.align_rows(ids, 256, 16)
+        limit = tm.ALIGN_ROWS
+        tm.ALIGN_ROWS = max(limit, n)
+        try:
+            for chunk in (32, 64, 128):
+                for warps in (4, 8, 16):
+                    ctx = tm.MoeAlignCtx.make(16, chunk, warps)
+                    nb = tm.num_blocks_bound(n, 256, 16)
+                    sr = torch.empty(nb * 16, dtype=torch.int32, device=dev)
+                    be = torch.empty(nb, dtype=torch.int32, device=dev)
+                    k = JIT(ctx)
+
+                    def run():
+                        k[(1,)](ids, sr, be, n, nb, 256, 0, num_warps=warps)
+                    run()
+                    ok = torch.equal(sr, want[0]) and torch.equal(be, want[1])
+                    r[f"kernel_c{chunk}_w{warps}_us"] = us(run) if ok else "WRONG"
+        finally:
+            tm.ALIGN_ROWS = limit
+        rows.append(r)
+        print("align", r, flush=True)
+    res["align"] = rows
+    rows = []
+    for B in (1, 32, 128):
+        x = torch.randn(B, 154880, device=dev, generator=g)
+        z = torch.zeros(B, device=dev)
+        old = lambda: tt.sample(x, z, z.long(), z + 1.0, z, z.long(), z.long())  # noqa: E731
+        r = {"batch": B, "one_program_us": us(old), "split_us": us(lambda: tt.sample_greedy(x)),
+             "same": bool(torch.equal(old(), tt.sample_greedy(x))), "torch_argmax_us": us(lambda: x.argmax(-1))}
+        rows.append(r)
+        print("argmax", r, flush=True)
+    res["argmax"] = rows
+    rows = []
+    for n in (1025, 4000, 8000):
+        for B in (1, 32):
+            scores = torch.randn(B, n + 63, device=dev, generator=g)
+            lens = torch.full((B,), n, device=dev, dtype=torch.int64)
+            r = {"n": n, "batch": B}
+            want = tt.topk_select(scores, lens, 2048, TOPK_CHUNK)
+            for warps in (4, 8, 16, 32):
+                got = tt.topk_select(scores, lens, 2048, TOPK_CHUNK, num_warps=warps)
+                r[f"w{warps}_us"] = us(lambda: tt.topk_select(scores, lens, 2048, TOPK_CHUNK, num_warps=warps)) \
+                    if torch.equal(got, want) else "WRONG"
+            rows.append(r)
+            print("topk", r, flush=True)
+    res["topk_short"] = rows
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"glue_micro_{time.strftime('%Y-%m-%d')}.json").write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,165 @@
+"""Where one decode step's time goes: every kernel of the captured graph, attributed to its op.
+
+    python bench/step_trace.py --out-dir $OUT --commit <sha> [--kv fp8|bf16] [--batches 1,32,128]
+
+The GLM-5.3-width slice of bench/decode_bench.py (2 layers, random weights, context --ctx), FP8 weights
+and KV by default (`--kv bf16`: bf16 weights and KV). Per batch:
+- the graph: torch.profiler over `--replays` replays of the captured decode graph; per replay its span
+  (first kernel start to last kernel end), the sum of its kernels' device time, and the idle time
+  between kernels (gaps);
+- the ops: each op of one decode body run alone under the profiler gives its kernels' names; their
+  sequence is the graph's (same ops, same order), so every graph kernel gets its op: per op, its
+  kernels' device time inside the graph and the gaps in front of them;
+- the host step: `runner.forward` (host vectors, copy in, replay) + reading one logit, wall time.
+Writes step_trace_<kv>_<date>.json and prints the per-op table. Measures; changes nothing.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import decode_bench as db  # noqa: E402
+import gpu_plan_check as pc  # noqa: E402
+
+
+def cuda_kernels(prof):
+    """The device kernels (and memsets/copies) a profile recorded, by start; not range annotations."""
+    import torch
+    return sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+                   and e.device_time > 0 and not e.name.startswith("op::")), key=lambda e: e.time_range.start)
+
+
+def op_kernels(runner, batch) -> list:
+    """[(op label, kernel name)] of one decode body's ops, in launch order: the body runs once with
+    its op calls recorded, then each call runs alone under the profiler (its kernels counted)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    calls, impls = [], runner.impls
+
+    def recorder(fn):
+        return lambda op, args, rt: calls.append((op, args, rt, fn)) or fn(op, args, rt)
+    vectors = runner._host_vectors(batch, batch.batch_size).to(runner.r2t.device)
+    runner.impls = {k: recorder(f) for k, f in impls.items()}
+    try:
+        runner._body("decode", *vectors)
+    finally:
+        runner.impls = impls
+    out = []
+    for op, args, rt, fn in calls:
+        fn(op, args, rt)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn(op, args, rt)
+            torch.cuda.synchronize()
+        out += [(f"{op.kind} {op.results[0]}", k.name) for k in cuda_kernels(prof)]
+    return out
+
+
+def graph_trace(cap, replays: int) -> list:
+    """Per replay: [(kernel name, start us, duration us)]."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    for _ in range(3):
+        cap.graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            cap.graph.replay()
+            torch.cuda.synchronize()
+    ks = cuda_kernels(prof)
+    per = len(ks) // replays
+    if not per or len(ks) % replays:
+        raise RuntimeError(f"{len(ks)} kernels over {replays} replays")
+    return [[(k.name, k.time_range.start, k.device_time) for k in ks[r * per:(r + 1) * per]] for r in range(replays)]
+
+
+def summarise(ops: list, reps: list) -> dict:
+    """Median over replays of each kernel's duration and the gap before it; grouped by op: the ops'
+    kernel names are found as one run in the graph's (the kernels around them: the step's own)."""
+    n = len(reps[0])
+    names = [k[0] for k in reps[0]]
+    dur = [statistics.median(r[i][2] for r in reps) for i in range(n)]
+    gap = [0.0] + [statistics.median(r[i][1] - (r[i - 1][1] + r[i - 1][2]) for r in reps) for i in range(1, n)]
+    span = statistics.median(r[-1][1] + r[-1][2] - r[0][1] for r in reps)
+    want = [k for _, k in ops]
+    at = next((j for j in range(n - len(want) + 1) if names[j:j + len(want)] == want), None)
+    labels = ["(step)"] * n
+    if at is not None:
+        labels[at:at + len(want)] = [o for o, _ in ops]
+    rows, by_op = [], {}
+    for i in range(n):
+        rows.append({"i": i, "op": labels[i], "kernel": names[i][:90], "us": round(dur[i], 2), "gap_us": round(gap[i], 2)})
+        o = by_op.setdefault(labels[i], {"op": labels[i], "kernels": 0, "us": 0.0, "gap_us": 0.0})
+        o["kernels"] += 1
+        o["us"] += dur[i]
+        o["gap_us"] += gap[i]
+    return {"span_us": round(span, 1), "busy_us": round(sum(dur), 1), "gap_us": round(sum(gap), 1),
+            "kernels": n, "aligned": at is not None, "op_kernels": len(want),
+            "ops": [dict(o, us=round(o["us"], 1), gap_us=round(o["gap_us"], 1)) for o in by_op.values()],
+            "trace": rows}
+
+
+def host_step_ms(runner, batch, reps: int = 50) -> float:
+    runner.forward("decode", batch)["logits"][0, 0].item()
+    t = time.perf_counter()
+    for _ in range(reps):
+        runner.forward("decode", batch)["logits"][0, 0].item()
+    return (time.perf_counter() - t) / reps * 1e3
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "results"))
+    ap.add_argument("--commit", default="unknown")
+    ap.add_argument("--kv", choices=("fp8", "bf16"), default="fp8")
+    ap.add_argument("--ctx", type=int, default=1024)
+    ap.add_argument("--replays", type=int, default=10)
+    ap.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 32, 128])
+    args = ap.parse_args()
+    pc.import_glmc()
+    import torch
+    fp8 = args.kv == "fp8"
+    info = {"device": torch.cuda.get_device_name(), "commit": args.commit, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "torch": torch.__version__, "ctx": args.ctx, "kv": args.kv, "weights": args.kv}
+    model = pc.slice_model("cuda", torch.bfloat16, seed=0)
+    with torch.no_grad():
+        for n, b in model.named_buffers():
+            if n.endswith("e_score_correction_bias"):
+                b.zero_()
+    weights, stacks = pc.glmc_weights(model)
+    B_max, ctx = max(args.batches), args.ctx
+    plan = pc.glmc_plan(model, B_max, "bfloat16", fp8=fp8, kv_dtype=args.kv)
+    runner = pc.gpu_runner(plan, weights, "cuda", B_max, ctx + 64, stacks=stacks)
+    del model
+    table = pc.req_table(B_max, (ctx + 64) // 64)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, plan.config.vocab_size, (ctx,), generator=g).tolist() for _ in range(B_max)]
+    pc.prefill(runner, prompts, table, group=max(1, 16384 // ctx))
+    runner.capture(args.batches)
+    res = {}
+    for B in args.batches:
+        nxt = torch.randint(0, plan.config.vocab_size, (B,), generator=g).tolist()
+        batch = pc.decode_batch([p + [t] for p, t in zip(prompts[:B], nxt)], table)
+        runner.forward("decode", batch)
+        r = summarise(op_kernels(runner, batch), graph_trace(runner.captured[B], args.replays))
+        r["replay_ms"] = db.bench_ms(runner.captured[B].graph.replay, graph=False)
+        r["host_step_ms"] = host_step_ms(runner, batch)
+        res[B] = r
+        print(f"\nB={B}: replay {r['replay_ms']:.3f} ms, host step {r['host_step_ms']:.3f} ms, traced span "
+              f"{r['span_us']:.1f} us = busy {r['busy_us']:.1f} + gaps {r['gap_us']:.1f} over {r['kernels']} kernels"
+              f" (ops' kernels found in the graph: {r['aligned']}, {r['op_kernels']} of them)")
+        for o in r["ops"]:
+            print(f"  {o['op'][:56]:56s} {o['kernels']:3d} k {o['us']:8.1f} us  gaps {o['gap_us']:6.1f}")
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"step_trace_{args.kv}_{time.strftime('%Y-%m-%d')}.json").write_text(
+        json.dumps({"info": info, "batches": res}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
