@@ -98,7 +98,11 @@ class MoeSwigluReduceCtx:
 
 ALIGN_ROWS = 1024          # routed rows up to which one moe_align program sorts them (decode: T <= 128 at top-8)
 ALIGN_MAX_EXPERTS = 256    # ... over at most this many local experts, at block_m SPLIT_BLOCK_M; else torch ops
-ALIGN_CHUNK = 64           # ... in chunks of this many rows
+# moe_align's (rows per chunk, warps) by routed rows, from bench/glue_micro.py on an H200 (2026-12-02,
+# top-8 of 256 experts), us for the chosen tile / the first kernel's (64, 8) / the torch ops:
+# 8 rows 6.5 (32, 4) / 10.9 / 61.3; 64 rows 9.6 (32, 4) / 11.4 / 63.5; 256 rows 25.3 (128, 4) / 38.2 /
+# 87.1; 1024 rows 73.8 (128, 4) / 115.3 / 96.6; 2048 rows 138.1 / 218.1 / 99.8 (past ALIGN_ROWS: torch).
+ALIGN_TILES = ((64, 32, 4), (ALIGN_ROWS, 128, 4))   # (up to this many rows, chunk, warps)
 
 
 @dataclass(frozen=True)
@@ -114,8 +118,10 @@ class MoeAlignCtx:
     num_warps: int
 
     @classmethod
-    def make(cls, block_m, rows=ALIGN_CHUNK, num_warps=8):
-        return cls(int(block_m), int(rows), ALIGN_MAX_EXPERTS, 128, 256, num_warps)
+    def make(cls, block_m, rows=None, num_warps=None, num_rows=1):
+        """`rows`, `num_warps`: ALIGN_TILES' choice for `num_rows` routed rows unless given."""
+        _, chunk, warps = next((t for t in ALIGN_TILES if num_rows <= t[0]), ALIGN_TILES[-1])
+        return cls(int(block_m), int(rows or chunk), ALIGN_MAX_EXPERTS, 128, 256, int(num_warps or warps))
 
 
 @dataclass(frozen=True)
@@ -134,7 +140,7 @@ class MoeCombineCtx:
 
 def glue_variants(hidden, top_k) -> list:
     """The sort and combine kernels around the expert stages, as `variants` lists them."""
-    return [MoeAlignCtx.make(SPLIT_BLOCK_M), MoeCombineCtx.make(hidden, top_k)]
+    return [MoeAlignCtx.make(SPLIT_BLOCK_M, num_rows=n) for n, _, _ in ALIGN_TILES] + [MoeCombineCtx.make(hidden, top_k)]
 
 
 BLOCK_MS = (16, 32, 64)  # the row-block classes `block_m_for` picks from
@@ -165,7 +171,7 @@ def align_rows(ids, num_experts, block_m, expert_offset=0, lib: KernelLibrary | 
     if lib is not None and n <= ALIGN_ROWS and num_experts <= ALIGN_MAX_EXPERTS and block_m == SPLIT_BLOCK_M:
         sorted_rows = torch.empty(nb * block_m, dtype=torch.int32, device=ids.device)
         block_expert = torch.empty(nb, dtype=torch.int32, device=ids.device)
-        ctx = MoeAlignCtx.make(block_m)
+        ctx = MoeAlignCtx.make(block_m, num_rows=n)
         lib(ctx)[(1,)](ids if ids.is_contiguous() else ids.contiguous(), sorted_rows, block_expert, n, nb,
                        num_experts, expert_offset, num_warps=ctx.num_warps)
         return sorted_rows, block_expert

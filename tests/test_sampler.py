@@ -161,7 +161,7 @@ def test_split_greedy_argmax_matches_the_sampler(num_splits):
     """tt.sample_greedy splits each row over programs (argmax.py.j2; 5 splits of 2048 ids leave two
     empty): the same ids as torch_ref's sampler, ties across splits going to the lowest id, a row of
     -inf giving 0; NaN is never chosen, as by the one-program Triton sampler (torch's argmax would
-    pick it); the done-counters are back at 0 for the next launch (the second call)."""
+    pick it)."""
     V = 3 * 2048 + 77
     logits = torch.randn(6, V, generator=torch.Generator().manual_seed(3))
     logits[1, [5, 2048 + 7, 3 * 2048 + 70]] = 50.0          # one tie per split: id 5 wins

@@ -97,7 +97,7 @@ def test_align_rows_pads_each_expert_to_whole_blocks():
     assert block_expert.tolist() == [0, 1, 3, 3] + [-1] * (nb - 4)
 
 
-# rows up to ALIGN_ROWS (1024): one moe_align program, in chunks of ALIGN_CHUNK (64) rows; up to 256 local experts; global ids in [0, id_range),
+# rows up to ALIGN_ROWS (1024): one moe_align program, in chunks of 32 (<= 64 rows) or 128 rows; up to 256 local experts; global ids in [0, id_range),
 # this rank holding [offset, offset + E) (EP: the other rows are dropped); int32 and int64 ids
 @pytest.mark.parametrize("T,k,E,offset,id_range,skew", [
     (1, 8, 256, 0, 256, False), (1, 8, 32, 64, 256, False), (3, 2, 6, 0, 6, True), (8, 8, 256, 0, 256, False),
