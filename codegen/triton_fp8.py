@@ -9,8 +9,8 @@ activations quantised per token per 128 columns) and runs as
 2. `fp8_block_gemm.py.j2`: one output tile per program; per 128-wide K block, one FP8 tensor-core dot
    (exact products, fp32 sums), scaled by the token's and the weight block's scales, accumulated in fp32.
    Split-K where the output tiles are too few to fill the GPU (decode: M = 1..128 rows): each program
-   sums a range of K blocks into an fp32 partial, and the last split of a tile to finish (a done-counter
-   per tile) adds the partials in split order (deterministic) and stores the tile: one launch.
+   sums a range of K blocks into an fp32 partial, and
+3. `fp8_split_reduce.py.j2` adds the partials in split order (deterministic: no atomics).
 
 Tiles come from a row class (decode / mid / prefill: one kernel each, `Fp8BlockGemmCtx.variants`, so the
 plan holds every kernel serving can launch); the split count is a run-time argument chosen per launch
@@ -125,8 +125,20 @@ class Fp8BlockGemmCtx:
     @classmethod
     def variants(cls, n, k) -> list:
         """Every kernel `fp8_block_gemm` launches by default for this weight: one per row class (the
-        split count is a run-time argument)."""
-        return [cls.make(n, k, rows) for rows in class_rows()]
+        split count is a run-time argument) and the split reduction."""
+        return [cls.make(n, k, rows) for rows in class_rows()] + [Fp8SplitReduceCtx.make()]
+
+
+@dataclass(frozen=True)
+class Fp8SplitReduceCtx:
+    """fp8_split_reduce.py.j2: one (row, `block` columns) per program; one kernel for every shape."""
+    template: ClassVar[str] = "fp8_split_reduce"
+    block: int
+    num_warps: int
+
+    @classmethod
+    def make(cls):
+        return cls(512, 4)
 
 
 # ----------------------------------------------------------------------------- launches
@@ -163,14 +175,14 @@ def fp8_block_gemm(xq, xs, wq, ws, out_dtype=torch.bfloat16, lib: KernelLibrary 
         raise ValueError(f"fp8_block_gemm: out {tuple(y.shape)} / {y.stride()} is not a [{m}, {n}] row-major view")
     if not m:
         return y
-    # one split: the kernel stores y and never touches `part` or `count` (xs, an fp32 device tensor,
-    # stands in); more: fp32 partials and a zeroed done-counter per output tile
-    tiles = -(-m // ctx.block_m) * ctx.n_tiles
+    # one split: the kernel stores y and never touches `part` (xs, an fp32 device tensor, stands in)
     part = torch.empty(splits, m, n, dtype=torch.float32, device=xq.device) if splits > 1 else xs
-    count = torch.zeros(tiles, dtype=torch.int32, device=xq.device) if splits > 1 else xs
-    lib(ctx)[(tiles, splits)](
-        xq, xq.stride(0), xs, xs.stride(0), wq, wq.stride(0), ws, ws.stride(0), y, y.stride(0), part, count, m,
+    lib(ctx)[(-(-m // ctx.block_m) * ctx.n_tiles, splits)](
+        xq, xq.stride(0), xs, xs.stride(0), wq, wq.stride(0), ws, ws.stride(0), y, y.stride(0), part, m,
         splits, -(-ctx.k_blocks // splits), num_warps=ctx.num_warps, num_stages=ctx.num_stages)
+    if splits > 1:
+        red = Fp8SplitReduceCtx.make()
+        lib(red)[(m, -(-n // red.block))](part, y, y.stride(0), m, n, splits, num_warps=red.num_warps)
     return y
 
 

@@ -115,12 +115,6 @@ FP8_TILE_CLASSES = ((16, 16, 128), (255, 64, 64), (None, 64, 128))
 FP8_SPLIT_MIN_WAVES, FP8_SPLIT_MIN_K_BLOCKS, FP8_MAX_SPLITS = 3, 2, 64
 
 
-def fp8_gemm_tiles(rows: int, n: int) -> int:
-    """Output tiles (programs per split) of triton_fp8.fp8_block_gemm's default tiles."""
-    block_m, block_n = next((bm, bn) for top, bm, bn in FP8_TILE_CLASSES if top is None or rows <= top)
-    return -(-rows // block_m) * -(-n // block_n)
-
-
 def fp8_gemm_splits(rows: int, n: int, k: int, num_sms: int) -> int:
     """triton_fp8.default_config's split count for an [rows, k] x [n, k] block-FP8 GEMM."""
     block_m, block_n = next((bm, bn) for top, bm, bn in FP8_TILE_CLASSES if top is None or rows <= top)
@@ -172,8 +166,8 @@ def parts_mm(s: Step, rows: int, cols: int, width: int, plain: list[int], fp8: l
         s.free(s.tmp(rows * r, s.t.act))
     for n in fp8:
         splits = fp8_gemm_splits(rows, n, cols, s.t.num_sms)
-        if splits > 1:      # fp32 partials, a done-counter per output tile
-            s.free(s.tmp(splits * rows * n, 4), s.tmp(fp8_gemm_tiles(rows, n), 4))
+        if splits > 1:
+            s.free(s.tmp(splits * rows * n, 4))
     s.free(xq, xs)
     return y
 

@@ -69,23 +69,22 @@ def test_split_k_matches_the_unsplit_kernel_and_the_reference(m, splits, used):
     assert torch.equal(split, tf.fp8_block_gemm(xq, xs, wq, ws, torch.float32, splits=splits))
 
 
-def test_split_k_adds_every_split_in_order():
-    """The last split of a tile sums the partials in split order: K blocks whose partials are 1, 1e8,
-    -1e8, 2, 4 (one e4m3 1.0 per block times its block scale), where fp32 in split order gives 6
-    (1 + 1e8 rounds to 1e8) and another order, a dropped or a repeated split would not; written into
-    a column slice of a wider output, leaving the other columns alone; a second launch gives the same."""
-    M, N, scales = 3, 40, [1.0, 1e8, -1e8, 2.0, 4.0]
-    wq = torch.zeros(N, 128 * len(scales))
-    wq[:, ::128] = 1.0
-    ws = torch.tensor([scales])
-    xq, xs = torch.ones(M, wq.shape[1]).to(torch.float8_e4m3fn), torch.ones(M, len(scales))
-    for _ in range(2):
-        y = torch.zeros(M, N + 8)
-        tf.fp8_block_gemm(xq, xs, wq.to(torch.float8_e4m3fn), ws, torch.float32, out=y[:, 4:N + 4], splits=5)
-        assert torch.equal(y[:, 4:N + 4], torch.full((M, N), 6.0))
-        assert not y[:, :4].any() and not y[:, N + 4:].any()
-    one = tf.fp8_block_gemm(xq, xs, wq.to(torch.float8_e4m3fn), ws, torch.float32, splits=1)
-    assert torch.equal(one, torch.full((M, N), 6.0))
+def test_split_reduction_adds_every_split_in_order():
+    """fp8_split_reduce alone: part[s] = 2^s (distinct bits per split, so a dropped or repeated split
+    shows), plus 1e8 then -1e8 in splits 1 and 2, where fp32 in split order loses split 0's 1
+    (1 + 1e8 rounds to 1e8) and another order would not; written into a column slice of a wider
+    output, leaving the other columns alone."""
+    S, M, N = 5, 3, 40
+    part = torch.stack([torch.full((M, N), 2.0 ** s) for s in range(S)])
+    part[1, 0, 0], part[2, 0, 0] = 1e8, -1e8
+    y = torch.zeros(M, N + 8)
+    red = tf.Fp8SplitReduceCtx.make()
+    tf.JIT(red)[(M, -(-N // red.block))](part, y[:, 4:], y.stride(0), M, N, S, num_warps=red.num_warps)
+    want = torch.zeros(M, N)
+    for s in range(S):
+        want += part[s]
+    assert torch.equal(y[:, 4:N + 4], want) and float(want[0, 0]) == 8 + 16
+    assert not y[:, :4].any() and not y[:, N + 4:].any()
 
 
 def test_default_splits_fill_the_gpu_and_stop_when_tiles_do():
@@ -102,14 +101,14 @@ def test_default_splits_fill_the_gpu_and_stop_when_tiles_do():
 
 def test_variants_cover_every_launch_of_the_glm53_plan():
     """Every context `fp8_block_gemm` builds by default for the FP8 GEMMs of GLM-5.3 (tp1 and tp8) at
-    any row count up to 16k is one the plan's kernel set lists: serving
+    any row count up to 16k, and the split reduction, is one the plan's kernel set lists: serving
     never compiles a kernel the start-up did not."""
     from compile_util import plan as compiled
     from glmc.codegen.kernel_set import plan_kernels
     for parallel in ("tp1", "tp8"):
         listed = set(plan_kernels(compiled("glm_moe_dsa", parallel, device="cuda")).values())
         gemms = {(c.n, c.k) for c in listed if c.template == "fp8_block_gemm"}
-        assert len(gemms) >= 8
+        assert len(gemms) >= 8 and tf.Fp8SplitReduceCtx.make() in listed
         rows = sorted({*range(1, 300), *(2 ** i + d for i in range(8, 15) for d in (-1, 0, 1))})
         assert all(tf.Fp8BlockGemmCtx.make(n, k, m) in listed for n, k in gemms for m in rows)
 
@@ -125,7 +124,7 @@ def test_launches_use_only_the_listed_variants():
     for m in (1, 17, 256, 300):
         got = tf.fp8_block_gemm(xq[:m], xs[:m], wq, ws, torch.float32, lib=lib)
         torch.testing.assert_close(got, want[:m], rtol=1e-5, atol=1e-5)
-    assert sorted(p.stem.rsplit("_", 1)[0] for p in lib.loaded()) == ["fp8_block_gemm"] * 3
+    assert sorted(p.stem.rsplit("_", 1)[0] for p in lib.loaded()) == ["fp8_block_gemm"] * 3 + ["fp8_split_reduce"]
 
 
 def test_fp8_linear_in_bf16_and_bad_shapes():
@@ -158,11 +157,12 @@ def test_sources_are_specialised():
     check(render(ctx.template, ctx), "tl.arange(0, 16)", "tl.minimum(kb0 + split_blocks, 16)",
           "a = tl.load(a_ptrs + kb * 128, mask=mm[:, None]", "tl.dot(a, tl.trans(b))", "(pid_n * 128 // 128)",
           "if splits == 1:", "part_ptr + rows[:, None] * 6144")
-    assert [(c.block_m, c.block_n) for c in tf.Fp8BlockGemmCtx.variants(6144, 2048)] == [(16, 128), (64, 64),
+    assert [(c.block_m, c.block_n) for c in tf.Fp8BlockGemmCtx.variants(6144, 2048)[:-1]] == [(16, 128), (64, 64),
                                                                                                 (64, 128)]
     wide = tf.Fp8BlockGemmCtx.make(6144, 300, 4096, block_n=256)
     check(render(wide.template, wide), "km = kb * 128 + rk < 300", "(rn // 128) * ws_stride")
-    check(render(ctx.template, ctx), "tl.atomic_add(count_ptr + pid, 1", "for s in range(0, splits)")
+    check(render("fp8_split_reduce", tf.Fp8SplitReduceCtx.make()), "for s in range(0, splits)",
+          "(s * M + m).to(tl.int64) * N")
     check(render("fp8_quant_tokens", tf.Fp8QuantTokensCtx.make(6144)), "12582912.0", "c < 6144", "tl.float8e4nv")
 
 
