@@ -110,6 +110,10 @@ def test_in_flight_requests_finish_in_the_grace_period_and_a_second_signal_exits
 
 @pytest.mark.parametrize("parallel", ["tp1", "tp2"])
 def test_start_up_interrupted_cleanly(tmp_path, cache, parallel):
+    """Ctrl-C while `glmc run` starts (tp1: once it compiles; tp2: 2 s after its ranks exist): exit
+    130 with every rank gone, no traceback; a start-up that finished just before the signal (glmc-tiny
+    starts in ~1 s on an idle host) stops as a server does, status 0. (Known: a Ctrl-C within
+    moments of the tp2 ranks' spawn can hang glmc run; see bench/NOTES.md, session 12.)"""
     log = tmp_path / "log"
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "glmc.cli", "run", "--parallel", parallel,
@@ -122,7 +126,11 @@ def test_start_up_interrupted_cleanly(tmp_path, cache, parallel):
             while len(descendants(proc.pid)) < ranks:  # the ranks exist (importing, building)
                 assert time.monotonic() < deadline and proc.poll() is None, log.read_text()
                 time.sleep(0.1)
-            time.sleep(2)
+            if ranks:
+                time.sleep(2)
+            while "compiling" not in log.read_text():  # tp1: start-up is under way (it lasts ~1 s here)
+                assert time.monotonic() < deadline and proc.poll() is None, log.read_text()
+                time.sleep(0.02)
             started = descendants(proc.pid)
             os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C in a terminal: the whole group
             t0 = time.monotonic()
@@ -136,9 +144,12 @@ def test_start_up_interrupted_cleanly(tmp_path, cache, parallel):
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
     text = log.read_text()
-    assert proc.returncode == 130 and took < 10, text[-3000:]
     assert "died" not in text and "Traceback" not in text and "KeyboardInterrupt" not in text
-    assert "glmc run: interrupted" in text, text[-3000:]
+    assert took < 10, text[-3000:]
+    if "Started server process" in text:      # start-up had just ended: the server's clean stop
+        assert proc.returncode == 0 and "glmc: stopped serving" in text, text[-3000:]
+    else:
+        assert proc.returncode == 130 and "glmc run: interrupted" in text, text[-3000:]
 
 
 def test_interrupt_inside_generated_code_still_exits_130(tmp_path):
