@@ -57,6 +57,10 @@ def topk_select_passes(row_len: int, k: int, chunk: int = TOPK_CHUNK) -> int:
 
 _ADD_RMS_TORCH = 8          # torch_ref.add_rms_norm: add, cast, pow, mean, add, rsqrt, mul, mul
 _ALIGN_ROWS = 36            # triton_moe.align_rows (aten ops, scalar wrappers excluded)
+# triton_moe's (copied; tests/test_predict.py checks them): up to ALIGN_ROWS routed rows over up to
+# ALIGN_MAX_EXPERTS local experts at the decode row block (< ALIGN_ROWS_PER_EXPERT rows per expert),
+# one moe_align kernel sorts them instead of align_rows' torch ops
+ALIGN_ROWS, ALIGN_MAX_EXPERTS, ALIGN_ROWS_PER_EXPERT = 1024, 256, 32
 
 LAUNCHES: dict[str, Launches] = {
     # no kernel: views, inputs, ops lowered away before codegen
@@ -75,8 +79,9 @@ LAUNCHES: dict[str, Launches] = {
     "attn.sparse_mla": Launches(4, 1, gemms=2), "attn.mla_mha": Launches(4, 1, gemms=2),
     "moe.gate": Launches(1, 1, gemms=1),                            # fp32 cast, fp32 GEMM (cuBLAS gemv)
     "moe.topk": Launches(1),                                        # the router kernel
-    # align_rows; gate/up and down kernels; weights cast, local mask (3), where, sum, cast
-    "moe.experts": Launches(2, _ALIGN_ROWS + 7),
+    # align_rows' torch ops (decode sizes: the moe_align kernel, `launches`); gate/up, down and combine
+    # kernels; the cast to the activations' dtype
+    "moe.experts": Launches(3, _ALIGN_ROWS + 1),
     "elt.add": Launches(torch_ops=1), "tensor.concat": Launches(torch_ops=1),
     "tensor.select_last": Launches(torch_ops=1),
     "sample.tokens": Launches(1, 1),                                # the done-counters memset, the split argmax
@@ -97,12 +102,19 @@ P2P_KINDS = frozenset({"comm.all_reduce", "comm.reduce_scatter", "comm.all_gathe
                        "fused.reduce_scatter_add_rms", "moe.dispatch", "moe.combine"})
 
 
-def launches(kind: str, attrs: dict, p2p: bool = False) -> Launches:
+def launches(kind: str, attrs: dict, p2p: bool = False, routed_rows: float | None = None) -> Launches:
     """LAUNCHES[kind], with what depends on attributes: a vocab-parallel embedding masks its rows,
     a collective along a dim other than 0 concatenates its chunks; `p2p`: a collective run by the
     one-shot peer-memory kernel (one Triton launch, a fused add + RMSNorm in it; no NCCL call; its
-    time, launch included, is the collective's: `glmc.calibration.p2p_collective_seconds`)."""
+    time, launch included, is the collective's: `glmc.calibration.p2p_collective_seconds`);
+    `routed_rows`: the (token, slot) rows a `moe.experts` sorts (its ids' numel), whose count
+    decides between the moe_align kernel and the torch ops."""
     base = LAUNCHES[kind]
+    if kind == "moe.experts" and routed_rows is not None:
+        experts = int(attrs.get("experts", 0)) // int(attrs.get("ep", 1))
+        if routed_rows <= ALIGN_ROWS and experts <= ALIGN_MAX_EXPERTS \
+                and routed_rows < ALIGN_ROWS_PER_EXPERT * max(1, experts):
+            return Launches(base.kernels + 1, base.torch_ops - _ALIGN_ROWS, base.collectives, base.gemms)
     if p2p and kind in ("moe.dispatch", "moe.combine"):    # its torch ops stay; the exchange is the kernel
         return Launches(base.kernels, base.torch_ops, (), base.gemms)
     if p2p and kind in P2P_KINDS:

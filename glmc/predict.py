@@ -102,7 +102,11 @@ def op_seconds(op, graph, env: dict, dtypes, cal: dict, weight_bytes: dict) -> d
         inter = int(op.attr("inter")) // int(op.attr("moe_tp", 1))
         hbm += moe_workspace_bytes(pairs, int(op.attr("hidden")), inter, DTYPE_BYTES[dtypes.activation])
     p2p = runs_p2p(op, cost.message_bytes)          # the plan's one-shot kernel
-    launch = launches(op.kind, dict(op.attrs), p2p)
+    sorted_rows = None
+    if op.kind == "moe.experts":                    # every (token, slot) of its ids is sorted
+        ids = graph.type_of(op.operands[2]).shape
+        sorted_rows = ids[0].eval(env) * ids[1].eval(env)
+    launch = launches(op.kind, dict(op.attrs), p2p, sorted_rows)
     size = int(op.attr("size", 1))
     kind = "all_to_all" if cost.comm in ("dispatch", "combine") else cost.comm
     comm = p2p_collective_seconds(cal, kind, cost.message_bytes, size) if p2p else 0.0

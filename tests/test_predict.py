@@ -186,16 +186,20 @@ def test_the_slice_lands_near_its_measured_steps():
 def launches_as_measured(monkeypatch):
     """The launch counts of the code the recorded 2-GPU runs (2026-11-30) measured: each attention op
     then gathered its top-k's KV slots in 7 torch ops (the select writes them since 2026-12-02), and
-    the select's pos + 1 was not counted, and the greedy sampler made its 6 parameter tensors in 10
-    torch ops (one split argmax launch and a memset since 2026-12-02). Predictions of those runs are
-    checked with that code's counts."""
+    the select's pos + 1 was not counted, the greedy sampler made its 6 parameter tensors in 10
+    torch ops (one split argmax launch and a memset since 2026-12-02), and the MoE experts sorted
+    their rows and summed their slots in torch ops at any row count (the moe_align kernel took <= 64
+    rows from 2026-12-01 and <= 1024 from 2026-12-02; moe_combine summed from 2026-12-01).
+    Predictions of those runs are checked with that code's counts."""
     from glmc.codegen import cuda_kernels
     from glmc.codegen.cuda_kernels import Launches
     table = dict(cuda_kernels.LAUNCHES, **{k: Launches(4, 8, gemms=2) for k in
                                            ("attn.mla_absorbed", "attn.sparse_mla", "attn.mla_mha")})
     table["idx.topk"] = Launches(2, 2)
     table["sample.tokens"] = Launches(1, 10)
+    table["moe.experts"] = Launches(2, cuda_kernels._ALIGN_ROWS + 7)     # torch sort and combine, any rows
     monkeypatch.setattr(cuda_kernels, "LAUNCHES", table)
+    monkeypatch.setattr(cuda_kernels, "ALIGN_ROWS", 0)
 
 
 def test_every_spec_bench_row_within_20_percent(launches_as_measured):
@@ -264,3 +268,18 @@ def test_every_multi_gpu_check_row_within_20_percent(tmp_path, launches_as_measu
     assert len(rows) == 10
     outside = [f"{r['name']}: {r['ratio']:.2f}" for r in rows if abs(r["ratio"] - 1) > 0.2]
     assert not outside, outside
+
+
+def test_the_cost_model_knows_where_the_moe_align_kernel_runs():
+    """cuda_kernels copies triton_moe's moe_align limits; below them a MoE step is the kernel's
+    launch, above (or without a row count) align_rows' 36 torch ops."""
+    from glmc.codegen import cuda_kernels as ck
+    from glmc.codegen import triton_moe
+    assert (ck.ALIGN_ROWS, ck.ALIGN_MAX_EXPERTS) == (triton_moe.ALIGN_ROWS, triton_moe.ALIGN_MAX_EXPERTS)
+    assert triton_moe.block_m_for(ck.ALIGN_ROWS_PER_EXPERT * 8 - 1, 8) == triton_moe.SPLIT_BLOCK_M
+    assert triton_moe.block_m_for(ck.ALIGN_ROWS_PER_EXPERT * 8, 8) != triton_moe.SPLIT_BLOCK_M
+    glm = {"experts": 256, "ep": 1}
+    torch_ops = ck.launches("moe.experts", glm)
+    assert ck.launches("moe.experts", glm, routed_rows=1024) == ck.Launches(torch_ops.kernels + 1, torch_ops.torch_ops - 36)
+    assert ck.launches("moe.experts", glm, routed_rows=1032) == torch_ops
+    assert ck.launches("moe.experts", {"experts": 8}, routed_rows=512) == torch_ops      # 64 rows per expert
