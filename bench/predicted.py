@@ -11,7 +11,9 @@ TOLERANCE = 0.20     # issue 9: the prediction within 20% of the measured step f
 
 
 def runner_dtypes(plan):
-    """The plan's dtypes as the runner allocates them: everything in the compute dtype."""
+    """The plan's dtypes as the runner of the recorded 2026-11-30 runs allocated them (the runs
+    predict_check and tests/test_predict.py compare against): everything in the compute dtype. Since
+    2026-12-01 the CUDA runner stores FP8 weights and caches FP8, as the plan's dtypes say."""
     act = plan.dtypes.activation
     return plan.dtypes.model_copy(update={"weight": act, "kv_cache": act, "index_cache": act})
 

@@ -198,7 +198,7 @@ def assumptions(plan, cal: dict, context: int, buckets: list) -> list[str]:
             (f"routing uniform at random and balanced: each token picks {cfg.num_experts_per_tok} of "
              f"{cfg.n_routed_experts} experts; a rank reads the experts some token of the step picks (expected)"),
             (f"the plan's dtypes: weights {d.weight}, activations {d.activation}, KV {d.kv_cache}, "
-             f"indexer cache {d.index_cache} (today's runtime holds weights and caches in the compute dtype)"),
+             f"indexer cache {d.index_cache}, as the CUDA runner allocates them"),
             ("no MTP: one token per request per step, TPOT = step time; host work (scheduling, sampling "
              "read-back, HTTP) not included")]
     for n in sizes:
