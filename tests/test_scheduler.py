@@ -208,7 +208,8 @@ def test_retraction_same_greedy_output(ckpt):
 
 def test_abort_mid_generation_frees_pages(ckpt):
     e = engine(ckpt, enable_prefix_cache=False)
-    a, b = (e.make_request(p, SamplingParams(max_tokens=30)) for p in prompts(100, 20))
+    # ignore_eos: sampled at temperature 1 from an unseeded draw, a could otherwise stop before the abort
+    a, b = (e.make_request(p, SamplingParams(max_tokens=30, ignore_eos=True)) for p in prompts(100, 20))
     e.submit(a), e.submit(b)
     for _ in range(4):
         e.step()
