@@ -215,7 +215,10 @@ class SparseMlaDecodeCtx:
     """sparse_mla_decode.py.j2: absorbed MLA split-K partials over top-k slots (or causal positions).
     The split count is a run-time argument (`mla_num_splits`), so one kernel serves every batch of
     its token class: < 32 tokens or >= 32 with >= 64 heads (wider tiles), head-major; FP8 rows
-    scaled per gathered tile into fp16 operands. Key-major and per-group FP8 forms stay for sweeps."""
+    scaled per gathered tile into fp16 operands. The key-major and per-group FP8 forms stay for
+    `bench/mla_tiles_sweep.py`: the sweep that rejected them had 64 heads on the GPU, and a rank of
+    a tensor-parallel plan holds 8 (tp8), where a head-major tile pads the MMA's 16 rows with heads
+    it does not have and key-major puts keys there instead; they are still to be swept at 8 heads."""
     template: ClassVar[str] = "sparse_mla_decode"
     num_heads: int
     kv_lora: int
