@@ -213,9 +213,8 @@ def _topk(op, args, ctx: CudaStepContext):
     instead of the positions: this target's only readers of a top-k are the attention ops, which
     read KV rows by slot (the torch target's value is the positions; the IR's type is the same)."""
     q, w, layer = args
-    heads = int(op.attr("heads"))
     scores = tt.indexer_scores(q, w, ctx.pool.index_k[layer], ctx.r2t, ctx.rows, ctx.pos, ctx.max_len,
-                               lib=ctx.kernels, w_scale=heads ** -0.5)
+                               lib=ctx.kernels, w_scale=ref.index_head_scale(op))
     return tt.topk_select(scores, ctx.pos + 1, int(op.attr("k")), TOPK_CHUNK, ctx.kernels,
                           slots_of=(ctx.r2t, ctx.rows))
 

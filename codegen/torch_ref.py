@@ -138,6 +138,13 @@ def topk_lowest_first(scores, k):
     return scores.sort(dim=-1, descending=True, stable=True).indices[..., :k]
 
 
+def index_head_scale(op) -> float:
+    """HF's scaling of the indexer's head weights (weights_proj's output), heads^-0.5, for an
+    `idx.topk` op: what every target multiplies them by (the torch target before `indexer_topk`,
+    the CUDA target and its kernel set in the scores kernel)."""
+    return int(op.attr("heads")) ** -0.5
+
+
 def indexer_topk(q_idx, weights, pool: KVPool, layer, batch: ForwardBatch, topk):
     """I(t,s) = sum_h w_h(t) relu(q_h(t).k(s) Di^-0.5) over s <= pos(t); top-k POSITIONS, -1 padded.
 

@@ -141,8 +141,7 @@ def _qkv_fused(op, args, ctx: StepContext):
 @impl("idx.topk")
 def _topk(op, args, ctx: StepContext):
     q, w, layer = args
-    heads = int(op.attr("heads"))
-    return ref.indexer_topk(q, w.float() * heads ** -0.5, ctx.pool, layer, ctx.batch, int(op.attr("k")))
+    return ref.indexer_topk(q, w.float() * ref.index_head_scale(op), ctx.pool, layer, ctx.batch, int(op.attr("k")))
 
 
 @impl("attn.mla_mha", "attn.mla_absorbed", "attn.sparse_mla")
