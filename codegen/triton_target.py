@@ -20,17 +20,17 @@ import torch
 from glmc.codegen import torch_ref as ref
 from glmc.codegen import fp8_ref
 from glmc.codegen.triton_contexts import (  # noqa: F401  (re-exported)
+    ArgmaxCtx,
     IndexerScoresCtx,
     MlaCombineCtx,
     MoeRouterCtx,
     QkvNormRopeWriteCtx,
     RmsNormCtx,
     RopeCtx,
-    ArgmaxCtx,
     SampleCtx,
-    argmax_splits,
     SparseMlaDecodeCtx,
     TopkSelectCtx,
+    argmax_splits,
     mla_num_splits,
 )
 from glmc.codegen.triton_render import (  # noqa: F401  (re-exported)
