@@ -203,10 +203,10 @@ MAX_SPLITS = 64  # flash-decoding splits of one (token, head block) at most: the
 
 
 def mla_num_splits(num_tokens: int, num_heads: int, block_h: int, num_keys: int, block_n: int,
-                   num_sms: int) -> int:
+                   num_sms: int, v_parts: int = 1) -> int:
     """Flash-decoding split count (a launch parameter, not part of a kernel's source): enough
     programs for ~2 waves of the GPU, >= 2 key blocks per split, at most MAX_SPLITS."""
-    programs = num_tokens * -(-num_heads // block_h)
+    programs = num_tokens * -(-num_heads // block_h) * v_parts
     return max(1, min(-(-2 * num_sms // programs), num_keys // (2 * block_n), MAX_SPLITS))
 
 
@@ -236,10 +236,11 @@ class SparseMlaDecodeCtx:
     kv_fp8: bool = False   # FlashMLA FP8 rows: c_kv e4m3 with one fp32 scale per `group` values
     group: int = FP8_GROUP
     dequant: bool = False  # FP8 rows: scale each gathered tile once (one dot over kv_lora), not per group
+    v_parts: int = 1       # programs per head block, each accumulating kv_lora / v_parts output columns
 
     @classmethod
     def make(cls, num_heads, kv_lora, rope_dim, topk, scale, dtype, num_tokens, block_h=None, block_n=None,
-             num_warps=None, num_stages=None, key_major=None, kv_fp8=False, dot16=None, dequant=None):
+             num_warps=None, num_stages=None, key_major=None, kv_fp8=False, dot16=None, dequant=None, v_parts=None):
         if kv_lora != next_pow2(kv_lora) or rope_dim != next_pow2(rope_dim):
             raise ValueError(f"sparse_mla_decode needs power-of-two kv_lora/rope dims, got {kv_lora}/{rope_dim}")
         # Sweep of 2026-12-02 on an H200 (bench/results/mla_tiles_sweep_h200_2026-12-02_dequant.json, 64
@@ -260,9 +261,14 @@ class SparseMlaDecodeCtx:
             block_h, block_n = block_h or 16, block_n or 32
             num_warps, num_stages = num_warps or 4, num_stages or (1 if kv_fp8 else 2)
         dot_dtype, precision = _DOT[torch.float16 if dot16 and kv_fp8 and dtype != torch.float32 else dtype]
+        v_parts = int(v_parts or 1)
+        if v_parts > 1 and (key_major or (kv_fp8 and not dequant) or v_parts != next_pow2(v_parts)
+                            or kv_lora // v_parts < (FP8_GROUP if kv_fp8 else 16)):
+            raise ValueError(f"sparse_mla_decode: v_parts={v_parts} needs head-major tiles, FP8 rows scaled per "
+                             f"tile, a power of two and parts of >= {FP8_GROUP if kv_fp8 else 16} of kv_lora {kv_lora}")
         return cls(num_heads, kv_lora, rope_dim, topk is not None, topk or 0, block_h, block_n, bool(key_major),
                    float(scale) * 1.4426950408889634, dot_dtype, precision, num_warps, num_stages, bool(kv_fp8),
-                   FP8_GROUP, bool(dequant and kv_fp8))
+                   FP8_GROUP, bool(dequant and kv_fp8), v_parts)
 
     @classmethod
     def variants(cls, num_heads, kv_lora, rope_dim, topk, scale, dtype, kv_fp8=False) -> list["SparseMlaDecodeCtx"]:

@@ -275,7 +275,7 @@ def sparse_mla_latent(q_lat, q_pe, kv_cache, req_to_token, rows, pos, topk, scal
     fp8 = kv_cache.dtype == torch.uint8
     ctx = SparseMlaDecodeCtx.make(H, R, q_pe.shape[-1], None if topk is None else topk.shape[1], scale,
                                   q_lat.dtype if fp8 else kv_cache.dtype, T, kv_fp8=fp8, **tiles)
-    S = num_splits or mla_num_splits(T, H, ctx.block_h, num_keys, ctx.block_n, _num_sms(dev))
+    S = num_splits or mla_num_splits(T, H, ctx.block_h, num_keys, ctx.block_n, _num_sms(dev), ctx.v_parts)
     o_part = torch.empty(T, H, S, R, dtype=torch.float32, device=dev)
     lse = torch.empty(T, H, S, dtype=torch.float32, device=dev)
     out = torch.empty(T, H, R, dtype=q_lat.dtype, device=dev)
@@ -286,7 +286,7 @@ def sparse_mla_latent(q_lat, q_pe, kv_cache, req_to_token, rows, pos, topk, scal
     if topk is not None:
         slots = topk_slots(topk, req_to_token, rows, pos) if slots is None else slots
         args += [slots, slots.stride(0)]
-    lib(ctx)[(-(-H // ctx.block_h), S, T)](*args, o_part, lse, num_warps=ctx.num_warps,
+    lib(ctx)[(-(-H // ctx.block_h) * ctx.v_parts, S, T)](*args, o_part, lse, num_warps=ctx.num_warps,
                                            num_stages=ctx.num_stages)
     cctx = MlaCombineCtx.make(H, R, S)
     lib(cctx)[(T, H)](o_part, lse, out, out.stride(0), out.stride(1), S, num_warps=cctx.num_warps)

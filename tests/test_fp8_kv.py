@@ -133,8 +133,9 @@ def test_sparse_mla_dequantises_in_registers(mode, prefix, extend, use_topk, spl
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("dequant,key_major", [(False, False), (True, False), (True, True)])
-def test_sparse_mla_over_scale_groups_and_short_contexts(dequant, key_major):
+@pytest.mark.parametrize("dequant,key_major,v_parts", [(False, False, 1), (True, False, 1), (True, True, 1),
+                                                      (True, False, 2)])
+def test_sparse_mla_over_scale_groups_and_short_contexts(dequant, key_major, v_parts):
     """Latent 256 = two FP8 scale groups, top-k 24 of contexts 5-40 (so most tokens select fewer
     than k keys: each splits only its own). Against fp32 softmax attention over the dequantised rows."""
     torch.manual_seed(0)
@@ -149,7 +150,8 @@ def test_sparse_mla_over_scale_groups_and_short_contexts(dequant, key_major):
     q_lat, q_pe = torch.randn(T, H, R2), torch.randn(T, H, DR2)
     r2t = torch.zeros(T, 1, dtype=torch.int64)
     got = tt.sparse_mla_latent(q_lat, q_pe, rows, r2t, torch.arange(T), pos, slots.long(), 0.1, slots=slots,
-                               num_splits=3, block_n=4, block_h=4, key_major=key_major, dequant=dequant)
+                               num_splits=3, block_n=4, block_h=4, key_major=key_major, dequant=dequant,
+                               v_parts=v_parts)
     for t in range(T):
         sel = slots[t][slots[t] >= 0].long()
         p = torch.softmax(0.1 * (q_lat[t] @ c_kv[sel].T + q_pe[t] @ k_pe[sel].T), -1)
@@ -237,7 +239,7 @@ def test_fp8_source_is_specialised_for_glm53():
     check(tt.render("qkv_norm_rope_write", plain), "dst + 512 + j", absent=("_e4m3_round", "kv_scale_ptr"))
     mla = tt.SparseMlaDecodeCtx.make(64, 512, 64, 2048, 1 / 16, torch.bfloat16, 1, kv_fp8=True)
     check(tt.render("sparse_mla_decode", mla), "kv_scale_ptr, kv_scale_stride, kv_pe_ptr",
-          "rq = tl.arange(0, 4)", "kv_scale_ptr + slot[:, None] * kv_scale_stride + rq[None, :]",
+          "rq = tl.arange(0, 4)", "kv_scale_ptr + slot[:, None] * kv_scale_stride + c0 // 128 + rq[None, :]",
           "tl.reshape(ck * sc.to(tl.bfloat16)[:, :, None], [32, 512])", "kv_pe_ptr + slot[:, None] * kv_pe_stride",
           absent=("+ 512 + dr", "sc3", "ckv1", "tl.float32) * sc"))
     grouped = tt.SparseMlaDecodeCtx.make(64, 512, 64, 2048, 1 / 16, torch.bfloat16, 1, kv_fp8=True, dequant=False)

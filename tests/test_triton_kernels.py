@@ -201,6 +201,14 @@ def test_sparse_mla(mode, prefix, extend, use_topk, splits, key_major):
     close(*sparse_mla_case(make_pool(), mode, prefix, extend, use_topk, splits, key_major), 1e-4)
 
 
+@pytest.mark.parametrize("v_parts", [2])
+def test_sparse_mla_latent_in_parts(v_parts):
+    """Each program accumulates kv_lora / v_parts output columns (scores still over all of them)."""
+    close(*sparse_mla_case(make_pool(), "decode", [4, 40, 16], [1, 1, 1], True, 3, False, v_parts=v_parts), 1e-4)
+    with pytest.raises(ValueError, match="v_parts=2 needs head-major"):
+        tt.SparseMlaDecodeCtx.make(4, R, DR, 16, 0.25, torch.float32, 1, key_major=True, v_parts=2)
+
+
 def sparse_mla_case(pool, mode, prefix, extend, use_topk, splits, key_major, **tiles):
     """(the Triton sparse MLA's output, torch_ref's) on random queries over `pool`'s layer 0."""
     H, dn, dv = 4, 16, 8
