@@ -8,6 +8,9 @@ stages) is fastest, against the plan's default (`SparseMlaDecodeCtx.make`).
     python bench/mla_tiles_sweep.py --out-dir $OUT --dequant --tokens 1,8,32,128 --contexts 1024,2048
         # FP8 rows scaled once per gathered tile (one dot over the latent dim) against the per-group
         # kernel, head- and key-major, 16-64 heads, 1-2 stages; contexts below k select fewer keys
+    python bench/mla_tiles_sweep.py --out-dir $OUT --parts --tokens 1,128 --contexts 1024,2048
+        # the latent output in v_parts 1/2/4 column parts per head block (a smaller accumulator, fewer
+        # spills) x head-major tiles x stages, FP8 rows scaled per tile and bf16; at T < 32 also split counts
 
 Each row records the compiled binary's registers and spills (Triton's n_regs / n_spills).
 """
@@ -31,6 +34,7 @@ def main():
     ap.add_argument("--budget", type=float, default=200)
     ap.add_argument("--focus", action="store_true", help="FP8 rows: best tiles x dot16 x split counts")
     ap.add_argument("--dequant", action="store_true", help="FP8 rows: per-tile scaling vs per-group dots")
+    ap.add_argument("--parts", action="store_true", help="v_parts 1/2/4 x head-major tiles, FP8 and bf16")
     ap.add_argument("--contexts", default="2048", help="token positions + 1 (2048 and up: all k keys)")
     a = ap.parse_args()
     pc.import_glmc()
@@ -60,7 +64,9 @@ def main():
                 return tt.sparse_mla_latent(q_lat, q_pe, cache, r2t, rows, pos, topk, 0.07, slots=slots, **tiles)
             want = run().float()
             combos = [(None,) * 5]
-            if a.dequant and kv == "fp8":
+            if a.parts:
+                combos += [dict(t, **({"dequant": True} if kv == "fp8" else {})) for t in _parts_tiles(T)]
+            elif a.dequant and kv == "fp8":
                 for dq, km, bh, bn, w, st in _dequant_tiles(T):
                     combos.append(dict(dequant=dq, key_major=km, block_h=bh, block_n=bn, num_warps=w, num_stages=st))
             elif a.dequant:
@@ -103,6 +109,20 @@ def main():
     out = Path(a.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "mla_tiles_sweep.json").write_text(json.dumps(res, indent=1))
+
+
+def _parts_tiles(T):
+    """Head-major tiles x v_parts to try at T tokens (the accumulator is [block_h, 512 / v_parts]);
+    at T < 32 a head block's splits are few programs, so split counts are swept too."""
+    shapes = ([(16, 32, 4, 1), (16, 32, 4, 2), (16, 64, 4, 2), (32, 32, 4, 2), (64, 32, 8, 2)] if T < 32 else
+              [(64, 32, 8, 1), (64, 32, 8, 2), (64, 64, 8, 1), (64, 32, 16, 1), (32, 32, 4, 1), (32, 32, 4, 2),
+               (32, 64, 4, 2)])
+    out = [dict(key_major=False, block_h=bh, block_n=bn, num_warps=w, num_stages=st, v_parts=vp)
+           for vp in (2, 4, 1) for bh, bn, w, st in shapes]
+    if T < 32:
+        out += [dict(key_major=False, block_h=16, block_n=32, num_warps=4, num_stages=2, v_parts=vp, num_splits=ns)
+                for vp in (1, 2, 4) for ns in (4, 8, 16, 32)]
+    return out
 
 
 def _dequant_tiles(T):
