@@ -202,6 +202,12 @@ class TopkSelectCtx:
 MAX_SPLITS = 64  # flash-decoding splits of one (token, head block) at most: the combine's widest tile
 
 
+def mla_v_parts(num_tokens: int, num_heads: int, kv_lora: int, fp8_tiles: bool) -> int:
+    """SparseMlaDecodeCtx's default output parts: 2 for FP8 rows scaled per tile (head-major) below
+    32 tokens when each part keeps whole 128-value scale groups, else 1."""
+    return 2 if fp8_tiles and not (num_tokens >= 32 and num_heads >= 64) and kv_lora >= 2 * FP8_GROUP else 1
+
+
 def mla_num_splits(num_tokens: int, num_heads: int, block_h: int, num_keys: int, block_n: int,
                    num_sms: int, v_parts: int = 1) -> int:
     """Flash-decoding split count (a launch parameter, not part of a kernel's source): enough
@@ -250,18 +256,25 @@ class SparseMlaDecodeCtx:
         # tokens 265.5 vs 474.1); fewer: 16 x 32 at 4 warps, 1 stage (1 token 16.5 vs 17.8; 8: 51.6 vs
         # 60.6). bf16 rows, >= 32 tokens: 64 x 32 at 8 warps, 2 stages (90.6 vs 103.2; 270.0 vs 318.3);
         # fewer: 16 x 32 at 4 warps, 2 stages (unchanged, best at 1 and 8 tokens).
+        # Sweep of 2026-12-02 (session 13, bench/results/h200_2026-12-02_s13/mla_tiles_sweep_parts.json):
+        # bf16 rows from 32 tokens: 32 x 64 at 4 warps, 2 stages (128 tokens 134.1 vs 158.1 us at 1K,
+        # 232.6 vs 270.4 at 2K, spilling 30 registers and still faster); FP8 rows at fewer tokens: the
+        # latent output in 2 parts (v_parts, 219 registers, no spills: 1 token 11.8 vs 12.1 us at 1K, 15.9 vs
+        # 16.5 at 2K). More parts, or parts at 128 tokens, lose: every part recomputes the scores.
         wide = num_tokens >= 32 and num_heads >= 64
         dequant = kv_fp8 if dequant is None else dequant
         if kv_fp8 and wide:
             dot16 = True if dot16 is None else dot16
         if wide:
-            block_h, block_n = block_h or 64, block_n or (64 if kv_fp8 else 32)
-            num_warps, num_stages = num_warps or 8, num_stages or 2
+            block_h, block_n = block_h or (64 if kv_fp8 else 32), block_n or 64
+            num_warps, num_stages = num_warps or (8 if kv_fp8 else 4), num_stages or 2
         else:
             block_h, block_n = block_h or 16, block_n or 32
             num_warps, num_stages = num_warps or 4, num_stages or (1 if kv_fp8 else 2)
         dot_dtype, precision = _DOT[torch.float16 if dot16 and kv_fp8 and dtype != torch.float32 else dtype]
-        v_parts = int(v_parts or 1)
+        if v_parts is None:
+            v_parts = mla_v_parts(num_tokens, num_heads, kv_lora, kv_fp8 and dequant and not key_major)
+        v_parts = int(v_parts)
         if v_parts > 1 and (key_major or (kv_fp8 and not dequant) or v_parts != next_pow2(v_parts)
                             or kv_lora // v_parts < (FP8_GROUP if kv_fp8 else 16)):
             raise ValueError(f"sparse_mla_decode: v_parts={v_parts} needs head-major tiles, FP8 rows scaled per "

@@ -239,13 +239,15 @@ def _topk(op, args, s):
     return out
 
 
-def mla_splits(T: int, H: int, topk: int | None, s: Step) -> int:
-    """SparseMlaDecodeCtx.make's head block for T tokens, then mla_num_splits at the target's SMs."""
+def mla_splits(T: int, H: int, R: int, topk: int | None, s: Step) -> int:
+    """SparseMlaDecodeCtx.make's head block and output parts for T tokens, then mla_num_splits at
+    the target's SMs."""
     wide = T >= 32 and H >= 64
-    block_h = 64 if wide else 16
-    block_n = 64 if wide and s.t.kv_fp8 else 32          # FP8 rows: 64 x 64 tiles from 32 tokens
+    block_h = (64 if s.t.kv_fp8 else 32) if wide else 16
+    block_n = 64 if wide else 32
+    v_parts = 2 if s.t.kv_fp8 and not wide and R >= 2 * FP8_BLOCK else 1   # triton_contexts.mla_v_parts
     num_keys = topk if topk is not None else s.t.max_len
-    programs = T * -(-H // block_h)
+    programs = T * -(-H // block_h) * v_parts
     return max(1, min(-(-2 * s.t.num_sms // programs), num_keys // (2 * block_n), MAX_SPLITS))
 
 
@@ -276,7 +278,7 @@ def _attn(op, args, s):
     q_lat = s.tmp(T * H * R, s.t.act)
     s.free(cast)
     pe = s.tmp(s.type_of(op.operands[1]).numel(s.env), s.t.act) if args[1].elem != s.t.act else None
-    S = mla_splits(T, H, K, s)
+    S = mla_splits(T, H, R, K, s)
     o_part, lse = s.tmp(T * H * S * R, 4), s.tmp(T * H * S, 4)
     out_lat = s.tmp(T * H * R, s.t.act)
     if T:

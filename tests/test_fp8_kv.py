@@ -237,7 +237,12 @@ def test_fp8_source_is_specialised_for_glm53():
           "(loc % 64) * 128", "ik_scale_ptr + (loc // 64)")
     plain = tt.QkvNormRopeWriteCtx.make(2048, 512, 64, 1e-5, True, 128)
     check(tt.render("qkv_norm_rope_write", plain), "dst + 512 + j", absent=("_e4m3_round", "kv_scale_ptr"))
-    mla = tt.SparseMlaDecodeCtx.make(64, 512, 64, 2048, 1 / 16, torch.bfloat16, 1, kv_fp8=True)
+    parts = tt.SparseMlaDecodeCtx.make(64, 512, 64, 2048, 1 / 16, torch.bfloat16, 1, kv_fp8=True)
+    assert parts.v_parts == 2    # default at one token: the latent output in two 256-wide parts
+    check(tt.render("sparse_mla_decode", parts), "vp = tl.program_id(0) % 2", "rq = tl.arange(0, 2)",
+          "kv_scale_ptr + slot[:, None] * kv_scale_stride + c0 // 128 + rq[None, :]",
+          "tl.reshape(ck * sc.to(tl.bfloat16)[:, :, None], [32, 256])")
+    mla = tt.SparseMlaDecodeCtx.make(64, 512, 64, 2048, 1 / 16, torch.bfloat16, 1, kv_fp8=True, v_parts=1)
     check(tt.render("sparse_mla_decode", mla), "kv_scale_ptr, kv_scale_stride, kv_pe_ptr",
           "rq = tl.arange(0, 4)", "kv_scale_ptr + slot[:, None] * kv_scale_stride + c0 // 128 + rq[None, :]",
           "tl.reshape(ck * sc.to(tl.bfloat16)[:, :, None], [32, 512])", "kv_pe_ptr + slot[:, None] * kv_pe_stride",

@@ -203,7 +203,7 @@ def test_a_workspace_left_out_fails_naming_its_op(measured, monkeypatch):
     m = measured("bf16")
     args, mem = m.points["decode4"]
     splits = op_memory.mla_splits
-    monkeypatch.setattr(op_memory, "mla_splits", lambda T, H, K, s: splits(T, H, K, s) + 1)
+    monkeypatch.setattr(op_memory, "mla_splits", lambda T, H, R, K, s: splits(T, H, R, K, s) + 1)
     off = mismatches(mem, model_step(m.plan, *args, cpu=True))
     assert off and all("attn.mla_absorbed" in line for line in off), off
 
@@ -237,11 +237,11 @@ def test_mirrored_constants_match_codegen():
     for rows, experts in [(1, 256), (2048, 256), (4096, 64), (65536, 256)]:
         assert moe_memory.block_m_for(rows, experts) == triton_moe.block_m_for(rows, experts)
     for T, H, fp8, topk in [(1, 64, True, 2048), (32, 64, True, 2048), (48, 64, True, 64), (64, 64, True, 2048),
-                            (128, 64, False, 2048), (8192, 16, True, None)]:
+                            (128, 64, False, 2048), (1, 64, False, 2048), (8192, 16, True, None)]:
         ctx = triton_contexts.SparseMlaDecodeCtx.make(H, 512, 64, topk, 0.1, torch.bfloat16, T, kv_fp8=fp8)
-        want = triton_contexts.mla_num_splits(T, H, ctx.block_h, topk or 4096, ctx.block_n, 132)
+        want = triton_contexts.mla_num_splits(T, H, ctx.block_h, topk or 4096, ctx.block_n, 132, ctx.v_parts)
         s = type("S", (), {"t": step_arena.Target(2, True, fp8, T, T, 4096)})()
-        assert op_memory.mla_splits(T, H, topk, s) == want, (T, H, fp8)
+        assert op_memory.mla_splits(T, H, 512, topk, s) == want, (T, H, fp8, ctx.v_parts)
 
 
 def test_mirrored_launch_rules_match_codegen():
