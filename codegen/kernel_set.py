@@ -33,7 +33,7 @@ import torch
 from glmc.codegen import torch_ref as ref
 from glmc.codegen import triton_contexts as tc
 from glmc.codegen.fp8_ref import fp8_row_groups
-from glmc.codegen.triton_fp8 import Fp8BlockGemmCtx, Fp8QuantTokensCtx
+from glmc.codegen.triton_fp8 import Fp8BlockGemmCtx, Fp8QuantTokensCtx, Fp8SplitReduceCtx
 from glmc.codegen.triton_moe import MoeExpertsCtx, MoeExpertsFp8Ctx
 from glmc.codegen.weight_formats import is_fp8_name, op_weight_names
 from glmc.codegen.triton_render import render
@@ -174,8 +174,11 @@ def _fp8_linear(op, graph, dtype, config):
 
 
 def _fp8_swiglu(op, graph, dtype, config):
+    """gate/up (joined or apart), their split reduction with SwiGLU + quantisation, down (its input
+    comes quantised: no quantiser at the intermediate width)."""
     hidden, inter = int(op.attr("hidden")), int(op.attr("inter")) // int(op.attr("tp", 1))
-    return _fp8_gemms(hidden, [inter, inter]) + _fp8_gemms(inter, [hidden])
+    return (_fp8_gemms(hidden, [inter, inter]) + [Fp8SplitReduceCtx.make(inter, dtype)]
+            + _fp8_gemms(inter, [hidden])[1:])
 
 
 def _fp8_experts(op, graph, dtype, config):
@@ -208,7 +211,7 @@ def plan_kernels(plan) -> dict[str, object]:
     in order of first use (phase by phase, op by op)."""
     dtype = compute_dtype(plan.dtypes)
     fp8_config = plan.config if plan.dtypes.weight == "fp8" else None
-    seen: dict = {}
+    seen: dict = {tc.StepInputsCtx.make(): None}     # the executor's prologue of every step
     for graph in plan.graphs.values():
         for op in graph.ops:
             for ctx in op_kernels(op, graph, dtype, fp8_config, kv_fp8(plan.dtypes)):

@@ -331,6 +331,19 @@ ARGMAX_SPLITS = 64  # programs one row's argmax is split over at most (argmax.py
 
 
 @dataclass(frozen=True)
+class StepInputsCtx:
+    """step_inputs.py.j2: the executor's step prologue (device-sampled ids, own KV slots), one kernel
+    for every batch."""
+    template: ClassVar[str] = "step_inputs"
+    block: int
+    num_warps: int
+
+    @classmethod
+    def make(cls):
+        return cls(256, 4)
+
+
+@dataclass(frozen=True)
 class ArgmaxCtx:
     """argmax.py.j2: greedy sampling, each row split over programs; the last of a row's reduces."""
     template: ClassVar[str] = "argmax"

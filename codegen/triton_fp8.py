@@ -131,14 +131,25 @@ class Fp8BlockGemmCtx:
 
 @dataclass(frozen=True)
 class Fp8SplitReduceCtx:
-    """fp8_split_reduce.py.j2: one (row, `block` columns) per program; one kernel for every shape."""
+    """fp8_split_reduce.py.j2: one (row, `block` columns) per program; one kernel for every shape.
+    `swiglu` (a dense SwiGLU's gate/up GEMM, `fp8_swiglu_quant`): the gate and up partials' sums
+    become silu(g) * u, rounded to `act_dtype` and quantised per 128 columns, `inter` wide."""
     template: ClassVar[str] = "fp8_split_reduce"
     block: int
     num_warps: int
+    swiglu: bool = False
+    inter: int = 0
+    act_dtype: str = ""
+    bf16: bool = False      # h rounded to bf16 on its bits (exact under the interpreter too)
 
     @classmethod
-    def make(cls):
-        return cls(512, 4)
+    def make(cls, swiglu_inter: int | None = None, act_dtype: torch.dtype = torch.bfloat16):
+        if swiglu_inter is None:
+            return cls(512, 4)
+        return cls(BLOCK, 4, True, int(swiglu_inter), _ACT[act_dtype], act_dtype == torch.bfloat16)
+
+
+_ACT = {torch.float32: "tl.float32", torch.bfloat16: "tl.bfloat16", torch.float16: "tl.float16"}
 
 
 # ----------------------------------------------------------------------------- launches
@@ -184,6 +195,48 @@ def fp8_block_gemm(xq, xs, wq, ws, out_dtype=torch.bfloat16, lib: KernelLibrary 
         red = Fp8SplitReduceCtx.make()
         lib(red)[(m, -(-n // red.block))](part, y, y.stride(0), m, n, splits, num_warps=red.num_warps)
     return y
+
+
+def _gemm_partials(xq, xs, wq, ws, lib: KernelLibrary, splits=None):
+    """fp8_block_gemm's launch with its fp32 result left split: -> part fp32 [splits, M, N] (one
+    split: the kernel's own store, in fp32)."""
+    m, k = xq.shape
+    n = wq.shape[0]
+    ctx = Fp8BlockGemmCtx.make(n, k, m)
+    splits = even_splits(ctx.k_blocks, splits or split_count(m, n, k, ctx.block_m, ctx.block_n, _num_sms(xq.device)))
+    part = torch.empty(splits, m, n, dtype=torch.float32, device=xq.device)
+    if m:
+        lib(ctx)[(-(-m // ctx.block_m) * ctx.n_tiles, splits)](
+            xq, xq.stride(0), xs, xs.stride(0), wq, wq.stride(0), ws, ws.stride(0), part[0], n, part, m,
+            splits, -(-ctx.k_blocks // splits), num_warps=ctx.num_warps, num_stages=ctx.num_stages)
+    return part
+
+
+def fp8_swiglu_quant(xq, xs, parts: list, act_dtype=torch.bfloat16, lib: KernelLibrary = JIT, splits=None):
+    """A dense SwiGLU's first half on FP8 weights, ready for the down GEMM: h = silu(x W_gate^T) *
+    (x W_up^T) rounded to `act_dtype`, quantised per token per 128 columns -> (hq float8_e4m3fn
+    [M, I], hs fp32 [M, I/128]). `parts`: [(wq, ws)], the joined gate|up weight ([2I, K], I a
+    multiple of 128) or gate and up apart; each GEMM leaves its fp32 split-K partials and one
+    reduction launch sums them, applies SwiGLU and quantises (`Fp8SplitReduceCtx` swiglu)."""
+    m = xq.shape[0]
+    if len(parts) == 1:
+        part = _gemm_partials(xq, xs, *parts[0], lib, splits)
+        inter = part.shape[2] // 2
+        g, u = part, part[:, :, inter:]
+    else:
+        (gw, gs), (uw, us) = parts
+        g, u = _gemm_partials(xq, xs, gw, gs, lib, splits), _gemm_partials(xq, xs, uw, us, lib, splits)
+        inter = g.shape[2]
+        if u.shape != g.shape:
+            raise ValueError(f"fp8_swiglu_quant: gate partials {tuple(g.shape)} and up {tuple(u.shape)} differ")
+    red = Fp8SplitReduceCtx.make(inter, act_dtype)
+    groups = -(-inter // BLOCK)
+    hq = torch.empty(m, inter, dtype=torch.float8_e4m3fn, device=xq.device)
+    hs = torch.empty(m, groups, dtype=torch.float32, device=xq.device)
+    if m:
+        lib(red)[(m, groups)](g, u, g.stride(1), g.stride(0), hq, hq.stride(0), hs, hs.stride(0), m, g.shape[0],
+                              num_warps=red.num_warps)
+    return hq, hs
 
 
 def fp8_linear(x, wq, ws, out_dtype=None, lib: KernelLibrary = JIT, **tiles):

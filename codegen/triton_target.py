@@ -29,6 +29,7 @@ from glmc.codegen.triton_contexts import (  # noqa: F401  (re-exported)
     RopeCtx,
     SampleCtx,
     SparseMlaDecodeCtx,
+    StepInputsCtx,
     TopkSelectCtx,
     argmax_splits,
     mla_num_splits,
@@ -348,4 +349,18 @@ def sample_greedy(logits, lib: KernelLibrary = JIT, num_splits=None):
     count = torch.zeros(B, dtype=torch.int32, device=dev)
     lg = _rows(logits)
     lib(ctx)[(B, S)](lg, lg.stride(0), part_max, part_idx, count, out, S, num_warps=ctx.num_warps)
+    return out
+
+
+def step_inputs(ids, last_token, rows, pos, loc, r2t, lib: KernelLibrary = JIT):
+    """One launch: -> ids with each negative entry replaced by last_token[rows] (int64 [T]), and
+    r2t[rows, pos] = loc written (r2t: the device's req_to_token table, row-major)."""
+    ctx = StepInputsCtx.make()
+    out = torch.empty_like(ids)
+    T = ids.shape[0]
+    if T:
+        if r2t.stride(1) != 1:
+            raise ValueError(f"step_inputs: req_to_token strides {r2t.stride()} are not row-major")
+        lib(ctx)[(-(-T // ctx.block),)](ids, last_token, rows, pos, loc, r2t, r2t.stride(0), out, T,
+                                         num_warps=ctx.num_warps)
     return out

@@ -196,16 +196,27 @@ def _linear(op, args, s):
 
 @model("mlp.swiglu")
 def _swiglu(op, args, s):
+    """bf16: one gate|up GEMM, silu, product, down. FP8 (triton_fp8.fp8_swiglu_quant): x quantised,
+    each gate/up GEMM's fp32 partials [splits, T, n] (one split too), h quantised by their reduction,
+    then the down GEMM."""
     T, hidden, inter = s.rows(op), int(op.attr("hidden")), int(op.attr("inter")) // int(op.attr("tp", 1))
     if s.t.fp8_weights:
-        gu = parts_mm(s, T, hidden, 2 * inter, [], [sum([inter, inter][i] for i in g)
-                                                     for g in fp8_row_groups([inter, inter])])
-    else:
-        gu = mm(s, args[0], T * hidden, T * 2 * inter)
+        xq, xs = quantize(s, T, hidden)
+        parts = [s.tmp(fp8_gemm_splits(T, n, hidden, s.t.num_sms) * T * n, 4)
+                 for n in (sum([inter, inter][i] for i in g) for g in fp8_row_groups([inter, inter]))]
+        hq, hs = quantize(s, T, inter)
+        s.free(xq, xs, *parts)
+        out = s.arena.new(T * hidden, s.t.act)
+        splits = fp8_gemm_splits(T, hidden, inter, s.t.num_sms)
+        if splits > 1:
+            s.free(s.tmp(splits * T * hidden, 4))
+        s.free(hq, hs)
+        return out
+    gu = mm(s, args[0], T * hidden, T * 2 * inter)
     silu = s.tmp(T * inter, s.t.act)
     prod = s.tmp(T * inter, s.t.act)
     s.free(silu)
-    out = parts_mm(s, T, inter, hidden, [], [hidden]) if s.t.fp8_weights else s.arena.new(T * hidden, s.t.act)
+    out = s.arena.new(T * hidden, s.t.act)
     s.free(prod, gu.buf)
     return out
 

@@ -87,6 +87,38 @@ def test_split_reduction_adds_every_split_in_order():
     assert not y[:, :4].any() and not y[:, N + 4:].any()
 
 
+@pytest.mark.parametrize("inter,joined", [(256, True), (200, False)])
+@pytest.mark.parametrize("m,splits", [(1, 3), (5, 1), (3, None)])
+def test_swiglu_quant_matches_the_reference(inter, joined, m, splits):
+    """fp8_swiglu_quant: gate/up GEMMs (joined into one [2I, K] weight, or apart with a ragged I),
+    split or not, then SwiGLU rounded to bf16 and quantised in the split reduction: equal to
+    fp8_ref's GEMMs then silu * up, bf16, quantize_token_groups, up to fp32 summation order (the
+    e4m3 codes within one step where the fp32 sums straddle a rounding edge), and the same bits on
+    a second run."""
+    g = torch.Generator().manual_seed(inter + m)
+    k = 700
+    x = torch.randn(m, k, generator=g)
+    wg, wu = (fp8_ref.quantize_weight_blocks(torch.randn(inter, k, generator=g) * 0.05) for _ in range(2))
+    xq, xs = tf.quantize_tokens(x)
+    if joined:
+        w = fp8_ref.Fp8Weight.cat_rows([fp8_ref.Fp8Weight(*wg), fp8_ref.Fp8Weight(*wu)])
+        parts = [(w.q, w.scale_inv)]
+    else:
+        parts = [wg, wu]
+    hq, hs = tf.fp8_swiglu_quant(xq, xs, parts, torch.bfloat16, splits=splits)
+    gg, uu = fp8_ref.fp8_gemm(xq, xs, *wg), fp8_ref.fp8_gemm(xq, xs, *wu)
+    h = (torch.nn.functional.silu(gg) * uu).to(torch.bfloat16).float()
+    wq_, ws_ = fp8_ref.quantize_token_groups(h)
+    assert hq.shape == (m, inter) and hs.shape == (m, -(-inter // 128))
+    torch.testing.assert_close(hs, ws_, rtol=1e-2, atol=0)
+    got = hq.float() * hs.repeat_interleave(128, 1)[:, :inter]
+    torch.testing.assert_close(got, h, rtol=0.07, atol=float(hs.max()) * 0.5)
+    agree = (hq.view(torch.uint8) == wq_.view(torch.uint8)).float().mean()
+    assert agree > 0.995, agree
+    again = tf.fp8_swiglu_quant(xq, xs, parts, torch.bfloat16, splits=splits)
+    assert torch.equal(again[0].view(torch.uint8), hq.view(torch.uint8)) and torch.equal(again[1], hs)
+
+
 def test_default_splits_fill_the_gpu_and_stop_when_tiles_do():
     """default_config on an H200's 132 SMs: the indexer's wk at decode (1 tile, 48 K blocks) splits
     into 2-block ranges; q_b at M = 1 (128 tiles, about one wave) splits to ~3 waves; a full prefill

@@ -60,6 +60,23 @@ def close(a, b, tol=1e-5):
 
 
 # ----------------------------------------------------------------------------- norms / router / rope
+def test_step_inputs():
+    """Device-sampled ids (< 0) come from last_token[row]; each token's slot lands in r2t[row, pos]."""
+    g = torch.Generator().manual_seed(3)
+    r2t = torch.full((5, 80), -7, dtype=torch.int64)
+    last = torch.randint(0, 1000, (5,), generator=g)
+    for T in (1, 3, 300):            # 300: two programs; distinct (row, pos) cells
+        cells = torch.randperm(r2t.numel(), generator=g)[:T]
+        rows, pos = cells // r2t.shape[1], cells % r2t.shape[1]
+        ids = torch.randint(-2, 1000, (T,), generator=g)
+        loc = torch.randint(0, 10_000, (T,), generator=g)
+        want_r2t = r2t.clone()
+        want_r2t[rows, pos] = loc
+        got = tt.step_inputs(ids, last, rows, pos, loc, r2t)
+        assert torch.equal(got, torch.where(ids < 0, last[rows], ids)), T
+        assert torch.equal(r2t, want_r2t), T
+
+
 def test_rms_norm_and_fused_residual():
     x, res, w = torch.randn(5, 48), torch.randn(5, 48), torch.randn(48)
     close(tt.rms_norm(x, w, 1e-5), ref.rms_norm(x, w, 1e-5))

@@ -5,10 +5,10 @@ graph per bucket.
 is `codegen.cuda_target.IMPLS` and whose step state (`GpuStep`) holds device index tensors. The
 runner owns a device copy of req_to_token (`r2t`, one spare row for padding): prefill copies its
 requests' rows in; every decode step (eager or replayed) first writes r2t[row, pos] = out_cache_loc
-itself, so the graph needs nothing from the host but four int64 vectors. An input id < 0
-(`FUTURE_TOKEN`) is the token last recorded for the token's row (`record_tokens`, called by the
-engine after sampling on the device): the graph reads it from `last_token`, so the host can queue
-step N+1 before it has read step N's tokens.
+itself (one `step_inputs` launch, with the ids below), so the graph needs nothing from the host but
+four int64 vectors. An input id < 0 (`FUTURE_TOKEN`) is the token last recorded for the token's
+row (`record_tokens`, called by the engine after sampling on the device): the graph reads it from
+`last_token`, so the host can queue step N+1 before it has read step N's tokens.
 
 `capture(buckets)` records, per bucket b of `graphs["decode"].meta["cuda_graph_buckets"]`, the decode
 graph over static buffers [ids | positions | slots | rows] x b (largest first, one memory pool).
@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from glmc.codegen import triton_target as tt
 from glmc.codegen.cuda_target import IMPLS as CUDA_IMPLS
 from glmc.codegen.fp8_ref import Fp8Weight
 from glmc.codegen.kernel_set import compute_dtype
@@ -155,8 +156,7 @@ class GpuRunner(PlanExecutor):
     def _body(self, phase, ids, pos, loc, rows, hidden=None, max_len=None) -> dict:
         """The captured region of a per-token phase: fill in FUTURE_TOKEN ids, each token's own
         slot into the device table, then every op of the phase (`hidden`: mtp_draft's input rows)."""
-        ids = torch.where(ids < 0, self.last_token[rows], ids)
-        self.r2t[rows, pos] = loc
+        ids = tt.step_inputs(ids, self.last_token, rows, pos, loc, self.r2t, self.kernels)
         graph = self.graphs[phase]
         step = self._step(graph, None, ids, pos, loc, rows, max_len or self.max_context)
         if hidden is not None:
@@ -217,7 +217,7 @@ class GpuRunner(PlanExecutor):
     def _prefill_body(self, ids, pos, loc, rows, last, max_len) -> dict:
         """A prefill (or mixed) step's ops over device vectors: outputs of each request's last token
         (`last`: its index among the step's tokens). The device table already holds the rows."""
-        ids = torch.where(ids < 0, self.last_token[rows], ids)
+        ids = tt.step_inputs(ids, self.last_token, rows, pos, loc, self.r2t, self.kernels)   # r2t: as loaded
         graph = self.graphs["prefill"]
         return self._outputs(graph, self.run_ops(graph, self._step(graph, None, ids, pos, loc, rows, max_len,
                                                                    last), "prefill"))
