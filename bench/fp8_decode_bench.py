@@ -85,7 +85,7 @@ def fp8_matrices(runner) -> dict:
         for names in groups:
             ws = [runner.weight(n) for n in names]
             starts = [sum(w.shape[0] for w in ws[:i]) for i in range(len(ws))]
-            for col, part in fp8_parts(ws)[0]:
+            for col, part, _ in fp8_parts(ws)[0]:
                 if isinstance(part, Fp8Weight) and tuple(part.shape) not in shapes:
                     shapes.add(tuple(part.shape))
                     inside = [n for n, s in zip(names, starts) if col <= s < col + part.shape[0]]

@@ -17,6 +17,7 @@ from glmc.ir.types import TensorType
 class StepContext(Protocol):
     """One forward of one rank, as the torch target sees it (host or device tensors)."""
 
+    graph: Any                       # the phase's Graph (ops, users of a value)
     feeds: dict[str, torch.Tensor]   # graph inputs by name: input_ids, positions (padded)
     loc: torch.Tensor                # [T] KV slot of every token (padding: the scratch slot)
     batch: Any                       # the step's ForwardBatch (lengths, req_to_token)
@@ -50,11 +51,13 @@ class CudaStepContext(StepContext, Protocol):
 
     rows: torch.Tensor               # [T] req_to_token row of each token (padding: a spare row)
     pos: torch.Tensor                # [T] position of each token
+    lens: torch.Tensor               # [T] pos + 1: the keys each token attends to
     r2t: torch.Tensor                # the device req_to_token table
     max_len: int                     # static workspace width, >= every seq_len of the step
     last_rows: torch.Tensor | None   # prefill: each request's last token
     moe_tiles: dict                  # MoE kernel tile overrides (benchmarks sweep them)
     kernels: Any                     # the plan's KernelLibrary: `kernels(ctx)` -> @triton.jit function
+    memo: dict                       # (value, what): made from an IR value once per step, dropped with it
 
     def derived(self, key: Any, make: Callable[[], Any]) -> Any:
         """A per-runner cache of weights re-laid out once (absorbed W_UK / W_UV, fused gate_up)."""

@@ -73,11 +73,11 @@ LAUNCHES: dict[str, Launches] = {
     "mem.kv_write": Launches(torch_ops=3), "mem.index_k_write": Launches(torch_ops=2),
     "linear": Launches(1, gemms=1), "mla.a_proj": Launches(1, gemms=1), "lm.head": Launches(1, gemms=1),
     "mlp.swiglu": Launches(2, 2, gemms=2),                          # gate|up GEMM, silu, mul, down GEMM
-    "idx.topk": Launches(2, 1),                                     # pos + 1; scores; select
+    "idx.topk": Launches(2),                                        # scores; select
     # W_UK bmm, split-K latent kernel (over the select's slots), combine kernel, W_UV bmm, head-major copy
     "attn.mla_absorbed": Launches(4, 1, gemms=2),
     "attn.sparse_mla": Launches(4, 1, gemms=2), "attn.mla_mha": Launches(4, 1, gemms=2),
-    "moe.gate": Launches(1, 1, gemms=1),                            # fp32 cast, fp32 GEMM (cuBLAS gemv)
+    "moe.gate": Launches(1, 1, gemms=1),                            # fp32 cast, fp32 GEMM (decode: `launches`)
     "moe.topk": Launches(1),                                        # the router kernel
     # align_rows' torch ops (decode sizes: the moe_align kernel, `launches`); gate/up, down and combine
     # kernels; the cast to the activations' dtype
@@ -102,14 +102,21 @@ P2P_KINDS = frozenset({"comm.all_reduce", "comm.reduce_scatter", "comm.all_gathe
                        "fused.reduce_scatter_add_rms", "moe.dispatch", "moe.combine"})
 
 
-def launches(kind: str, attrs: dict, p2p: bool = False, routed_rows: float | None = None) -> Launches:
+GEMV_ROWS = 16      # triton_contexts.GEMV_ROWS[-1]: up to this many rows the router is one gemv kernel
+
+
+def launches(kind: str, attrs: dict, p2p: bool = False, routed_rows: float | None = None,
+             rows: float | None = None) -> Launches:
     """LAUNCHES[kind], with what depends on attributes: a vocab-parallel embedding masks its rows,
     a collective along a dim other than 0 concatenates its chunks; `p2p`: a collective run by the
     one-shot peer-memory kernel (one Triton launch, a fused add + RMSNorm in it; no NCCL call; its
     time, launch included, is the collective's: `glmc.calibration.p2p_collective_seconds`);
     `routed_rows`: the (token, slot) rows a `moe.experts` sorts (its ids' numel), whose count
-    decides between the moe_align kernel and the torch ops."""
+    decides between the moe_align kernel and the torch ops; `rows`: the op's rows (the router's
+    GEMV below GEMV_ROWS)."""
     base = LAUNCHES[kind]
+    if kind == "moe.gate" and rows is not None and rows <= GEMV_ROWS:
+        return Launches(1)
     if kind == "moe.experts" and routed_rows is not None:
         experts = int(attrs.get("experts", 0)) // int(attrs.get("ep", 1))
         if routed_rows <= ALIGN_ROWS and experts <= ALIGN_MAX_EXPERTS \

@@ -9,11 +9,15 @@ loop over requests. That lets `runtime/worker/cuda_executor.py` capture a decode
 re-laid out once.
 
 Ops not listed here (views, slices, concat, elt.add, io.input, collectives) use torch_target's.
-Dense GEMMs go to cuBLAS (torch.matmul) in the weights' dtype; the router GEMM stays fp32. Weights
+Dense GEMMs go to cuBLAS (torch.matmul) in the weights' dtype; the router GEMM stays fp32 (at
+decode sizes, <= GEMV_ROWS[-1] rows, it and the unquantised part of an FP8 A-projection run the
+`gemv` kernel instead: one launch, no cast). Weights
 an FP8 plan stores FP8 (`fp8_ref.Fp8Weight`, `codegen/weight_formats.py`) run the block-scaled w8a8
-GEMM (`triton_fp8`): the activation quantised once per token per 128 columns, one FP8 GEMM per run
-of row parts whose scale blocks line up (`fp8_ref.fp8_row_groups`), each into its columns of one
-output; the routed experts run `triton_moe.moe_experts_fp8`.
+GEMM (`triton_fp8`): the activation quantised once per step per token per 128 columns (by the norm
+that makes it where an FP8 GEMM reads a norm's output, else by the first FP8 consumer: `quantized`),
+one FP8 GEMM per run of row parts (`fp8_ref.fp8_row_groups`: a part ending off a 128-row scale block
+padded with zero rows, whose columns the GEMM skips), each into its columns of one output; the
+routed experts run `triton_moe.moe_experts_fp8`.
 """
 from __future__ import annotations
 
@@ -26,8 +30,9 @@ from glmc.codegen import triton_moe as tm
 from glmc.codegen import triton_p2p as tp2p
 from glmc.codegen import triton_target as tt
 from glmc.codegen.context import CudaStepContext
-from glmc.codegen.fp8_ref import Fp8Weight, fp8_row_groups
-from glmc.codegen.triton_contexts import TOPK_CHUNK
+from glmc.codegen.fp8_ref import Fp8Weight, fp8_group_gap, fp8_row_groups
+from glmc.codegen.weight_formats import FP8_KINDS, op_weight_names
+from glmc.codegen.triton_contexts import GEMV_ROWS, TOPK_CHUNK
 from glmc.ir.types import DTYPE_BYTES
 
 IMPLS: dict = dict(torch_target.IMPLS)
@@ -58,9 +63,30 @@ def _embed(op, args, ctx: CudaStepContext):
     return w[local.clamp(0, w.shape[0] - 1)] * hit[:, None].to(w.dtype)
 
 
+def _holds_fp8(op, ctx: CudaStepContext) -> bool:
+    """Whether `op` runs an FP8 GEMM on its first operand on this rank (its weights are FP8)."""
+    if op.kind == "moe.experts":
+        return isinstance(ctx.experts(op)[0], Fp8Weight)
+    if op.kind == "mlp.swiglu":
+        return isinstance(ctx.w(f"{op.attr('weight')}.gate_proj.weight"), Fp8Weight)
+    return op.kind in FP8_KINDS and any(isinstance(ctx.w(n), Fp8Weight) for n in op_weight_names(op))
+
+
+def _norm_quantises(op, ctx: CudaStepContext) -> bool:
+    """Whether a norm's output (results[0]) feeds an FP8 GEMM: then the norm kernel quantises it
+    too and its consumers find that in `quantized` (kernel_set._fp8_rms lists the same kernel)."""
+    value = op.results[0]
+    return ctx.derived(("norm_quantises", id(ctx.graph), value),
+                       lambda: any(u.operands[0] == value and _holds_fp8(u, ctx) for u in ctx.graph.users(value)))
+
+
 @impl("norm.rms")
 def _rms(op, args, ctx: CudaStepContext):
-    return tt.rms_norm(args[0], ctx.w(op.attr("weight")), op.attr("eps"), ctx.kernels)
+    if not _norm_quantises(op, ctx):
+        return tt.rms_norm(args[0], ctx.w(op.attr("weight")), op.attr("eps"), ctx.kernels)
+    out, ctx.memo[(op.results[0], "fp8_tokens")] = tt.rms_norm(args[0], ctx.w(op.attr("weight")), op.attr("eps"),
+                                                               ctx.kernels, quant=True)
+    return out
 
 
 @impl("norm.layer")
@@ -79,8 +105,9 @@ def _rope(op, args, ctx: CudaStepContext):
 
 def fp8_parts(weights: list) -> tuple[list, int]:
     """Row parts of one output (FP8 weights and plain ones, in column order) -> ([(first column,
-    weight)], width): consecutive FP8 parts joined where their scale blocks line up, plain ones
-    concatenated. The kernel set lists one FP8 GEMM per joined part (`kernel_set._fp8_gemms`)."""
+    weight, gap)], width): consecutive FP8 parts joined into one GEMM (`fp8_row_groups`; a part
+    ending off a 128-row block padded, its padding columns the GEMM's `gap`), plain ones
+    concatenated (gap None). The kernel set lists one FP8 GEMM per joined part (`kernel_set._fp8_gemms`)."""
     out, col, i = [], 0, 0
     while i < len(weights):
         j = i
@@ -88,42 +115,56 @@ def fp8_parts(weights: list) -> tuple[list, int]:
             j += 1
         run = weights[i:j]
         if isinstance(run[0], Fp8Weight):
-            joined = [Fp8Weight.cat_rows([run[k] for k in g]) if len(g) > 1 else run[g[0]]
-                      for g in fp8_row_groups([w.shape[0] for w in run])]
+            joined = []
+            for g in fp8_row_groups([w.shape[0] for w in run]):
+                gap = fp8_group_gap([run[k].shape[0] for k in g])
+                w = Fp8Weight.cat_rows([run[k] for k in g], pad=True) if len(g) > 1 else run[g[0]]
+                joined.append((w, gap, w.shape[0] - gap[1]))
         else:
-            joined = [torch.cat(run) if len(run) > 1 else run[0]]
-        for w in joined:
-            out.append((col, w))
-            col += w.shape[0]
+            joined = [(torch.cat(run) if len(run) > 1 else run[0], None, sum(w.shape[0] for w in run))]
+        for w, gap, width in joined:
+            out.append((col, w, gap))
+            col += width
         i = j
     return out, col
 
 
-def _parts_mm(x, parts, width, lib):
-    """x @ W^T over `fp8_parts`: x quantised once, each part into its columns, in x's dtype."""
-    xq, xs = tf.quantize_tokens(x, lib)
+def quantized(x, value: str, ctx: CudaStepContext):
+    """x (the IR value `value`) quantised per token per 128 columns, once per step: the FP8
+    consumers of one activation (the indexer's wq_b and q_b of c_q; the routed and shared experts
+    of the MoE input) share one quantisation (`ctx.memo`)."""
+    key = (value, "fp8_tokens")
+    if key not in ctx.memo:
+        ctx.memo[key] = tf.quantize_tokens(x, ctx.kernels)
+    return ctx.memo[key]
+
+
+def _parts_mm(x, xq, xs, parts, width, lib):
+    """x @ W^T over `fp8_parts` (x quantised: xq, xs), each part into its columns, in x's dtype."""
     y = torch.empty(x.shape[0], width, dtype=x.dtype, device=x.device)
-    for col, w in parts:
-        dst = y[:, col:col + w.shape[0]]
+    for col, w, gap in parts:
         if isinstance(w, Fp8Weight):
-            tf.fp8_block_gemm(xq, xs, w.q, w.scale_inv, lib=lib, out=dst)
+            tf.fp8_block_gemm(xq, xs, w.q, w.scale_inv, lib=lib, out=y[:, col:col + w.shape[0] - gap[1]], gap=gap)
+        elif x.shape[0] <= GEMV_ROWS[-1]:      # decode: straight into its columns (cuBLAS: 3 launches)
+            tt.gemv(x, w, out=y[:, col:col + w.shape[0]], lib=lib)
         else:
-            dst.copy_(_mm(x, w))
+            y[:, col:col + w.shape[0]].copy_(_mm(x, w))
     return y
 
 
-def _fp8_mm(x, names: tuple, ctx: CudaStepContext):
-    """x @ W^T for the rows of `names`, or None when none of them is FP8 (a bf16 plan)."""
+def _fp8_mm(x, value: str, names: tuple, ctx: CudaStepContext):
+    """x (the IR value `value`) @ W^T for the rows of `names`, or None when none of them is FP8 (a
+    bf16 plan)."""
     if not any(isinstance(ctx.w(n), Fp8Weight) for n in names):
         return None
     parts, width = ctx.derived(("fp8_parts", names), lambda: fp8_parts([ctx.w(n) for n in names]))
-    return _parts_mm(x, parts, width, ctx.kernels)
+    return _parts_mm(x, *quantized(x, value, ctx), parts, width, ctx.kernels)
 
 
 @impl("linear", "mla.a_proj", "lm.head")
 def _linear(op, args, ctx: CudaStepContext):
     name = op.attr("weight")
-    y = _fp8_mm(args[0], name if isinstance(name, tuple) else (name,), ctx)
+    y = _fp8_mm(args[0], op.operands[0], name if isinstance(name, tuple) else (name,), ctx)
     return _mm(args[0], ctx.w(name)) if y is None else y
 
 
@@ -184,7 +225,12 @@ def _all_gather(op, args, ctx: CudaStepContext):
 
 @impl("fused.add_rms")
 def _fused_add_rms(op, args, ctx: CudaStepContext):
-    return tt.add_rms_norm(args[0], args[1], ctx.w(op.attr("weight")), op.attr("eps"), ctx.kernels)
+    if not _norm_quantises(op, ctx):
+        return tt.add_rms_norm(args[0], args[1], ctx.w(op.attr("weight")), op.attr("eps"), ctx.kernels)
+    out, res, qs = tt.add_rms_norm(args[0], args[1], ctx.w(op.attr("weight")), op.attr("eps"), ctx.kernels,
+                                   quant=True)
+    ctx.memo[(op.results[0], "fp8_tokens")] = qs
+    return out, res
 
 
 @impl("fused.qkv_a_norm_rope_write", "fused.qkv_a_norm_rope_write_index")
@@ -215,7 +261,7 @@ def _topk(op, args, ctx: CudaStepContext):
     q, w, layer = args
     scores = tt.indexer_scores(q, w, ctx.pool.index_k[layer], ctx.r2t, ctx.rows, ctx.pos, ctx.max_len,
                                lib=ctx.kernels, w_scale=ref.index_head_scale(op))
-    return tt.topk_select(scores, ctx.pos + 1, int(op.attr("k")), TOPK_CHUNK, ctx.kernels,
+    return tt.topk_select(scores, ctx.lens, int(op.attr("k")), TOPK_CHUNK, ctx.kernels,
                           slots_of=(ctx.r2t, ctx.rows))
 
 
@@ -245,8 +291,12 @@ def _attn(op, args, ctx: CudaStepContext):
 
 @impl("moe.gate")
 def _gate(op, args, ctx: CudaStepContext):
+    """The fp32 router logits: at decode sizes one GEMV kernel (x read in its dtype), else x cast to
+    fp32 and cuBLAS."""
     name = op.attr("weight")
     w = ctx.derived(("fp32", name), lambda: ctx.w(name).float().contiguous())
+    if args[0].shape[0] <= GEMV_ROWS[-1]:
+        return tt.gemv(args[0], w, out_dtype=torch.float32, lib=ctx.kernels)
     return args[0].float() @ w.T
 
 
@@ -269,6 +319,8 @@ def _experts(op, args, ctx: CudaStepContext):
                             f"rank's experts are {gate.dtype}, not block FP8: load FP8 weights or recompile")
         xs, act = ctx.routes[op.operands[0] + ".scales"]
     if isinstance(gate, Fp8Weight):
+        if xs is None:     # the tokens' own rows (gather lowering): quantised once with the shared expert's
+            x, xs = quantized(x, op.operands[0], ctx)
         return tm.moe_experts_fp8(x, ids, w, gate, up, down, expert_offset=ctx.expert_offset(op),
                                   lib=ctx.kernels, x_scales=xs, act_dtype=act).to(act)
     return tm.moe_experts(x, ids, w, gate, up, down, expert_offset=ctx.expert_offset(op),
@@ -283,7 +335,7 @@ def _swiglu(op, args, ctx: CudaStepContext):
     if isinstance(ctx.w(names[0]), Fp8Weight):   # FP8: gate/up, SwiGLU + quantise in its split reduction, down
         x = args[0]
         parts, _ = ctx.derived(("fp8_parts", names), lambda: fp8_parts([ctx.w(n) for n in names]))
-        hq, hs = tf.fp8_swiglu_quant(*tf.quantize_tokens(x, ctx.kernels), [(w.q, w.scale_inv) for _, w in parts],
+        hq, hs = tf.fp8_swiglu_quant(*quantized(x, op.operands[0], ctx), [(w.q, w.scale_inv, gap) for _, w, gap in parts],
                                      x.dtype, ctx.kernels)
         down = ctx.w(f"{p}.down_proj.weight")
         return tf.fp8_block_gemm(hq, hs, down.q, down.scale_inv, x.dtype, ctx.kernels)

@@ -109,25 +109,49 @@ class Fp8Weight:
         return cls(torch.stack([w.q for w in weights]), torch.stack([w.scale_inv for w in weights]))
 
     @classmethod
-    def cat_rows(cls, weights: list["Fp8Weight"]) -> "Fp8Weight":
+    def cat_rows(cls, weights: list["Fp8Weight"], pad: bool = False) -> "Fp8Weight":
         """Rows of several weights as one (the fused gate_up, the A-projection): every part but the
-        last must end on a 128-row block boundary, or the scale rows would not line up."""
+        last must end on a 128-row block boundary, or the scale rows would not line up; `pad`: such
+        a part is padded with zero rows to its block instead (its scale row covers them; the GEMM
+        skips their output columns, `fp8_group_gap`)."""
         bad = [tuple(w.shape) for w in weights[:-1] if w.shape[-2] % BLOCK]
-        if bad:
+        if bad and not pad:
             raise ValueError(f"Fp8Weight.cat_rows: parts {bad} do not end on a {BLOCK}-row block")
-        return cls(torch.cat([w.q for w in weights], -2), torch.cat([w.scale_inv for w in weights], -2))
+        qs = [w.q for w in weights]
+        for i, w in enumerate(weights[:-1]):
+            if w.shape[-2] % BLOCK:
+                qs[i] = torch.cat([w.q, w.q.new_zeros(*w.q.shape[:-2], -w.shape[-2] % BLOCK, w.shape[-1])], -2)
+        return cls(torch.cat(qs, -2), torch.cat([w.scale_inv for w in weights], -2))
 
 
 def fp8_row_groups(rows: list[int]) -> list[list[int]]:
-    """Indices of row parts that can share one FP8 GEMM (`Fp8Weight.cat_rows`): consecutive parts
-    while each part before the last of a group is a multiple of 128 rows."""
+    """Indices of row parts that share one FP8 GEMM (`Fp8Weight.cat_rows(pad=True)`): consecutive
+    parts, where one part before the last of a group may end off a 128-row block (zero rows pad it
+    to the block; its GEMM skips their columns: `fp8_group_gap`); a second such part starts a new
+    group. GLM-5.3's full-layer A-projection q_a | kv_a (576 rows) | wk is one GEMM."""
     groups: list[list[int]] = []
+    gapped = False
     for i, r in enumerate(rows):
-        if groups and rows[groups[-1][-1]] % BLOCK == 0:
+        prev = rows[groups[-1][-1]] if groups else 0
+        if groups and (prev % BLOCK == 0 or not gapped):
+            gapped = gapped or prev % BLOCK != 0
             groups[-1].append(i)
         else:
             groups.append([i])
+            gapped = False
     return groups
+
+
+def fp8_group_gap(rows: list[int]) -> tuple[int, int]:
+    """(first skipped column, skipped columns) of the GEMM of one `fp8_row_groups` group (its parts'
+    rows): the zero rows padding its part that ends off a block; (sum(rows), 0) when none does. The
+    joined weight has sum(rows) + skipped rows."""
+    at = 0
+    for r in rows[:-1]:
+        at += r
+        if r % BLOCK:
+            return at, -r % BLOCK
+    return sum(rows), 0
 
 
 def moe_experts_fp8(x, ids, weights, w_gate: Fp8Weight, w_up: Fp8Weight, w_down: Fp8Weight, expert_offset=0):

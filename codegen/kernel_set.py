@@ -9,6 +9,8 @@ and the GPU choose grids and split counts at launch:
 - sparse MLA decode: the head-major tile for < 32 tokens and, with >= 64 heads on the rank, the
   wide one (>= 32 tokens); its split-K combine: one per power-of-two split bound (<= MAX_SPLITS);
 - MoE experts: gate/up and down at each row-block class (16, 32, 64 rows);
+- the router's fp32 GEMV (and an FP8 A-projection's unquantised weights_proj) at decode sizes:
+  one `gemv` per row class (1, 4, 16 rows);
 - top-k select: one pass width (TOPK_CHUNK); at the full vocabulary the split greedy argmax (the
   IR's `sample.tokens`) and the engine's per-request sampler;
 - FP8 weights (a plan whose `dtypes.weight` is fp8, `weight_formats`): per linear-type op the token
@@ -32,10 +34,10 @@ from __future__ import annotations
 import torch
 from glmc.codegen import torch_ref as ref
 from glmc.codegen import triton_contexts as tc
-from glmc.codegen.fp8_ref import fp8_row_groups
+from glmc.codegen.fp8_ref import fp8_group_gap, fp8_row_groups
 from glmc.codegen.triton_fp8 import Fp8BlockGemmCtx, Fp8QuantTokensCtx, Fp8SplitReduceCtx
 from glmc.codegen.triton_moe import MoeExpertsCtx, MoeExpertsFp8Ctx
-from glmc.codegen.weight_formats import is_fp8_name, op_weight_names
+from glmc.codegen.weight_formats import FP8_KINDS, is_fp8_name, op_weight_names
 from glmc.codegen.triton_render import render
 from glmc.ir import Graph, Op
 from glmc.ir.types import fp8_row_bytes
@@ -101,6 +103,11 @@ def _experts(op, graph, dtype, kv=(False, False)):
     return MoeExpertsCtx.variants(int(op.attr("hidden")), inter, _dims(graph, op.operands[2])[-1], dtype)
 
 
+def _gate(op, graph, dtype, kv=(False, False)):
+    """The fp32 router GEMV at decode sizes (above: cuBLAS)."""
+    return tc.GemvCtx.variants(int(op.attr("hidden")))
+
+
 def _sample(op, graph, dtype, kv=(False, False)):
     vocab = _dims(graph, op.operands[0])[-1]
     return [tc.SampleCtx.make(vocab), tc.ArgmaxCtx.make(vocab)]
@@ -131,7 +138,7 @@ KERNELS_OF = {
     "norm.rms": _rms, "fused.add_rms": _rms, "rope.apply": _rope,
     "fused.qkv_a_norm_rope_write": _qkv, "fused.qkv_a_norm_rope_write_index": _qkv,
     "idx.topk": _topk, "attn.mla_absorbed": _attn, "attn.sparse_mla": _attn, "attn.mla_mha": _attn,
-    "moe.topk": _router, "moe.experts": _experts, "sample.tokens": _sample,
+    "moe.gate": _gate, "moe.topk": _router, "moe.experts": _experts, "sample.tokens": _sample,
     "comm.all_reduce": _p2p, "comm.reduce_scatter": _p2p, "fused.allreduce_add_rms": _p2p,
     "fused.reduce_scatter_add_rms": _p2p, "comm.all_gather": _p2p, "moe.dispatch": _p2p, "moe.combine": _p2p,
 }
@@ -139,20 +146,23 @@ KERNELS_OF = {
 NO_TRITON = frozenset({
     "io.input", "elt.add", "tensor.slice", "tensor.view", "tensor.concat", "tensor.shard", "tensor.select_last",
     "mem.kv_write", "mem.index_k_write", "comm.broadcast", "embed.lookup", "norm.layer",
-    "linear", "mla.a_proj", "lm.head", "moe.gate", "mlp.swiglu",
+    "linear", "mla.a_proj", "lm.head", "mlp.swiglu",
 })
 
 
 def _fp8_gemms(k: int, rows: list) -> list:
-    """x [T, k] times row parts (their row counts; None for an unquantised part): the quantiser and
-    one GEMM per joined run of FP8 parts, as `cuda_target.fp8_parts` joins them."""
+    """x [T, k] times row parts (their row counts; None for an unquantised part): the quantiser,
+    one GEMM per joined run of FP8 parts, as `cuda_target.fp8_parts` joins them, and the decode
+    GEMV of the unquantised parts."""
     out, run = [Fp8QuantTokensCtx.make(k)], []
+    if None in rows:
+        out += tc.GemvCtx.variants(k)
     for r in rows + [None]:
         if r is not None:
             run.append(r)
             continue
         for g in fp8_row_groups(run):
-            out += Fp8BlockGemmCtx.variants(sum(run[i] for i in g), k)
+            out += Fp8BlockGemmCtx.variants(sum(run[i] for i in g) + fp8_group_gap([run[i] for i in g])[1], k)
         run = []
     return out
 
@@ -188,9 +198,17 @@ def _fp8_experts(op, graph, dtype, config):
                                                                          _dims(graph, op.operands[2])[-1], dtype)
 
 
+def _fp8_rms(op, graph, dtype, config):
+    """A norm whose output an FP8 GEMM reads quantises it too (`cuda_target._norm_quantises`)."""
+    value = op.results[0]
+    quant = any(u.operands[0] == value and u.kind in FP8_KINDS and any(map(is_fp8_name, op_weight_names(u)))
+                for u in graph.users(value))
+    return [tc.RmsNormCtx.make(_dims(graph, value)[-1], op.attr("eps"), op.kind == "fused.add_rms", quant)]
+
+
 # op kind -> its kernel contexts when the plan stores its weights FP8 (`weight_formats.FP8_KINDS`)
 FP8_KERNELS_OF = {"linear": _fp8_linear, "mla.a_proj": _fp8_linear, "mlp.swiglu": _fp8_swiglu,
-                  "moe.experts": _fp8_experts}
+                  "moe.experts": _fp8_experts, "norm.rms": _fp8_rms, "fused.add_rms": _fp8_rms}
 
 
 def op_kernels(op: Op, graph: Graph, dtype: torch.dtype, fp8_config=None, kv=(False, False)) -> list:

@@ -19,18 +19,51 @@ from glmc.codegen.triton_render import _DOT, _warps, next_pow2
 # ----------------------------------------------------------------------------- contexts
 @dataclass(frozen=True)
 class RmsNormCtx:
-    """rms_norm.py.j2: one row per program; optional fused residual add."""
+    """rms_norm.py.j2: one row per program; optional fused residual add; `quant`: the output also
+    quantised per token per 128 columns for the FP8 GEMMs it feeds (fp8_quant_tokens' bits)."""
     template: ClassVar[str] = "rms_norm"
     hidden: int
     eps: float
     has_residual: bool
     block_d: int
     num_warps: int
+    quant: bool = False
 
     @classmethod
-    def make(cls, hidden: int, eps: float, has_residual: bool) -> "RmsNormCtx":
-        block = next_pow2(hidden)
-        return cls(hidden, float(eps), bool(has_residual), block, _warps(block, 1024))
+    def make(cls, hidden: int, eps: float, has_residual: bool, quant: bool = False) -> "RmsNormCtx":
+        block = max(next_pow2(hidden), FP8_GROUP) if quant else next_pow2(hidden)
+        return cls(hidden, float(eps), bool(has_residual), block, _warps(block, 1024), bool(quant))
+
+
+GEMV_ROWS = (1, 4, 16)   # GemvCtx's row classes: a decode step of up to 16 rows; above, cuBLAS
+GEMV_PRODUCTS = 8192     # fp32 products a program holds per K step (block_m x block_n x block_k)
+
+
+@dataclass(frozen=True)
+class GemvCtx:
+    """gemv.py.j2: y = x W^T for a decode step's few rows (<= block_m), the small GEMMs cuBLAS runs
+    as two or three launches (the router's fp32 GEMV after a cast, the indexer's weights_proj into a
+    column slice); one program per `block_n` output columns, K = `k` fixed by the weight."""
+    template: ClassVar[str] = "gemv"
+    k: int
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+
+    @classmethod
+    def make(cls, k: int, rows: int) -> "GemvCtx":
+        """The row class of `rows` (<= GEMV_ROWS[-1]); two output columns per program."""
+        block_m = next((r for r in GEMV_ROWS if rows <= r), None)
+        if block_m is None:
+            raise ValueError(f"gemv: {rows} rows is more than its largest row class {GEMV_ROWS[-1]}")
+        block_n = 2
+        block_k = min(next_pow2(int(k)), GEMV_PRODUCTS // (block_m * block_n))
+        return cls(int(k), block_m, block_n, block_k, 4)
+
+    @classmethod
+    def variants(cls, k: int) -> list:
+        return [cls.make(k, r) for r in GEMV_ROWS]
 
 
 @dataclass(frozen=True)

@@ -166,34 +166,42 @@ def quantize_tokens(x, lib: KernelLibrary = JIT):
     return q, s
 
 
-def fp8_block_gemm(xq, xs, wq, ws, out_dtype=torch.bfloat16, lib: KernelLibrary = JIT, out=None, **tiles):
+def fp8_block_gemm(xq, xs, wq, ws, out_dtype=torch.bfloat16, lib: KernelLibrary = JIT, out=None, gap=None,
+                   **tiles):
     """fp8_ref.fp8_gemm on Triton: -> [M, N] in `out_dtype`, or written into `out` (an [M, N] view
-    with unit column stride, e.g. some columns of a wider output). `tiles` (block_m, block_n,
-    num_warps, num_stages, splits) override `default_config`'s. No host sync; CUDA-graph capturable
-    (the split workspace is allocated here)."""
+    with unit column stride, e.g. some columns of a wider output). `gap` (at, width): weight rows
+    [at, at + width) are zero padding (`fp8_ref.fp8_group_gap`), left out of the [M, N - width]
+    result. `tiles` (block_m, block_n, num_warps, num_stages, splits) override `default_config`'s.
+    No host sync; CUDA-graph capturable (the split workspace is allocated here)."""
     m, k = xq.shape
     n = wq.shape[0]
     if wq.shape[1] != k or tuple(ws.shape) != (-(-n // BLOCK), -(-k // BLOCK)):
         raise ValueError(f"fp8_block_gemm: x {tuple(xq.shape)}, weight {tuple(wq.shape)} and its scales "
                          f"{tuple(ws.shape)} do not fit 128 x 128 blocks")
+    gap_at, gap_w = gap or (n, 0)
+    if not (0 <= gap_w and 0 <= gap_at and gap_at + gap_w <= n):
+        raise ValueError(f"fp8_block_gemm: gap {gap} is not within the weight's {n} rows")
     splits = tiles.pop("splits", None)
     ctx = Fp8BlockGemmCtx.make(n, k, m, **tiles)
     if splits is None:
         splits = split_count(m, n, k, ctx.block_m, ctx.block_n, _num_sms(xq.device))
     splits = even_splits(ctx.k_blocks, splits)
-    y = torch.empty(m, n, dtype=out_dtype, device=xq.device) if out is None else out
-    if tuple(y.shape) != (m, n) or (n > 1 and y.stride(1) != 1):
-        raise ValueError(f"fp8_block_gemm: out {tuple(y.shape)} / {y.stride()} is not a [{m}, {n}] row-major view")
+    width = n - gap_w
+    y = torch.empty(m, width, dtype=out_dtype, device=xq.device) if out is None else out
+    if tuple(y.shape) != (m, width) or (width > 1 and y.stride(1) != 1):
+        raise ValueError(f"fp8_block_gemm: out {tuple(y.shape)} / {y.stride()} is not a [{m}, {width}] "
+                         f"row-major view")
     if not m:
         return y
     # one split: the kernel stores y and never touches `part` (xs, an fp32 device tensor, stands in)
     part = torch.empty(splits, m, n, dtype=torch.float32, device=xq.device) if splits > 1 else xs
     lib(ctx)[(-(-m // ctx.block_m) * ctx.n_tiles, splits)](
         xq, xq.stride(0), xs, xs.stride(0), wq, wq.stride(0), ws, ws.stride(0), y, y.stride(0), part, m,
-        splits, -(-ctx.k_blocks // splits), num_warps=ctx.num_warps, num_stages=ctx.num_stages)
+        splits, -(-ctx.k_blocks // splits), gap_at, gap_w, num_warps=ctx.num_warps, num_stages=ctx.num_stages)
     if splits > 1:
         red = Fp8SplitReduceCtx.make()
-        lib(red)[(m, -(-n // red.block))](part, y, y.stride(0), m, n, splits, num_warps=red.num_warps)
+        lib(red)[(m, -(-width // red.block))](part, y, y.stride(0), m, width, splits, gap_at, gap_w,
+                                              num_warps=red.num_warps)
     return y
 
 
@@ -208,23 +216,25 @@ def _gemm_partials(xq, xs, wq, ws, lib: KernelLibrary, splits=None):
     if m:
         lib(ctx)[(-(-m // ctx.block_m) * ctx.n_tiles, splits)](
             xq, xq.stride(0), xs, xs.stride(0), wq, wq.stride(0), ws, ws.stride(0), part[0], n, part, m,
-            splits, -(-ctx.k_blocks // splits), num_warps=ctx.num_warps, num_stages=ctx.num_stages)
+            splits, -(-ctx.k_blocks // splits), n, 0, num_warps=ctx.num_warps, num_stages=ctx.num_stages)
     return part
 
 
 def fp8_swiglu_quant(xq, xs, parts: list, act_dtype=torch.bfloat16, lib: KernelLibrary = JIT, splits=None):
     """A dense SwiGLU's first half on FP8 weights, ready for the down GEMM: h = silu(x W_gate^T) *
     (x W_up^T) rounded to `act_dtype`, quantised per token per 128 columns -> (hq float8_e4m3fn
-    [M, I], hs fp32 [M, I/128]). `parts`: [(wq, ws)], the joined gate|up weight ([2I, K], I a
-    multiple of 128) or gate and up apart; each GEMM leaves its fp32 split-K partials and one
+    [M, I], hs fp32 [M, I/128]). `parts`: [(wq, ws[, gap])], the joined gate|up weight ([2I, K], or
+    with a ragged I the gate padded to its 128-row block: gap (I, padding rows)) or gate and up
+    apart; each GEMM leaves its fp32 split-K partials and one
     reduction launch sums them, applies SwiGLU and quantises (`Fp8SplitReduceCtx` swiglu)."""
     m = xq.shape[0]
     if len(parts) == 1:
-        part = _gemm_partials(xq, xs, *parts[0], lib, splits)
-        inter = part.shape[2] // 2
-        g, u = part, part[:, :, inter:]
+        wq, ws, *gap = parts[0]
+        part = _gemm_partials(xq, xs, wq, ws, lib, splits)
+        inter, pad = gap[0] if gap and gap[0][1] else (part.shape[2] // 2, 0)
+        g, u = part, part[:, :, inter + pad:]
     else:
-        (gw, gs), (uw, us) = parts
+        (gw, gs, *_), (uw, us, *_) = parts
         g, u = _gemm_partials(xq, xs, gw, gs, lib, splits), _gemm_partials(xq, xs, uw, us, lib, splits)
         inter = g.shape[2]
         if u.shape != g.shape:

@@ -20,7 +20,9 @@ import torch
 from glmc.codegen import torch_ref as ref
 from glmc.codegen import fp8_ref
 from glmc.codegen.triton_contexts import (  # noqa: F401  (re-exported)
+    GEMV_ROWS,
     ArgmaxCtx,
+    GemvCtx,
     IndexerScoresCtx,
     MlaCombineCtx,
     MoeRouterCtx,
@@ -72,25 +74,60 @@ def token_rows(batch, device):
     return rows.to(device), batch.positions.to(device)
 
 
-def rms_norm(x, weight, eps, lib: KernelLibrary = JIT):
-    """torch_ref.rms_norm; output in x's dtype."""
+def rms_norm(x, weight, eps, lib: KernelLibrary = JIT, quant: bool = False):
+    """torch_ref.rms_norm; output in x's dtype. `quant`: -> (out, (q, s)), out also quantised for
+    an FP8 GEMM (triton_fp8.quantize_tokens' result, to the bit)."""
     x2 = _rows(x)
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
-    ctx = RmsNormCtx.make(x2.shape[1], eps, False)
+    ctx = RmsNormCtx.make(x2.shape[1], eps, False, quant)
+    qs = _quant_out(x2) if quant else ()
     if x2.shape[0]:
-        lib(ctx)[(x2.shape[0],)](x2, x2.stride(0), weight, out, out.stride(0), num_warps=ctx.num_warps)
-    return out.view(x.shape)
+        lib(ctx)[(x2.shape[0],)](x2, x2.stride(0), *_quant_args(qs), weight, out, out.stride(0),
+                                 num_warps=ctx.num_warps)
+    return (out.view(x.shape), qs) if quant else out.view(x.shape)
 
 
-def add_rms_norm(x, residual, weight, eps, lib: KernelLibrary = JIT):
-    """torch_ref.add_rms_norm: (rms_norm(x + residual), x + residual) in one pass."""
+def _quant_out(x2):
+    """e4m3 [M, K] and fp32 scales [M, K / 128] for an output quantised in its producer."""
+    m, k = x2.shape
+    return (torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x2.device),
+            torch.empty(m, -(-k // fp8_ref.BLOCK), dtype=torch.float32, device=x2.device))
+
+
+def _quant_args(qs) -> list:
+    return [a for t in qs for a in (t, t.stride(0))]
+
+
+def gemv(x, w, out=None, out_dtype=None, lib: KernelLibrary = JIT):
+    """x [M, K] @ w [N, K]^T for M <= GEMV_ROWS[-1] in one launch, fp32 math (`GemvCtx`) -> [M, N]
+    in `out_dtype` (default x's), or written into `out` (an [M, N] view with unit column stride)."""
+    m, k = x.shape
+    n = w.shape[0]
+    if w.shape[1] != k or w.stride(1) != 1 or w.stride(0) != k:
+        raise ValueError(f"gemv: weight {tuple(w.shape)} / {w.stride()} is not a contiguous [N, {k}] matrix")
+    y = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device) if out is None else out
+    if tuple(y.shape) != (m, n) or (n > 1 and y.stride(1) != 1):
+        raise ValueError(f"gemv: out {tuple(y.shape)} / {y.stride()} is not a [{m}, {n}] row-major view")
+    x = x if x.stride(1) == 1 else x.contiguous()
+    ctx = GemvCtx.make(k, m)
+    if m:
+        lib(ctx)[(-(-n // ctx.block_n),)](x, x.stride(0), w, y, y.stride(0), m, n, num_warps=ctx.num_warps)
+    return y
+
+
+def add_rms_norm(x, residual, weight, eps, lib: KernelLibrary = JIT, quant: bool = False):
+    """torch_ref.add_rms_norm: (rms_norm(x + residual), x + residual) in one pass; `quant`: the
+    normalised output's FP8 quantisation third (as `rms_norm`)."""
     x2, r2 = _rows(x), _rows(residual)
     new_res = torch.empty(x2.shape, dtype=torch.result_type(x, residual), device=x.device)
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
-    ctx = RmsNormCtx.make(x2.shape[1], eps, True)
+    ctx = RmsNormCtx.make(x2.shape[1], eps, True, quant)
+    qs = _quant_out(x2) if quant else ()
     if x2.shape[0]:
         lib(ctx)[(x2.shape[0],)](x2, x2.stride(0), r2, r2.stride(0), new_res, new_res.stride(0),
-                                        weight, out, out.stride(0), num_warps=ctx.num_warps)
+                                 *_quant_args(qs), weight, out, out.stride(0), num_warps=ctx.num_warps)
+    if quant:
+        return out.view(x.shape), new_res.view(x.shape), qs
     return out.view(x.shape), new_res.view(x.shape)
 
 
@@ -353,14 +390,14 @@ def sample_greedy(logits, lib: KernelLibrary = JIT, num_splits=None):
 
 
 def step_inputs(ids, last_token, rows, pos, loc, r2t, lib: KernelLibrary = JIT):
-    """One launch: -> ids with each negative entry replaced by last_token[rows] (int64 [T]), and
-    r2t[rows, pos] = loc written (r2t: the device's req_to_token table, row-major)."""
+    """One launch: -> (ids with each negative entry replaced by last_token[rows], lens = pos + 1),
+    both int64 [T], and r2t[rows, pos] = loc written (r2t: the device's req_to_token table, row-major)."""
     ctx = StepInputsCtx.make()
-    out = torch.empty_like(ids)
+    out, lens = torch.empty_like(ids), torch.empty_like(pos)
     T = ids.shape[0]
     if T:
         if r2t.stride(1) != 1:
             raise ValueError(f"step_inputs: req_to_token strides {r2t.stride()} are not row-major")
-        lib(ctx)[(-(-T // ctx.block),)](ids, last_token, rows, pos, loc, r2t, r2t.stride(0), out, T,
+        lib(ctx)[(-(-T // ctx.block),)](ids, last_token, rows, pos, loc, r2t, r2t.stride(0), out, lens, T,
                                          num_warps=ctx.num_warps)
-    return out
+    return out, lens

@@ -11,15 +11,16 @@ from __future__ import annotations
 from glmc.ir.types import fp8_row_bytes
 
 from .comm_memory import p2p_runs
-from .op_memory import quantize
-from .step_arena import BLOCK_MS, FP8_BLOCK, Step, Val, model
+from .op_memory import quantize, quantized
+from .step_arena import BLOCK_MS, FP8_BLOCK, GEMV_ROWS, Step, Val, model
 
 
 # ----------------------------------------------------------------------------- MoE
 @model("moe.gate")
 def _gate(op, args, s):
+    """fp32 logits; above GEMV_ROWS rows x cast to fp32 for cuBLAS (the gemv kernel reads x as it is)."""
     T = s.rows(op)
-    cast = s.tmp(T * int(op.attr("hidden")), 4) if args[0].elem != 4 else None   # x.float()
+    cast = s.tmp(T * int(op.attr("hidden")), 4) if args[0].elem != 4 and T > GEMV_ROWS else None   # x.float()
     out = s.arena.new(s.numel(op), 4)
     s.free(cast)
     return out
@@ -143,7 +144,9 @@ def _experts(op, args, s):
     src = s.graph.producer(op.operands[0])                  # e4m3 rows from an FP8 dispatch, scales with them
     pre = src.kind == "moe.dispatch" and src.attr("dtype") == "fp8"
     if s.t.fp8_weights:
-        work += [*([] if pre else quantize(s, rows, H)), s.tmp(nb * bm * inter, 1),
+        if not pre:
+            quantized(s, op.operands[0], rows, H)
+        work += [s.tmp(nb * bm * inter, 1),
                  s.tmp(nb * bm * -(-inter // FP8_BLOCK), 4)]
     else:
         work.append(s.tmp(nb * bm * inter, args[0].elem))

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from glmc.ir import Op
 
-from .step_arena import (ARGMAX_SPLITS, FP8_BLOCK, FP8_KINDS, INDEXER_BLOCK_N, MAX_SPLITS, TOPK_CHUNK, TOPK_PROGRAMS,
-                         TOPK_SEGMENTS, UNQUANTISED, Step, Val, model)
+from .step_arena import (ARGMAX_SPLITS, FP8_BLOCK, FP8_KINDS, GEMV_ROWS, INDEXER_BLOCK_N, MAX_SPLITS, TOPK_CHUNK,
+                         TOPK_PROGRAMS, TOPK_SEGMENTS, UNQUANTISED, Step, Val, model)
 
 
 # ----------------------------------------------------------------------------- views and elementwise
@@ -71,15 +71,37 @@ def _embed(op, args, s):
     return out
 
 
-@model("norm.rms", "rope.apply")
+@model("rope.apply")
 def _out_like(op, args, s):
     return s.arena.new(s.numel(op), args[0].elem)
+
+
+def _norm_quantises(op, s: Step) -> None:
+    """cuda_target._norm_quantises: a norm whose output an FP8 GEMM reads quantises it too (held
+    with the value, `quantized`)."""
+    value = op.results[0]
+    for u in s.graph.users(value):
+        names = u.attr("weight") if isinstance(u.attr("weight"), tuple) else (u.attr("weight"),)
+        if u.operands[0] == value and u.kind in FP8_KINDS and (
+                u.kind in ("mlp.swiglu", "moe.experts") or any(_is_fp8(u, n, s) for n in names)):
+            if s.t.fp8_weights:
+                quantized(s, value, s.rows(op), s.numel(op) // max(1, s.rows(op)))
+            return
+
+
+@model("norm.rms")
+def _rms(op, args, s):
+    out = s.arena.new(s.numel(op), args[0].elem)
+    _norm_quantises(op, s)
+    return out
 
 
 @model("fused.add_rms")
 def _add_rms(op, args, s):
     res = s.arena.new(s.numel(op, 1), max(args[0].elem, args[1].elem))
-    return s.arena.new(s.numel(op), args[0].elem), res
+    out = s.arena.new(s.numel(op), args[0].elem)
+    _norm_quantises(op, s)
+    return out, res
 
 
 @model("fused.qkv_a_norm_rope_write", "fused.qkv_a_norm_rope_write_index")
@@ -126,15 +148,30 @@ def fp8_gemm_splits(rows: int, n: int, k: int, num_sms: int) -> int:
 
 
 def fp8_row_groups(rows: list[int]) -> list[list[int]]:
-    """fp8_ref.fp8_row_groups (copied): consecutive FP8 parts share one GEMM while each part before
-    the last of a group is a multiple of 128 rows."""
+    """fp8_ref.fp8_row_groups (copied): consecutive FP8 parts share one GEMM; one part before the
+    last of a group may end off a 128-row block (zero rows pad it), a second such part starts a
+    new group."""
     groups: list[list[int]] = []
+    gapped = False
     for i, r in enumerate(rows):
-        if groups and rows[groups[-1][-1]] % FP8_BLOCK == 0:
+        prev = rows[groups[-1][-1]] if groups else 0
+        if groups and (prev % FP8_BLOCK == 0 or not gapped):
+            gapped = gapped or prev % FP8_BLOCK != 0
             groups[-1].append(i)
         else:
             groups.append([i])
+            gapped = False
     return groups
+
+
+def fp8_gemm_rows(run: list[int]) -> list[int]:
+    """Weight rows of each FP8 GEMM a run of FP8 parts (their rows) is joined into: each group's
+    rows plus the zero rows padding its ragged part (`fp8_ref.fp8_group_gap`)."""
+    out = []
+    for g in fp8_row_groups(run):
+        rows = [run[i] for i in g]
+        out.append(sum(rows) + next((-r % FP8_BLOCK for r in rows[:-1] if r % FP8_BLOCK), 0))
+    return out
 
 
 def _fp8_gemm_widths(op: Op, s: Step, rows: list[int]) -> list[int]:
@@ -146,7 +183,7 @@ def _fp8_gemm_widths(op: Op, s: Step, rows: list[int]) -> list[int]:
         if name is not None and _is_fp8(op, name, s):
             run.append(r)
             continue
-        widths += [sum(run[i] for i in g) for g in fp8_row_groups(run)]
+        widths += fp8_gemm_rows(run)
         run = []
     return widths
 
@@ -156,19 +193,26 @@ def quantize(s: Step, rows: int, cols: int) -> tuple[int, int]:
     return s.tmp(rows * cols, 1), s.tmp(rows * -(-cols // FP8_BLOCK), 4)
 
 
-def parts_mm(s: Step, rows: int, cols: int, width: int, plain: list[int], fp8: list[int]) -> Val:
-    """cuda_target._parts_mm: x quantised once, one [rows, width] output, each plain run's bf16 GEMM
-    through a temporary copied into its columns, each FP8 GEMM that splits K through fp32 partials
-    [splits, rows, n] (`fp8_gemm_splits`)."""
-    xq, xs = quantize(s, rows, cols)
+def quantized(s: Step, value: str, rows: int, cols: int) -> None:
+    """cuda_target.quantized: the value's quantisation, made by its first FP8 consumer and held
+    with the value until it dies (`step_memory`)."""
+    if value not in s.memo:
+        s.memo[value] = quantize(s, rows, cols)
+
+
+def parts_mm(s: Step, value: str, rows: int, cols: int, width: int, plain: list[int], fp8: list[int]) -> Val:
+    """cuda_target._parts_mm: x (`value`) quantised once per step, one [rows, width] output, each
+    plain run's bf16 GEMM (above GEMV_ROWS rows through a temporary copied into its columns), each
+    FP8 GEMM that splits K through fp32 partials [splits, rows, n] (`fp8_gemm_splits`)."""
+    quantized(s, value, rows, cols)
     y = s.arena.new(rows * width, s.t.act)
     for r in plain:
-        s.free(s.tmp(rows * r, s.t.act))
+        if rows > GEMV_ROWS:       # cuBLAS into a temporary (the gemv kernel writes the columns)
+            s.free(s.tmp(rows * r, s.t.act))
     for n in fp8:
         splits = fp8_gemm_splits(rows, n, cols, s.t.num_sms)
         if splits > 1:
             s.free(s.tmp(splits * rows * n, 4))
-    s.free(xq, xs)
     return y
 
 
@@ -190,22 +234,23 @@ def _linear(op, args, s):
         return mm(s, args[0], s.type_of(op.operands[0]).numel(s.env), s.numel(op))   # one cuBLAS GEMM
     rows = s.rows(op)
     parts = _row_parts(op, s)
-    return parts_mm(s, rows, int(op.attr("in_features")), s.numel(op) // max(1, rows),
+    return parts_mm(s, op.operands[0], rows, int(op.attr("in_features")), s.numel(op) // max(1, rows),
                     _plain_runs(op, s, parts), _fp8_gemm_widths(op, s, parts))
 
 
 @model("mlp.swiglu")
 def _swiglu(op, args, s):
-    """bf16: one gate|up GEMM, silu, product, down. FP8 (triton_fp8.fp8_swiglu_quant): x quantised,
+    """bf16: one gate|up GEMM, silu, product, down. FP8 (triton_fp8.fp8_swiglu_quant): x quantised
+    (once per step),
     each gate/up GEMM's fp32 partials [splits, T, n] (one split too), h quantised by their reduction,
     then the down GEMM."""
     T, hidden, inter = s.rows(op), int(op.attr("hidden")), int(op.attr("inter")) // int(op.attr("tp", 1))
     if s.t.fp8_weights:
-        xq, xs = quantize(s, T, hidden)
+        quantized(s, op.operands[0], T, hidden)
         parts = [s.tmp(fp8_gemm_splits(T, n, hidden, s.t.num_sms) * T * n, 4)
-                 for n in (sum([inter, inter][i] for i in g) for g in fp8_row_groups([inter, inter]))]
+                 for n in fp8_gemm_rows([inter, inter])]
         hq, hs = quantize(s, T, inter)
-        s.free(xq, xs, *parts)
+        s.free(*parts)
         out = s.arena.new(T * hidden, s.t.act)
         splits = fp8_gemm_splits(T, hidden, inter, s.t.num_sms)
         if splits > 1:
@@ -238,7 +283,6 @@ def _topk(op, args, s):
     T, k = s.rows(op), int(op.attr("k"))
     width = -(-s.t.max_len // INDEXER_BLOCK_N) * INDEXER_BLOCK_N
     scores = s.tmp(T * width, 4)
-    lens = s.tmp(T, 8)                                        # pos + 1
     out = Val(s.arena.alloc(T * k * 4), 4, cols=k)
     if T and width > TOPK_CHUNK:
         (lo, hi), (least, per_row, most) = TOPK_SEGMENTS, TOPK_PROGRAMS   # triton_target.topk_segment
@@ -246,7 +290,7 @@ def _topk(op, args, s):
         segment = max(lo, min(hi, 1 << (share.bit_length() - 1)))
         n = -(-width // segment)
         s.free(s.tmp(T * 4 * n * 256, 4), s.tmp(T * 8, 4), s.tmp(T * n, 4))   # hist, state, gt
-    s.free(lens, scores)
+    s.free(scores)
     return out
 
 

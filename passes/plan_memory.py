@@ -35,6 +35,7 @@ from glmc.ir.types import DTYPE_BYTES
 
 from .base import Pass, PassContext
 from .costs import cache_row_bytes, params_of, weight_bytes_for
+from .op_memory import fp8_gemm_rows, fp8_row_groups
 from .step_arena import H200_SMS, Target
 from .step_memory import graph_pool, step_memory
 
@@ -64,17 +65,10 @@ def _a_proj_rows(op: Op, cfg) -> list[tuple[int, bool]] | None:
     return parts
 
 
-def _joined_rows(rows: list[int]) -> int:
-    """Rows the CUDA target copies when it joins consecutive FP8 parts into one GEMM weight: parts
-    join while each one before the last of a run ends on a 128-row block (`fp8_ref.fp8_row_groups`)."""
-    copied, run = 0, []
-    for r in rows + [None]:
-        if r is not None and run and run[-1] % FP8_BLOCK == 0:
-            run.append(r)
-            continue
-        copied += sum(run) if len(run) > 1 else 0
-        run = [] if r is None else [r]
-    return copied
+def _joined_rows(rows: list[int]) -> list[int]:
+    """Rows of each weight the CUDA target copies when it joins consecutive FP8 parts into one GEMM
+    (`op_memory.fp8_row_groups`: groups of more than one part, a ragged part padded with zero rows)."""
+    return [n for g, n in zip(fp8_row_groups(rows), fp8_gemm_rows(rows)) if len(g) > 1]
 
 
 def op_weight_bytes(op: Op, cfg, dtypes, cuda: bool) -> tuple[int, int]:
@@ -96,12 +90,12 @@ def op_weight_bytes(op: Op, cfg, dtypes, cuda: bool) -> tuple[int, int]:
         if not fp8:
             return held, held
         fp8_rows = [r for r, q in parts if q]
-        joined = _joined_rows(fp8_rows)
-        return held, _matrix_bytes(joined, cols, True, 1) if joined else 0
+        return held, sum(_matrix_bytes(n, cols, True, 1) for n in _joined_rows(fp8_rows))
     if k == "mlp.swiglu":
         inter, hidden = int(a("inter")) // tp, int(a("hidden"))
         one = _matrix_bytes(inter, hidden, fp8, elem)
-        copies = 2 * one if cuda and (not fp8 or inter % FP8_BLOCK == 0) else 0
+        copies = (2 * one if not fp8 else sum(_matrix_bytes(n, hidden, True, 1) for n in _joined_rows([inter, inter]))) \
+            if cuda else 0
         return 2 * one + _matrix_bytes(hidden, inter, fp8, elem), copies
     if k == "moe.experts":
         experts = int(a("experts")) // int(a("ep", 1))

@@ -23,6 +23,7 @@ INDEXER_BLOCK_N = 64               # IndexerScoresCtx.make's default key block: 
 MAX_SPLITS = 64                    # triton_contexts.MAX_SPLITS
 ARGMAX_SPLITS = 64                 # triton_contexts.ARGMAX_SPLITS
 BLOCK_MS = (16, 32, 64)            # triton_moe.BLOCK_MS
+GEMV_ROWS = 16                     # triton_contexts.GEMV_ROWS[-1]: decode rows the gemv kernel takes
 H200_SMS = 132
 
 
@@ -87,6 +88,7 @@ class Step:
     def __init__(self, arena: Arena, target: Target, graph, cfg, feeds: dict):
         self.arena, self.t, self.graph, self.cfg, self.feeds = arena, target, graph, cfg, feeds
         self.env = {"T": target.tokens, "B": target.requests}
+        self.memo: dict[str, tuple] = {}   # value -> bufs held with it (its FP8 quantisation: cuda_target.quantized)
 
     def type_of(self, value: str):
         return self.graph.type_of(value)

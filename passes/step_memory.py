@@ -58,9 +58,7 @@ def prologue(arena: Arena, t: Target, mode: str) -> dict:
         vectors = arena.alloc(4 * T * 8)                     # ids, positions, slots, rows
     else:
         vectors = 0                                          # the capture's static buffer
-    neg, last = arena.alloc(T), arena.alloc(T * 8)           # ids < 0, last_token[rows]
-    ids = arena.alloc(T * 8)
-    arena.free(neg, last)
+    ids, _lens = arena.alloc(T * 8), arena.alloc(T * 8)     # step_inputs: ids, pos + 1
     if mode == "prefill":
         arena.alloc(t.requests * 8)                          # each request's last token
     return {"input_ids": Val(ids, 8), "positions": Val(vectors, 8, False), "hidden": Val(0, t.act)}
@@ -89,6 +87,8 @@ def step_memory(graph: Graph, target: Target, cfg, mode: str = "eager", rounding
                 users[v.buf] = users.get(v.buf, 0) + 1
         out.regions.append((op, start, arena.peak, arena.live))   # as LiveBytes: the op's own call
         _free(dead, vals, users, arena)
+        for v in dead:                                    # what the step held with a value goes with it
+            arena.free(*step.memo.pop(v, ()))
     out.prologue = out.regions[0][1] if out.regions else arena.live
     out.peak = max([first] + [r[2] for r in out.regions])
     out.end = arena.live

@@ -40,8 +40,8 @@ def test_parameters_and_memory(bills):
 def test_step_workspaces(bills):
     """What a step allocates above the held bytes (passes/step_memory.py), per DP rank of dp8ep8 at
     context 4096: a decode step per bucket, the graphs of all buckets, the largest prefill chunk and
-    the indexer's workspace in it: fp32 scores [8192, 4096], the positions + 1, the top-k as int32
-    KV slots [8192, 2048]."""
+    the indexer's workspace in it: fp32 scores [8192, 4096] and the top-k as int32 KV slots [8192,
+    2048] (the positions + 1 come from the step prologue)."""
     m = bills["dp8ep8"]["memory"]
     assert list(m["decode_workspace_bytes"]) == ["1", "2", "4", "8", "12", "16"]
     assert m["graph_bytes"] == m["decode_workspace_bytes"]      # the old name
@@ -49,7 +49,7 @@ def test_step_workspaces(bills):
     assert pool["workspaces"] == 2 * 32 * 2**20                 # the warm-up stream + the capture stream
     assert m["graph_pool_bytes"] == pool["outputs"] + pool["inputs"] + pool["workspaces"]
     assert m["prefill_point"] == {"tokens": 8192, "requests": 2, "max_len": 4096}
-    assert m["indexer_workspace_bytes"] == 8192 * (4096 * 4 + 8 + 2048 * 4)
+    assert m["indexer_workspace_bytes"] == 8192 * (4096 * 4 + 2048 * 4)
     # values freed at their last use: a few layers' activations live, not all 78 layers' (held to
     # the step's end, as the executor once did, this chunk needed 679 GB)
     assert 4 * 2**30 < m["prefill_workspace_bytes"] < 24 * 2**30

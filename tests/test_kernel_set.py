@@ -31,8 +31,8 @@ def test_glm53_kernel_set_is_small_and_fits_the_rank(parallel, heads, tiles):
     """GLM-5.3 (FP8 weights, FP8 KV): a few dozen kernels, attention specialised to the rank's heads
     (head-major 16-head blocks below 32 tokens; where a rank holds >= 64 heads, fp16 operands and
     64-head blocks from 32 tokens; FP8 rows scaled per tile); the FP8 experts
-    and GEMMs at the rank's widths (A-projection: q_a | kv_a joined, wk alone, as their 128-row
-    scale blocks allow)."""
+    and GEMMs at the rank's widths (A-projection: shared layers q_a | kv_a, full layers q_a | kv_a
+    padded to its 128-row scale block | wk, one GEMM each)."""
     kernels = plan_kernels(compiled("glm_moe_dsa", parallel, device="cuda"))
     assert 15 <= len(kernels) <= 80   # 3 FP8 GEMM row classes per weight shape, MoE split forms
     attn = [c for c in kernels.values() if c.template == "sparse_mla_decode"]
@@ -44,8 +44,9 @@ def test_glm53_kernel_set_is_small_and_fits_the_rank(parallel, heads, tiles):
     tp = 8 if parallel == "tp8" else 1
     assert {c.n_out for c in experts if not c.down} == {2048 // tp}
     gemms = {(c.n, c.k) for c in kernels.values() if c.template == "fp8_block_gemm"}
-    assert {(2048 + 576, 6144), (128, 6144), (64 * 256 // tp, 2048), (6144, 64 * 256 // tp),
+    assert {(2048 + 576, 6144), (2048 + 640 + 128, 6144), (64 * 256 // tp, 2048), (6144, 64 * 256 // tp),
             (2 * 12288 // tp, 6144), (6144, 12288 // tp)} <= gemms
+    assert (128, 6144) not in gemms            # wk joins the full layers' A-projection
     assert [c.vocab for c in kernels.values() if c.template == "sample"] == [154880]
 
 

@@ -216,9 +216,11 @@ def test_every_spec_bench_row_within_20_percent(launches_as_measured):
     outside = [f"{r['name']}: {r['ratio']:.2f}" for r in rows if abs(r["ratio"] - 1) > 0.2]
     assert not outside, outside
     recorded = [r["predicted"]["predicted_ms"] for r in data["rows"] if "replay_ms" in r]
-    # rel 1e-3, not 1e-9: the benchmark printed its predictions when the cost model counted an fp8 KV
-    # row as 576 bytes; it now counts FlashMLA's 656 (scales + bf16 RoPE part), +0.02% on these rows
-    assert [r["predicted_ms"] for r in rows] == pytest.approx(recorded, rel=1e-3)
+    # rel 1e-2, not 1e-9: the benchmark printed its predictions when the cost model counted an fp8 KV
+    # row as 576 bytes; it now counts FlashMLA's 656 (scales + bf16 RoPE part), +0.02% on these rows;
+    # and the CUDA target now launches fewer kernels per layer (top-k lengths from the step prologue,
+    # the router's GEMV in one kernel at decode sizes), up to -0.6%
+    assert [r["predicted_ms"] for r in rows] == pytest.approx(recorded, rel=1e-2)
 
 
 def test_hbm_bytes_of_attention_and_experts():

@@ -79,7 +79,7 @@ def test_split_reduction_adds_every_split_in_order():
     part[1, 0, 0], part[2, 0, 0] = 1e8, -1e8
     y = torch.zeros(M, N + 8)
     red = tf.Fp8SplitReduceCtx.make()
-    tf.JIT(red)[(M, -(-N // red.block))](part, y[:, 4:], y.stride(0), M, N, S, num_warps=red.num_warps)
+    tf.JIT(red)[(M, -(-N // red.block))](part, y[:, 4:], y.stride(0), M, N, S, N, 0, num_warps=red.num_warps)
     want = torch.zeros(M, N)
     for s in range(S):
         want += part[s]
@@ -87,10 +87,38 @@ def test_split_reduction_adds_every_split_in_order():
     assert not y[:, :4].any() and not y[:, N + 4:].any()
 
 
-@pytest.mark.parametrize("inter,joined", [(256, True), (200, False)])
+@pytest.mark.parametrize("m,splits", [(1, 4), (3, 1), (20, 2)])
+def test_joined_parts_with_a_padded_part(m, splits):
+    """Parts of 200, 128 and 72 rows (GLM-5.3's q_a | kv_a | wk, scaled down): one group, the
+    200-row part padded with 56 zero rows; the GEMM over the joined 456-row weight, split or not,
+    writes the 400 real columns into a column slice of a wider output, equal to each part's own
+    GEMM, and leaves the other columns alone."""
+    rows = [200, 128, 72]
+    assert fp8_ref.fp8_row_groups(rows) == [[0, 1, 2]]
+    assert fp8_ref.fp8_group_gap(rows) == (200, 56)
+    assert fp8_ref.fp8_row_groups([200, 72, 100]) == [[0, 1], [2]]     # a second ragged part: new group
+    assert fp8_ref.fp8_group_gap([256, 72]) == (328, 0)
+    g = torch.Generator().manual_seed(m)
+    k = 384
+    parts = [fp8_ref.Fp8Weight(*fp8_ref.quantize_weight_blocks(torch.randn(r, k, generator=g) * 0.05)) for r in rows]
+    joined = fp8_ref.Fp8Weight.cat_rows(parts, pad=True)
+    assert joined.shape == (456, k) and not joined.q[200:256].float().any()
+    with pytest.raises(ValueError, match="128-row block"):
+        fp8_ref.Fp8Weight.cat_rows(parts)
+    xq, xs = tf.quantize_tokens(torch.randn(m, k, generator=g))
+    y = torch.full((m, 410), 7.0)
+    tf.fp8_block_gemm(xq, xs, joined.q, joined.scale_inv, torch.float32, out=y[:, 5:405], gap=(200, 56),
+                      splits=splits)
+    want = torch.cat([fp8_ref.fp8_gemm(xq, xs, p.q, p.scale_inv) for p in parts], 1)
+    torch.testing.assert_close(y[:, 5:405], want, rtol=1e-5, atol=1e-5)
+    assert (y[:, :5] == 7).all() and (y[:, 405:] == 7).all()
+
+
+@pytest.mark.parametrize("inter,joined", [(256, True), (200, True), (200, False)])
 @pytest.mark.parametrize("m,splits", [(1, 3), (5, 1), (3, None)])
 def test_swiglu_quant_matches_the_reference(inter, joined, m, splits):
-    """fp8_swiglu_quant: gate/up GEMMs (joined into one [2I, K] weight, or apart with a ragged I),
+    """fp8_swiglu_quant: gate/up GEMMs (joined into one [2I, K] weight, the gate padded to its
+    128-row block where I is ragged, or apart),
     split or not, then SwiGLU rounded to bf16 and quantised in the split reduction: equal to
     fp8_ref's GEMMs then silu * up, bf16, quantize_token_groups, up to fp32 summation order (the
     e4m3 codes within one step where the fp32 sums straddle a rounding edge), and the same bits on
@@ -101,8 +129,8 @@ def test_swiglu_quant_matches_the_reference(inter, joined, m, splits):
     wg, wu = (fp8_ref.quantize_weight_blocks(torch.randn(inter, k, generator=g) * 0.05) for _ in range(2))
     xq, xs = tf.quantize_tokens(x)
     if joined:
-        w = fp8_ref.Fp8Weight.cat_rows([fp8_ref.Fp8Weight(*wg), fp8_ref.Fp8Weight(*wu)])
-        parts = [(w.q, w.scale_inv)]
+        w = fp8_ref.Fp8Weight.cat_rows([fp8_ref.Fp8Weight(*wg), fp8_ref.Fp8Weight(*wu)], pad=True)
+        parts = [(w.q, w.scale_inv, fp8_ref.fp8_group_gap([inter, inter]))]
     else:
         parts = [wg, wu]
     hq, hs = tf.fp8_swiglu_quant(xq, xs, parts, torch.bfloat16, splits=splits)
@@ -194,7 +222,7 @@ def test_sources_are_specialised():
     wide = tf.Fp8BlockGemmCtx.make(6144, 300, 4096, block_n=256)
     check(render(wide.template, wide), "km = kb * 128 + rk < 300", "(rn // 128) * ws_stride")
     check(render("fp8_split_reduce", tf.Fp8SplitReduceCtx.make()), "for s in range(0, splits)",
-          "(s * M + m).to(tl.int64) * N")
+          "(s * M + m).to(tl.int64) * (N + gap_w) + src")
     check(render("fp8_quant_tokens", tf.Fp8QuantTokensCtx.make(6144)), "12582912.0", "c < 6144", "tl.float8e4nv")
 
 
@@ -216,3 +244,24 @@ def test_moe_experts_fp8_matches_the_reference(T, E, top_k, hidden, inter, offse
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     exact = torch_ref.moe_experts(x, ids, w, *(q.dequant() for q in ws), expert_offset=offset)
     assert float((got - exact).norm() / exact.norm()) < 0.1
+
+
+@pytest.mark.parametrize("hidden", [64, 300, 384])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_norms_quantise_their_output_as_quantize_tokens_does(hidden, dtype):
+    """rms_norm / add_rms_norm with quant: the same outputs as without, and the quantisation of the
+    stored output equal to quantize_tokens' to the bit (a zero row, a ragged last group, a width
+    below one group)."""
+    from glmc.codegen import triton_target as tt
+    g = torch.Generator().manual_seed(hidden)
+    x, r = ((torch.randn(5, hidden, generator=g) * 3).to(dtype) for _ in range(2))
+    w = torch.randn(hidden, generator=g).to(dtype)
+    x[1] = 0
+    out, (q, s) = tt.rms_norm(x, w, 1e-6, quant=True)
+    assert torch.equal(out, tt.rms_norm(x, w, 1e-6))
+    want_q, want_s = tf.quantize_tokens(out)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(s, want_s)
+    normed, res, (q, s) = tt.add_rms_norm(x, r, w, 1e-6, quant=True)
+    assert all(torch.equal(a, b) for a, b in zip((normed, res), tt.add_rms_norm(x, r, w, 1e-6)))
+    want_q, want_s = tf.quantize_tokens(normed)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(s, want_s)

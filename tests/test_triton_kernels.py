@@ -61,7 +61,8 @@ def close(a, b, tol=1e-5):
 
 # ----------------------------------------------------------------------------- norms / router / rope
 def test_step_inputs():
-    """Device-sampled ids (< 0) come from last_token[row]; each token's slot lands in r2t[row, pos]."""
+    """Device-sampled ids (< 0) come from last_token[row]; each token's slot lands in r2t[row, pos];
+    lens = pos + 1."""
     g = torch.Generator().manual_seed(3)
     r2t = torch.full((5, 80), -7, dtype=torch.int64)
     last = torch.randint(0, 1000, (5,), generator=g)
@@ -72,9 +73,30 @@ def test_step_inputs():
         loc = torch.randint(0, 10_000, (T,), generator=g)
         want_r2t = r2t.clone()
         want_r2t[rows, pos] = loc
-        got = tt.step_inputs(ids, last, rows, pos, loc, r2t)
+        got, lens = tt.step_inputs(ids, last, rows, pos, loc, r2t)
         assert torch.equal(got, torch.where(ids < 0, last[rows], ids)), T
+        assert torch.equal(lens, pos + 1), T
         assert torch.equal(r2t, want_r2t), T
+
+
+@pytest.mark.parametrize("m", [1, 3, 4, 16])
+def test_gemv_is_fp32_math_into_a_column_slice(m):
+    """The decode GEMV: fp32 weights (the router) and bf16 (weights_proj) against an fp64 product,
+    within fp32 summation error (no bf16 or TF32 rounding of the products), written into a column
+    slice of a wider output without touching the rest; more rows than its largest class is an error."""
+    g = torch.Generator().manual_seed(m)
+    x = torch.randn(m, 600, generator=g).to(torch.bfloat16)
+    for wd in (torch.float32, torch.bfloat16):
+        w = torch.randn(37, 600, generator=g).to(wd)
+        want = x.double() @ w.double().T
+        y = tt.gemv(x, w, out_dtype=torch.float32)
+        assert y.dtype == torch.float32 and (y.double() - want).abs().max() < 1e-4
+        wide = torch.full((m, 45), 5.0)
+        tt.gemv(x, w, out=wide[:, 3:40])
+        assert torch.allclose(wide[:, 3:40].double(), want, atol=1e-4) and (wide[:, :3] == 5).all() \
+            and (wide[:, 40:] == 5).all()
+    with pytest.raises(ValueError, match="17 rows"):
+        tt.gemv(torch.zeros(17, 600), torch.zeros(4, 600))
 
 
 def test_rms_norm_and_fused_residual():

@@ -75,6 +75,7 @@ class GpuStep(Step):
     rows/positions, the device table, workspace width."""
     rows: torch.Tensor = None
     pos: torch.Tensor = None
+    lens: torch.Tensor = None
     r2t: torch.Tensor = None
     max_len: int = 0
     last_rows: torch.Tensor | None = None
@@ -139,9 +140,9 @@ class GpuRunner(PlanExecutor):
         return self._derived[key]
 
     # ------------------------------------------------------------------ one step over device tensors
-    def _step(self, graph, batch, ids, pos, loc, rows, max_len, last_rows=None) -> GpuStep:
+    def _step(self, graph, batch, ids, pos, lens, loc, rows, max_len, last_rows=None) -> GpuStep:
         return GpuStep(self, graph, batch, {"input_ids": ids, "positions": pos}, loc, rows=rows, pos=pos,
-                       r2t=self.r2t, max_len=max_len, last_rows=last_rows, moe_tiles=self.moe_tiles,
+                       lens=lens, r2t=self.r2t, max_len=max_len, last_rows=last_rows, moe_tiles=self.moe_tiles,
                        kernels=self.kernels)
 
     def _outputs(self, graph, values) -> dict:
@@ -156,9 +157,9 @@ class GpuRunner(PlanExecutor):
     def _body(self, phase, ids, pos, loc, rows, hidden=None, max_len=None) -> dict:
         """The captured region of a per-token phase: fill in FUTURE_TOKEN ids, each token's own
         slot into the device table, then every op of the phase (`hidden`: mtp_draft's input rows)."""
-        ids = tt.step_inputs(ids, self.last_token, rows, pos, loc, self.r2t, self.kernels)
+        ids, lens = tt.step_inputs(ids, self.last_token, rows, pos, loc, self.r2t, self.kernels)
         graph = self.graphs[phase]
-        step = self._step(graph, None, ids, pos, loc, rows, max_len or self.max_context)
+        step = self._step(graph, None, ids, pos, lens, loc, rows, max_len or self.max_context)
         if hidden is not None:
             step.feeds["hidden"] = hidden
         return self._outputs(graph, self.run_ops(graph, step, phase))
@@ -217,9 +218,9 @@ class GpuRunner(PlanExecutor):
     def _prefill_body(self, ids, pos, loc, rows, last, max_len) -> dict:
         """A prefill (or mixed) step's ops over device vectors: outputs of each request's last token
         (`last`: its index among the step's tokens). The device table already holds the rows."""
-        ids = tt.step_inputs(ids, self.last_token, rows, pos, loc, self.r2t, self.kernels)   # r2t: as loaded
+        ids, lens = tt.step_inputs(ids, self.last_token, rows, pos, loc, self.r2t, self.kernels)   # r2t: as loaded
         graph = self.graphs["prefill"]
-        return self._outputs(graph, self.run_ops(graph, self._step(graph, None, ids, pos, loc, rows, max_len,
+        return self._outputs(graph, self.run_ops(graph, self._step(graph, None, ids, pos, lens, loc, rows, max_len,
                                                                    last), "prefill"))
 
     @staticmethod

@@ -37,6 +37,7 @@ class Step:
     feeds: dict
     loc: torch.Tensor
     routes: dict = field(default_factory=dict)
+    memo: dict = field(default_factory=dict)   # (value, what) -> made from the value once, dropped with it
 
     @property
     def pool(self) -> KVPool:
@@ -148,6 +149,9 @@ class PlanExecutor:
             del out
             for v in dead:
                 del values[v]
+            if step.memo:
+                for key in [k for k in step.memo if k[0] in dead]:
+                    del step.memo[key]
         return values
 
     @torch.no_grad()
