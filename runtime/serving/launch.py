@@ -83,11 +83,8 @@ def serve_model(cfg: ServeConfig) -> None:
         serve(engine, cfg.model_name, cfg.host, cfg.port, cfg.log_level, cfg.server)
         return
     stop = _StopRanks()
-    # Ignored signals survive exec: the ranks start ignoring SIGINT (a signal mask would not: the
-    # spawn start method clears it). The launcher's own handler is back once they are started.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        spawn(_rank_main, world, cfg, timeout_s=cfg.timeout_s, on_started=stop.started)
+    try:   # the ranks are born ignoring SIGINT; this process handles it throughout
+        spawn(_rank_main, world, cfg, timeout_s=cfg.timeout_s, on_started=stop.started, ignore_sigint=True)
     except RankFailed:
         if not stop.requested:
             raise
@@ -122,9 +119,9 @@ class _StopRanks:
         self.previous = {s: signal.signal(s, self) for s in (signal.SIGINT, signal.SIGTERM)}
 
     def started(self, processes: list) -> None:
-        """Every rank was started: from now on signals reach them."""
+        """Every rank was started: from now on signals reach them (one that came while they were
+        being started stops them now)."""
         self.processes = processes
-        signal.signal(signal.SIGINT, self)
         if self.requested:
             self._stop()
 
@@ -134,7 +131,7 @@ class _StopRanks:
 
     def __call__(self, signum, frame) -> None:
         self.requested += 1
-        if not self.processes:  # SIGTERM while the ranks are being started: `started` stops them
+        if not self.processes:  # a signal while the ranks are being started: `started` stops them
             return
         if self.requested == 1:
             self._stop()

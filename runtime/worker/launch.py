@@ -12,8 +12,11 @@ With NCCL each process takes the GPU of its local rank (LOCAL_RANK, else rank % 
 from __future__ import annotations
 
 import datetime
+import multiprocessing.util as mp_util
 import os
+import signal
 import tempfile
+from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.distributed as dist
@@ -48,6 +51,7 @@ def from_env(backend: str | None = None, timeout_s: float = 120.0) -> tuple[int,
 
 
 def _entry(rank, fn, world, init_file, backend, timeout_s, args):
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})   # blocked since the fork (`_born_ignoring_sigint`)
     _use_local_gpu(backend, rank)
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
@@ -59,15 +63,43 @@ def _entry(rank, fn, world, init_file, backend, timeout_s, args):
         dist.destroy_process_group()
 
 
+@contextmanager
+def _born_ignoring_sigint():
+    """While active, each process multiprocessing spawns is forked with SIGINT ignored (an ignored
+    disposition survives exec), and this process keeps its own SIGINT handler: ignored only around
+    the fork itself, and blocked there too, so that a Ctrl-C landing in the fork stays pending
+    (Linux never discards a blocked signal, ignored or not) and reaches the handler once it is
+    back. The child inherits the mask too: `_entry` unblocks SIGINT (still ignored) first thing."""
+    launch = mp_util.spawnv_passfds
+
+    def spawnv_passfds(path, args, passfds):
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            return launch(path, args, passfds)
+        finally:
+            signal.signal(signal.SIGINT, previous)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+    mp_util.spawnv_passfds = spawnv_passfds
+    try:
+        yield
+    finally:
+        mp_util.spawnv_passfds = launch
+
+
 def spawn(fn, world: int, *args, backend: str | None = None, timeout_s: float = 120.0,
-          on_started=None) -> None:
+          on_started=None, ignore_sigint: bool = False) -> None:
+    """`ignore_sigint`: the ranks are born ignoring SIGINT (`_born_ignoring_sigint`), for a
+    launcher that handles a terminal's Ctrl-C for them."""
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     fd, init_file = tempfile.mkstemp(prefix="glmc-dist-")
     os.close(fd)
     os.unlink(init_file)
     try:
-        ctx = mp.start_processes(_entry, args=(fn, world, init_file, backend, timeout_s, args),
-                                 nprocs=world, join=False, start_method="spawn")
+        with _born_ignoring_sigint() if ignore_sigint else nullcontext():
+            ctx = mp.start_processes(_entry, args=(fn, world, init_file, backend, timeout_s, args),
+                                     nprocs=world, join=False, start_method="spawn")
         if on_started is not None:
             on_started(ctx.processes)
         while not ctx.join(grace_period=JOIN_GRACE_S):
