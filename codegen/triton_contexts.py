@@ -20,7 +20,8 @@ from glmc.codegen.triton_render import _DOT, _warps, next_pow2
 @dataclass(frozen=True)
 class RmsNormCtx:
     """rms_norm.py.j2: one row per program; optional fused residual add; `quant`: the output also
-    quantised per token per 128 columns for the FP8 GEMMs it feeds (fp8_quant_tokens' bits)."""
+    quantised per token per 128 columns for the FP8 GEMMs it feeds (fp8_quant_tokens' bits), one
+    program per (row, group) so that one row fills more than one SM."""
     template: ClassVar[str] = "rms_norm"
     hidden: int
     eps: float
@@ -31,7 +32,9 @@ class RmsNormCtx:
 
     @classmethod
     def make(cls, hidden: int, eps: float, has_residual: bool, quant: bool = False) -> "RmsNormCtx":
-        block = max(next_pow2(hidden), FP8_GROUP) if quant else next_pow2(hidden)
+        """`quant`: a program per (row, 128-column group), each reducing the whole row as the
+        one-program form does (its warps too: the same statistic to the bit)."""
+        block = next_pow2(hidden)
         return cls(hidden, float(eps), bool(has_residual), block, _warps(block, 1024), bool(quant))
 
 

@@ -82,8 +82,8 @@ def rms_norm(x, weight, eps, lib: KernelLibrary = JIT, quant: bool = False):
     ctx = RmsNormCtx.make(x2.shape[1], eps, False, quant)
     qs = _quant_out(x2) if quant else ()
     if x2.shape[0]:
-        lib(ctx)[(x2.shape[0],)](x2, x2.stride(0), *_quant_args(qs), weight, out, out.stride(0),
-                                 num_warps=ctx.num_warps)
+        lib(ctx)[_norm_grid(x2, quant)](x2, x2.stride(0), *_quant_args(qs), weight, out, out.stride(0),
+                                        num_warps=ctx.num_warps)
     return (out.view(x.shape), qs) if quant else out.view(x.shape)
 
 
@@ -92,6 +92,11 @@ def _quant_out(x2):
     m, k = x2.shape
     return (torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x2.device),
             torch.empty(m, -(-k // fp8_ref.BLOCK), dtype=torch.float32, device=x2.device))
+
+
+def _norm_grid(x2, quant: bool) -> tuple:
+    """A row per program, or with `quant` a (row, 128-column group) per program."""
+    return (x2.shape[0], -(-x2.shape[1] // fp8_ref.BLOCK)) if quant else (x2.shape[0],)
 
 
 def _quant_args(qs) -> list:
@@ -124,8 +129,8 @@ def add_rms_norm(x, residual, weight, eps, lib: KernelLibrary = JIT, quant: bool
     ctx = RmsNormCtx.make(x2.shape[1], eps, True, quant)
     qs = _quant_out(x2) if quant else ()
     if x2.shape[0]:
-        lib(ctx)[(x2.shape[0],)](x2, x2.stride(0), r2, r2.stride(0), new_res, new_res.stride(0),
-                                 *_quant_args(qs), weight, out, out.stride(0), num_warps=ctx.num_warps)
+        lib(ctx)[_norm_grid(x2, quant)](x2, x2.stride(0), r2, r2.stride(0), new_res, new_res.stride(0),
+                                        *_quant_args(qs), weight, out, out.stride(0), num_warps=ctx.num_warps)
     if quant:
         return out.view(x.shape), new_res.view(x.shape), qs
     return out.view(x.shape), new_res.view(x.shape)
