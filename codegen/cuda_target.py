@@ -32,7 +32,7 @@ from glmc.codegen import triton_target as tt
 from glmc.codegen.context import CudaStepContext
 from glmc.codegen.fp8_ref import Fp8Weight, fp8_group_gap, fp8_row_groups
 from glmc.codegen.weight_formats import FP8_KINDS, op_weight_names
-from glmc.codegen.triton_contexts import GEMV_ROWS, TOPK_CHUNK
+from glmc.codegen.triton_contexts import GEMV_ROWS, NORM_QUANT_ROWS, TOPK_CHUNK
 from glmc.ir.types import DTYPE_BYTES
 
 IMPLS: dict = dict(torch_target.IMPLS)
@@ -73,8 +73,9 @@ def _holds_fp8(op, ctx: CudaStepContext) -> bool:
 
 
 def _norm_quantises(op, ctx: CudaStepContext) -> bool:
-    """Whether a norm's output (results[0]) feeds an FP8 GEMM: then the norm kernel quantises it
-    too and its consumers find that in `quantized` (kernel_set._fp8_rms lists the same kernel)."""
+    """Whether a norm's output (results[0]) feeds an FP8 GEMM: then (up to NORM_QUANT_ROWS rows)
+    the norm kernel quantises it too and its consumers find that in `quantized`
+    (kernel_set._fp8_rms lists both forms)."""
     value = op.results[0]
     return ctx.derived(("norm_quantises", id(ctx.graph), value),
                        lambda: any(u.operands[0] == value and _holds_fp8(u, ctx) for u in ctx.graph.users(value)))
@@ -82,7 +83,7 @@ def _norm_quantises(op, ctx: CudaStepContext) -> bool:
 
 @impl("norm.rms")
 def _rms(op, args, ctx: CudaStepContext):
-    if not _norm_quantises(op, ctx):
+    if args[0].shape[0] > NORM_QUANT_ROWS or not _norm_quantises(op, ctx):
         return tt.rms_norm(args[0], ctx.w(op.attr("weight")), op.attr("eps"), ctx.kernels)
     out, ctx.memo[(op.results[0], "fp8_tokens")] = tt.rms_norm(args[0], ctx.w(op.attr("weight")), op.attr("eps"),
                                                                ctx.kernels, quant=True)
@@ -225,7 +226,7 @@ def _all_gather(op, args, ctx: CudaStepContext):
 
 @impl("fused.add_rms")
 def _fused_add_rms(op, args, ctx: CudaStepContext):
-    if not _norm_quantises(op, ctx):
+    if args[0].shape[0] > NORM_QUANT_ROWS or not _norm_quantises(op, ctx):
         return tt.add_rms_norm(args[0], args[1], ctx.w(op.attr("weight")), op.attr("eps"), ctx.kernels)
     out, res, qs = tt.add_rms_norm(args[0], args[1], ctx.w(op.attr("weight")), op.attr("eps"), ctx.kernels,
                                    quant=True)

@@ -162,7 +162,8 @@ def _fp8_gemms(k: int, rows: list) -> list:
             run.append(r)
             continue
         for g in fp8_row_groups(run):
-            out += Fp8BlockGemmCtx.variants(sum(run[i] for i in g) + fp8_group_gap([run[i] for i in g])[1], k)
+            pad = fp8_group_gap([run[i] for i in g])[1]
+            out += Fp8BlockGemmCtx.variants(sum(run[i] for i in g) + pad, k, gapped=pad > 0)
         run = []
     return out
 
@@ -187,8 +188,10 @@ def _fp8_swiglu(op, graph, dtype, config):
     """gate/up (joined or apart), their split reduction with SwiGLU + quantisation, down (its input
     comes quantised: no quantiser at the intermediate width)."""
     hidden, inter = int(op.attr("hidden")), int(op.attr("inter")) // int(op.attr("tp", 1))
-    return (_fp8_gemms(hidden, [inter, inter]) + [Fp8SplitReduceCtx.make(inter, dtype)]
-            + _fp8_gemms(inter, [hidden])[1:])
+    gate_up = [sum([inter, inter][i] for i in g) + fp8_group_gap([inter, inter][:len(g)])[1]
+               for g in fp8_row_groups([inter, inter])]       # partials keep a padded gate's zero columns
+    return ([Fp8QuantTokensCtx.make(hidden)] + [c for n in gate_up for c in Fp8BlockGemmCtx.variants(n, hidden)]
+            + [Fp8SplitReduceCtx.make(inter, dtype)] + _fp8_gemms(inter, [hidden])[1:])
 
 
 def _fp8_experts(op, graph, dtype, config):
@@ -199,11 +202,13 @@ def _fp8_experts(op, graph, dtype, config):
 
 
 def _fp8_rms(op, graph, dtype, config):
-    """A norm whose output an FP8 GEMM reads quantises it too (`cuda_target._norm_quantises`)."""
+    """A norm whose output an FP8 GEMM reads quantises it too up to NORM_QUANT_ROWS rows, above
+    them the plain norm runs (`cuda_target._norm_quantises`)."""
     value = op.results[0]
     quant = any(u.operands[0] == value and u.kind in FP8_KINDS and any(map(is_fp8_name, op_weight_names(u)))
                 for u in graph.users(value))
-    return [tc.RmsNormCtx.make(_dims(graph, value)[-1], op.attr("eps"), op.kind == "fused.add_rms", quant)]
+    plain = tc.RmsNormCtx.make(_dims(graph, value)[-1], op.attr("eps"), op.kind == "fused.add_rms")
+    return [tc.RmsNormCtx.make(plain.hidden, plain.eps, plain.has_residual, True), plain] if quant else [plain]
 
 
 # op kind -> its kernel contexts when the plan stores its weights FP8 (`weight_formats.FP8_KINDS`)

@@ -96,7 +96,8 @@ class Fp8QuantTokensCtx:
 class Fp8BlockGemmCtx:
     """fp8_block_gemm.py.j2: one [block_m, block_n] output tile x one K range per program; N, K fixed
     by the weight. `column_scales`: a tile wider than the 128-wide scale block loads a scale per
-    column; `k_ragged`: K is not a multiple of 128 (masked K)."""
+    column; `k_ragged`: K is not a multiple of 128 (masked K); `gapped`: the weight has zero-padding
+    rows whose columns the store skips (`fp8_block_gemm`'s gap; the others keep contiguous stores)."""
     template: ClassVar[str] = "fp8_block_gemm"
     n: int
     k: int
@@ -109,9 +110,10 @@ class Fp8BlockGemmCtx:
     num_stages: int
     column_scales: bool
     k_ragged: bool
+    gapped: bool = False
 
     @classmethod
-    def make(cls, n, k, num_rows, block_m=None, block_n=None, num_warps=None, num_stages=None):
+    def make(cls, n, k, num_rows, block_m=None, block_n=None, num_warps=None, num_stages=None, gapped=False):
         """The row class's tiles (`default_config`), each one overridable."""
         default_m, default_n, default_warps, default_stages = class_tiles(num_rows)
         block_m, block_n = block_m or default_m, block_n or default_n
@@ -120,13 +122,14 @@ class Fp8BlockGemmCtx:
                              f"(block_n a divisor or multiple of {BLOCK})")
         n, k = int(n), int(k)
         return cls(n, k, -(-k // BLOCK), block_m, block_n, -(-n // block_n), GROUP_M,
-                   num_warps or default_warps, num_stages or default_stages, block_n > BLOCK, k % BLOCK != 0)
+                   num_warps or default_warps, num_stages or default_stages, block_n > BLOCK, k % BLOCK != 0,
+                   bool(gapped))
 
     @classmethod
-    def variants(cls, n, k) -> list:
+    def variants(cls, n, k, gapped=False) -> list:
         """Every kernel `fp8_block_gemm` launches by default for this weight: one per row class (the
         split count is a run-time argument) and the split reduction."""
-        return [cls.make(n, k, rows) for rows in class_rows()] + [Fp8SplitReduceCtx.make()]
+        return [cls.make(n, k, rows, gapped=gapped) for rows in class_rows()] + [Fp8SplitReduceCtx.make(gapped=gapped)]
 
 
 @dataclass(frozen=True)
@@ -141,11 +144,12 @@ class Fp8SplitReduceCtx:
     inter: int = 0
     act_dtype: str = ""
     bf16: bool = False      # h rounded to bf16 on its bits (exact under the interpreter too)
+    gapped: bool = False    # partials with zero-padding columns to skip (fp8_block_gemm's gap)
 
     @classmethod
-    def make(cls, swiglu_inter: int | None = None, act_dtype: torch.dtype = torch.bfloat16):
+    def make(cls, swiglu_inter: int | None = None, act_dtype: torch.dtype = torch.bfloat16, gapped: bool = False):
         if swiglu_inter is None:
-            return cls(512, 4)
+            return cls(512, 4, gapped=bool(gapped))
         return cls(BLOCK, 4, True, int(swiglu_inter), _ACT[act_dtype], act_dtype == torch.bfloat16)
 
 
@@ -182,7 +186,7 @@ def fp8_block_gemm(xq, xs, wq, ws, out_dtype=torch.bfloat16, lib: KernelLibrary 
     if not (0 <= gap_w and 0 <= gap_at and gap_at + gap_w <= n):
         raise ValueError(f"fp8_block_gemm: gap {gap} is not within the weight's {n} rows")
     splits = tiles.pop("splits", None)
-    ctx = Fp8BlockGemmCtx.make(n, k, m, **tiles)
+    ctx = Fp8BlockGemmCtx.make(n, k, m, gapped=gap_w > 0, **tiles)
     if splits is None:
         splits = split_count(m, n, k, ctx.block_m, ctx.block_n, _num_sms(xq.device))
     splits = even_splits(ctx.k_blocks, splits)
@@ -199,7 +203,7 @@ def fp8_block_gemm(xq, xs, wq, ws, out_dtype=torch.bfloat16, lib: KernelLibrary 
         xq, xq.stride(0), xs, xs.stride(0), wq, wq.stride(0), ws, ws.stride(0), y, y.stride(0), part, m,
         splits, -(-ctx.k_blocks // splits), gap_at, gap_w, num_warps=ctx.num_warps, num_stages=ctx.num_stages)
     if splits > 1:
-        red = Fp8SplitReduceCtx.make()
+        red = Fp8SplitReduceCtx.make(gapped=gap_w > 0)
         lib(red)[(m, -(-width // red.block))](part, y, y.stride(0), m, width, splits, gap_at, gap_w,
                                               num_warps=red.num_warps)
     return y

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from glmc.ir import Op
 
-from .step_arena import (ARGMAX_SPLITS, FP8_BLOCK, FP8_KINDS, GEMV_ROWS, INDEXER_BLOCK_N, MAX_SPLITS, TOPK_CHUNK,
-                         TOPK_PROGRAMS, TOPK_SEGMENTS, UNQUANTISED, Step, Val, model)
+from .step_arena import (ARGMAX_SPLITS, FP8_BLOCK, FP8_KINDS, GEMV_ROWS, INDEXER_BLOCK_N, MAX_SPLITS,
+                         NORM_QUANT_ROWS, TOPK_CHUNK, TOPK_PROGRAMS, TOPK_SEGMENTS, UNQUANTISED, Step, Val, model)
 
 
 # ----------------------------------------------------------------------------- views and elementwise
@@ -84,7 +84,7 @@ def _norm_quantises(op, s: Step) -> None:
         names = u.attr("weight") if isinstance(u.attr("weight"), tuple) else (u.attr("weight"),)
         if u.operands[0] == value and u.kind in FP8_KINDS and (
                 u.kind in ("mlp.swiglu", "moe.experts") or any(_is_fp8(u, n, s) for n in names)):
-            if s.t.fp8_weights:
+            if s.t.fp8_weights and s.rows(op) <= NORM_QUANT_ROWS:   # else the first FP8 consumer does
                 quantized(s, value, s.rows(op), s.numel(op) // max(1, s.rows(op)))
             return
 

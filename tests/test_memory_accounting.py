@@ -230,6 +230,7 @@ def test_mirrored_constants_match_codegen():
     assert step_arena.FP8_KINDS == weight_formats.FP8_KINDS and step_arena.UNQUANTISED == weight_formats.UNQUANTISED
     assert step_arena.TOPK_CHUNK == cuda_kernels.TOPK_CHUNK == cuda_target.TOPK_CHUNK
     assert step_arena.GEMV_ROWS == cuda_kernels.GEMV_ROWS == cuda_target.GEMV_ROWS[-1]
+    assert step_arena.NORM_QUANT_ROWS == cuda_target.NORM_QUANT_ROWS
     assert step_arena.TOPK_SEGMENTS == triton_target.TOPK_SEGMENTS
     assert step_arena.TOPK_PROGRAMS == triton_target.TOPK_PROGRAMS
     assert step_arena.INDEXER_BLOCK_N == triton_contexts.IndexerScoresCtx.make(32, 128, torch.bfloat16).block_n

@@ -167,10 +167,12 @@ def test_variants_cover_every_launch_of_the_glm53_plan():
     from glmc.codegen.kernel_set import plan_kernels
     for parallel in ("tp1", "tp8"):
         listed = set(plan_kernels(compiled("glm_moe_dsa", parallel, device="cuda")).values())
-        gemms = {(c.n, c.k) for c in listed if c.template == "fp8_block_gemm"}
+        gemms = {(c.n, c.k, c.gapped) for c in listed if c.template == "fp8_block_gemm"}
         assert len(gemms) >= 8 and tf.Fp8SplitReduceCtx.make() in listed
+        assert {(n, g) for n, _, g in gemms if g} == {(2048 + 640 + 128, True)}   # only the padded A-projection
+        assert tf.Fp8SplitReduceCtx.make(gapped=True) in listed
         rows = sorted({*range(1, 300), *(2 ** i + d for i in range(8, 15) for d in (-1, 0, 1))})
-        assert all(tf.Fp8BlockGemmCtx.make(n, k, m) in listed for n, k in gemms for m in rows)
+        assert all(tf.Fp8BlockGemmCtx.make(n, k, m, gapped=g) in listed for n, k, g in gemms for m in rows)
 
 
 def test_launches_use_only_the_listed_variants():
@@ -222,7 +224,12 @@ def test_sources_are_specialised():
     wide = tf.Fp8BlockGemmCtx.make(6144, 300, 4096, block_n=256)
     check(render(wide.template, wide), "km = kb * 128 + rk < 300", "(rn // 128) * ws_stride")
     check(render("fp8_split_reduce", tf.Fp8SplitReduceCtx.make()), "for s in range(0, splits)",
+          "(s * M + m).to(tl.int64) * (N + gap_w) + rn", absent=("src",))
+    check(render("fp8_split_reduce", tf.Fp8SplitReduceCtx.make(gapped=True)), "src = tl.where(rn >= gap_at",
           "(s * M + m).to(tl.int64) * (N + gap_w) + src")
+    check(render(ctx.template, ctx), "rn[None, :], acc.to(", absent=("keep",))
+    gapped = tf.Fp8BlockGemmCtx.make(2816, 6144, 1, gapped=True)
+    check(render(gapped.template, gapped), "col = tl.where(rn >= gap_at, rn - gap_w, rn)")
     check(render("fp8_quant_tokens", tf.Fp8QuantTokensCtx.make(6144)), "12582912.0", "c < 6144", "tl.float8e4nv")
 
 
