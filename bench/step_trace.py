@@ -78,19 +78,32 @@ def graph_trace(cap, replays: int) -> list:
     return [[(k.name, k.time_range.start, k.device_time) for k in ks[r * per:(r + 1) * per]] for r in range(replays)]
 
 
+def op_labels(ops: list, names: list) -> tuple[list, int]:
+    """Each graph kernel's op: the ops' kernel names (in launch order) matched against the graph's
+    by the longest common subsequence of names (difflib), so that a kernel an op launches only when
+    run alone (e.g. a quantisation the step shared with an earlier op) or one the graph has beside
+    the ops (the step's own) leaves the rest aligned. -> (labels, graph kernels matched to an op);
+    unmatched graph kernels are "(step)"."""
+    import difflib
+    want = [k for _, k in ops]
+    labels = ["(step)"] * len(names)
+    matched = 0
+    for a, b, size in difflib.SequenceMatcher(None, want, names, autojunk=False).get_matching_blocks():
+        for j in range(size):
+            labels[b + j] = ops[a + j][0]
+        matched += size
+    return labels, matched
+
+
 def summarise(ops: list, reps: list) -> dict:
-    """Median over replays of each kernel's duration and the gap before it; grouped by op: the ops'
-    kernel names are found as one run in the graph's (the kernels around them: the step's own)."""
+    """Median over replays of each kernel's duration and the gap before it; grouped by op
+    (`op_labels`; the kernels no op claims: the step's own)."""
     n = len(reps[0])
     names = [k[0] for k in reps[0]]
     dur = [statistics.median(r[i][2] for r in reps) for i in range(n)]
     gap = [0.0] + [statistics.median(r[i][1] - (r[i - 1][1] + r[i - 1][2]) for r in reps) for i in range(1, n)]
     span = statistics.median(r[-1][1] + r[-1][2] - r[0][1] for r in reps)
-    want = [k for _, k in ops]
-    at = next((j for j in range(n - len(want) + 1) if names[j:j + len(want)] == want), None)
-    labels = ["(step)"] * n
-    if at is not None:
-        labels[at:at + len(want)] = [o for o, _ in ops]
+    labels, matched = op_labels(ops, names)
     rows, by_op = [], {}
     for i in range(n):
         rows.append({"i": i, "op": labels[i], "kernel": names[i][:90], "us": round(dur[i], 2), "gap_us": round(gap[i], 2)})
@@ -99,7 +112,7 @@ def summarise(ops: list, reps: list) -> dict:
         o["us"] += dur[i]
         o["gap_us"] += gap[i]
     return {"span_us": round(span, 1), "busy_us": round(sum(dur), 1), "gap_us": round(sum(gap), 1),
-            "kernels": n, "aligned": at is not None, "op_kernels": len(want),
+            "kernels": n, "aligned": matched == len(ops), "matched": matched, "op_kernels": len(ops),
             "ops": [dict(o, us=round(o["us"], 1), gap_us=round(o["gap_us"], 1)) for o in by_op.values()],
             "trace": rows}
 
@@ -152,7 +165,7 @@ def main():
         res[B] = r
         print(f"\nB={B}: replay {r['replay_ms']:.3f} ms, host step {r['host_step_ms']:.3f} ms, traced span "
               f"{r['span_us']:.1f} us = busy {r['busy_us']:.1f} + gaps {r['gap_us']:.1f} over {r['kernels']} kernels"
-              f" (ops' kernels found in the graph: {r['aligned']}, {r['op_kernels']} of them)")
+              f" ({r['matched']} of the ops' {r['op_kernels']} kernels found in the graph)")
         for o in r["ops"]:
             print(f"  {o['op'][:56]:56s} {o['kernels']:3d} k {o['us']:8.1f} us  gaps {o['gap_us']:6.1f}")
     out = Path(args.out_dir)
