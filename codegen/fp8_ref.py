@@ -154,6 +154,16 @@ def fp8_group_gap(rows: list[int]) -> tuple[int, int]:
     return sum(rows), 0
 
 
+def fp8_gemm_rows(rows: list[int]) -> list[tuple[int, int]]:
+    """(weight rows, zero padding rows among them) of each FP8 GEMM a run of FP8 row parts (their
+    rows) is joined into (`fp8_row_groups`, `fp8_group_gap`)."""
+    out = []
+    for g in fp8_row_groups(rows):
+        pad = fp8_group_gap([rows[i] for i in g])[1]
+        out.append((sum(rows[i] for i in g) + pad, pad))
+    return out
+
+
 def moe_experts_fp8(x, ids, weights, w_gate: Fp8Weight, w_up: Fp8Weight, w_down: Fp8Weight, expert_offset=0):
     """`torch_ref.moe_experts`'s contract on block-FP8 expert stacks, computed as the w8a8 kernels do:
     x quantised per token per 128 columns; per route g, u = fp8_gemm(x, gate/up); h = silu(g) * u

@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 from glmc.codegen import torch_ref as ref
 from glmc.codegen import triton_contexts as tc
-from glmc.codegen.fp8_ref import fp8_group_gap, fp8_row_groups
+from glmc.codegen.fp8_ref import fp8_gemm_rows
 from glmc.codegen.triton_fp8 import Fp8BlockGemmCtx, Fp8QuantTokensCtx, Fp8SplitReduceCtx
 from glmc.codegen.triton_moe import MoeExpertsCtx, MoeExpertsFp8Ctx
 from glmc.codegen.weight_formats import FP8_KINDS, is_fp8_name, op_weight_names
@@ -161,9 +161,8 @@ def _fp8_gemms(k: int, rows: list) -> list:
         if r is not None:
             run.append(r)
             continue
-        for g in fp8_row_groups(run):
-            pad = fp8_group_gap([run[i] for i in g])[1]
-            out += Fp8BlockGemmCtx.variants(sum(run[i] for i in g) + pad, k, gapped=pad > 0)
+        for n, pad in fp8_gemm_rows(run):
+            out += Fp8BlockGemmCtx.variants(n, k, gapped=pad > 0)
         run = []
     return out
 
@@ -188,10 +187,10 @@ def _fp8_swiglu(op, graph, dtype, config):
     """gate/up (joined or apart), their split reduction with SwiGLU + quantisation, down (its input
     comes quantised: no quantiser at the intermediate width)."""
     hidden, inter = int(op.attr("hidden")), int(op.attr("inter")) // int(op.attr("tp", 1))
-    gate_up = [sum([inter, inter][i] for i in g) + fp8_group_gap([inter, inter][:len(g)])[1]
-               for g in fp8_row_groups([inter, inter])]       # partials keep a padded gate's zero columns
-    return ([Fp8QuantTokensCtx.make(hidden)] + [c for n in gate_up for c in Fp8BlockGemmCtx.variants(n, hidden)]
-            + [Fp8SplitReduceCtx.make(inter, dtype)] + _fp8_gemms(inter, [hidden])[1:])
+    # the gate/up GEMMs store fp32 partials, a padded gate's zero columns included: never gapped
+    gate_up = [c for n, _ in fp8_gemm_rows([inter, inter]) for c in Fp8BlockGemmCtx.variants(n, hidden)]
+    return ([Fp8QuantTokensCtx.make(hidden)] + gate_up + [Fp8SplitReduceCtx.make(inter, dtype)]
+            + _fp8_gemms(inter, [hidden])[1:])
 
 
 def _fp8_experts(op, graph, dtype, config):
@@ -207,8 +206,8 @@ def _fp8_rms(op, graph, dtype, config):
     value = op.results[0]
     quant = any(u.operands[0] == value and u.kind in FP8_KINDS and any(map(is_fp8_name, op_weight_names(u)))
                 for u in graph.users(value))
-    plain = tc.RmsNormCtx.make(_dims(graph, value)[-1], op.attr("eps"), op.kind == "fused.add_rms")
-    return [tc.RmsNormCtx.make(plain.hidden, plain.eps, plain.has_residual, True), plain] if quant else [plain]
+    forms = (True, False) if quant else (False,)
+    return [tc.RmsNormCtx.make(_dims(graph, value)[-1], op.attr("eps"), op.kind == "fused.add_rms", q) for q in forms]
 
 
 # op kind -> its kernel contexts when the plan stores its weights FP8 (`weight_formats.FP8_KINDS`)

@@ -229,8 +229,8 @@ def fp8_swiglu_quant(xq, xs, parts: list, act_dtype=torch.bfloat16, lib: KernelL
     (x W_up^T) rounded to `act_dtype`, quantised per token per 128 columns -> (hq float8_e4m3fn
     [M, I], hs fp32 [M, I/128]). `parts`: [(wq, ws[, gap])], the joined gate|up weight ([2I, K], or
     with a ragged I the gate padded to its 128-row block: gap (I, padding rows)) or gate and up
-    apart; each GEMM leaves its fp32 split-K partials and one
-    reduction launch sums them, applies SwiGLU and quantises (`Fp8SplitReduceCtx` swiglu)."""
+    apart; each GEMM leaves its fp32 split-K partials and one reduction launch sums them, applies
+    SwiGLU and quantises (`Fp8SplitReduceCtx` swiglu)."""
     m = xq.shape[0]
     if len(parts) == 1:
         wq, ws, *gap = parts[0]

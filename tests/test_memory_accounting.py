@@ -264,5 +264,7 @@ def test_mirrored_launch_rules_match_codegen():
                         (launch["gate_up"]["splits"], launch["down"]["splits"]), (n, E, hidden, inter, fp8)
     assert (moe_memory.ALIGN_ROWS, moe_memory.ALIGN_MAX_EXPERTS) == (triton_moe.ALIGN_ROWS, triton_moe.ALIGN_MAX_EXPERTS)
     assert moe_memory.MOE_SPLIT_BLOCK_M == triton_moe.SPLIT_BLOCK_M
-    for rows in ([128, 512, 64], [100, 28], [inter for inter in (2048, 2048)], [96, 96]):
+    for rows in ([128, 512, 64], [100, 28], [inter for inter in (2048, 2048)], [96, 96], [2048, 576, 128],
+                 [200, 72, 100]):
         assert op_memory.fp8_row_groups(rows) == fp8_ref.fp8_row_groups(rows)
+        assert op_memory.fp8_gemm_rows(rows) == [n for n, _ in fp8_ref.fp8_gemm_rows(rows)]
