@@ -102,7 +102,7 @@ P2P_KINDS = frozenset({"comm.all_reduce", "comm.reduce_scatter", "comm.all_gathe
                        "fused.reduce_scatter_add_rms", "moe.dispatch", "moe.combine"})
 
 
-GEMV_ROWS = 16      # triton_contexts.GEMV_ROWS[-1]: up to this many rows the router is one gemv kernel
+GEMV_ROWS = 32      # triton_contexts.GEMV_ROWS[-1]: up to this many rows the router is one gemv kernel
 
 
 def launches(kind: str, attrs: dict, p2p: bool = False, routed_rows: float | None = None,

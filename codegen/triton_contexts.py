@@ -43,7 +43,7 @@ class RmsNormCtx:
         return cls(hidden, float(eps), bool(has_residual), block, _warps(block, 1024), bool(quant))
 
 
-GEMV_ROWS = (1, 4, 16)   # GemvCtx's row classes: a decode step of up to 16 rows; above, cuBLAS
+GEMV_ROWS = (1, 4, 16, 32)   # GemvCtx's row classes: a decode step of up to 32 rows; above, cuBLAS
 GEMV_PRODUCTS = 8192     # fp32 products a program holds per K step (block_m x block_n x block_k)
 
 

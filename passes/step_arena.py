@@ -23,7 +23,7 @@ INDEXER_BLOCK_N = 64               # IndexerScoresCtx.make's default key block: 
 MAX_SPLITS = 64                    # triton_contexts.MAX_SPLITS
 ARGMAX_SPLITS = 64                 # triton_contexts.ARGMAX_SPLITS
 BLOCK_MS = (16, 32, 64)            # triton_moe.BLOCK_MS
-GEMV_ROWS = 16                     # triton_contexts.GEMV_ROWS[-1]: decode rows the gemv kernel takes
+GEMV_ROWS = 32                     # triton_contexts.GEMV_ROWS[-1]: decode rows the gemv kernel takes
 NORM_QUANT_ROWS = 4                # triton_contexts.NORM_QUANT_ROWS: rows a norm quantises its output at
 H200_SMS = 132
 
