@@ -6,7 +6,7 @@ contract (y_t = sum over the chosen experts held here of w_te * swiglu_e(x_t); f
 1. `align_rows` (no host sync, so it can be captured in a CUDA graph): the T*k routed rows are sorted
    by expert and each expert's run is padded to a multiple of BLOCK_M, so one program block never
    mixes experts. The grid is the static upper bound cdiv(T*k, BM) + min(E, T*k) blocks; blocks past
-   the real end carry expert -1 and exit at once. At decode sizes one `moe_align.py.j2` program does
+   the real end carry expert -1 and exit at once. At decode sizes one `moe_align.py.j2` launch does
    it (~35 small torch kernels otherwise: tens of us at one token, against ~130 us of weight reads).
 2. `moe_experts.py.j2` with down=False: gate and up GEMMs of a block share its activation tile,
    SiLU-and-mul is applied in registers, h is written once (in x's dtype, as HF rounds it).
@@ -96,22 +96,24 @@ class MoeSwigluReduceCtx:
         return cls(int(inter), int(block_m), block_n, bool(fp8), _ACT[dtype], 4)
 
 
-ALIGN_ROWS = 1024          # routed rows up to which one moe_align program sorts them (decode: T <= 128 at top-8)
+ALIGN_ROWS = 1024          # routed rows up to which one moe_align launch sorts them (decode: T <= 128 at top-8)
 ALIGN_MAX_EXPERTS = 256    # ... over at most this many local experts, at block_m SPLIT_BLOCK_M; else torch ops
-# moe_align's (rows per chunk, warps) by routed rows, from bench/glue_micro.py on an H200 (2026-12-02,
-# top-8 of 256 experts), us for the chosen tile / the first kernel's (64, 8) / the torch ops:
-# 8 rows 6.5 (32, 4) / 10.9 / 61.3; 64 rows 9.6 (32, 4) / 11.4 / 63.5; 256 rows 25.3 (128, 4) / 38.2 /
-# 87.1; 1024 rows 73.8 (128, 4) / 115.3 / 96.6; 2048 rows 138.1 / 218.1 / 99.8 (past ALIGN_ROWS: torch).
-ALIGN_TILES = ((64, 32, 4), (ALIGN_ROWS, 128, 4))   # (up to this many rows, chunk, warps)
+# moe_align's (up to this many routed rows, rows per program, warps). The one-program kernel of
+# 2026-12-02 (bench/glue_micro.py on an H200, top-8 of 256 experts) took 6.5 / 9.6 / 25.3 / 73.8 us at
+# 8 / 64 / 256 / 1024 rows against the torch ops' 61.3 / 63.5 / 87.1 / 96.6: it walked every row twice
+# in one program. The histogram form splits the rows over programs.
+ALIGN_TILES = ((64, 16, 4), (ALIGN_ROWS, 32, 4))
 
 
 @dataclass(frozen=True)
 class MoeAlignCtx:
-    """moe_align.py.j2: `align_rows` in one program over <= `experts_block` local experts, the routed
-    rows in chunks of `rows` (row and expert counts are kernel arguments: one binary for every step)."""
+    """moe_align.py.j2: `align_rows` in one launch of cdiv(rows, `rows`) programs over <= `experts_block`
+    local experts and <= `all_rows` routed rows (row and expert counts are kernel arguments: one binary
+    for every step of the class)."""
     template: ClassVar[str] = "moe_align"
     block_m: int
     rows: int
+    all_rows: int
     experts_block: int
     blocks_block: int
     fill: int
@@ -119,9 +121,15 @@ class MoeAlignCtx:
 
     @classmethod
     def make(cls, block_m, rows=None, num_warps=None, num_rows=1):
-        """`rows`, `num_warps`: ALIGN_TILES' choice for `num_rows` routed rows unless given."""
-        _, chunk, warps = next((t for t in ALIGN_TILES if num_rows <= t[0]), ALIGN_TILES[-1])
-        return cls(int(block_m), int(rows or chunk), ALIGN_MAX_EXPERTS, 128, 256, int(num_warps or warps))
+        """The row class of `num_rows` (ALIGN_TILES); `rows`, `num_warps` override its tile."""
+        top, chunk, warps = next((t for t in ALIGN_TILES if num_rows <= t[0]), ALIGN_TILES[-1])
+        if num_rows > top:
+            raise ValueError(f"moe_align: {num_rows} routed rows is more than its largest class {top}")
+        return cls(int(block_m), int(rows or chunk), next_pow2(top), ALIGN_MAX_EXPERTS, 128, 256,
+                   int(num_warps or warps))
+
+    def grid(self, num_rows: int) -> tuple:
+        return (max(1, -(-int(num_rows) // self.rows)),)
 
 
 @dataclass(frozen=True)
@@ -172,7 +180,7 @@ def align_rows(ids, num_experts, block_m, expert_offset=0, lib: KernelLibrary | 
         sorted_rows = torch.empty(nb * block_m, dtype=torch.int32, device=ids.device)
         block_expert = torch.empty(nb, dtype=torch.int32, device=ids.device)
         ctx = MoeAlignCtx.make(block_m, num_rows=n)
-        lib(ctx)[(1,)](ids if ids.is_contiguous() else ids.contiguous(), sorted_rows, block_expert, n, nb,
+        lib(ctx)[ctx.grid(n)](ids if ids.is_contiguous() else ids.contiguous(), sorted_rows, block_expert, n, nb,
                        num_experts, expert_offset, num_warps=ctx.num_warps)
         return sorted_rows, block_expert
     dev = ids.device
