@@ -5,6 +5,8 @@
 - MoE row alignment (`triton_moe.align_rows`): the moe_align kernel at each rows-per-program x warps,
   launched directly, against the torch ops, top-8 of 256 experts, 8 .. 1024 routed rows (2048: the
   torch ops only, past ALIGN_ROWS);
+- the decode GEMVs (`triton_target.gemv`): the router's fp32 [256, 6144] and weights_proj's bf16
+  [32, 6144] at 1, 4, 16, 32 rows, each tile (columns per program x K step x warps) against cuBLAS;
 - the greedy sampler of `sample.tokens`: the split argmax (`sample_greedy`) against the one-program
   sampler at temperature 0 (`sample`), vocab 154880, B = 1, 32, 128;
 - the top-k select of a short row (`topk_select`, k 2048, the plan's 8192-score pass): rows of 1025
@@ -32,7 +34,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "results"))
     ap.add_argument("--commit", default="unknown")
+    ap.add_argument("--parts", default="align,gemv,argmax,topk", help="comma-separated: align, gemv, argmax, topk")
     args = ap.parse_args()
+    parts = set(args.parts.split(","))
     pc.import_glmc()
     import torch
     from glmc.codegen import triton_moe as tm
@@ -44,7 +48,7 @@ def main():
                     "date": time.strftime("%Y-%m-%d %H:%M:%S"), "torch": torch.__version__}}
     g = torch.Generator(device=dev).manual_seed(0)
     rows = []
-    for n in (8, 64, 256, 1024, 2048):
+    for n in (8, 64, 256, 1024, 2048) if "align" in parts else ():
         ids = torch.stack([torch.randperm(256, device=dev, generator=g)[:8] for _ in range(n // 8)])
         r = {"rows": n, "torch_us": us(lambda: tm.align_rows(ids, 256, 16))}
         want = tm.align_rows(ids, 256, 16)
@@ -65,7 +69,34 @@ def main():
         print("align", r, flush=True)
     res["align"] = rows
     rows = []
-    for B in (1, 32, 128):
+    # the decode GEMVs: the router (fp32 [256, 6144]) and weights_proj (bf16 [32, 6144]) against cuBLAS
+    for M in (1, 4, 16, 32) if "gemv" in parts else ():
+        x = torch.randn(M, 6144, device=dev, generator=g).to(torch.bfloat16)
+        for name, w in (("router", torch.randn(256, 6144, device=dev, generator=g)),
+                        ("weights_proj", torch.randn(32, 6144, device=dev, generator=g).to(torch.bfloat16))):
+            want = x.double() @ w.double().T
+            r = {"rows": M, "weight": name, "cublas_us": us(lambda: x.float() @ w.T if w.dtype == torch.float32
+                                                             else (x @ w.T).float()),
+                 "default": str(tt.GemvCtx.make(6144, M)), "default_us": us(lambda: tt.gemv(x, w, out_dtype=torch.float32))}
+            for bn in (1, 2, 4, 8):
+                for bk in (64, 128, 256):
+                    for warps in (2, 4, 8):
+                        ctx = tt.GemvCtx(6144, tt.GemvCtx.make(6144, M).block_m, bn, bk, warps)
+                        y = torch.empty(M, w.shape[0], device=dev)
+                        k = JIT(ctx)
+
+                        def run():
+                            k[(-(-w.shape[0] // bn),)](x, x.stride(0), w, y, y.stride(0), M, w.shape[0], num_warps=warps)
+                        run()
+                        ok = (y.double() - want).abs().max().item() < 1e-2
+                        r[f"n{bn}_k{bk}_w{warps}_us"] = us(run) if ok else "WRONG"
+            rows.append(r)
+            best = min((v, k) for k, v in r.items() if k.endswith("_us") and isinstance(v, float) and k[0] == "n")
+            print("gemv", {k: r[k] for k in ("rows", "weight", "cublas_us", "default", "default_us")}, "best", best,
+                  flush=True)
+    res["gemv"] = rows
+    rows = []
+    for B in (1, 32, 128) if "argmax" in parts else ():
         x = torch.randn(B, 154880, device=dev, generator=g)
         z = torch.zeros(B, device=dev)
         old = lambda: tt.sample(x, z, z.long(), z + 1.0, z, z.long(), z.long())  # noqa: E731
@@ -75,7 +106,7 @@ def main():
         print("argmax", r, flush=True)
     res["argmax"] = rows
     rows = []
-    for n in (1025, 4000, 8000):
+    for n in (1025, 4000, 8000) if "topk" in parts else ():
         for B in (1, 32):
             scores = torch.randn(B, n + 63, device=dev, generator=g)
             lens = torch.full((B,), n, device=dev, dtype=torch.int64)

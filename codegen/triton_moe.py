@@ -98,11 +98,12 @@ class MoeSwigluReduceCtx:
 
 ALIGN_ROWS = 1024          # routed rows up to which one moe_align launch sorts them (decode: T <= 128 at top-8)
 ALIGN_MAX_EXPERTS = 256    # ... over at most this many local experts, at block_m SPLIT_BLOCK_M; else torch ops
-# moe_align's (up to this many routed rows, rows per program, warps). The one-program kernel of
-# 2026-12-02 (bench/glue_micro.py on an H200, top-8 of 256 experts) took 6.5 / 9.6 / 25.3 / 73.8 us at
-# 8 / 64 / 256 / 1024 rows against the torch ops' 61.3 / 63.5 / 87.1 / 96.6: it walked every row twice
-# in one program. The histogram form splits the rows over programs.
-ALIGN_TILES = ((64, 16, 4), (ALIGN_ROWS, 32, 4))
+# moe_align's (up to this many routed rows, rows per program, warps), from bench/glue_micro.py on an H200
+# (2026-12-03, top-8 of 256 experts): 16 rows per program at 4 warps, 6.1 / 5.9 / 7.6 / 7.8 us at 8 / 64 /
+# 256 / 1024 rows (32 rows: 7.0 / 7.1 / 8.4 / 8.6; 2 or 8 warps slower), against the torch ops' 61.6 /
+# 63.9 / 87.0 / 96.6. The one-program kernel before it (each row walked twice by one program) took 6.5 /
+# 9.6 / 25.3 / 73.8 (2026-12-02). The classes differ in how many rows each program counts.
+ALIGN_TILES = ((64, 16, 4), (ALIGN_ROWS, 16, 4))
 
 
 @dataclass(frozen=True)

@@ -97,8 +97,8 @@ def test_align_rows_pads_each_expert_to_whole_blocks():
     assert block_expert.tolist() == [0, 1, 3, 3] + [-1] * (nb - 4)
 
 
-# rows up to ALIGN_ROWS (1024): one moe_align launch, 16 (<= 64 rows) or 32 rows per program (so 1 to 32
-# programs, each counting every row); up to 256 local experts; global ids in [0, id_range),
+# rows up to ALIGN_ROWS (1024): one moe_align launch, 16 rows per program (so 1 to 64 programs, each
+# counting every row); up to 256 local experts; global ids in [0, id_range),
 # this rank holding [offset, offset + E) (EP: the other rows are dropped); int32 and int64 ids
 @pytest.mark.parametrize("T,k,E,offset,id_range,skew", [
     (1, 8, 256, 0, 256, False), (1, 8, 32, 64, 256, False), (3, 2, 6, 0, 6, True), (8, 8, 256, 0, 256, False),
