@@ -102,7 +102,8 @@ P2P_KINDS = frozenset({"comm.all_reduce", "comm.reduce_scatter", "comm.all_gathe
                        "fused.reduce_scatter_add_rms", "moe.dispatch", "moe.combine"})
 
 
-GEMV_ROWS = 32      # triton_contexts.GEMV_ROWS[-1]: up to this many rows the router is one gemv kernel
+GEMV_ROWS = 16      # triton_contexts.GEMV_ROWS[-1]: up to this many rows the router is one gemv kernel ...
+GEMV_NARROW = (64, 4)   # ... triton_contexts.GEMV_NARROW: a router of fewer experts up to 4 rows only
 
 
 def launches(kind: str, attrs: dict, p2p: bool = False, routed_rows: float | None = None,
@@ -115,7 +116,8 @@ def launches(kind: str, attrs: dict, p2p: bool = False, routed_rows: float | Non
     decides between the moe_align kernel and the torch ops; `rows`: the op's rows (the router's
     GEMV below GEMV_ROWS)."""
     base = LAUNCHES[kind]
-    if kind == "moe.gate" and rows is not None and rows <= GEMV_ROWS:
+    if kind == "moe.gate" and rows is not None and \
+            rows <= (GEMV_ROWS if int(attrs.get("experts", 0)) >= GEMV_NARROW[0] else GEMV_NARROW[1]):
         return Launches(1)
     if kind == "moe.experts" and routed_rows is not None:
         experts = int(attrs.get("experts", 0)) // int(attrs.get("ep", 1))

@@ -10,7 +10,7 @@ re-laid out once.
 
 Ops not listed here (views, slices, concat, elt.add, io.input, collectives) use torch_target's.
 Dense GEMMs go to cuBLAS (torch.matmul) in the weights' dtype; the router GEMM stays fp32 (at
-decode sizes, <= GEMV_ROWS[-1] rows, it and the unquantised part of an FP8 A-projection run the
+decode sizes (`triton_contexts.gemv_takes`), it and the unquantised part of an FP8 A-projection run the
 `gemv` kernel instead: one launch, no cast). Weights
 an FP8 plan stores FP8 (`fp8_ref.Fp8Weight`, `codegen/weight_formats.py`) run the block-scaled w8a8
 GEMM (`triton_fp8`): the activation quantised once per step per token per 128 columns (by the norm
@@ -32,7 +32,7 @@ from glmc.codegen import triton_target as tt
 from glmc.codegen.context import CudaStepContext
 from glmc.codegen.fp8_ref import Fp8Weight, fp8_group_gap, fp8_row_groups
 from glmc.codegen.weight_formats import FP8_KINDS, op_weight_names
-from glmc.codegen.triton_contexts import GEMV_ROWS, NORM_QUANT_ROWS, TOPK_CHUNK
+from glmc.codegen.triton_contexts import NORM_QUANT_ROWS, TOPK_CHUNK, gemv_takes
 from glmc.ir.types import DTYPE_BYTES
 
 IMPLS: dict = dict(torch_target.IMPLS)
@@ -146,7 +146,7 @@ def _parts_mm(x, xq, xs, parts, width, lib):
     for col, w, gap in parts:
         if isinstance(w, Fp8Weight):
             tf.fp8_block_gemm(xq, xs, w.q, w.scale_inv, lib=lib, out=y[:, col:col + w.shape[0] - gap[1]], gap=gap)
-        elif x.shape[0] <= GEMV_ROWS[-1]:      # decode: straight into its columns (cuBLAS: 3 launches)
+        elif gemv_takes(x.shape[0], w.shape[0]):      # decode: straight into its columns (cuBLAS: 3 launches)
             tt.gemv(x, w, out=y[:, col:col + w.shape[0]], lib=lib)
         else:
             y[:, col:col + w.shape[0]].copy_(_mm(x, w))
@@ -296,7 +296,7 @@ def _gate(op, args, ctx: CudaStepContext):
     fp32 and cuBLAS."""
     name = op.attr("weight")
     w = ctx.derived(("fp32", name), lambda: ctx.w(name).float().contiguous())
-    if args[0].shape[0] <= GEMV_ROWS[-1]:
+    if gemv_takes(args[0].shape[0], w.shape[0]):
         return tt.gemv(args[0], w, out_dtype=torch.float32, lib=ctx.kernels)
     return args[0].float() @ w.T
 

@@ -10,7 +10,7 @@ and the GPU choose grids and split counts at launch:
   wide one (>= 32 tokens); its split-K combine: one per power-of-two split bound (<= MAX_SPLITS);
 - MoE experts: gate/up and down at each row-block class (16, 32, 64 rows);
 - the router's fp32 GEMV (and an FP8 A-projection's unquantised weights_proj) at decode sizes:
-  one `gemv` per row class (1, 4, 16, 32 rows);
+  one `gemv` per row class (1, 4, 16 rows);
 - top-k select: one pass width (TOPK_CHUNK); at the full vocabulary the split greedy argmax (the
   IR's `sample.tokens`) and the engine's per-request sampler;
 - FP8 weights (a plan whose `dtypes.weight` is fp8, `weight_formats`): per linear-type op the token

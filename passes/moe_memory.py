@@ -12,15 +12,16 @@ from glmc.ir.types import fp8_row_bytes
 
 from .comm_memory import p2p_runs
 from .op_memory import quantize, quantized
-from .step_arena import BLOCK_MS, FP8_BLOCK, GEMV_ROWS, Step, Val, model
+from .step_arena import BLOCK_MS, FP8_BLOCK, Step, Val, gemv_takes, model
 
 
 # ----------------------------------------------------------------------------- MoE
 @model("moe.gate")
 def _gate(op, args, s):
-    """fp32 logits; above GEMV_ROWS rows x cast to fp32 for cuBLAS (the gemv kernel reads x as it is)."""
+    """fp32 logits; past the gemv kernel's rows x cast to fp32 for cuBLAS (the gemv reads x as it is)."""
     T = s.rows(op)
-    cast = s.tmp(T * int(op.attr("hidden")), 4) if args[0].elem != 4 and T > GEMV_ROWS else None   # x.float()
+    gemv = gemv_takes(T, int(op.attr("experts")))
+    cast = s.tmp(T * int(op.attr("hidden")), 4) if args[0].elem != 4 and not gemv else None   # x.float()
     out = s.arena.new(s.numel(op), 4)
     s.free(cast)
     return out

@@ -20,8 +20,9 @@ from __future__ import annotations
 
 from glmc.ir import Op
 
-from .step_arena import (ARGMAX_SPLITS, FP8_BLOCK, FP8_KINDS, GEMV_ROWS, INDEXER_BLOCK_N, MAX_SPLITS,
-                         NORM_QUANT_ROWS, TOPK_CHUNK, TOPK_PROGRAMS, TOPK_SEGMENTS, UNQUANTISED, Step, Val, model)
+from .step_arena import (ARGMAX_SPLITS, FP8_BLOCK, FP8_KINDS, INDEXER_BLOCK_N, MAX_SPLITS,
+                         NORM_QUANT_ROWS, TOPK_CHUNK, TOPK_PROGRAMS, TOPK_SEGMENTS, UNQUANTISED, Step, Val, gemv_takes,
+                         model)
 
 
 # ----------------------------------------------------------------------------- views and elementwise
@@ -202,12 +203,12 @@ def quantized(s: Step, value: str, rows: int, cols: int) -> None:
 
 def parts_mm(s: Step, value: str, rows: int, cols: int, width: int, plain: list[int], fp8: list[int]) -> Val:
     """cuda_target._parts_mm: x (`value`) quantised once per step, one [rows, width] output, each
-    plain run's bf16 GEMM (above GEMV_ROWS rows through a temporary copied into its columns), each
+    plain run's bf16 GEMM (past the gemv kernel's rows through a temporary copied into its columns), each
     FP8 GEMM that splits K through fp32 partials [splits, rows, n] (`fp8_gemm_splits`)."""
     quantized(s, value, rows, cols)
     y = s.arena.new(rows * width, s.t.act)
     for r in plain:
-        if rows > GEMV_ROWS:       # cuBLAS into a temporary (the gemv kernel writes the columns)
+        if not gemv_takes(rows, r):       # cuBLAS into a temporary (the gemv kernel writes the columns)
             s.free(s.tmp(rows * r, s.t.act))
     for n in fp8:
         splits = fp8_gemm_splits(rows, n, cols, s.t.num_sms)

@@ -79,7 +79,7 @@ def test_step_inputs():
         assert torch.equal(r2t, want_r2t), T
 
 
-@pytest.mark.parametrize("m", [1, 3, 4, 16, 32])
+@pytest.mark.parametrize("m", [1, 3, 4, 16])
 def test_gemv_is_fp32_math_into_a_column_slice(m):
     """The decode GEMV: fp32 weights (the router) and bf16 (weights_proj) against an fp64 product,
     within fp32 summation error (no bf16 or TF32 rounding of the products), written into a column
@@ -95,8 +95,8 @@ def test_gemv_is_fp32_math_into_a_column_slice(m):
         tt.gemv(x, w, out=wide[:, 3:40])
         assert torch.allclose(wide[:, 3:40].double(), want, atol=1e-4) and (wide[:, :3] == 5).all() \
             and (wide[:, 40:] == 5).all()
-    with pytest.raises(ValueError, match="33 rows"):
-        tt.gemv(torch.zeros(33, 600), torch.zeros(4, 600))
+    with pytest.raises(ValueError, match="17 rows"):
+        tt.gemv(torch.zeros(17, 600), torch.zeros(4, 600))
 
 
 def test_rms_norm_and_fused_residual():
