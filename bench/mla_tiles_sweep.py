@@ -8,6 +8,9 @@ stages) is fastest, against the plan's default (`SparseMlaDecodeCtx.make`).
     python bench/mla_tiles_sweep.py --out-dir $OUT --dequant --tokens 1,8,32,128 --contexts 1024,2048
         # FP8 rows scaled once per gathered tile (one dot over the latent dim) against the per-group
         # kernel, head- and key-major, 16-64 heads, 1-2 stages; contexts below k select fewer keys
+    python bench/mla_tiles_sweep.py --out-dir $OUT --splits --tokens 32,128 --contexts 1024,2048
+        # the default tiles at split counts 1 .. 16 against mla_num_splits' (the split partials are
+        # [T, H, S, 512] fp32, written by the kernel and read back by mla_combine)
     python bench/mla_tiles_sweep.py --out-dir $OUT --parts --tokens 1,128 --contexts 1024,2048
         # the latent output in v_parts 1/2/4 column parts per head block (a smaller accumulator, fewer
         # spills) x head-major tiles x stages, FP8 rows scaled per tile and bf16; at T < 32 also split counts
@@ -35,6 +38,7 @@ def main():
     ap.add_argument("--focus", action="store_true", help="FP8 rows: best tiles x dot16 x split counts")
     ap.add_argument("--dequant", action="store_true", help="FP8 rows: per-tile scaling vs per-group dots")
     ap.add_argument("--parts", action="store_true", help="v_parts 1/2/4 x head-major tiles, FP8 and bf16")
+    ap.add_argument("--splits", action="store_true", help="the default tiles x split counts 1 .. 16 (kernel + combine)")
     ap.add_argument("--contexts", default="2048", help="token positions + 1 (2048 and up: all k keys)")
     a = ap.parse_args()
     pc.import_glmc()
@@ -64,7 +68,9 @@ def main():
                 return tt.sparse_mla_latent(q_lat, q_pe, cache, r2t, rows, pos, topk, 0.07, slots=slots, **tiles)
             want = run().float()
             combos = [(None,) * 5]
-            if a.parts:
+            if a.splits:
+                combos += [dict(num_splits=ns) for ns in (1, 2, 3, 4, 6, 8, 12, 16)]
+            elif a.parts:
                 combos += [dict(t, **({"dequant": True} if kv == "fp8" else {})) for t in _parts_tiles(T)]
             elif a.dequant and kv == "fp8":
                 for dq, km, bh, bn, w, st in _dequant_tiles(T):

@@ -287,7 +287,9 @@ def _attn(op, args, ctx: CudaStepContext):
     out_lat = tt.sparse_mla_latent(q_lat, q_pe.to(q_lat.dtype), ctx.pool.kv[layer], ctx.r2t, ctx.rows, ctx.pos,
                                    topk, op.attr("scale"), num_keys=None if topk is not None else ctx.max_len,
                                    slots=slots, lib=ctx.kernels)
-    return torch.bmm(out_lat.transpose(0, 1), w_uv).transpose(0, 1).reshape(T, H * dv)
+    o = torch.empty(T, H, dv, dtype=out_lat.dtype, device=out_lat.device)
+    torch.bmm(out_lat.transpose(0, 1), w_uv, out=o.transpose(0, 1))   # cuBLAS writes [T, H, dv] itself: no copy
+    return o.view(T, H * dv)
 
 
 @impl("moe.gate")

@@ -259,12 +259,23 @@ def mla_v_parts(num_tokens: int, num_heads: int, kv_lora: int, fp8_tiles: bool) 
     return 2 if fp8_tiles and not (num_tokens >= 32 and num_heads >= 64) and kv_lora >= 2 * FP8_GROUP else 1
 
 
+MLA_WARPS_PER_SM = 8  # the split programs' warps, all together, fill this many per SM (one wave)
+
+
 def mla_num_splits(num_tokens: int, num_heads: int, block_h: int, num_keys: int, block_n: int,
-                   num_sms: int, v_parts: int = 1) -> int:
-    """Flash-decoding split count (a launch parameter, not part of a kernel's source): enough
-    programs for ~2 waves of the GPU, >= 2 key blocks per split, at most MAX_SPLITS."""
+                   num_sms: int, v_parts: int = 1, num_warps: int = 4) -> int:
+    """Flash-decoding split count (a launch parameter, not part of a kernel's source): the largest
+    power of two whose programs' warps fit MLA_WARPS_PER_SM per SM (one wave: 2 programs of 4 warps
+    or 1 of 8 per SM), >= 2 key blocks per split, at most MAX_SPLITS. Powers of two cut a top-k of
+    2048 (or a 1K context) into equal whole key blocks. Sweep of 2026-12-03 on an H200 (kernel +
+    combine, 64 heads, `bench/mla_tiles_sweep.py --splits`): this rule picks the fastest count at
+    every point, 1-128 tokens x contexts 1K / 2K x FP8 / bf16 rows; the 2-wave rule before it (not a
+    power of two) was up to 1.5x slower (FP8 rows, 1K: 8 tokens 52.5 vs 38.5 us, 32 tokens 75.1 vs
+    55.8, 128 tokens 215.9 vs 173.5; bf16 128 tokens 135.7 vs 121.8): the split partials [T, H, S,
+    512] fp32 are written and read back, and a second wave of programs waits for the first."""
     programs = num_tokens * -(-num_heads // block_h) * v_parts
-    return max(1, min(-(-2 * num_sms // programs), num_keys // (2 * block_n), MAX_SPLITS))
+    fit = max(1, MLA_WARPS_PER_SM * num_sms // (programs * num_warps))
+    return max(1, min(1 << (fit.bit_length() - 1), num_keys // (2 * block_n), MAX_SPLITS))
 
 
 @dataclass(frozen=True)

@@ -318,7 +318,8 @@ def sparse_mla_latent(q_lat, q_pe, kv_cache, req_to_token, rows, pos, topk, scal
     fp8 = kv_cache.dtype == torch.uint8
     ctx = SparseMlaDecodeCtx.make(H, R, q_pe.shape[-1], None if topk is None else topk.shape[1], scale,
                                   q_lat.dtype if fp8 else kv_cache.dtype, T, kv_fp8=fp8, **tiles)
-    S = num_splits or mla_num_splits(T, H, ctx.block_h, num_keys, ctx.block_n, _num_sms(dev), ctx.v_parts)
+    S = num_splits or mla_num_splits(T, H, ctx.block_h, num_keys, ctx.block_n, _num_sms(dev), ctx.v_parts,
+                                     ctx.num_warps)
     o_part = torch.empty(T, H, S, R, dtype=torch.float32, device=dev)
     lse = torch.empty(T, H, S, dtype=torch.float32, device=dev)
     out = torch.empty(T, H, R, dtype=q_lat.dtype, device=dev)

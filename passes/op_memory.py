@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from glmc.ir import Op
 
-from .step_arena import (ARGMAX_SPLITS, FP8_BLOCK, FP8_KINDS, INDEXER_BLOCK_N, MAX_SPLITS,
+from .step_arena import (ARGMAX_SPLITS, FP8_BLOCK, FP8_KINDS, INDEXER_BLOCK_N, MAX_SPLITS, MLA_WARPS_PER_SM,
                          NORM_QUANT_ROWS, TOPK_CHUNK, TOPK_PROGRAMS, TOPK_SEGMENTS, UNQUANTISED, Step, Val, gemv_takes,
                          model)
 
@@ -296,15 +296,17 @@ def _topk(op, args, s):
 
 
 def mla_splits(T: int, H: int, R: int, topk: int | None, s: Step) -> int:
-    """SparseMlaDecodeCtx.make's head block and output parts for T tokens, then mla_num_splits at
-    the target's SMs."""
+    """SparseMlaDecodeCtx.make's head block, output parts and warps for T tokens, then mla_num_splits
+    at the target's SMs."""
     wide = T >= 32 and H >= 64
     block_h = (64 if s.t.kv_fp8 else 32) if wide else 16
     block_n = 64 if wide else 32
     v_parts = 2 if s.t.kv_fp8 and not wide and R >= 2 * FP8_BLOCK else 1   # triton_contexts.mla_v_parts
+    num_warps = 8 if wide and s.t.kv_fp8 else 4
     num_keys = topk if topk is not None else s.t.max_len
     programs = T * -(-H // block_h) * v_parts
-    return max(1, min(-(-2 * s.t.num_sms // programs), num_keys // (2 * block_n), MAX_SPLITS))
+    fit = max(1, MLA_WARPS_PER_SM * s.t.num_sms // (programs * num_warps))
+    return max(1, min(1 << (fit.bit_length() - 1), num_keys // (2 * block_n), MAX_SPLITS))
 
 
 def topk_slots(s: Step, T: int, K: int) -> int:
@@ -325,7 +327,7 @@ def topk_slots(s: Step, T: int, K: int) -> int:
 @model("attn.mla_absorbed", "attn.sparse_mla", "attn.mla_mha")
 def _attn(op, args, s):
     """q_lat = q_nope W_UK, split-K partials (fp32 [T, H, splits, R] + log-sum-exp), out_lat,
-    o = out_lat W_UV, then the head-major copy [T, H * dv]."""
+    o = out_lat W_UV written as [T, H * dv] by the batched GEMM."""
     T, H = s.rows(op), s.type_of(op.operands[0]).shape[1].eval(s.env)    # this rank's heads
     R, dv = int(op.attr("kv_lora")), int(op.attr("dv"))
     K = None if len(args) < 4 or args[3] is None else args[3].cols or s.cfg.index_topk
@@ -341,9 +343,8 @@ def _attn(op, args, s):
         slots = topk_slots(s, T, K) if K is not None and args[3].elem != 4 else None   # int32: slots already
         s.free(o_part, lse, slots)
     s.free(pe)
-    o = s.tmp(H * T * dv, s.t.act)
     out = s.arena.new(T * H * dv, s.t.act)
-    s.free(q_lat, out_lat, o)
+    s.free(q_lat, out_lat)
     return out
 
 

@@ -21,6 +21,7 @@ TOPK_SEGMENTS = (1024, 8192)       # triton_target.TOPK_SEGMENTS
 TOPK_PROGRAMS = (64, 16, 256)      # triton_target.TOPK_PROGRAMS
 INDEXER_BLOCK_N = 64               # IndexerScoresCtx.make's default key block: the score width's multiple
 MAX_SPLITS = 64                    # triton_contexts.MAX_SPLITS
+MLA_WARPS_PER_SM = 8               # triton_contexts.MLA_WARPS_PER_SM
 ARGMAX_SPLITS = 64                 # triton_contexts.ARGMAX_SPLITS
 BLOCK_MS = (16, 32, 64)            # triton_moe.BLOCK_MS
 GEMV_ROWS = 16                     # triton_contexts.GEMV_ROWS[-1]: decode rows the gemv kernel takes ...

@@ -238,12 +238,15 @@ def test_mirrored_constants_match_codegen():
     assert step_arena.INDEXER_BLOCK_N == triton_contexts.IndexerScoresCtx.make(32, 128, torch.bfloat16).block_n
     assert step_arena.ARGMAX_SPLITS == triton_contexts.ARGMAX_SPLITS
     assert step_arena.MAX_SPLITS == triton_contexts.MAX_SPLITS and step_arena.BLOCK_MS == triton_moe.BLOCK_MS
+    assert step_arena.MLA_WARPS_PER_SM == triton_contexts.MLA_WARPS_PER_SM
     for rows, experts in [(1, 256), (2048, 256), (4096, 64), (65536, 256)]:
         assert moe_memory.block_m_for(rows, experts) == triton_moe.block_m_for(rows, experts)
     for T, H, fp8, topk in [(1, 64, True, 2048), (32, 64, True, 2048), (48, 64, True, 64), (64, 64, True, 2048),
-                            (128, 64, False, 2048), (1, 64, False, 2048), (8192, 16, True, None)]:
+                            (128, 64, False, 2048), (1, 64, False, 2048), (8192, 16, True, None), (8, 64, True, 2048),
+                            (16, 64, False, 1024), (128, 64, True, 2048)]:
         ctx = triton_contexts.SparseMlaDecodeCtx.make(H, 512, 64, topk, 0.1, torch.bfloat16, T, kv_fp8=fp8)
-        want = triton_contexts.mla_num_splits(T, H, ctx.block_h, topk or 4096, ctx.block_n, 132, ctx.v_parts)
+        want = triton_contexts.mla_num_splits(T, H, ctx.block_h, topk or 4096, ctx.block_n, 132, ctx.v_parts,
+                                              ctx.num_warps)
         s = type("S", (), {"t": step_arena.Target(2, True, fp8, T, T, 4096)})()
         assert op_memory.mla_splits(T, H, 512, topk, s) == want, (T, H, fp8, ctx.v_parts)
 
