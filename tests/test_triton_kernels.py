@@ -79,6 +79,29 @@ def test_step_inputs():
         assert torch.equal(r2t, want_r2t), T
 
 
+def test_gemv_takes_narrow_outputs_only_at_few_rows():
+    """The gemv serves a decode step's router (256 outputs) up to 16 rows but an output as narrow as
+    weights_proj's 32 only up to 4 (a program per two columns leaves the GPU idle: 37.8 us vs
+    cuBLAS's 8.2 at 16 rows on an H200)."""
+    from glmc.codegen.triton_contexts import gemv_takes
+    assert gemv_takes(16, 256) and not gemv_takes(17, 256)
+    assert gemv_takes(4, 32) and not gemv_takes(5, 32) and not gemv_takes(16, 32)
+
+
+def test_mla_split_count_is_the_measured_best():
+    """mla_num_splits gives the split count that was fastest in the H200 sweep of 2026-12-03 (kernel +
+    combine, 64 heads, 132 SMs): a power of two, the programs' warps within 8 per SM, >= 2 key blocks
+    a split. (tokens, head block, keys, key block, v_parts, warps) -> splits."""
+    from glmc.codegen.triton_contexts import SparseMlaDecodeCtx, mla_num_splits
+    best = {(8, True, 1024): 4, (8, False, 1024): 8, (16, True, 2048): 2, (16, False, 1024): 4,
+            (32, True, 1024): 4, (32, False, 2048): 4, (128, True, 1024): 1, (128, False, 2048): 1,
+            (1, True, 1024): 16, (1, True, 2048): 32}
+    for (T, fp8, keys), want in best.items():
+        ctx = SparseMlaDecodeCtx.make(64, 512, 64, 2048, 0.1, torch.bfloat16, T, kv_fp8=fp8)
+        got = mla_num_splits(T, 64, ctx.block_h, keys, ctx.block_n, 132, ctx.v_parts, ctx.num_warps)
+        assert got == want, (T, fp8, keys, got)
+
+
 @pytest.mark.parametrize("m", [1, 3, 4, 16])
 def test_gemv_is_fp32_math_into_a_column_slice(m):
     """The decode GEMV: fp32 weights (the router) and bf16 (weights_proj) against an fp64 product,
