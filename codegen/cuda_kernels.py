@@ -102,8 +102,17 @@ P2P_KINDS = frozenset({"comm.all_reduce", "comm.reduce_scatter", "comm.all_gathe
                        "fused.reduce_scatter_add_rms", "moe.dispatch", "moe.combine"})
 
 
-GEMV_ROWS = 16      # triton_contexts.GEMV_ROWS[-1]: up to this many rows the router is one gemv kernel ...
-GEMV_NARROW = (64, 4)   # ... triton_contexts.GEMV_NARROW: a router of fewer experts up to 4 rows only
+GEMV_ROWS = 16      # triton_contexts.GEMV_ROWS[-1]: up to this many rows a decode GEMV is one gemv kernel ...
+# ... and outputs narrower than GEMV_NARROW[0] columns only up to GEMV_NARROW[1] rows: a program per two
+# columns leaves most SMs idle there (bench/glue_micro.py on an H200, 2026-12-03, K 6144: weights_proj's
+# 32 outputs at 16 rows 37.8 us vs cuBLAS 8.2, at 4 rows 5.6 vs 7.0; the router's 256 at 16 rows 12.5
+# vs 19.2, at 32 rows 23.5 vs 18.2, so no 32-row class either)
+GEMV_NARROW = (64, 4)
+
+
+def gemv_takes(rows: int, n: int) -> bool:
+    """Whether an [rows, K] x [n, K]^T product runs the gemv kernel (else cuBLAS)."""
+    return rows <= (GEMV_ROWS if n >= GEMV_NARROW[0] else GEMV_NARROW[1])
 
 
 def launches(kind: str, attrs: dict, p2p: bool = False, routed_rows: float | None = None,
@@ -116,8 +125,7 @@ def launches(kind: str, attrs: dict, p2p: bool = False, routed_rows: float | Non
     decides between the moe_align kernel and the torch ops; `rows`: the op's rows (the router's
     GEMV below GEMV_ROWS)."""
     base = LAUNCHES[kind]
-    if kind == "moe.gate" and rows is not None and \
-            rows <= (GEMV_ROWS if int(attrs.get("experts", 0)) >= GEMV_NARROW[0] else GEMV_NARROW[1]):
+    if kind == "moe.gate" and rows is not None and gemv_takes(rows, int(attrs.get("experts", 0))):
         return Launches(1)
     if kind == "moe.experts" and routed_rows is not None:
         experts = int(attrs.get("experts", 0)) // int(attrs.get("ep", 1))

@@ -10,7 +10,7 @@ from typing import ClassVar
 
 import torch
 
-from glmc.codegen.cuda_kernels import TOPK_CHUNK
+from glmc.codegen.cuda_kernels import GEMV_NARROW, TOPK_CHUNK, gemv_takes  # noqa: F401  (re-exported)
 from glmc.codegen.fp8_ref import BLOCK as FP8_GROUP
 from glmc.codegen.fp8_ref import KV_PAGE
 from glmc.codegen.triton_render import _DOT, _warps, next_pow2
@@ -43,17 +43,7 @@ class RmsNormCtx:
         return cls(hidden, float(eps), bool(has_residual), block, _warps(block, 1024), bool(quant))
 
 
-GEMV_ROWS = (1, 4, 16)   # GemvCtx's row classes: a decode step of up to 16 rows; above, cuBLAS
-# ... and outputs narrower than GEMV_NARROW[0] columns only up to GEMV_NARROW[1] rows: a program per two
-# columns leaves most SMs idle there (bench/glue_micro.py on an H200, 2026-12-03, K 6144: weights_proj's
-# 32 outputs at 16 rows 37.8 us vs cuBLAS 8.2, at 4 rows 5.6 vs 7.0; the router's 256 at 16 rows 12.5
-# vs 19.2, at 32 rows 23.5 vs 18.2, so no 32-row class either)
-GEMV_NARROW = (64, 4)
-
-
-def gemv_takes(rows: int, n: int) -> bool:
-    """Whether an [rows, K] x [n, K]^T product runs the gemv kernel (else cuBLAS)."""
-    return rows <= (GEMV_ROWS[-1] if n >= GEMV_NARROW[0] else GEMV_NARROW[1])
+GEMV_ROWS = (1, 4, 16)   # GemvCtx's row classes (the last is cuda_kernels.GEMV_ROWS; `gemv_takes` says when)
 GEMV_PRODUCTS = 8192     # fp32 products a program holds per K step (block_m x block_n x block_k)
 
 

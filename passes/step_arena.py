@@ -25,13 +25,13 @@ MLA_WARPS_PER_SM = 8               # triton_contexts.MLA_WARPS_PER_SM
 ARGMAX_SPLITS = 64                 # triton_contexts.ARGMAX_SPLITS
 BLOCK_MS = (16, 32, 64)            # triton_moe.BLOCK_MS
 GEMV_ROWS = 16                     # triton_contexts.GEMV_ROWS[-1]: decode rows the gemv kernel takes ...
-GEMV_NARROW = (64, 4)              # ... triton_contexts.GEMV_NARROW: narrower outputs up to 4 rows only
+GEMV_NARROW = (64, 4)              # ... cuda_kernels.GEMV_NARROW: narrower outputs up to 4 rows only
 NORM_QUANT_ROWS = 4                # triton_contexts.NORM_QUANT_ROWS: rows a norm quantises its output at
 H200_SMS = 132
 
 
 def gemv_takes(rows: int, n: int) -> bool:
-    """triton_contexts.gemv_takes: whether [rows, K] x [n, K]^T runs the gemv kernel (else cuBLAS)."""
+    """cuda_kernels.gemv_takes: whether [rows, K] x [n, K]^T runs the gemv kernel (else cuBLAS)."""
     return rows <= (GEMV_ROWS if n >= GEMV_NARROW[0] else GEMV_NARROW[1])
 
 

@@ -230,8 +230,8 @@ def test_mirrored_constants_match_codegen():
     assert step_arena.FP8_KINDS == weight_formats.FP8_KINDS and step_arena.UNQUANTISED == weight_formats.UNQUANTISED
     assert step_arena.TOPK_CHUNK == cuda_kernels.TOPK_CHUNK == cuda_target.TOPK_CHUNK
     assert step_arena.GEMV_ROWS == cuda_kernels.GEMV_ROWS == triton_contexts.GEMV_ROWS[-1]
-    assert step_arena.GEMV_NARROW == cuda_kernels.GEMV_NARROW == triton_contexts.GEMV_NARROW
-    assert all(step_arena.gemv_takes(r, n) == triton_contexts.gemv_takes(r, n) for r in range(1, 40) for n in (8, 32, 64, 256))
+    assert step_arena.GEMV_NARROW == cuda_kernels.GEMV_NARROW
+    assert all(step_arena.gemv_takes(r, n) == cuda_kernels.gemv_takes(r, n) for r in range(1, 40) for n in (8, 32, 64, 256))
     assert step_arena.NORM_QUANT_ROWS == cuda_target.NORM_QUANT_ROWS
     assert step_arena.TOPK_SEGMENTS == triton_target.TOPK_SEGMENTS
     assert step_arena.TOPK_PROGRAMS == triton_target.TOPK_PROGRAMS

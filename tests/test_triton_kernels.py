@@ -91,7 +91,7 @@ def test_gemv_takes_narrow_outputs_only_at_few_rows():
 def test_mla_split_count_is_the_measured_best():
     """mla_num_splits gives the split count that was fastest in the H200 sweep of 2026-12-03 (kernel +
     combine, 64 heads, 132 SMs): a power of two, the programs' warps within 8 per SM, >= 2 key blocks
-    a split. (tokens, head block, keys, key block, v_parts, warps) -> splits."""
+    a split. (tokens, FP8 rows, keys) -> splits; tiles, output parts and warps are make's defaults."""
     from glmc.codegen.triton_contexts import SparseMlaDecodeCtx, mla_num_splits
     best = {(8, True, 1024): 4, (8, False, 1024): 8, (16, True, 2048): 2, (16, False, 1024): 4,
             (32, True, 1024): 4, (32, False, 2048): 4, (128, True, 1024): 1, (128, False, 2048): 1,
