@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -142,6 +143,14 @@ class Sweep:
         return row
 
 
+def parse_tiles(text: str) -> tuple:
+    """'128x64w4s3' -> (128, 64, 4, 3)."""
+    m = re.fullmatch(r"(\d+)x(\d+)w(\d+)s(\d+)", text.strip())
+    if not m:
+        raise SystemExit(f"--tiles: {text!r} is not of the form 128x64w4s3")
+    return tuple(int(x) for x in m.groups())
+
+
 def tiles_of(t):
     return dict(zip(("block_m", "block_n", "num_warps", "num_stages"), t))
 
@@ -179,7 +188,10 @@ def sweep_decode(s: Sweep, shapes, ms, grid, splits_grid, until):
             base = {"label": label, "N": n, "K": k, "M": m, "bytes": moved, "copies": copies}
             calls, ref = 2 if s.tiny else max(copies, 20), s.output(ws[0], xq[:m], xs[:m])
             cases.append((base, ws, xq[:m], xs[:m], calls, ref))
-            s.measure(s.decode, base, ws, xq[:m], xs[:m], {}, calls, ref)["default"] = True   # the baseline
+            row = s.measure(s.decode, base, ws, xq[:m], xs[:m], {}, calls, ref)
+            row["default"] = True   # the baseline
+            if not s.tiny:          # cuBLAS on the same operands, for reference (L2 may hold its one weight)
+                row["scaled_mm"] = scaled_mm_rows(s, base, ws[0], xq[:m], xs[:m], ref)
     for t in grid:
         for base, ws, xq, xs, calls, ref in cases:
             if t[0] > max(16, 2 * base["M"]) or is_default(s, base, t):
@@ -203,6 +215,32 @@ def sweep_decode(s: Sweep, shapes, ms, grid, splits_grid, until):
                     s.skipped["decode"] += 1
                     continue
                 s.measure(s.decode, base, ws, xq, xs, tiles, calls, ref)
+    for r in s.decode:
+        r["tbps"] = r.get("us") and r["bytes"] / r["us"] / 1e6
+
+
+def sweep_grid(s: Sweep, shapes, ms, grid, splits_grid, until):
+    """Every (shape, M, tiles, splits) of the product, into s.decode (rows marked grid=True): the
+    dense table a split rule is chosen from (stage 2 of sweep_decode only splits the two best)."""
+    for n, k, label in shapes:
+        copies = max(1, min(256, -(-ROTATE_BYTES // (n * k))))
+        ws, xq, xs = s.operands(max(ms), n, k, copies)
+        for m in ms:
+            moved = ws[0].q.nbytes + ws[0].scale_inv.nbytes + xq[:m].nbytes + xs[:m].nbytes + 2 * m * n
+            base = {"label": label, "N": n, "K": k, "M": m, "bytes": moved, "copies": copies, "grid": True}
+            calls, ref = max(copies, 20), s.output(ws[0], xq[:m], xs[:m])
+            seen = set()
+            for t in grid:
+                for sp in splits_grid:
+                    tiles = {**tiles_of(t), "splits": sp}
+                    key = (t, config(s, m, n, k, tiles)["splits"])
+                    if key in seen:
+                        continue
+                    seen.add(key)
+                    if not s.left(until):
+                        s.skipped["decode"] += 1
+                        continue
+                    s.measure(s.decode, base, ws, xq[:m], xs[:m], tiles, calls, ref)
     for r in s.decode:
         r["tbps"] = r.get("us") and r["bytes"] / r["us"] / 1e6
 
@@ -288,13 +326,15 @@ def markdown(s: Sweep, info) -> str:
              f"copy bandwidth {info['copy_tbps']:.2f} TB/s (read + write); budget {s.budget:.0f} s, "
              f"used {info['total_s']:.0f} s; skipped configs (budget): {s.skipped}", "",
              "## Decode (TB/s of weight + scales + activations + output; L2 defeated)", "",
-             "| weight | N x K | M | default | us | TB/s | best | us | TB/s | speed-up |", "|" + "---|" * 10]
+             "| weight | N x K | M | default | us | TB/s | best | us | TB/s | speed-up | cuBLAS blockwise us |",
+             "|" + "---|" * 11]
     dec = best_of(s.decode, lambda r: (r["N"], r["K"], r["M"]))
     for (n, k, m), (d, b) in dec.items():
         dd = f"{cfg(d['config'])} | {d['us']:.1f} | {d['tbps']:.2f}" if d else "- | - | -"
         gain = f"{d['us'] / b['us']:.2f}x" if d else "-"
+        cub = ((d or {}).get("scaled_mm") or {}).get("blockwise", {}).get("us")
         lines.append(f"| {b['label']} | {n}x{k} | {m} | {dd} | {cfg(b['config'])} (waves {b['config']['waves']}) "
-                     f"| {b['us']:.1f} | {b['tbps']:.2f} | {gain} |")
+                     f"| {b['us']:.1f} | {b['tbps']:.2f} | {gain} | {f'{cub:.1f}' if cub else '-'} |")
     lines += ["", "One MoE layer's FP8 GEMMs (the `moe:` rows), summed: default vs per-shape best", ""]
     for m in sorted({m for _, _, m in dec}):
         pairs = [v for (n, k, mm), v in dec.items() if mm == m and v[0] and v[1]["label"].startswith("moe")]
@@ -338,6 +378,12 @@ def main():
     ap.add_argument("--out-dir", required=True)
     ap.add_argument("--budget", type=float, default=400, help="seconds for the whole run; configs past it are skipped")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes on CPU under TRITON_INTERPRET=1 (smoke test)")
+    ap.add_argument("--decode-m", default=None, help="comma list of decode row counts (default 1,32,128)")
+    ap.add_argument("--tiles", default="", help="extra decode tiles, e.g. 128x64w4s3,64x128w8s4")
+    ap.add_argument("--no-prefill", action="store_true", help="the decode sweep only")
+    ap.add_argument("--grid", default="", help="tiles for a dense tiles x --grid-splits table at --decode-m "
+                    "(e.g. 64x64w4s3,64x128w4s4): replaces the decode and prefill sweeps")
+    ap.add_argument("--grid-splits", default="1,2,3,4,6,8")
     a = ap.parse_args()
     if a.tiny:
         os.environ["TRITON_INTERPRET"] = "1"
@@ -355,9 +401,19 @@ def main():
         decode_grid, prefill_grid, splits = TINY["decode_tiles"], TINY["prefill_tiles"], TINY["splits"]
     else:
         ms, decode_grid, prefill_grid, splits = DECODE_M, DECODE_TILES, PREFILL_TILES, SPLITS
+    if a.decode_m:
+        ms = tuple(int(x) for x in a.decode_m.split(","))
+    decode_grid = list(decode_grid) + [parse_tiles(t) for t in a.tiles.split(",") if t]
+    if a.no_prefill:
+        prefill = []
         prefill = PREFILL_SHAPES + [(4096, n, k, label) for n, k, label in shapes
                                     if (4096, n, k) not in {p[:3] for p in PREFILL_SHAPES}]
-    sweep_decode(s, shapes, ms, decode_grid, splits, until=0.5)
+    if a.grid:
+        sweep_grid(s, shapes, ms, [parse_tiles(t) for t in a.grid.split(",")],
+                   [int(x) for x in a.grid_splits.split(",")], until=0.97)
+        prefill = []
+    else:
+        sweep_decode(s, shapes, ms, decode_grid, splits, until=0.5 if prefill else 0.97)
     torch.cuda.empty_cache() if device.type == "cuda" else None
     sweep_prefill(s, prefill, prefill_grid, until=0.97)
     info["total_s"] = time.perf_counter() - s.t0

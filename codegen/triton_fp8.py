@@ -4,7 +4,7 @@
 (DeepSeek-V3 / GLM-5 checkpoints: weights float8_e4m3fn [N, K] with a fp32 scale per 128 x 128 block;
 activations quantised per token per 128 columns) and runs as
 
-1. `fp8_quant_tokens.py.j2`: one (row, 128-column group) per program: s = max|x| / 448, q = e4m3(x / s),
+1. `fp8_quant_tokens.py.j2`: up to 8 (row, 128-column group)s per program: s = max|x| / 448, q = e4m3(x / s),
    rounded to nearest even in exact fp32 steps (bit-exact with `fp8_ref.quantize_token_groups`);
 2. `fp8_block_gemm.py.j2`: one output tile per program; per 128-wide K block, one FP8 tensor-core dot
    (exact products, fp32 sums), scaled by the token's and the weight block's scales, accumulated in fp32.
@@ -12,7 +12,7 @@ activations quantised per token per 128 columns) and runs as
    sums a range of K blocks into an fp32 partial, and
 3. `fp8_split_reduce.py.j2` adds the partials in split order (deterministic: no atomics).
 
-Tiles come from a row class (decode / mid / prefill: one kernel each, `Fp8BlockGemmCtx.variants`, so the
+Tiles come from a row class (up to 16 rows / more: one kernel each, `Fp8BlockGemmCtx.variants`, so the
 plan holds every kernel serving can launch); the split count is a run-time argument chosen per launch
 from M, N, K and the SM count (`default_config`, whose thresholds bench/fp8_gemm_sweep.py measures).
 The CUDA target runs them for every weight an FP8 plan stores FP8 (`codegen/weight_formats.py`).
@@ -27,23 +27,27 @@ from glmc.codegen.fp8_ref import BLOCK
 from glmc.codegen.triton_render import JIT, KernelLibrary, _num_sms, next_pow2
 
 # ----------------------------------------------------------------------------- defaults (set from the sweep)
-# Row classes: (largest row count of the class, its tiles (block_m, block_n, num_warps, num_stages)).
-# Decode rows take 16-row tiles (the smallest tensor-core M); tiles 128 wide meet one weight scale block
-# per K block (one scale load). The bounds are 16 and 2^n - 1 because
-# startup.warm_lengths launches 1, 17 and 2^n tokens: every class is compiled before serving.
-# Set from bench/fp8_gemm_sweep.py on the H200 (2026-12-01): decode 16 x 128 tiles (best single config at
-# M = 1, 151 vs 160 us over the layer's GEMMs) split to ~3 waves (o_proj 29 vs 34 us); prefill 64 x 128,
-# 4 warps, 4 stages (4519 vs 5009 us over the prefill shapes; 0.62-0.69x torch._scaled_mm).
-TILE_CLASSES = ((16, (16, 128, 4, 3)), (255, (64, 64, 4, 3)), (None, (64, 128, 4, 4)))
-SPLIT_MIN_WAVES = 3        # split K while the output tiles fill fewer than this many waves of SMs ...
-SPLIT_MIN_K_BLOCKS = 2     # ... into splits of at least this many 128-wide K blocks
+# Row classes: (largest row count of the class, its tiles (block_m, block_n, num_warps, num_stages), the
+# waves of SMs its programs (tiles x K splits) should reach). Decode rows up to 16 take 16-row tiles (the
+# smallest tensor-core M) split to ~3 waves; more rows take 64 x 128 tiles split only to fill one wave.
+# Tiles 128 wide meet one weight scale block per K block (one scale load). The bound 16 and 17 = the
+# second class's first row count: startup.warm_lengths launches 1, 17 and 2^n tokens, so every class
+# is compiled before serving. From bench/fp8_gemm_sweep.py on the H200: 2026-12-01, decode 16 x 128
+# (best single config at M = 1, 151 vs 160 us over the layer's GEMMs) split to ~3 waves (o_proj 29 vs
+# 34 us), prefill 64 x 128, 4 warps, 4 stages (4519 vs 5009 us over the prefill shapes); 2026-12-04
+# (`--grid`: every tile x split count at M = 32 / 64 / 128), 17-255 rows as prefill's tiles with one
+# wave, was 64 x 64 at 3 stages with 3 waves: over the 2-layer slice's GEMMs 232.6 -> 226.3 /
+# 252.5 -> 245.7 / 350.7 -> 301.3 us (o_proj at 128 rows 60.7 -> 47.1 us: 5 splits of 64 x 64 tiles
+# wrote and re-read fp32 partials the 2 splits of 64 x 128 do not).
+TILE_CLASSES = ((16, (16, 128, 4, 3), 3), (None, (64, 128, 4, 4), 1))
+SPLIT_MIN_K_BLOCKS = 2     # K splits of at least this many 128-wide K blocks
 MAX_SPLITS = 64            # a bound on the fp32 workspace and the reduction's reads
 GROUP_M = 8                # tile rows that walk the weight columns together (L2 reuse at prefill)
 
 
 def default_config(num_rows: int, n: int, k: int, num_sms: int) -> dict:
     """The launch `fp8_block_gemm` makes when not told: the row class's tiles, and K split so that the
-    programs (tiles x splits) reach SPLIT_MIN_WAVES waves of `num_sms`, each split >= SPLIT_MIN_K_BLOCKS
+    programs (tiles x splits) reach the class's waves of `num_sms`, each split >= SPLIT_MIN_K_BLOCKS
     K blocks. -> dict(block_m, block_n, num_warps, num_stages, splits). A pure function of its arguments."""
     block_m, block_n, num_warps, num_stages = class_tiles(num_rows)
     return dict(block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
@@ -51,22 +55,26 @@ def default_config(num_rows: int, n: int, k: int, num_sms: int) -> dict:
 
 
 def split_count(num_rows: int, n: int, k: int, block_m: int, block_n: int, num_sms: int) -> int:
-    """K splits for [block_m, block_n] tiles: enough for SPLIT_MIN_WAVES waves of programs, within
+    """K splits for [block_m, block_n] tiles: enough for the row class's waves of programs, within
     SPLIT_MIN_K_BLOCKS blocks a split and MAX_SPLITS; 1 when the tiles alone fill them."""
     tiles = -(-num_rows // block_m) * -(-n // block_n)
     k_blocks = -(-k // BLOCK)
-    want = -(-SPLIT_MIN_WAVES * num_sms // tiles)
+    want = -(-_row_class(num_rows)[2] * num_sms // tiles)
     return even_splits(k_blocks, min(want, k_blocks // SPLIT_MIN_K_BLOCKS, MAX_SPLITS))
+
+
+def _row_class(num_rows: int) -> tuple:
+    return next(c for c in TILE_CLASSES if c[0] is None or num_rows <= c[0])
 
 
 def class_tiles(num_rows: int) -> tuple:
     """(block_m, block_n, num_warps, num_stages) of the row class `num_rows` falls in."""
-    return next(tiles for top, tiles in TILE_CLASSES if top is None or num_rows <= top)
+    return _row_class(num_rows)[1]
 
 
 def class_rows() -> list[int]:
     """The smallest row count of each row class (one launch of each reaches every tile class)."""
-    return [1] + [top + 1 for top, _ in TILE_CLASSES[:-1]]
+    return [1] + [c[0] + 1 for c in TILE_CLASSES[:-1]]
 
 
 def even_splits(k_blocks: int, splits: int) -> int:
@@ -77,19 +85,29 @@ def even_splits(k_blocks: int, splits: int) -> int:
 
 
 # ----------------------------------------------------------------------------- contexts
+QUANT_GROUPS_PER_PROGRAM = 8   # fp8_quant_tokens: groups of one row per program (one 2 KB bf16 load)
+
+
 @dataclass(frozen=True)
 class Fp8QuantTokensCtx:
-    """fp8_quant_tokens.py.j2: one (row, group) per program over rows of `k` columns."""
+    """fp8_quant_tokens.py.j2: `groups_per_program` groups of one row per program over rows of `k`
+    columns (one group per program was 16384 programs for [128, 16384]: 11.1 us on an H200)."""
     template: ClassVar[str] = "fp8_quant_tokens"
     k: int
     group: int
+    groups: int
+    groups_per_program: int
     num_warps: int
 
     @classmethod
     def make(cls, k, group=BLOCK):
         if group != next_pow2(group):
             raise ValueError(f"fp8_quant_tokens: the group must be a power of two, got {group}")
-        return cls(int(k), int(group), 4)
+        groups = -(-int(k) // group)
+        return cls(int(k), int(group), groups, min(QUANT_GROUPS_PER_PROGRAM, next_pow2(groups)), 4)
+
+    def grid(self, rows: int) -> tuple:
+        return rows, -(-self.groups // self.groups_per_program)
 
 
 @dataclass(frozen=True)
@@ -145,12 +163,16 @@ class Fp8SplitReduceCtx:
     act_dtype: str = ""
     bf16: bool = False      # h rounded to bf16 on its bits (exact under the interpreter too)
     gapped: bool = False    # partials with zero-padding columns to skip (fp8_block_gemm's gap)
+    groups: int = 0         # swiglu: 128-column groups of a row, `groups_per_program` per program
+    groups_per_program: int = 0
 
     @classmethod
     def make(cls, swiglu_inter: int | None = None, act_dtype: torch.dtype = torch.bfloat16, gapped: bool = False):
         if swiglu_inter is None:
             return cls(512, 4, gapped=bool(gapped))
-        return cls(BLOCK, 4, True, int(swiglu_inter), _ACT[act_dtype], act_dtype == torch.bfloat16)
+        groups = -(-int(swiglu_inter) // BLOCK)
+        return cls(BLOCK, 4, True, int(swiglu_inter), _ACT[act_dtype], act_dtype == torch.bfloat16,
+                   groups=groups, groups_per_program=min(QUANT_GROUPS_PER_PROGRAM, next_pow2(groups)))
 
 
 _ACT = {torch.float32: "tl.float32", torch.bfloat16: "tl.bfloat16", torch.float16: "tl.float16"}
@@ -161,12 +183,11 @@ def quantize_tokens(x, lib: KernelLibrary = JIT):
     """fp8_ref.quantize_token_groups on Triton: x [M, K] -> (xq float8_e4m3fn [M, K], s fp32 [M, K/128])."""
     m, k = x.shape
     ctx = Fp8QuantTokensCtx.make(k)
-    groups = -(-k // ctx.group)
     q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
-    s = torch.empty(m, groups, dtype=torch.float32, device=x.device)
+    s = torch.empty(m, ctx.groups, dtype=torch.float32, device=x.device)
     x = x if x.stride(-1) == 1 else x.contiguous()
     if m:
-        lib(ctx)[(m, groups)](x, x.stride(0), q, q.stride(0), s, s.stride(0), num_warps=ctx.num_warps)
+        lib(ctx)[ctx.grid(m)](x, x.stride(0), q, q.stride(0), s, s.stride(0), num_warps=ctx.num_warps)
     return q, s
 
 
@@ -244,11 +265,10 @@ def fp8_swiglu_quant(xq, xs, parts: list, act_dtype=torch.bfloat16, lib: KernelL
         if u.shape != g.shape:
             raise ValueError(f"fp8_swiglu_quant: gate partials {tuple(g.shape)} and up {tuple(u.shape)} differ")
     red = Fp8SplitReduceCtx.make(inter, act_dtype)
-    groups = -(-inter // BLOCK)
     hq = torch.empty(m, inter, dtype=torch.float8_e4m3fn, device=xq.device)
-    hs = torch.empty(m, groups, dtype=torch.float32, device=xq.device)
+    hs = torch.empty(m, red.groups, dtype=torch.float32, device=xq.device)
     if m:
-        lib(red)[(m, groups)](g, u, g.stride(1), g.stride(0), hq, hq.stride(0), hs, hs.stride(0), m, g.shape[0],
+        lib(red)[(m, -(-red.groups // red.groups_per_program))](g, u, g.stride(1), g.stride(0), hq, hq.stride(0), hs, hs.stride(0), m, g.shape[0],
                               num_warps=red.num_warps)
     return hq, hs
 

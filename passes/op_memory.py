@@ -133,17 +133,17 @@ def _plain_runs(op: Op, s: Step, rows: list[int]) -> list[int]:
 
 
 # triton_fp8's launch rule, copied (passes do not import codegen; tests/test_memory_accounting.py
-# checks these against triton_fp8.default_config): (largest rows of the class, block_m, block_n)
-FP8_TILE_CLASSES = ((16, 16, 128), (255, 64, 64), (None, 64, 128))
-FP8_SPLIT_MIN_WAVES, FP8_SPLIT_MIN_K_BLOCKS, FP8_MAX_SPLITS = 3, 2, 64
+# checks these against triton_fp8.default_config): (largest rows of the class, block_m, block_n, waves)
+FP8_TILE_CLASSES = ((16, 16, 128, 3), (None, 64, 128, 1))
+FP8_SPLIT_MIN_K_BLOCKS, FP8_MAX_SPLITS = 2, 64
 
 
 def fp8_gemm_splits(rows: int, n: int, k: int, num_sms: int) -> int:
     """triton_fp8.default_config's split count for an [rows, k] x [n, k] block-FP8 GEMM."""
-    block_m, block_n = next((bm, bn) for top, bm, bn in FP8_TILE_CLASSES if top is None or rows <= top)
+    block_m, block_n, waves = next(c[1:] for c in FP8_TILE_CLASSES if c[0] is None or rows <= c[0])
     tiles = -(-rows // block_m) * -(-n // block_n)
     k_blocks = -(-k // FP8_BLOCK)
-    want = min(-(-FP8_SPLIT_MIN_WAVES * num_sms // tiles), k_blocks // FP8_SPLIT_MIN_K_BLOCKS, FP8_MAX_SPLITS)
+    want = min(-(-waves * num_sms // tiles), k_blocks // FP8_SPLIT_MIN_K_BLOCKS, FP8_MAX_SPLITS)
     splits = max(1, min(want, k_blocks))
     return -(-k_blocks // -(-k_blocks // splits))          # triton_fp8.even_splits
 
