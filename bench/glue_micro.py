@@ -7,6 +7,9 @@
   torch ops only, past ALIGN_ROWS);
 - the decode GEMVs (`triton_target.gemv`): the router's fp32 [256, 6144] and weights_proj's bf16
   [32, 6144] at 1, 4, 16, 32 rows, each tile (columns per program x K step x warps) against cuBLAS;
+- past the gemv's rows (`triton_target.narrow_gemm`, into a column slice): the same two weights at
+  32, 128, 4096 rows (tiles x stages x split floors swept) against what cuBLAS took there (the router's cast + fp32 GEMM; weights_proj's
+  bf16 GEMM + copy into the A-projection's columns), with its relative error to an fp64 product;
 - the greedy sampler of `sample.tokens`: the split argmax (`sample_greedy`) against the one-program
   sampler at temperature 0 (`sample`), vocab 154880, B = 1, 32, 128;
 - the top-k select of a short row (`topk_select`, k 2048, the plan's 8192-score pass): rows of 1025
@@ -16,6 +19,7 @@ Writes glue_micro_<date>.json. Measures; changes nothing.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -30,17 +34,25 @@ def us(fn):
     return round(db.bench_ms(fn) * 1e3, 2)
 
 
+def narrow_tiles(M: int, n: int) -> list:
+    """(block_m, block_n, block_k, warps, stages) of narrow_gemm to try at M rows of n columns."""
+    bms = [b for b in (16, 32, 64) if b <= max(16, M)] if M <= 64 else [64, 128]
+    bns = [b for b in (32, 64) if b <= max(32, n)]
+    return [(bm, bn, bk, w, st) for bm in bms for bn in bns for bk in (32, 64, 128) for w in (4,) for st in (2, 3)]
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "results"))
     ap.add_argument("--commit", default="unknown")
-    ap.add_argument("--parts", default="align,gemv,argmax,topk", help="comma-separated: align, gemv, argmax, topk")
+    ap.add_argument("--parts", default="align,gemv,argmax,topk", help="comma-separated: align, gemv, narrow, argmax, topk")
     args = ap.parse_args()
     parts = set(args.parts.split(","))
     pc.import_glmc()
     import torch
     from glmc.codegen import triton_moe as tm
     from glmc.codegen import triton_target as tt
+    from glmc.codegen.triton_fp8 import Fp8SplitReduceCtx
     from glmc.codegen.cuda_kernels import TOPK_CHUNK
     from glmc.codegen.triton_render import JIT
     dev = "cuda"
@@ -95,6 +107,54 @@ def main():
             print("gemv", {k: r[k] for k in ("rows", "weight", "cublas_us", "default", "default_us")}, "best", best,
                   flush=True)
     res["gemv"] = rows
+    rows = []
+    # past the gemv's rows: narrow_gemm (x read as it is, K split, the partials reduced) against cuBLAS
+    # as the CUDA target ran it (the router: x.float() then an fp32 GEMM; weights_proj: a bf16 GEMM into a
+    # temporary copied into the A-projection's columns)
+    for M in (32, 128, 4096) if "narrow" in parts else ():
+        x = torch.randn(M, 6144, device=dev, generator=g).to(torch.bfloat16)
+        for name, w in (("router", torch.randn(256, 6144, device=dev, generator=g)),
+                        ("weights_proj", torch.randn(32, 6144, device=dev, generator=g).to(torch.bfloat16))):
+            want = x.double() @ w.double().T
+            wide = torch.empty(M, 2816, dtype=torch.float32 if name == "router" else torch.bfloat16, device=dev)
+            cols = wide[:, 2816 - w.shape[0]:]
+            old = (lambda: x.float() @ w.T) if name == "router" else (lambda: cols.copy_(x @ w.T))
+            y = tt.narrow_gemm(x, w, out=cols)
+            err = float((y.double() - want).abs().max() / want.abs().max())
+            r = {"rows": M, "weight": name, "cublas_us": us(old), "narrow_us": us(lambda: tt.narrow_gemm(x, w, out=cols)),
+                 "splits": tt.narrow_splits(M, w.shape[0], 6144, torch.cuda.get_device_properties(0).multi_processor_count),
+                 "rel_err": err}
+            sms = torch.cuda.get_device_properties(0).multi_processor_count
+            for bm, bn, bk, warps, stages in narrow_tiles(M, w.shape[0]):
+                ctx = dataclasses.replace(tt.NarrowGemmCtx.make(w.shape[0], 6144, w.dtype), block_m=bm, block_n=bn,
+                                          block_k=bk, k_blocks=-(-6144 // bk), n_tiles=-(-w.shape[0] // bn),
+                                          num_warps=warps, num_stages=stages)
+                k = JIT(ctx)
+                tiles = -(-M // bm) * ctx.n_tiles
+                for min_blocks in (2, 8):
+                    splits = max(1, min(-(-sms // tiles), ctx.k_blocks // min_blocks, 64))
+                    width = -(-ctx.k_blocks // splits)
+                    splits = -(-ctx.k_blocks // width)
+                    part = torch.empty(splits, M, w.shape[0], device=dev)
+                    red = Fp8SplitReduceCtx.make()
+
+                    def run():
+                        k[(tiles, splits)](x, x.stride(0), w, cols, cols.stride(0), part, M, splits, width,
+                                           num_warps=warps, num_stages=stages)
+                        if splits > 1:
+                            JIT(red)[(M, -(-w.shape[0] // red.block))](part, cols, cols.stride(0), M, w.shape[0],
+                                                                       splits, w.shape[0], 0, num_warps=red.num_warps)
+                    try:
+                        run()
+                        ok = float((cols.double() - want).abs().max() / want.abs().max()) < 1e-2
+                        r[f"m{bm}_n{bn}_k{bk}_w{warps}_s{stages}_b{min_blocks}({splits})_us"] = us(run) if ok else "WRONG"
+                    except Exception as e:   # out of resources: recorded
+                        r[f"m{bm}_n{bn}_k{bk}_w{warps}_s{stages}_b{min_blocks}"] = str(e)[:80]
+            best = sorted((v, k) for k, v in r.items() if k.startswith("m") and isinstance(v, float))[:4]
+            rows.append(r)
+            print("narrow", {k: r[k] for k in ("rows", "weight", "cublas_us", "narrow_us", "splits", "rel_err")},
+                  "best", best, flush=True)
+    res["narrow"] = rows
     rows = []
     for B in (1, 32, 128) if "argmax" in parts else ():
         x = torch.randn(B, 154880, device=dev, generator=g)

@@ -77,7 +77,7 @@ LAUNCHES: dict[str, Launches] = {
     # W_UK bmm, split-K latent kernel (over the select's slots), combine kernel, W_UV bmm, head-major copy
     "attn.mla_absorbed": Launches(4, 1, gemms=2),
     "attn.sparse_mla": Launches(4, 1, gemms=2), "attn.mla_mha": Launches(4, 1, gemms=2),
-    "moe.gate": Launches(1, 1, gemms=1),                            # fp32 cast, fp32 GEMM (decode: `launches`)
+    "moe.gate": Launches(2),                                        # narrow GEMM, its split reduction (decode: `launches`)
     "moe.topk": Launches(1),                                        # the router kernel
     # align_rows' torch ops (decode sizes: the moe_align kernel, `launches`); gate/up, down and combine
     # kernels; the cast to the activations' dtype
@@ -111,8 +111,27 @@ GEMV_NARROW = (64, 4)
 
 
 def gemv_takes(rows: int, n: int) -> bool:
-    """Whether an [rows, K] x [n, K]^T product runs the gemv kernel (else cuBLAS)."""
+    """Whether an [rows, K] x [n, K]^T product runs the gemv kernel (else the narrow GEMM)."""
     return rows <= (GEMV_ROWS if n >= GEMV_NARROW[0] else GEMV_NARROW[1])
+
+
+# narrow_gemm.py.j2 (the router past the gemv's rows): [64, <= 64] tiles over K blocks
+# of 64, K split so that the programs fill one wave of SMs, >= 2 K blocks a split, at most 64 splits
+NARROW_BLOCK_M, NARROW_BLOCK_N, NARROW_BLOCK_K, NARROW_MAX_SPLITS = 64, 64, 64, 64
+
+
+def narrow_block_n(n: int) -> int:
+    """narrow_gemm's tile width for n output columns: the next power of two, 16 .. NARROW_BLOCK_N."""
+    return min(NARROW_BLOCK_N, max(16, 1 << max(0, int(n) - 1).bit_length()))
+
+
+def narrow_splits(rows: int, n: int, k: int, num_sms: int) -> int:
+    """narrow_gemm's K splits for [rows, k] x [n, k]^T: enough programs for one wave of `num_sms`,
+    each split >= 2 K blocks, at most NARROW_MAX_SPLITS, widths equal (ceil(blocks / width) splits)."""
+    tiles = -(-rows // NARROW_BLOCK_M) * -(-n // narrow_block_n(n))
+    blocks = -(-k // NARROW_BLOCK_K)
+    splits = max(1, min(-(-num_sms // tiles), blocks // 2, NARROW_MAX_SPLITS, blocks))
+    return -(-blocks // -(-blocks // splits))
 
 
 def launches(kind: str, attrs: dict, p2p: bool = False, routed_rows: float | None = None,

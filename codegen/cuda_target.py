@@ -9,9 +9,11 @@ loop over requests. That lets `runtime/worker/cuda_executor.py` capture a decode
 re-laid out once.
 
 Ops not listed here (views, slices, concat, elt.add, io.input, collectives) use torch_target's.
-Dense GEMMs go to cuBLAS (torch.matmul) in the weights' dtype; the router GEMM stays fp32 (at
-decode sizes (`triton_contexts.gemv_takes`), it and the unquantised part of an FP8 A-projection run the
-`gemv` kernel instead: one launch, no cast). Weights
+Dense GEMMs go to cuBLAS (torch.matmul) in the weights' dtype; the router GEMM stays fp32: at decode
+sizes (`triton_contexts.gemv_takes`) it and the unquantised part of an FP8 A-projection run the
+`gemv` kernel (one launch, x read as it is); above them the router runs the `narrow_gemm` kernel
+(K split over programs; cuBLAS took a cast, an fp32 SIMT GEMM and its split-K reduction) and
+weights_proj cuBLAS (into a temporary copied into its columns: faster than narrow_gemm, 2026-12-04). Weights
 an FP8 plan stores FP8 (`fp8_ref.Fp8Weight`, `codegen/weight_formats.py`) run the block-scaled w8a8
 GEMM (`triton_fp8`): the activation quantised once per step per token per 128 columns (by the norm
 that makes it where an FP8 GEMM reads a norm's output, else by the first FP8 consumer: `quantized`),
@@ -294,13 +296,13 @@ def _attn(op, args, ctx: CudaStepContext):
 
 @impl("moe.gate")
 def _gate(op, args, ctx: CudaStepContext):
-    """The fp32 router logits: at decode sizes one GEMV kernel (x read in its dtype), else x cast to
-    fp32 and cuBLAS."""
+    """The fp32 router logits: at decode sizes one GEMV kernel, else the narrow GEMM (fp32 products as
+    three TF32 ones, K split over programs); x read in its dtype either way."""
     name = op.attr("weight")
     w = ctx.derived(("fp32", name), lambda: ctx.w(name).float().contiguous())
     if gemv_takes(args[0].shape[0], w.shape[0]):
         return tt.gemv(args[0], w, out_dtype=torch.float32, lib=ctx.kernels)
-    return args[0].float() @ w.T
+    return tt.narrow_gemm(args[0], w, out_dtype=torch.float32, lib=ctx.kernels)
 
 
 @impl("moe.topk")

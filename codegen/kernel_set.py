@@ -9,13 +9,14 @@ and the GPU choose grids and split counts at launch:
 - sparse MLA decode: the head-major tile for < 32 tokens and, with >= 64 heads on the rank, the
   wide one (>= 32 tokens); its split-K combine: one per power-of-two split bound (<= MAX_SPLITS);
 - MoE experts: gate/up and down at each row-block class (16, 32, 64 rows);
-- the router's fp32 GEMV (and an FP8 A-projection's unquantised weights_proj) at decode sizes:
-  one `gemv` per row class (1, 4, 16 rows);
+- the router's fp32 GEMV (and an FP8 A-projection's unquantised weights_proj) at decode sizes: one
+  `gemv` per row class (1, 4, 16 rows); above them the router's `narrow_gemm` (its split count a
+  launch argument) and the split reduction;
 - top-k select: one pass width (TOPK_CHUNK); at the full vocabulary the split greedy argmax (the
   IR's `sample.tokens`) and the engine's per-request sampler;
 - FP8 weights (a plan whose `dtypes.weight` is fp8, `weight_formats`): per linear-type op the token
   quantiser at its input width and the block-scaled GEMM per joined FP8 part (`cuda_target.fp8_parts`)
-  at each row class (`Fp8BlockGemmCtx.variants`: decode, mid, prefill tiles, and the split-K reduction;
+  at each row class (`Fp8BlockGemmCtx.variants`: decode and wider tiles, and the split-K reduction;
   the split count is a launch argument); the routed experts' FP8 grouped GEMMs instead of the bf16 ones. A bf16 plan
   carries none of them.
 - peer-memory collectives: the one-shot all-reduce / reduce-scatter (+ add + RMSNorm) / all-gather
@@ -104,8 +105,10 @@ def _experts(op, graph, dtype, kv=(False, False)):
 
 
 def _gate(op, graph, dtype, kv=(False, False)):
-    """The fp32 router GEMV at decode sizes (above: cuBLAS)."""
-    return tc.GemvCtx.variants(int(op.attr("hidden")))
+    """The fp32 router GEMV at decode sizes, above them the narrow GEMM and its split reduction."""
+    k = int(op.attr("hidden"))
+    return tc.GemvCtx.variants(k) + [tc.NarrowGemmCtx.make(int(op.attr("experts")), k, torch.float32),
+                                     Fp8SplitReduceCtx.make()]
 
 
 def _sample(op, graph, dtype, kv=(False, False)):

@@ -10,7 +10,8 @@ from typing import ClassVar
 
 import torch
 
-from glmc.codegen.cuda_kernels import GEMV_NARROW, TOPK_CHUNK, gemv_takes  # noqa: F401  (re-exported)
+from glmc.codegen.cuda_kernels import (GEMV_NARROW, NARROW_BLOCK_K, NARROW_BLOCK_M, TOPK_CHUNK,  # noqa: F401
+                                       gemv_takes, narrow_block_n, narrow_splits)  # (re-exported)
 from glmc.codegen.fp8_ref import BLOCK as FP8_GROUP
 from glmc.codegen.fp8_ref import KV_PAGE
 from glmc.codegen.triton_render import _DOT, _warps, next_pow2
@@ -72,6 +73,41 @@ class GemvCtx:
     @classmethod
     def variants(cls, k: int) -> list:
         return [cls.make(k, r) for r in GEMV_ROWS]
+
+
+@dataclass(frozen=True)
+class NarrowGemmCtx:
+    """narrow_gemm.py.j2: y = x W^T for a weight of few output columns past the gemv kernel's rows:
+    the router's fp32 logits, which cuBLAS ran as x.float(), an fp32 SIMT GEMM and its split-K
+    reduction (bench/glue_micro.py on an H200, 2026-12-04, [256, 6144]: 32 rows 18.3 -> 12.0 us,
+    128 rows 24.8 -> 15.9, 4096 rows 331 -> 245; weights_proj's bf16 [32, 6144] lost to cuBLAS and
+    its copy, 9.3 vs 7.8 us at 32 rows, so it stays there). Tensor-core tiles on fp32 operands: TF32
+    products for a 16-bit weight (exact: bf16 and fp16 values are TF32 values), three TF32 products
+    for an fp32 weight (fp32's accuracy); the split count is a run-time argument (`narrow_splits`),
+    the partials summed by fp8_split_reduce."""
+    template: ClassVar[str] = "narrow_gemm"
+    n: int
+    k: int
+    k_blocks: int
+    block_m: int
+    block_n: int
+    block_k: int
+    n_tiles: int
+    dot_dtype: str
+    precision: str
+    num_warps: int
+    num_stages: int
+
+    @classmethod
+    def make(cls, n: int, k: int, w_dtype: torch.dtype) -> "NarrowGemmCtx":
+        n, k = int(n), int(k)
+        if w_dtype not in _DOT:
+            raise ValueError(f"narrow_gemm: weight dtype {w_dtype} is not one of {sorted(map(str, _DOT))}")
+        block_n = narrow_block_n(n)
+        # fp32 operands always (Triton 3.9's interpreter multiplies 16-bit dots wrongly): a 16-bit weight
+        # and x in its dtype are exact in TF32, so one TF32 product is the 16-bit MMA's; fp32: three
+        return cls(n, k, -(-k // NARROW_BLOCK_K), NARROW_BLOCK_M, block_n, NARROW_BLOCK_K, -(-n // block_n),
+                   "tl.float32", "tf32x3" if w_dtype == torch.float32 else "tf32", 4, 3)
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from glmc.codegen.triton_contexts import (  # noqa: F401  (re-exported)
     IndexerScoresCtx,
     MlaCombineCtx,
     MoeRouterCtx,
+    NarrowGemmCtx,
     QkvNormRopeWriteCtx,
     RmsNormCtx,
     RopeCtx,
@@ -35,6 +36,7 @@ from glmc.codegen.triton_contexts import (  # noqa: F401  (re-exported)
     TopkSelectCtx,
     argmax_splits,
     mla_num_splits,
+    narrow_splits,
 )
 from glmc.codegen.triton_render import (  # noqa: F401  (re-exported)
     _DOT,
@@ -117,6 +119,35 @@ def gemv(x, w, out=None, out_dtype=None, lib: KernelLibrary = JIT):
     ctx = GemvCtx.make(k, m)
     if m:
         lib(ctx)[(-(-n // ctx.block_n),)](x, x.stride(0), w, y, y.stride(0), m, n, num_warps=ctx.num_warps)
+    return y
+
+
+def narrow_gemm(x, w, out=None, out_dtype=None, lib: KernelLibrary = JIT, splits=None):
+    """x [M, K] @ w [N, K]^T for a weight of few columns at any M (`NarrowGemmCtx`): one launch, or two
+    with K split (`narrow_splits`; the fp32 partials summed in split order by fp8_split_reduce) ->
+    [M, N] in `out_dtype` (default x's), or written into `out` (an [M, N] view with unit column
+    stride). No host sync; CUDA-graph capturable."""
+    from glmc.codegen.triton_fp8 import Fp8SplitReduceCtx
+    m, k = x.shape
+    n = w.shape[0]
+    if w.shape[1] != k or w.stride(1) != 1 or w.stride(0) != k:
+        raise ValueError(f"narrow_gemm: weight {tuple(w.shape)} / {w.stride()} is not a contiguous [N, {k}] matrix")
+    y = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device) if out is None else out
+    if tuple(y.shape) != (m, n) or (n > 1 and y.stride(1) != 1):
+        raise ValueError(f"narrow_gemm: out {tuple(y.shape)} / {y.stride()} is not a [{m}, {n}] row-major view")
+    if not m:
+        return y
+    x = x if x.stride(1) == 1 else x.contiguous()
+    ctx = NarrowGemmCtx.make(n, k, w.dtype)
+    splits = splits or narrow_splits(m, n, k, _num_sms(x.device))
+    width = -(-ctx.k_blocks // splits)
+    splits = -(-ctx.k_blocks // width)
+    part = torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if splits > 1 else y
+    lib(ctx)[(-(-m // ctx.block_m) * ctx.n_tiles, splits)](x, x.stride(0), w, y, y.stride(0), part, m, splits, width,
+                                                           num_warps=ctx.num_warps, num_stages=ctx.num_stages)
+    if splits > 1:
+        red = Fp8SplitReduceCtx.make()
+        lib(red)[(m, -(-n // red.block))](part, y, y.stride(0), m, n, splits, n, 0, num_warps=red.num_warps)
     return y
 
 
@@ -320,7 +351,9 @@ def sparse_mla_latent(q_lat, q_pe, kv_cache, req_to_token, rows, pos, topk, scal
                                   q_lat.dtype if fp8 else kv_cache.dtype, T, kv_fp8=fp8, **tiles)
     S = num_splits or mla_num_splits(T, H, ctx.block_h, num_keys, ctx.block_n, _num_sms(dev), ctx.v_parts,
                                      ctx.num_warps)
-    o_part = torch.empty(T, H, S, R, dtype=torch.float32, device=dev)
+    # one split: the kernel's normalised rows are the output, stored in its dtype (the combine of one
+    # split rescales by exp2(0) = 1: the same bits), so no fp32 partials and no combine launch
+    o_part = torch.empty(T, H, S, R, dtype=torch.float32, device=dev) if S > 1 else None
     lse = torch.empty(T, H, S, dtype=torch.float32, device=dev)
     out = torch.empty(T, H, R, dtype=q_lat.dtype, device=dev)
     if not T:
@@ -330,10 +363,11 @@ def sparse_mla_latent(q_lat, q_pe, kv_cache, req_to_token, rows, pos, topk, scal
     if topk is not None:
         slots = topk_slots(topk, req_to_token, rows, pos) if slots is None else slots
         args += [slots, slots.stride(0)]
-    lib(ctx)[(-(-H // ctx.block_h) * ctx.v_parts, S, T)](*args, o_part, lse, num_warps=ctx.num_warps,
-                                           num_stages=ctx.num_stages)
-    cctx = MlaCombineCtx.make(H, R, S)
-    lib(cctx)[(T, H)](o_part, lse, out, out.stride(0), out.stride(1), S, num_warps=cctx.num_warps)
+    lib(ctx)[(-(-H // ctx.block_h) * ctx.v_parts, S, T)](*args, out if o_part is None else o_part, lse,
+                                                           num_warps=ctx.num_warps, num_stages=ctx.num_stages)
+    if o_part is not None:
+        cctx = MlaCombineCtx.make(H, R, S)
+        lib(cctx)[(T, H)](o_part, lse, out, out.stride(0), out.stride(1), S, num_warps=cctx.num_warps)
     return out
 
 

@@ -12,18 +12,20 @@ from glmc.ir.types import fp8_row_bytes
 
 from .comm_memory import p2p_runs
 from .op_memory import quantize, quantized
-from .step_arena import BLOCK_MS, FP8_BLOCK, Step, Val, gemv_takes, model
+from .step_arena import BLOCK_MS, FP8_BLOCK, Step, Val, gemv_takes, model, narrow_splits
 
 
 # ----------------------------------------------------------------------------- MoE
 @model("moe.gate")
 def _gate(op, args, s):
-    """fp32 logits; past the gemv kernel's rows x cast to fp32 for cuBLAS (the gemv reads x as it is)."""
-    T = s.rows(op)
-    gemv = gemv_takes(T, int(op.attr("experts")))
-    cast = s.tmp(T * int(op.attr("hidden")), 4) if args[0].elem != 4 and not gemv else None   # x.float()
+    """fp32 logits; past the gemv kernel's rows the narrow GEMM's fp32 partials when it splits K
+    (both read x as it is)."""
+    T, E = s.rows(op), int(op.attr("experts"))
     out = s.arena.new(s.numel(op), 4)
-    s.free(cast)
+    if not gemv_takes(T, E):
+        splits = narrow_splits(T, E, int(op.attr("hidden")), s.t.num_sms)
+        if splits > 1:
+            s.free(s.tmp(splits * T * E, 4))
     return out
 
 

@@ -326,8 +326,8 @@ def topk_slots(s: Step, T: int, K: int) -> int:
 
 @model("attn.mla_absorbed", "attn.sparse_mla", "attn.mla_mha")
 def _attn(op, args, s):
-    """q_lat = q_nope W_UK, split-K partials (fp32 [T, H, splits, R] + log-sum-exp), out_lat,
-    o = out_lat W_UV written as [T, H * dv] by the batched GEMM."""
+    """q_lat = q_nope W_UK, split-K partials (fp32 [T, H, splits, R], none with one split, + log-sum-exp),
+    out_lat, o = out_lat W_UV written as [T, H * dv] by the batched GEMM."""
     T, H = s.rows(op), s.type_of(op.operands[0]).shape[1].eval(s.env)    # this rank's heads
     R, dv = int(op.attr("kv_lora")), int(op.attr("dv"))
     K = None if len(args) < 4 or args[3] is None else args[3].cols or s.cfg.index_topk
@@ -337,7 +337,7 @@ def _attn(op, args, s):
     s.free(cast)
     pe = s.tmp(s.type_of(op.operands[1]).numel(s.env), s.t.act) if args[1].elem != s.t.act else None
     S = mla_splits(T, H, R, K, s)
-    o_part, lse = s.tmp(T * H * S * R, 4), s.tmp(T * H * S, 4)
+    o_part, lse = s.tmp(T * H * S * R, 4) if S > 1 else None, s.tmp(T * H * S, 4)   # one split: no partials
     out_lat = s.tmp(T * H * R, s.t.act)
     if T:
         slots = topk_slots(s, T, K) if K is not None and args[3].elem != 4 else None   # int32: slots already

@@ -31,8 +31,17 @@ H200_SMS = 132
 
 
 def gemv_takes(rows: int, n: int) -> bool:
-    """cuda_kernels.gemv_takes: whether [rows, K] x [n, K]^T runs the gemv kernel (else cuBLAS)."""
+    """cuda_kernels.gemv_takes: whether [rows, K] x [n, K]^T runs the gemv kernel (else narrow_gemm)."""
     return rows <= (GEMV_ROWS if n >= GEMV_NARROW[0] else GEMV_NARROW[1])
+
+
+def narrow_splits(rows: int, n: int, k: int, num_sms: int) -> int:
+    """cuda_kernels.narrow_splits (copied; tests/test_memory_accounting.py checks it): narrow_gemm's K
+    splits, 64 x min(64, pow2 >= n) tiles over K blocks of 64, one wave, >= 2 blocks, <= 64 splits."""
+    tiles = -(-rows // 64) * -(-n // min(64, max(16, 1 << max(0, n - 1).bit_length())))
+    blocks = -(-k // 64)
+    splits = max(1, min(-(-num_sms // tiles), blocks // 2, 64, blocks))
+    return -(-blocks // -(-blocks // splits))
 
 
 @dataclass(frozen=True)

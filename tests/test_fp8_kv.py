@@ -133,11 +133,13 @@ def test_sparse_mla_dequantises_in_registers(mode, prefix, extend, use_topk, spl
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("dequant,key_major,v_parts", [(False, False, 1), (True, False, 1), (True, True, 1),
-                                                      (True, False, 2)])
-def test_sparse_mla_over_scale_groups_and_short_contexts(dequant, key_major, v_parts):
+@pytest.mark.parametrize("dequant,key_major,v_parts,splits", [(False, False, 1, 3), (True, False, 1, 3),
+                                                             (True, True, 1, 3), (True, False, 2, 3),
+                                                             (True, False, 2, 1), (True, True, 1, 1)])
+def test_sparse_mla_over_scale_groups_and_short_contexts(dequant, key_major, v_parts, splits):
     """Latent 256 = two FP8 scale groups, top-k 24 of contexts 5-40 (so most tokens select fewer
-    than k keys: each splits only its own). Against fp32 softmax attention over the dequantised rows."""
+    than k keys: each splits only its own). Against fp32 softmax attention over the dequantised rows.
+    One split: each program writes its rows of the output itself (no partials, no combine)."""
     torch.manual_seed(0)
     T, H, R2, DR2, K, n = 6, 4, 256, 16, 24, 200
     rows = fp8_ref.kv_fp8_pack(torch.randn(n, R2), torch.randn(n, DR2))
@@ -150,7 +152,7 @@ def test_sparse_mla_over_scale_groups_and_short_contexts(dequant, key_major, v_p
     q_lat, q_pe = torch.randn(T, H, R2), torch.randn(T, H, DR2)
     r2t = torch.zeros(T, 1, dtype=torch.int64)
     got = tt.sparse_mla_latent(q_lat, q_pe, rows, r2t, torch.arange(T), pos, slots.long(), 0.1, slots=slots,
-                               num_splits=3, block_n=4, block_h=4, key_major=key_major, dequant=dequant,
+                               num_splits=splits, block_n=4, block_h=4, key_major=key_major, dequant=dequant,
                                v_parts=v_parts)
     for t in range(T):
         sel = slots[t][slots[t] >= 0].long()

@@ -254,13 +254,15 @@ def test_mirrored_constants_match_codegen():
 def test_mirrored_launch_rules_match_codegen():
     """The model's copies of the FP8 GEMM split rule and the MoE launch (splits, the one-program sort's
     bounds) give what codegen launches, across decode and prefill sizes, bf16 and FP8, H200 and CPU."""
-    from glmc.codegen import fp8_ref, triton_fp8, triton_moe
-    from glmc.passes import moe_memory
+    from glmc.codegen import cuda_kernels, fp8_ref, triton_fp8, triton_moe
+    from glmc.passes import moe_memory, step_arena
     for sms in (132, 2):
         for rows in (1, 5, 16, 17, 128, 255, 256, 4096):
             for n, k in [(128, 6144), (2624, 6144), (16384, 2048), (6144, 16384), (96, 640), (160, 300)]:
                 assert op_memory.fp8_gemm_splits(rows, n, k, sms) == \
                     triton_fp8.default_config(rows, n, k, sms)["splits"], (rows, n, k, sms)
+            for n, k in [(256, 6144), (32, 6144), (16, 160), (48, 300), (4, 100)]:   # narrow_gemm's
+                assert step_arena.narrow_splits(rows, n, k, sms) == cuda_kernels.narrow_splits(rows, n, k, sms)
         for n in (1, 8, 16, 24, 64, 65, 1024, 65536):
             for E, hidden, inter in [(256, 6144, 2048), (32, 6144, 256), (4, 160, 96), (3, 128, 256)]:
                 for fp8 in (False, True):

@@ -122,6 +122,31 @@ def test_gemv_is_fp32_math_into_a_column_slice(m):
         tt.gemv(torch.zeros(17, 600), torch.zeros(4, 600))
 
 
+@pytest.mark.parametrize("m,splits", [(17, 1), (17, 3), (70, None), (70, 5)])
+def test_narrow_gemm_past_the_gemv_rows(m, splits):
+    """The router / weights_proj GEMM past the gemv's rows: fp32 weights (three TF32 products) within
+    fp32 summation error of an fp64 product, bf16 weights exact products; K split or not (5 asked of
+    10 K blocks: 5 splits of 2; the last K block ragged), written into a column slice of a wider
+    output without touching the rest; its contexts are what the kernel set lists for the router."""
+    from glmc.codegen.kernel_set import _gate
+    g = torch.Generator().manual_seed(m)
+    x = torch.randn(m, 600, generator=g).to(torch.bfloat16)
+    for wd in (torch.float32, torch.bfloat16):
+        w = torch.randn(37, 600, generator=g).to(wd)
+        want = x.double() @ w.double().T
+        y = tt.narrow_gemm(x, w, out_dtype=torch.float32, splits=splits)
+        assert y.dtype == torch.float32 and (y.double() - want).abs().max() < 1e-4 * want.abs().max()
+        wide = torch.full((m, 45), 5.0)
+        tt.narrow_gemm(x, w, out=wide[:, 3:40], splits=splits)
+        assert torch.allclose(wide[:, 3:40].double(), want, atol=1e-4 * float(want.abs().max())) \
+            and (wide[:, :3] == 5).all() and (wide[:, 40:] == 5).all()
+    assert tt.narrow_splits(128, 256, 6144, 132) == 16 and tt.narrow_splits(4096, 256, 6144, 132) == 1
+    op = type("Op", (), {"attr": lambda self, k: {"hidden": 600, "experts": 37}[k]})()
+    assert tt.NarrowGemmCtx.make(37, 600, torch.float32) in _gate(op, None, torch.bfloat16)
+    with pytest.raises(ValueError, match="not a contiguous"):
+        tt.narrow_gemm(x, torch.zeros(600, 4).T)
+
+
 def test_rms_norm_and_fused_residual():
     x, res, w = torch.randn(5, 48), torch.randn(5, 48), torch.randn(48)
     close(tt.rms_norm(x, w, 1e-5), ref.rms_norm(x, w, 1e-5))
@@ -256,6 +281,7 @@ def test_topk_select_heavy_ties(chunk):
 @pytest.mark.parametrize("key_major", [False, True])
 @pytest.mark.parametrize("mode,prefix,extend,use_topk,splits", [
     ("decode", [4, 40, 16], [1, 1, 1], True, 3),
+    ("decode", [4, 40, 16], [1, 1, 1], True, 1),   # one split: the kernel writes the output, no combine
     ("extend", [0, 9], [12, 3], True, None),
     ("extend", [0, 9], [12, 3], False, 2),  # dense causal (context <= index_topk)
 ])
