@@ -105,17 +105,24 @@ def _quant_args(qs) -> list:
     return [a for t in qs for a in (t, t.stride(0))]
 
 
-def gemv(x, w, out=None, out_dtype=None, lib: KernelLibrary = JIT):
-    """x [M, K] @ w [N, K]^T for M <= GEMV_ROWS[-1] in one launch, fp32 math (`GemvCtx`) -> [M, N]
-    in `out_dtype` (default x's), or written into `out` (an [M, N] view with unit column stride)."""
+def _xw_out(kernel: str, x, w, out, out_dtype):
+    """x [M, K] and a contiguous weight [N, K] checked -> (x with unit column stride, the [M, N] output:
+    `out` (a row-major view, e.g. columns of a wider output) or a new one in `out_dtype`, default x's)."""
     m, k = x.shape
     n = w.shape[0]
     if w.shape[1] != k or w.stride(1) != 1 or w.stride(0) != k:
-        raise ValueError(f"gemv: weight {tuple(w.shape)} / {w.stride()} is not a contiguous [N, {k}] matrix")
+        raise ValueError(f"{kernel}: weight {tuple(w.shape)} / {w.stride()} is not a contiguous [N, {k}] matrix")
     y = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device) if out is None else out
     if tuple(y.shape) != (m, n) or (n > 1 and y.stride(1) != 1):
-        raise ValueError(f"gemv: out {tuple(y.shape)} / {y.stride()} is not a [{m}, {n}] row-major view")
-    x = x if x.stride(1) == 1 else x.contiguous()
+        raise ValueError(f"{kernel}: out {tuple(y.shape)} / {y.stride()} is not a [{m}, {n}] row-major view")
+    return (x if x.stride(1) == 1 else x.contiguous()), y
+
+
+def gemv(x, w, out=None, out_dtype=None, lib: KernelLibrary = JIT):
+    """x [M, K] @ w [N, K]^T for M <= GEMV_ROWS[-1] in one launch, fp32 math (`GemvCtx`) -> [M, N]
+    in `out_dtype` (default x's), or written into `out` (an [M, N] view with unit column stride)."""
+    x, y = _xw_out("gemv", x, w, out, out_dtype)
+    (m, k), n = x.shape, w.shape[0]
     ctx = GemvCtx.make(k, m)
     if m:
         lib(ctx)[(-(-n // ctx.block_n),)](x, x.stride(0), w, y, y.stride(0), m, n, num_warps=ctx.num_warps)
@@ -128,16 +135,10 @@ def narrow_gemm(x, w, out=None, out_dtype=None, lib: KernelLibrary = JIT, splits
     [M, N] in `out_dtype` (default x's), or written into `out` (an [M, N] view with unit column
     stride). No host sync; CUDA-graph capturable."""
     from glmc.codegen.triton_fp8 import Fp8SplitReduceCtx
-    m, k = x.shape
-    n = w.shape[0]
-    if w.shape[1] != k or w.stride(1) != 1 or w.stride(0) != k:
-        raise ValueError(f"narrow_gemm: weight {tuple(w.shape)} / {w.stride()} is not a contiguous [N, {k}] matrix")
-    y = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device) if out is None else out
-    if tuple(y.shape) != (m, n) or (n > 1 and y.stride(1) != 1):
-        raise ValueError(f"narrow_gemm: out {tuple(y.shape)} / {y.stride()} is not a [{m}, {n}] row-major view")
+    x, y = _xw_out("narrow_gemm", x, w, out, out_dtype)
+    (m, k), n = x.shape, w.shape[0]
     if not m:
         return y
-    x = x if x.stride(1) == 1 else x.contiguous()
     ctx = NarrowGemmCtx.make(n, k, w.dtype)
     splits = splits or narrow_splits(m, n, k, _num_sms(x.device))
     width = -(-ctx.k_blocks // splits)
