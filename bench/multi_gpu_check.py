@@ -6,7 +6,8 @@
 For each spec (tp2, tp2ep2, dp2ep2 with the gather and the all-to-all MoE lowering; N for 2 GPUs),
 one process per GPU loads the CUDA-target plan through the one loader (`runtime/worker/loader.py`),
 captures the decode graphs, prefills its attention-DP share of the prompts and decodes greedily:
-1. tiny: a tiny checkpoint with every dim >= 16 (Triton's dot minimum): tokens == tp1's;
+1. tiny: a tiny checkpoint with every dim >= 16 (Triton's dot minimum): tokens == tp1's (`--fp8`: its
+   linear weights block-FP8 at FP8_ALIGNED's widths, the plans FP8: weights kept FP8 on every rank);
 2. width: a GLM-5.3-width slice (random bf16 weights made from one seed on every rank, 1 dense +
    1 MoE layer, 256 experts split over the ranks): prefill and decode logits vs tp1's (bf16 tol);
 3. the collectives each rank ran per replayed decode step == `glmc explain`'s bill at the bucket.
@@ -32,12 +33,23 @@ SPECS = [("tp2", None), ("tp2ep2", False), ("dp2ep2", False), ("dp2ep2", True)]
 STEPS = 6
 
 
-def tiny_ckpt(root: Path) -> Path:
-    from tiny_hf import save_tiny
-    path = root / "tiny16"
+# --fp8: widths whose tensor-parallel K slices are whole 128-column groups (o_proj's 4 x 64 and the
+# MLPs' 256 over 2 ranks), so a rank quantises its activations in the groups tp1 does and the specs
+# agree to fp32 summation order; with narrower slices each rank quantises its part with its own
+# scale, noise of the size FP8 activations make anyway (on the tiny random model tp2 vs tp1 prefill
+# logits 6.8% apart, tp1 w8a8 vs dequantised weights 34%, CPU 2026-12-04)
+FP8_ALIGNED = dict(v_head_dim=64, intermediate_size=256, moe_intermediate_size=256)
+
+
+def tiny_ckpt(root: Path, fp8: bool = False) -> Path:
+    """The tiny checkpoint (every dim >= 16); `fp8`: its linear weights block-FP8 as GLM-5 ships them,
+    at FP8_ALIGNED's widths."""
+    from tiny_hf import save_tiny, save_tiny_fp8
+    path = root / ("tiny16_fp8" if fp8 else "tiny16")
     if not (path / "config.json").exists():
-        save_tiny(path, "wide", seed=5, index_n_heads=16, qk_rope_head_dim=16, index_head_dim=32,
-                  n_routed_experts=8, num_experts_per_tok=2)
+        (save_tiny_fp8 if fp8 else save_tiny)(path, "wide", seed=5, index_n_heads=16, qk_rope_head_dim=16,
+                                              index_head_dim=32, n_routed_experts=8, num_experts_per_tok=2,
+                                              **(FP8_ALIGNED if fp8 else {}))
     return path
 
 
@@ -123,7 +135,7 @@ def bill_at(plan, t, context):
 def check(kind, args, root, backend, dev) -> list[dict]:
     narrow = args.cpu
     if kind == "tiny":
-        source = tiny_ckpt(root)
+        source = tiny_ckpt(root, args.fp8)
         vocab = json.loads((source / "config.json").read_text())["vocab_size"]
         lengths, tol, dtype_name = (37, 21, 50, 9), 1e-4, "float32"
     else:
@@ -199,6 +211,8 @@ def main():
     ap.add_argument("--cpu", action="store_true")
     ap.add_argument("--out")
     ap.add_argument("--skip-width", action="store_true")
+    ap.add_argument("--fp8", action="store_true", help="the tiny check on a block-FP8 checkpoint (FP8 weights "
+                    "kept FP8 on every rank; the width slice stays bf16)")
     ap.add_argument("--only", default="", help="comma list of specs to run, e.g. tp2ep2/gather,dp2ep2/a2a "
                     "(tp1 always runs: the reference)")
     ap.add_argument("--calibration", help="bench/calibrate.py's file: time each spec's decode replay and "
