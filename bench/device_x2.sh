@@ -5,7 +5,8 @@
 # pydantic, pydantic-core, annotated-types, typing-inspection, fastapi, starlette, uvicorn,
 # annotated-doc, opentelemetry-api, and for the serving check's openai client openai, jiter,
 # httpx2, httpcore2, truststore, sniffio, anyio, idna. glmc itself is installed from this tree.
-# JOBS picks what runs: calibrate (bench/calibrate.py), multi (bench/multi_gpu_check.py), spec
+# JOBS picks what runs: calibrate (bench/calibrate.py), multi (bench/multi_gpu_check.py), multi_fp8
+# (its tiny check on a block-FP8 checkpoint: issue 10 item 6 on two GPUs), spec
 # (spec_bench.py: decode per spec at batch 1/32/128 per rank), plan
 # (gpu_plan_check.py), serve (serve_multi_gpu.py, SERVE_ARGS="--only tp2"), decode (decode_bench.py),
 # p2p (p2p_bench.py: the one-shot peer-memory kernels against NCCL, and replay stability),
@@ -32,6 +33,9 @@ for job in ${JOBS:-multi plan}; do
     multi) timeout 420 python3 bench/multi_gpu_check.py --out "$OUT/multi_gpu_check.json" ${MULTI_ARGS:-} \
              ${CAL:+--calibration "$CAL"} > "$OUT/multi.log" 2>&1; echo "multi rc=$?"
            grep -E '^\{|CHECK|PREDICTED|Error|error' "$OUT/multi.log" | cut -c1-600 | tail -30 ;;
+    multi_fp8) timeout 300 python3 bench/multi_gpu_check.py --fp8 --skip-width --out "$OUT/multi_gpu_check_fp8.json" \
+             > "$OUT/multi_fp8.log" 2>&1; echo "multi_fp8 rc=$?"
+           grep -E '^\{|CHECK|Error|error' "$OUT/multi_fp8.log" | cut -c1-600 | tail -8 ;;
     spec)  timeout 560 python3 bench/spec_bench.py --out-dir "$OUT" ${CAL:+--calibration "$CAL"} ${SPEC_ARGS:-} \
              > "$OUT/spec.log" 2>&1; echo "spec rc=$?"; grep -E 'PREDICTED|ERROR|^spec|^device' "$OUT/spec.log"
            grep -A20 '^spec ' "$OUT/spec.log" | tail -18 ;;
