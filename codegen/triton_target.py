@@ -282,17 +282,18 @@ def indexer_scores(q_idx, weights, k_cache, req_to_token, rows, pos, max_len, bl
 
 
 TOPK_SEGMENTS = (1024, 8192)   # scores per program of a long row's radix select: smallest, largest
-TOPK_PROGRAMS = (64, 16, 256)  # programs of the split select in all: at least, per row, at most
+TOPK_PROGRAMS = (32, 16, 256)  # programs of the split select in all: at least, per row, at most
 TOPK_SEG_TILE = 32             # segments' histograms summed per load when a round's digit is found
 
 
 def topk_segment(rows: int, width: int) -> int:
-    """Scores per program of the split select: the batch over min(256, max(64, 16 x rows))
+    """Scores per program of the split select: the batch over min(256, max(32, 16 x rows))
     programs, a power of two in TOPK_SEGMENTS at or below the row's share. Measured on an H200
-    (bench/long_context_bench.py's top-k tables, 2026-12-02, us): one row of 32K / 128K is fastest
-    at 1024 / 2048 (25.9 / 35.6), 8 rows of 32K at 2048 (40.2; 8192: 51.7), 32 rows of 32K / 128K at
-    4096-8192 (53.4 / 168; 2048: 74 / 320): more programs each re-read more of their row's
-    histograms than they save, fewer leave the GPU idle."""
+    (bench/long_context_bench.py's top-k tables, us, 2026-12-04, rounds 1-3 by atomics): one row of
+    32K / 64K / 128K is fastest at 1024 / 2048 / 4096 scores a program (20.0 / 24.9 / 30.1; 64
+    programs: 21.6 / 28.9 / 31.2), 32 rows of 32K / 64K / 128K at 4096 / 8192 / 8192 (47.5 / 71.3 /
+    104.2): more programs each re-read more of their row's histograms than they save, fewer leave
+    the GPU idle. (2026-12-02, every round by tl.histogram: one row best at 64 programs.)"""
     lo, hi = TOPK_SEGMENTS
     least, per_row, most = TOPK_PROGRAMS
     segs = max(1, max(least, min(most, per_row * rows)) // max(rows, 1))
