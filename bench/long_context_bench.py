@@ -3,6 +3,7 @@ batches 1/8/32, glmc (CUDA graphs) next to transformers and the roofline. One co
 
     python bench/long_context_bench.py --out-dir $OUT --budget 480        # CUDA (the H200)
     python bench/long_context_bench.py --cpu                              # CPU smoke: narrow, interpreted
+    python bench/long_context_bench.py --prefill 8192,32768 --chunk 8192  # chunked prefill instead (item 4)
 
 The context is not prefilled: every slot of the paged KV pool and of the indexer key cache holds
 random N(0, 1) values written through `KVPool`'s writers (so an FP8 pool holds valid e4m3 rows and
@@ -199,6 +200,65 @@ def run_glmc(model, kv_dtype, contexts, batches, dev, dtype, info, deadline, sav
             torch.cuda.empty_cache()
         save()
     return out
+
+
+# ----------------------------------------------------------------------------- chunked prefill
+def run_prefill(model, kv_dtype, lengths, chunk, dev, dtype, info, deadline):
+    """Chunked prefill (issue 15, item 4): one prompt of each length in chunks of `chunk` tokens, each
+    an eager `prefill` forward over the cache its predecessors wrote. Per chunk: the time (run twice,
+    the second timed: the first compiles the kernels of a new shape; it rewrites the same KV), the
+    FLOPs the plan's cost model counts (`estimate_cost.bill` at T = chunk, S = prefix + chunk: the
+    GEMMs, MHA-form attention over each token's selected keys, the indexer's scores over every key
+    up to each token: its quadratic part) and that FLOP count at the bf16 matmul rate measured in the
+    run (the roofline); -> rows."""
+    import torch
+    from glmc.passes.estimate_cost import bill
+    from glmc.runtime.worker.forward_batch import ForwardBatch
+    plan = pc.glmc_plan(model, 1, "float32" if dtype == torch.float32 else "bfloat16", kv_dtype=kv_dtype)
+    weights, stacks = pc.glmc_weights(model)
+    n_max, k = max(lengths), model.config.index_topk
+    runner = pc.gpu_runner(plan, weights, dev, 1, n_max + 64, stacks=stacks)
+    table = pc.req_table(1, -(-(n_max + 64) // 64))
+    g, rows = torch.Generator().manual_seed(1), []
+    rate = info["mm_tflops"] * 1e12
+    for n in lengths:
+        toks = torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist()
+        for p in range(0, n, chunk):
+            c = min(chunk, n - p)
+            row = {"kv": kv_dtype, "length": n, "prefix": p, "chunk": c}
+            rows.append(row)
+            if db.now() > deadline:
+                row["failed"] = "skipped: benchmark budget spent"
+                continue
+            batch = ForwardBatch.build("extend", [toks[p:p + c]], [0], [p], table)
+            try:
+                runner.forward("prefill", batch)
+                if dev == "cuda":
+                    torch.cuda.synchronize()
+                t = db.now()
+                runner.forward("prefill", batch)
+                if dev == "cuda":
+                    torch.cuda.synchronize()
+                ms = (db.now() - t) * 1e3
+            except Exception as e:   # reported; the next prompt still runs
+                row.update(fail(e))
+                break
+            flops = bill(plan.graphs["prefill"], {"T": c, "B": 1, "S": p + c, "K": k, "prefill": True},
+                         plan.dtypes)["totals"]["flops"]
+            roof = flops / rate * 1e3
+            row.update(ms=ms, flops=flops, roof_ms=roof, x_roof=ms / roof, tflops=flops / ms / 1e9)
+    return rows
+
+
+def prefill_table(rows):
+    out = ["  kv  length  prefix  chunk   ms     TFLOP  TFLOP/s  roof ms  x roof"]
+    for r in rows:
+        if "ms" not in r:
+            out.append(f"{r['kv']:>4} {r['length']:7d} {r['prefix']:7d} {r['chunk']:6d}  {r.get('failed', '')}")
+            continue
+        out.append(f"{r['kv']:>4} {r['length']:7d} {r['prefix']:7d} {r['chunk']:6d} {r['ms']:7.2f} "
+                   f"{r['flops'] / 1e12:8.2f} {r['tflops']:8.1f} {r['roof_ms']:8.2f} {r['x_roof']:7.2f}")
+    return "\n".join(out)
 
 
 # ----------------------------------------------------------------------------- top-k micro-benchmark
@@ -399,9 +459,14 @@ def main():
     ap.add_argument("--budget", type=float, default=480, help="seconds for the whole run")
     ap.add_argument("--hf-point-s", type=float, default=40, help="time limit of one transformers point")
     ap.add_argument("--skip", default="", help="comma list of: hf, topk")
+    ap.add_argument("--prefill", type=ints, default=[], help="prompt lengths to prefill in chunks (e.g. 8192,32768): "
+                    "instead of the decode points, the chunked prefill table")
+    ap.add_argument("--chunk", type=int, default=8192, help="--prefill's chunk (tokens per forward)")
     args = ap.parse_args()
     if args.cpu:
         os.environ["TRITON_INTERPRET"] = "1"
+        if args.prefill:
+            args.prefill, args.chunk = [n for n in args.prefill if n <= 300] or [200], min(args.chunk, 96)
         if args.contexts == ap.get_default("contexts"):
             args.contexts = [96, 200]
         args.batches = [b for b in args.batches if b <= 2] or [1]
@@ -424,6 +489,17 @@ def main():
                 b.zero_()
     info["model_build_s"], k = db.now() - t0, model.config.index_topk
     budget_end = t0 + args.budget
+    if args.prefill:
+        res["prefill"] = []
+        for kv in args.kv_dtypes.split(","):
+            res["prefill"] += run_prefill(model, kv, args.prefill, args.chunk, dev, dtype, info, budget_end)
+            save()
+        info["total_s"] = db.now() - t0
+        save()
+        print(f"device {info['device']}  bf16 matmul {info['mm_tflops']:.0f} TFLOP/s  total {info['total_s']:.0f} s")
+        print(prefill_table(res["prefill"]))
+        print(f"saved {path}")
+        return
     kv_dtypes = args.kv_dtypes.split(",")
     # budget shares, in priority order: glmc fp8, top-k micro, transformers, glmc bf16
     for i, kv in enumerate(kv_dtypes):
