@@ -1,0 +1,23 @@
+"""`bench/long_context_bench.py --cpu --prefill` (issue 15 item 4's chunked prefill) end to end on the
+narrow slice, Triton interpreted: a prompt longer than one chunk runs as chunks over the cache the
+earlier ones wrote, each with its time, the cost model's FLOPs and the roofline at the run's rate."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_chunked_prefill_table(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "long_context_bench.py"), "--cpu", "--prefill", "200",
+                           "--chunk", "96", "--kv-dtypes", "bf16", "--out-dir", str(tmp_path)],
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    rows = json.loads(next(tmp_path.glob("long_context_bench_*.json")).read_text())["prefill"]
+    assert [(r["prefix"], r["chunk"]) for r in rows] == [(0, 96), (96, 96), (192, 8)]
+    for r in rows:
+        assert r["ms"] > 0 and r["flops"] > 0 and r["x_roof"] == r["ms"] / r["roof_ms"], r
+    # a chunk after a prefix attends (and its indexer scores) more keys than the first one
+    assert rows[1]["flops"] > rows[0]["flops"]
+    assert "x roof" in proc.stdout
