@@ -111,7 +111,8 @@ GEMV_NARROW = (64, 4)
 
 
 def gemv_takes(rows: int, n: int) -> bool:
-    """Whether an [rows, K] x [n, K]^T product runs the gemv kernel (else the narrow GEMM)."""
+    """Whether an [rows, K] x [n, K]^T product runs the gemv kernel (else the router runs the narrow
+    GEMM and weights_proj cuBLAS)."""
     return rows <= (GEMV_ROWS if n >= GEMV_NARROW[0] else GEMV_NARROW[1])
 
 

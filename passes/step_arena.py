@@ -31,7 +31,8 @@ H200_SMS = 132
 
 
 def gemv_takes(rows: int, n: int) -> bool:
-    """cuda_kernels.gemv_takes: whether [rows, K] x [n, K]^T runs the gemv kernel (else narrow_gemm)."""
+    """cuda_kernels.gemv_takes: whether [rows, K] x [n, K]^T runs the gemv kernel (else the router's
+    narrow_gemm, weights_proj's cuBLAS)."""
     return rows <= (GEMV_ROWS if n >= GEMV_NARROW[0] else GEMV_NARROW[1])
 
 
