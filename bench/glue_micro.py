@@ -52,7 +52,7 @@ def main():
     import torch
     from glmc.codegen import triton_moe as tm
     from glmc.codegen import triton_target as tt
-    from glmc.codegen.triton_fp8 import Fp8SplitReduceCtx
+    from glmc.codegen.triton_fp8 import even_splits
     from glmc.codegen.cuda_kernels import TOPK_CHUNK
     from glmc.codegen.triton_render import JIT
     dev = "cuda"
@@ -121,29 +121,19 @@ def main():
             old = (lambda: x.float() @ w.T) if name == "router" else (lambda: cols.copy_(x @ w.T))
             y = tt.narrow_gemm(x, w, out=cols)
             err = float((y.double() - want).abs().max() / want.abs().max())
-            r = {"rows": M, "weight": name, "cublas_us": us(old), "narrow_us": us(lambda: tt.narrow_gemm(x, w, out=cols)),
-                 "splits": tt.narrow_splits(M, w.shape[0], 6144, torch.cuda.get_device_properties(0).multi_processor_count),
-                 "rel_err": err}
             sms = torch.cuda.get_device_properties(0).multi_processor_count
+            r = {"rows": M, "weight": name, "cublas_us": us(old), "narrow_us": us(lambda: tt.narrow_gemm(x, w, out=cols)),
+                 "splits": tt.narrow_splits(M, w.shape[0], 6144, sms), "rel_err": err}
             for bm, bn, bk, warps, stages in narrow_tiles(M, w.shape[0]):
                 ctx = dataclasses.replace(tt.NarrowGemmCtx.make(w.shape[0], 6144, w.dtype), block_m=bm, block_n=bn,
                                           block_k=bk, k_blocks=-(-6144 // bk), n_tiles=-(-w.shape[0] // bn),
                                           num_warps=warps, num_stages=stages)
-                k = JIT(ctx)
                 tiles = -(-M // bm) * ctx.n_tiles
-                for min_blocks in (2, 8):
-                    splits = max(1, min(-(-sms // tiles), ctx.k_blocks // min_blocks, 64))
-                    width = -(-ctx.k_blocks // splits)
-                    splits = -(-ctx.k_blocks // width)
-                    part = torch.empty(splits, M, w.shape[0], device=dev)
-                    red = Fp8SplitReduceCtx.make()
+                for min_blocks in (2, 8):   # the split count narrow_splits' rule gives at this split floor
+                    splits = even_splits(ctx.k_blocks, max(1, min(-(-sms // tiles), ctx.k_blocks // min_blocks, 64)))
 
                     def run():
-                        k[(tiles, splits)](x, x.stride(0), w, cols, cols.stride(0), part, M, splits, width,
-                                           num_warps=warps, num_stages=stages)
-                        if splits > 1:
-                            JIT(red)[(M, -(-w.shape[0] // red.block))](part, cols, cols.stride(0), M, w.shape[0],
-                                                                       splits, w.shape[0], 0, num_warps=red.num_warps)
+                        tt.narrow_gemm(x, w, out=cols, splits=splits, ctx=ctx)
                     try:
                         run()
                         ok = float((cols.double() - want).abs().max() / want.abs().max()) < 1e-2

@@ -85,7 +85,18 @@ def even_splits(k_blocks: int, splits: int) -> int:
 
 
 # ----------------------------------------------------------------------------- contexts
-QUANT_GROUPS_PER_PROGRAM = 8   # fp8_quant_tokens: groups of one row per program (one 2 KB bf16 load)
+QUANT_GROUPS_PER_PROGRAM = 8   # quantisers: 128-column groups of one row per program (one 2 KB bf16 load)
+
+
+def _row_groups(width: int, group: int = BLOCK) -> tuple[int, int]:
+    """A quantised row's groups and how many a program takes: (groups, groups_per_program)."""
+    groups = -(-int(width) // group)
+    return groups, min(QUANT_GROUPS_PER_PROGRAM, next_pow2(groups))
+
+
+def group_grid(rows: int, groups: int, groups_per_program: int) -> tuple:
+    """The grid of a quantiser taking `groups_per_program` of a row's `groups` per program."""
+    return rows, -(-groups // groups_per_program)
 
 
 @dataclass(frozen=True)
@@ -103,11 +114,10 @@ class Fp8QuantTokensCtx:
     def make(cls, k, group=BLOCK):
         if group != next_pow2(group):
             raise ValueError(f"fp8_quant_tokens: the group must be a power of two, got {group}")
-        groups = -(-int(k) // group)
-        return cls(int(k), int(group), groups, min(QUANT_GROUPS_PER_PROGRAM, next_pow2(groups)), 4)
+        return cls(int(k), int(group), *_row_groups(k, group), 4)
 
     def grid(self, rows: int) -> tuple:
-        return rows, -(-self.groups // self.groups_per_program)
+        return group_grid(rows, self.groups, self.groups_per_program)
 
 
 @dataclass(frozen=True)
@@ -170,9 +180,9 @@ class Fp8SplitReduceCtx:
     def make(cls, swiglu_inter: int | None = None, act_dtype: torch.dtype = torch.bfloat16, gapped: bool = False):
         if swiglu_inter is None:
             return cls(512, 4, gapped=bool(gapped))
-        groups = -(-int(swiglu_inter) // BLOCK)
+        groups, per_program = _row_groups(swiglu_inter)
         return cls(BLOCK, 4, True, int(swiglu_inter), _ACT[act_dtype], act_dtype == torch.bfloat16,
-                   groups=groups, groups_per_program=min(QUANT_GROUPS_PER_PROGRAM, next_pow2(groups)))
+                   groups=groups, groups_per_program=per_program)
 
 
 _ACT = {torch.float32: "tl.float32", torch.bfloat16: "tl.bfloat16", torch.float16: "tl.float16"}
@@ -268,8 +278,8 @@ def fp8_swiglu_quant(xq, xs, parts: list, act_dtype=torch.bfloat16, lib: KernelL
     hq = torch.empty(m, inter, dtype=torch.float8_e4m3fn, device=xq.device)
     hs = torch.empty(m, red.groups, dtype=torch.float32, device=xq.device)
     if m:
-        lib(red)[(m, -(-red.groups // red.groups_per_program))](g, u, g.stride(1), g.stride(0), hq, hq.stride(0), hs, hs.stride(0), m, g.shape[0],
-                              num_warps=red.num_warps)
+        lib(red)[group_grid(m, red.groups, red.groups_per_program)](
+            g, u, g.stride(1), g.stride(0), hq, hq.stride(0), hs, hs.stride(0), m, g.shape[0], num_warps=red.num_warps)
     return hq, hs
 
 

@@ -129,20 +129,20 @@ def gemv(x, w, out=None, out_dtype=None, lib: KernelLibrary = JIT):
     return y
 
 
-def narrow_gemm(x, w, out=None, out_dtype=None, lib: KernelLibrary = JIT, splits=None):
+def narrow_gemm(x, w, out=None, out_dtype=None, lib: KernelLibrary = JIT, splits=None, ctx=None):
     """x [M, K] @ w [N, K]^T for a weight of few columns at any M (`NarrowGemmCtx`): one launch, or two
     with K split (`narrow_splits`; the fp32 partials summed in split order by fp8_split_reduce) ->
     [M, N] in `out_dtype` (default x's), or written into `out` (an [M, N] view with unit column
-    stride). No host sync; CUDA-graph capturable."""
-    from glmc.codegen.triton_fp8 import Fp8SplitReduceCtx
+    stride). `splits` and `ctx` (other tiles, for sweeps) override the defaults. No host sync;
+    CUDA-graph capturable."""
+    from glmc.codegen.triton_fp8 import Fp8SplitReduceCtx, even_splits
     x, y = _xw_out("narrow_gemm", x, w, out, out_dtype)
     (m, k), n = x.shape, w.shape[0]
     if not m:
         return y
-    ctx = NarrowGemmCtx.make(n, k, w.dtype)
-    splits = splits or narrow_splits(m, n, k, _num_sms(x.device))
+    ctx = ctx or NarrowGemmCtx.make(n, k, w.dtype)
+    splits = even_splits(ctx.k_blocks, splits or narrow_splits(m, n, k, _num_sms(x.device)))
     width = -(-ctx.k_blocks // splits)
-    splits = -(-ctx.k_blocks // width)
     part = torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if splits > 1 else y
     lib(ctx)[(-(-m // ctx.block_m) * ctx.n_tiles, splits)](x, x.stride(0), w, y, y.stride(0), part, m, splits, width,
                                                            num_warps=ctx.num_warps, num_stages=ctx.num_stages)
