@@ -180,18 +180,13 @@ def sweep_decode(s: Sweep, shapes, ms, grid, splits_grid, until):
     so each config reaches every shape before the budget runs out. Stage 2: split counts for the two
     best tile configs of each case."""
     cases = []
-    for n, k, label in shapes:
-        copies = 1 if s.tiny else max(1, min(256, -(-ROTATE_BYTES // (n * k))))
-        ws, xq, xs = s.operands(max(ms), n, k, copies)
-        for m in ms:
-            moved = ws[0].q.nbytes + ws[0].scale_inv.nbytes + xq[:m].nbytes + xs[:m].nbytes + 2 * m * n
-            base = {"label": label, "N": n, "K": k, "M": m, "bytes": moved, "copies": copies}
-            calls, ref = 2 if s.tiny else max(copies, 20), s.output(ws[0], xq[:m], xs[:m])
-            cases.append((base, ws, xq[:m], xs[:m], calls, ref))
-            row = s.measure(s.decode, base, ws, xq[:m], xs[:m], {}, calls, ref)
-            row["default"] = True   # the baseline
-            if not s.tiny:          # cuBLAS on the same operands, for reference (L2 may hold its one weight)
-                row["scaled_mm"] = scaled_mm_rows(s, base, ws[0], xq[:m], xs[:m], ref)
+    for case in decode_cases(s, shapes, ms):
+        base, ws, xq, xs, calls, ref = case
+        cases.append(case)
+        row = s.measure(s.decode, base, ws, xq, xs, {}, calls, ref)
+        row["default"] = True   # the baseline
+        if not s.tiny:          # cuBLAS on the same operands, for reference (L2 may hold its one weight)
+            row["scaled_mm"] = scaled_mm_rows(s, base, ws[0], xq, xs, ref)
     for t in grid:
         for base, ws, xq, xs, calls, ref in cases:
             if t[0] > max(16, 2 * base["M"]) or is_default(s, base, t):
@@ -215,34 +210,45 @@ def sweep_decode(s: Sweep, shapes, ms, grid, splits_grid, until):
                     s.skipped["decode"] += 1
                     continue
                 s.measure(s.decode, base, ws, xq, xs, tiles, calls, ref)
-    for r in s.decode:
+    set_tbps(s.decode)
+
+
+def decode_cases(s: Sweep, shapes, ms, **mark):
+    """(base row, weight copies, xq, xs, calls, fp32 reference) of each (shape, M), shape by shape: one
+    shape's operands (copies past ROTATE_BYTES, so L2 never holds a weight) serve all its Ms; `mark`
+    goes into every base row."""
+    for n, k, label in shapes:
+        copies = 1 if s.tiny else max(1, min(256, -(-ROTATE_BYTES // (n * k))))
+        ws, xq, xs = s.operands(max(ms), n, k, copies)
+        for m in ms:
+            moved = ws[0].q.nbytes + ws[0].scale_inv.nbytes + xq[:m].nbytes + xs[:m].nbytes + 2 * m * n
+            base = {"label": label, "N": n, "K": k, "M": m, "bytes": moved, "copies": copies, **mark}
+            calls, ref = 2 if s.tiny else max(copies, 20), s.output(ws[0], xq[:m], xs[:m])
+            yield base, ws, xq[:m], xs[:m], calls, ref
+
+
+def set_tbps(rows) -> None:
+    for r in rows:
         r["tbps"] = r.get("us") and r["bytes"] / r["us"] / 1e6
 
 
 def sweep_grid(s: Sweep, shapes, ms, grid, splits_grid, until):
     """Every (shape, M, tiles, splits) of the product, into s.decode (rows marked grid=True): the
     dense table a split rule is chosen from (stage 2 of sweep_decode only splits the two best)."""
-    for n, k, label in shapes:
-        copies = max(1, min(256, -(-ROTATE_BYTES // (n * k))))
-        ws, xq, xs = s.operands(max(ms), n, k, copies)
-        for m in ms:
-            moved = ws[0].q.nbytes + ws[0].scale_inv.nbytes + xq[:m].nbytes + xs[:m].nbytes + 2 * m * n
-            base = {"label": label, "N": n, "K": k, "M": m, "bytes": moved, "copies": copies, "grid": True}
-            calls, ref = max(copies, 20), s.output(ws[0], xq[:m], xs[:m])
-            seen = set()
-            for t in grid:
-                for sp in splits_grid:
-                    tiles = {**tiles_of(t), "splits": sp}
-                    key = (t, config(s, m, n, k, tiles)["splits"])
-                    if key in seen:
-                        continue
-                    seen.add(key)
-                    if not s.left(until):
-                        s.skipped["decode"] += 1
-                        continue
-                    s.measure(s.decode, base, ws, xq[:m], xs[:m], tiles, calls, ref)
-    for r in s.decode:
-        r["tbps"] = r.get("us") and r["bytes"] / r["us"] / 1e6
+    for base, ws, xq, xs, calls, ref in decode_cases(s, shapes, ms, grid=True):
+        seen = set()
+        for t in grid:
+            for sp in splits_grid:
+                tiles = {**tiles_of(t), "splits": sp}
+                key = (t, config(s, base["M"], base["N"], base["K"], tiles)["splits"])
+                if key in seen:
+                    continue
+                seen.add(key)
+                if not s.left(until):
+                    s.skipped["decode"] += 1
+                    continue
+                s.measure(s.decode, base, ws, xq, xs, tiles, calls, ref)
+    set_tbps(s.decode)
 
 
 def scaled_mm_rows(s: Sweep, base, w, xq, xs, ref):
