@@ -199,18 +199,26 @@ def sweep_decode(s: Sweep, shapes, ms, grid, splits_grid, until):
         mine = [r for r in s.decode if r.get("us") and "splits" not in r["tiles"]
                 and (r["N"], r["K"], r["M"]) == (base["N"], base["K"], base["M"])]
         for r in sorted(mine, key=lambda r: r["us"])[:2]:
-            tried = {r["config"]["splits"]}
-            for sp in splits_grid:
-                tiles = {**tiles_of(tile_key(r["config"])), "splits": sp}
-                used = config(s, base["M"], base["N"], base["K"], tiles)["splits"]
-                if used in tried:
-                    continue
-                tried.add(used)
-                if not s.left(until):
-                    s.skipped["decode"] += 1
-                    continue
-                s.measure(s.decode, base, ws, xq, xs, tiles, calls, ref)
+            measure_splits(s, (base, ws, xq, xs, calls, ref), tile_key(r["config"]), splits_grid, until,
+                           tried={r["config"]["splits"]})
     set_tbps(s.decode)
+
+
+def measure_splits(s: Sweep, case, t, splits_grid, until, tried=()) -> None:
+    """Tile config `t` on one (shape, M) case at each split count of splits_grid, each count the launch
+    resolves to (`config`) once and none of `tried`; past the budget, counted as skipped."""
+    base, ws, xq, xs, calls, ref = case
+    tried = set(tried)
+    for sp in splits_grid:
+        tiles = {**tiles_of(t), "splits": sp}
+        used = config(s, base["M"], base["N"], base["K"], tiles)["splits"]
+        if used in tried:
+            continue
+        tried.add(used)
+        if not s.left(until):
+            s.skipped["decode"] += 1
+            continue
+        s.measure(s.decode, base, ws, xq, xs, tiles, calls, ref)
 
 
 def decode_cases(s: Sweep, shapes, ms, **mark):
@@ -235,19 +243,9 @@ def set_tbps(rows) -> None:
 def sweep_grid(s: Sweep, shapes, ms, grid, splits_grid, until):
     """Every (shape, M, tiles, splits) of the product, into s.decode (rows marked grid=True): the
     dense table a split rule is chosen from (stage 2 of sweep_decode only splits the two best)."""
-    for base, ws, xq, xs, calls, ref in decode_cases(s, shapes, ms, grid=True):
-        seen = set()
+    for case in decode_cases(s, shapes, ms, grid=True):
         for t in grid:
-            for sp in splits_grid:
-                tiles = {**tiles_of(t), "splits": sp}
-                key = (t, config(s, base["M"], base["N"], base["K"], tiles)["splits"])
-                if key in seen:
-                    continue
-                seen.add(key)
-                if not s.left(until):
-                    s.skipped["decode"] += 1
-                    continue
-                s.measure(s.decode, base, ws, xq, xs, tiles, calls, ref)
+            measure_splits(s, case, t, splits_grid, until)
     set_tbps(s.decode)
 
 
