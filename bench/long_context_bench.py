@@ -203,14 +203,14 @@ def run_glmc(model, kv_dtype, contexts, batches, dev, dtype, info, deadline, sav
 
 
 # ----------------------------------------------------------------------------- chunked prefill
-def run_prefill(model, kv_dtype, lengths, chunk, dev, dtype, info, deadline):
+def run_prefill(model, kv_dtype, lengths, chunk, dev, dtype, info, deadline, profile=False):
     """Chunked prefill (issue 15, item 4): one prompt of each length in chunks of `chunk` tokens, each
     an eager `prefill` forward over the cache its predecessors wrote. Per chunk: the time (run twice,
     the second timed: the first compiles the kernels of a new shape; it rewrites the same KV), the
     FLOPs the plan's cost model counts (`estimate_cost.bill` at T = chunk, S = prefix + chunk: the
     GEMMs, MHA-form attention over each token's selected keys, the indexer's scores over every key
     up to each token: its quadratic part) and that FLOP count at the bf16 matmul rate measured in the
-    run (the roofline); -> rows."""
+    run (the roofline); with `profile`, the SM clock after it and `op_times` (per op kind); -> rows."""
     import torch
     from glmc.passes.estimate_cost import bill
     from glmc.runtime.worker.forward_batch import ForwardBatch
@@ -243,21 +243,83 @@ def run_prefill(model, kv_dtype, lengths, chunk, dev, dtype, info, deadline):
             except Exception as e:   # reported; the next prompt still runs
                 row.update(fail(e))
                 break
-            flops = bill(plan.graphs["prefill"], {"T": c, "B": 1, "S": p + c, "K": k, "prefill": True},
-                         plan.dtypes)["totals"]["flops"]
+            env = {"T": c, "B": 1, "S": p + c, "K": k, "prefill": True}
+            flops = bill(plan.graphs["prefill"], env, plan.dtypes)["totals"]["flops"]
             roof = flops / rate * 1e3
             row.update(ms=ms, flops=flops, roof_ms=roof, x_roof=ms / roof, tflops=flops / ms / 1e9)
+            if profile:
+                row["sm_clock_mhz"] = sm_clock_mhz()
+                row["ops"] = op_times(runner, batch, plan.graphs["prefill"], env, plan.dtypes, rate)
     return rows
 
 
-def prefill_table(rows):
+def sm_clock_mhz():
+    """The GPU's SM clock now (nvidia-smi), or None: a chunk that runs slower than an equal one
+    earlier may be a lower clock (power), not more work."""
+    import subprocess
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=10).stdout.split()
+        return int(out[0]) if out else None
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return None
+
+
+def op_times(runner, batch, graph, env, dtypes, rate) -> list:
+    """Where one prefill forward's time goes, per op kind: one more eager forward with a CUDA event
+    pair around every op (stream order: an op's pair spans its kernels), summed by kind, next to the
+    FLOPs the cost model counts for those ops and that count at `rate`; -> rows, slowest kind first."""
+    import torch
+    from glmc.passes.costs import op_cost
+    from glmc.passes.estimate_cost import weight_bytes_for
+    wb, cuda = weight_bytes_for(dtypes), torch.cuda.is_available() and runner.r2t.is_cuda
+    flops = {}
+    for op in graph.ops:
+        flops[op.kind] = flops.get(op.kind, 0) + op_cost(op, graph, env, wb).flops
+    marks, impls = [], runner.impls
+
+    def timed(f):
+        def run(op, args, rt):
+            if not cuda:
+                t = time.perf_counter()
+                out = f(op, args, rt)
+                marks.append((op.kind, t, time.perf_counter()))
+                return out
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            out = f(op, args, rt)
+            b.record()
+            marks.append((op.kind, a, b))
+            return out
+        return run
+    runner.impls = {k: timed(f) for k, f in impls.items()}
+    try:
+        runner.forward("prefill", batch)
+    finally:
+        runner.impls = impls
+    if cuda:
+        torch.cuda.synchronize()
+    per = {}
+    for kind, a, b in marks:
+        n, ms = per.get(kind, (0, 0.0))
+        per[kind] = (n + 1, ms + (a.elapsed_time(b) if cuda else (b - a) * 1e3))
+    rows = [{"op": kind, "calls": n, "ms": ms, "flops": flops.get(kind, 0), "roof_ms": flops.get(kind, 0) / rate * 1e3}
+            for kind, (n, ms) in per.items()]
+    return sorted(rows, key=lambda r: -r["ms"])
+
+
+def prefill_table(rows, top_ops=10):
     out = ["  kv  length  prefix  chunk   ms     TFLOP  TFLOP/s  roof ms  x roof"]
     for r in rows:
         if "ms" not in r:
             out.append(f"{r['kv']:>4} {r['length']:7d} {r['prefix']:7d} {r['chunk']:6d}  {r.get('failed', '')}")
             continue
         out.append(f"{r['kv']:>4} {r['length']:7d} {r['prefix']:7d} {r['chunk']:6d} {r['ms']:7.2f} "
-                   f"{r['flops'] / 1e12:8.2f} {r['tflops']:8.1f} {r['roof_ms']:8.2f} {r['x_roof']:7.2f}")
+                   f"{r['flops'] / 1e12:8.2f} {r['tflops']:8.1f} {r['roof_ms']:8.2f} {r['x_roof']:7.2f}"
+                   + (f"  SM {r['sm_clock_mhz']} MHz" if r.get("sm_clock_mhz") else ""))
+        for o in r.get("ops", [])[:top_ops]:
+            out.append(f"        {o['op']:24s} {o['calls']:4d} calls {o['ms']:8.2f} ms  roof {o['roof_ms']:7.2f} ms"
+                       + (f"  x{o['ms'] / o['roof_ms']:.1f}" if o["roof_ms"] else ""))
     return "\n".join(out)
 
 
@@ -462,6 +524,8 @@ def main():
     ap.add_argument("--prefill", type=ints, default=[], help="prompt lengths to prefill in chunks (e.g. 8192,32768): "
                     "instead of the decode points, the chunked prefill table")
     ap.add_argument("--chunk", type=int, default=8192, help="--prefill's chunk (tokens per forward)")
+    ap.add_argument("--profile", action="store_true", help="--prefill: per chunk, each op kind's time (one more "
+                    "forward with CUDA events around every op) and the SM clock")
     args = ap.parse_args()
     if args.cpu:
         os.environ["TRITON_INTERPRET"] = "1"
@@ -492,7 +556,8 @@ def main():
     if args.prefill:
         res["prefill"] = []
         for kv in args.kv_dtypes.split(","):
-            res["prefill"] += run_prefill(model, kv, args.prefill, args.chunk, dev, dtype, info, budget_end)
+            res["prefill"] += run_prefill(model, kv, args.prefill, args.chunk, dev, dtype, info, budget_end,
+                                          args.profile)
             save()
         info["total_s"] = db.now() - t0
         save()

@@ -1,6 +1,7 @@
 """`bench/long_context_bench.py --cpu --prefill` (issue 15 item 4's chunked prefill) end to end on the
 narrow slice, Triton interpreted: a prompt longer than one chunk runs as chunks over the cache the
-earlier ones wrote, each with its time, the cost model's FLOPs and the roofline at the run's rate."""
+earlier ones wrote, each with its time, the cost model's FLOPs and the roofline at the run's rate,
+and (--profile) each op kind's time and FLOPs."""
 import json
 import subprocess
 import sys
@@ -11,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_chunked_prefill_table(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "long_context_bench.py"), "--cpu", "--prefill", "200",
-                           "--chunk", "96", "--kv-dtypes", "bf16", "--out-dir", str(tmp_path)],
+                           "--chunk", "96", "--kv-dtypes", "bf16", "--profile", "--out-dir", str(tmp_path)],
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     rows = json.loads(next(tmp_path.glob("long_context_bench_*.json")).read_text())["prefill"]
@@ -21,3 +22,10 @@ def test_chunked_prefill_table(tmp_path):
     # a chunk after a prefix attends (and its indexer scores) more keys than the first one
     assert rows[1]["flops"] > rows[0]["flops"]
     assert "x roof" in proc.stdout
+    # --profile: every op kind of the prefill graph timed, its FLOPs the chunk's, split by kind
+    for r in rows:
+        ops = {o["op"]: o for o in r["ops"]}
+        assert {"attn.mla_mha", "idx.topk", "moe.experts"} <= set(ops), sorted(ops)
+        assert all(o["ms"] > 0 and o["calls"] >= 1 for o in ops.values())
+        assert abs(sum(o["flops"] for o in ops.values()) - r["flops"]) <= 1e-9 * r["flops"]
+    assert "calls" in proc.stdout
