@@ -203,14 +203,15 @@ def run_glmc(model, kv_dtype, contexts, batches, dev, dtype, info, deadline, sav
 
 
 # ----------------------------------------------------------------------------- chunked prefill
-def run_prefill(model, kv_dtype, lengths, chunk, dev, dtype, info, deadline, profile=False):
+def run_prefill(model, kv_dtype, lengths, chunk, dev, dtype, info, deadline, profile=False, indexer_tiles=()):
     """Chunked prefill (issue 15, item 4): one prompt of each length in chunks of `chunk` tokens, each
     an eager `prefill` forward over the cache its predecessors wrote. Per chunk: the time (run twice,
     the second timed: the first compiles the kernels of a new shape; it rewrites the same KV), the
     FLOPs the plan's cost model counts (`estimate_cost.bill` at T = chunk, S = prefix + chunk: the
     GEMMs, MHA-form attention over each token's selected keys, the indexer's scores over every key
     up to each token: its quadratic part) and that FLOP count at the bf16 matmul rate measured in the
-    run (the roofline); with `profile`, the SM clock after it and `op_times` (per op kind); -> rows."""
+    run (the roofline); with `profile`, the SM clock after it and `op_times` (per op kind); with
+    `indexer_tiles`, the longest prompt's last chunk also gets `indexer_tiles_micro`; -> rows."""
     import torch
     from glmc.passes.estimate_cost import bill
     from glmc.runtime.worker.forward_batch import ForwardBatch
@@ -250,7 +251,46 @@ def run_prefill(model, kv_dtype, lengths, chunk, dev, dtype, info, deadline, pro
             if profile:
                 row["sm_clock_mhz"] = sm_clock_mhz()
                 row["ops"] = op_times(runner, batch, plan.graphs["prefill"], env, plan.dtypes, rate)
+            if indexer_tiles and p + c == n == n_max:   # the longest prompt's last chunk
+                row["indexer_tiles"] = indexer_tiles_micro(runner, batch, indexer_tiles)
     return rows
+
+
+def indexer_tiles_micro(runner, batch, tiles) -> list:
+    """The indexer scores of `batch`'s tokens over the first full layer's cache (as the prefill just
+    wrote it), per-token kernel and the token-block kernel at each of `tiles` ("block_m:block_n:warps:
+    stages"): time (graph replays) and the largest difference from the per-token scores."""
+    import torch
+    from glmc.codegen import triton_target as tt
+    rt_calls, impls = [], runner.impls
+    runner.impls = {k: (lambda f: lambda op, a, rt: rt_calls.append((op, a, rt)) or f(op, a, rt))(f)
+                    for k, f in impls.items()}
+    try:
+        runner.forward("prefill", batch)
+    finally:
+        runner.impls = impls
+    op, (q, w, layer), rt = next(c for c in rt_calls if c[0].kind == "idx.topk")
+    heads = int(op.attr("heads"))
+
+    def scores(tiled):
+        return tt.indexer_scores(q, w, rt.pool.index_k[layer], rt.r2t, rt.rows, rt.pos, rt.max_len,
+                                 lib=tt.JIT, w_scale=heads ** -0.5, tiled=tiled)   # tiles not in the plan
+    want = scores(False)
+    fin = torch.isfinite(want)
+    out = [{"tiles": "per token", "us": db.bench_ms(lambda: scores(False)) * 1e3}]
+    for t in tiles:
+        bm, bn, w_, st = (int(x) for x in t.split(":"))
+        cfg = dict(block_m=bm, block_n=bn, num_warps=w_, num_stages=st)
+        r = {"tiles": cfg}
+        try:
+            got = scores(cfg)
+            r["max_rel_diff"] = float(((got - want)[fin]).abs().max() / want[fin].abs().max())
+            r["same_inf"] = bool(torch.equal(torch.isinf(got), torch.isinf(want)))
+            r["us"] = db.bench_ms(lambda: scores(cfg)) * 1e3
+        except Exception as e:   # out of resources etc.
+            r.update(fail(e))
+        out.append(r)
+    return out
 
 
 def sm_clock_mhz():
@@ -317,6 +357,10 @@ def prefill_table(rows, top_ops=10):
         out.append(f"{r['kv']:>4} {r['length']:7d} {r['prefix']:7d} {r['chunk']:6d} {r['ms']:7.2f} "
                    f"{r['flops'] / 1e12:8.2f} {r['tflops']:8.1f} {r['roof_ms']:8.2f} {r['x_roof']:7.2f}"
                    + (f"  SM {r['sm_clock_mhz']} MHz" if r.get("sm_clock_mhz") else ""))
+        for o in r.get("indexer_tiles", []):
+            out.append(f"        indexer scores {str(o['tiles']):60s} {o.get('us', 0):9.1f} us"
+                       + (f"  diff {o['max_rel_diff']:.1e} same -inf {o['same_inf']}" if "max_rel_diff" in o else "")
+                       + f" {o.get('failed', '')}")
         for o in r.get("ops", [])[:top_ops]:
             out.append(f"        {o['op']:24s} {o['calls']:4d} calls {o['ms']:8.2f} ms  roof {o['roof_ms']:7.2f} ms"
                        + (f"  x{o['ms'] / o['roof_ms']:.1f}" if o["roof_ms"] else ""))
@@ -524,6 +568,9 @@ def main():
     ap.add_argument("--prefill", type=ints, default=[], help="prompt lengths to prefill in chunks (e.g. 8192,32768): "
                     "instead of the decode points, the chunked prefill table")
     ap.add_argument("--chunk", type=int, default=8192, help="--prefill's chunk (tokens per forward)")
+    ap.add_argument("--indexer-tiles", default="", help="--prefill: the indexer's token-block kernel at these "
+                    "block_m:block_n:warps:stages (comma list) on the longest prompt's last chunk, next to the "
+                    "per-token kernel")
     ap.add_argument("--profile", action="store_true", help="--prefill: per chunk, each op kind's time (one more "
                     "forward with CUDA events around every op) and the SM clock")
     args = ap.parse_args()
@@ -557,7 +604,7 @@ def main():
         res["prefill"] = []
         for kv in args.kv_dtypes.split(","):
             res["prefill"] += run_prefill(model, kv, args.prefill, args.chunk, dev, dtype, info, budget_end,
-                                          args.profile)
+                                          args.profile, [t for t in args.indexer_tiles.split(",") if t])
             save()
         info["total_s"] = db.now() - t0
         save()

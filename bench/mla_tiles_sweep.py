@@ -14,6 +14,8 @@ stages) is fastest, against the plan's default (`SparseMlaDecodeCtx.make`).
     python bench/mla_tiles_sweep.py --out-dir $OUT --parts --tokens 1,128 --contexts 1024,2048
         # the latent output in v_parts 1/2/4 column parts per head block (a smaller accumulator, fewer
         # spills) x head-major tiles x stages, FP8 rows scaled per tile and bf16; at T < 32 also split counts
+    python bench/mla_tiles_sweep.py --out-dir $OUT --tokens 128,8192 --tiles 0:32:64:8:2,1:32:64:8:2
+        # the given tiles (key_major:block_h:block_n:warps:stages), FP8 rows scaled per tile and bf16
 
 Each row records the compiled binary's registers and spills (Triton's n_regs / n_spills).
 """
@@ -40,6 +42,7 @@ def main():
     ap.add_argument("--parts", action="store_true", help="v_parts 1/2/4 x head-major tiles, FP8 and bf16")
     ap.add_argument("--splits", action="store_true", help="the default tiles x split counts 1 .. 16 (kernel + combine)")
     ap.add_argument("--contexts", default="2048", help="token positions + 1 (2048 and up: all k keys)")
+    ap.add_argument("--tiles", default="", help="comma list of key_major:block_h:block_n:warps:stages to measure")
     a = ap.parse_args()
     pc.import_glmc()
     import torch
@@ -68,7 +71,11 @@ def main():
                 return tt.sparse_mla_latent(q_lat, q_pe, cache, r2t, rows, pos, topk, 0.07, slots=slots, **tiles)
             want = run().float()
             combos = [(None,) * 5]
-            if a.splits:
+            if a.tiles:
+                combos += [dict(key_major=bool(km), block_h=bh, block_n=bn, num_warps=w, num_stages=st,
+                                **({"dequant": True} if kv == "fp8" else {}))
+                           for km, bh, bn, w, st in (map(int, t.split(":")) for t in a.tiles.split(","))]
+            elif a.splits:
                 combos += [dict(num_splits=ns) for ns in (1, 2, 3, 4, 6, 8, 12, 16)]
             elif a.parts:
                 combos += [dict(t, **({"dequant": True} if kv == "fp8" else {})) for t in _parts_tiles(T)]

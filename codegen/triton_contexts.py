@@ -5,7 +5,7 @@ substitutes (``{{ value }}``) or branches on (``{% if flag %}``); ``make`` deriv
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import torch
@@ -235,7 +235,8 @@ class QkvNormRopeWriteCtx:
 
 @dataclass(frozen=True)
 class IndexerScoresCtx:
-    """indexer_scores.py.j2: one (token, key block) per program, heads padded to a dot tile."""
+    """indexer_scores.py.j2: one (token, key block) per program, heads padded to a dot tile; or
+    (`block_m` > 1, prefill) one (block of a request's tokens, key block) per program, a dot per head."""
     template: ClassVar[str] = "indexer_scores"
     num_heads: int
     index_dim: int
@@ -248,6 +249,8 @@ class IndexerScoresCtx:
     fp8: bool = False   # keys from the FP8 page layout, dequantised in registers
     page: int = KV_PAGE
     w_scale: float = 1.0   # multiplies the head weights as loaded (the plan's: num_heads ** -0.5)
+    block_m: int = 1       # tokens per program: 1, or a prefill token block sharing its key tile
+    num_stages: int = 2
 
     @classmethod
     def make(cls, num_heads, index_dim, dtype, block_n=None, fp8=False, w_scale=1.0):
@@ -255,6 +258,15 @@ class IndexerScoresCtx:
         block_n = block_n or 64
         return cls(num_heads, index_dim, index_dim ** -0.5, max(16, next_pow2(num_heads)), block_n,
                    dot_dtype, precision, 4, bool(fp8), KV_PAGE, float(w_scale))
+
+    @classmethod
+    def make_tiled(cls, num_heads, index_dim, dtype, fp8=False, w_scale=1.0, block_m=None, block_n=None,
+                   num_warps=None, num_stages=None):
+        """The prefill kernel: {block_m} tokens x {block_n} keys per program (defaults 64 x 256, 8 warps,
+        2 stages: each key read once per 64 tokens, each head's q tile once per 256 keys)."""
+        base = cls.make(num_heads, index_dim, dtype, fp8=fp8, w_scale=w_scale)
+        return replace(base, block_m=block_m or 64, block_n=block_n or 256, num_warps=num_warps or 8,
+                                   num_stages=num_stages or 2)
 
 
 

@@ -263,21 +263,30 @@ def indexer_topk(q_idx, weights, index_cache, req_to_token, rows, pos, topk, max
 
 
 def indexer_scores(q_idx, weights, k_cache, req_to_token, rows, pos, max_len, block_n=None,
-                   lib: KernelLibrary = JIT, w_scale=1.0):
+                   lib: KernelLibrary = JIT, w_scale=1.0, tiled=False):
     """[T, >= max_len] fp32 index scores of every key position (-inf after the token's own position),
     with head weights `weights` x w_scale (fp32, in the kernel: the plan's raw weights_proj output
     and w_scale = heads ** -0.5 give torch_ref's pre-scaled weights to the bit).
+    `tiled` (prefill: runs of consecutive tokens of one request): the token-block kernel
+    (`IndexerScoresCtx.make_tiled`), which reads each key once per token block, not once per token;
+    any token order stays correct (a block's tokens of other requests are scored one by one), the
+    same scores up to the order of the sum over heads.
     Graph-safe: no host sync; max_len (>= every seq_len) fixes the workspace shape."""
     T, Hi, Di = q_idx.shape
     fp8 = k_cache.dtype == torch.uint8
-    ctx = IndexerScoresCtx.make(Hi, Di, q_idx.dtype if fp8 else k_cache.dtype, block_n, fp8, w_scale)
+    dtype = q_idx.dtype if fp8 else k_cache.dtype
+    ctx = IndexerScoresCtx.make(Hi, Di, dtype, block_n, fp8, w_scale)
     weights = weights if weights.stride(-1) == 1 else weights.contiguous()
     width = -(-max_len // ctx.block_n) * ctx.block_n
     scores = torch.empty(T, width, dtype=torch.float32, device=q_idx.device)
-    if T:
-        lib(ctx)[(T, width // ctx.block_n)](
-            q_idx, q_idx.stride(0), q_idx.stride(1), weights, weights.stride(0), *_index_args(k_cache, Di),
-            req_to_token, req_to_token.stride(0), rows, pos, scores, scores.stride(0), num_warps=ctx.num_warps)
+    args = (q_idx, q_idx.stride(0), q_idx.stride(1), weights, weights.stride(0), *_index_args(k_cache, Di),
+            req_to_token, req_to_token.stride(0), rows, pos, scores, scores.stride(0))
+    if T and tiled:   # True, or make_tiled's tile overrides (benchmarks)
+        ctx = IndexerScoresCtx.make_tiled(Hi, Di, dtype, fp8, w_scale, **(tiled if isinstance(tiled, dict) else {}))
+        lib(ctx)[(-(-T // ctx.block_m), -(-width // ctx.block_n))](*args, T, width, num_warps=ctx.num_warps,
+                                                                  num_stages=ctx.num_stages)
+    elif T:
+        lib(ctx)[(T, width // ctx.block_n)](*args, num_warps=ctx.num_warps)
     return scores
 
 

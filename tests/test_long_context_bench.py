@@ -12,7 +12,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_chunked_prefill_table(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "long_context_bench.py"), "--cpu", "--prefill", "200",
-                           "--chunk", "96", "--kv-dtypes", "bf16", "--profile", "--out-dir", str(tmp_path)],
+                           "--chunk", "96", "--kv-dtypes", "bf16", "--profile", "--indexer-tiles", "16:32:4:1",
+                           "--out-dir", str(tmp_path)],
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     rows = json.loads(next(tmp_path.glob("long_context_bench_*.json")).read_text())["prefill"]
@@ -29,3 +30,7 @@ def test_chunked_prefill_table(tmp_path):
         assert all(o["ms"] > 0 and o["calls"] >= 1 for o in ops.values())
         assert abs(sum(o["flops"] for o in ops.values()) - r["flops"]) <= 1e-9 * r["flops"]
     assert "calls" in proc.stdout
+    # --indexer-tiles: the token-block kernel on the last chunk, the per-token kernel's scores
+    per_token, tiled = rows[-1]["indexer_tiles"]
+    assert per_token["us"] > 0 and tiled["us"] > 0 and tiled["same_inf"] and tiled["max_rel_diff"] < 1e-5, tiled
+    assert "indexer_tiles" not in rows[0]

@@ -249,6 +249,28 @@ def _same_selection(got, want, batch):
         assert torch.equal(g.sort().values, r.sort().values), (t, g, r)
 
 
+@pytest.mark.parametrize("kv_format", ["native", "fp8"])
+@pytest.mark.parametrize("prefix,extend", [([0, 21, 2], [19, 3, 1]), ([0, 5], [70, 30])])
+def test_indexer_scores_token_blocks(prefix, extend, kv_format):
+    """The prefill kernel (64-token blocks sharing each key tile) gives the per-token kernel's scores
+    (up to the order of the sum over heads), also in blocks that straddle requests (their other
+    requests' tokens are scored one by one) and past the last token; bf16 and FP8 key caches."""
+    pool = KVPool(2, {0}, num_pages=4, kv_lora_rank=R, qk_rope_head_dim=DR, index_head_dim=DI,
+                  kv_format="fp8" if kv_format == "fp8" else "native", dtype=torch.float32)
+    loc = torch.arange(pool.num_slots)
+    pool.write_index_k(0, loc, torch.randn(pool.num_slots, DI))
+    batch = make_batch("extend", prefix, extend, pool.num_slots, max_ctx=128)
+    q, w = _indexer_inputs(batch)
+    rows, pos = tt.token_rows(batch, q.device)
+    width = int(batch.seq_lens.max())
+    args = (q, w, pool.index_k[0], batch.req_to_token, rows, pos, width)
+    want = tt.indexer_scores(*args, w_scale=0.5)
+    got = tt.indexer_scores(*args, w_scale=0.5, tiled=True)
+    assert got.shape == want.shape and int(got.shape[1]) >= width
+    assert torch.equal(torch.isinf(got), torch.isinf(want))       # -inf exactly after each token's position
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_indexer_topk_ties_go_to_the_lowest_positions():
     """Every index score ReLU'd to 0 (q = 0): each token keeps its first min(k, pos + 1) positions,
     in torch_ref and in the Triton kernels alike, whatever the row length."""
