@@ -290,7 +290,22 @@ def indexer_tiles_micro(runner, batch, tiles) -> list:
         except Exception as e:   # out of resources etc.
             r.update(fail(e))
         out.append(r)
-    return out
+    # the top-k select of the same rows: the plan's (split radix select past TOPK_CHUNK) against one
+    # program per row holding the whole row in registers (chunk = the row's width) at several warps
+    from glmc.codegen.cuda_kernels import TOPK_CHUNK
+    k, lens = int(op.attr("k")), rt.pos + 1
+    base = tt.topk_select(want, lens, k, TOPK_CHUNK)
+    sel = [{"select": f"chunk {TOPK_CHUNK}", "us": db.bench_ms(lambda: tt.topk_select(want, lens, k, TOPK_CHUNK)) * 1e3}]
+    chunk = 1 << (int(want.shape[1]) - 1).bit_length()
+    for w_ in (8, 16, 32):
+        r = {"select": f"chunk {chunk} warps {w_}"}
+        try:
+            r["same"] = bool(torch.equal(tt.topk_select(want, lens, k, chunk, num_warps=w_), base))
+            r["us"] = db.bench_ms(lambda: tt.topk_select(want, lens, k, chunk, num_warps=w_)) * 1e3
+        except Exception as e:   # out of resources etc.
+            r.update(fail(e))
+        sel.append(r)
+    return out + sel
 
 
 def sm_clock_mhz():
@@ -358,7 +373,8 @@ def prefill_table(rows, top_ops=10):
                    f"{r['flops'] / 1e12:8.2f} {r['tflops']:8.1f} {r['roof_ms']:8.2f} {r['x_roof']:7.2f}"
                    + (f"  SM {r['sm_clock_mhz']} MHz" if r.get("sm_clock_mhz") else ""))
         for o in r.get("indexer_tiles", []):
-            out.append(f"        indexer scores {str(o['tiles']):60s} {o.get('us', 0):9.1f} us"
+            out.append(f"        indexer {str(o.get('tiles', o.get('select'))):60s} {o.get('us', 0):9.1f} us"
+                       + (f"  same {o['same']}" if "same" in o else "")
                        + (f"  diff {o['max_rel_diff']:.1e} same -inf {o['same_inf']}" if "max_rel_diff" in o else "")
                        + f" {o.get('failed', '')}")
         for o in r.get("ops", [])[:top_ops]:

@@ -262,11 +262,14 @@ class IndexerScoresCtx:
     @classmethod
     def make_tiled(cls, num_heads, index_dim, dtype, fp8=False, w_scale=1.0, block_m=None, block_n=None,
                    num_warps=None, num_stages=None):
-        """The prefill kernel: {block_m} tokens x {block_n} keys per program (defaults 64 x 256, 8 warps,
-        2 stages: each key read once per 64 tokens, each head's q tile once per 256 keys)."""
+        """The prefill kernel: block_m tokens x block_n keys per program. Defaults 64 x 256, 8 warps, 3
+        stages: each key read once per 64 tokens, each head's q tile once per 256 keys. Measured on an
+        H200 (8192 tokens over 32K FP8 keys, GLM-5.3's 32 x 128 indexer, 2026-12-04): 4.52 ms; 2 stages
+        5.69, 64 x 128 8.63, 128 x 128 6.17, 128 x 256 6.50, 32 x 256 at 4 warps 7.95; the per-token
+        kernel 16.6."""
         base = cls.make(num_heads, index_dim, dtype, fp8=fp8, w_scale=w_scale)
         return replace(base, block_m=block_m or 64, block_n=block_n or 256, num_warps=num_warps or 8,
-                                   num_stages=num_stages or 2)
+                       num_stages=num_stages or 3)
 
 
 

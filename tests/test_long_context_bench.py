@@ -31,6 +31,7 @@ def test_chunked_prefill_table(tmp_path):
         assert abs(sum(o["flops"] for o in ops.values()) - r["flops"]) <= 1e-9 * r["flops"]
     assert "calls" in proc.stdout
     # --indexer-tiles: the token-block kernel on the last chunk, the per-token kernel's scores
-    per_token, tiled = rows[-1]["indexer_tiles"]
+    per_token, tiled, *select = rows[-1]["indexer_tiles"]
     assert per_token["us"] > 0 and tiled["us"] > 0 and tiled["same_inf"] and tiled["max_rel_diff"] < 1e-5, tiled
+    assert select[0]["us"] > 0 and all(s["same"] for s in select[1:]), select   # same top-k, whole-row programs
     assert "indexer_tiles" not in rows[0]
