@@ -55,6 +55,8 @@ class CudaStepContext(StepContext, Protocol):
     r2t: torch.Tensor                # the device req_to_token table
     max_len: int                     # static workspace width, >= every seq_len of the step
     last_rows: torch.Tensor | None   # prefill: each request's last token
+    token_runs: bool                 # eager prefill, >= 64 tokens per request on average: run lengths
+                                     # that let a request's consecutive tokens share key tiles
     moe_tiles: dict                  # MoE kernel tile overrides (benchmarks sweep them)
     kernels: Any                     # the plan's KernelLibrary: `kernels(ctx)` -> @triton.jit function
     memo: dict                       # (value, what): made from an IR value once per step, dropped with it

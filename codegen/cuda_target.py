@@ -257,15 +257,15 @@ def _qkv_fused(op, args, ctx: CudaStepContext):
 
 @impl("idx.topk")
 def _topk(op, args, ctx: CudaStepContext):
-    """Indexer scores over the paged K cache into a [T, max_len] workspace (prefill: the token-block
-    kernel), then exact top-k. The
+    """Indexer scores over the paged K cache into a [T, max_len] workspace (an eager prefill of long
+    runs of tokens per request: the token-block kernel), then exact top-k. The
     value is the selected keys' KV slots (int32 [T, k], -1 padded), which the select kernel writes
     instead of the positions: this target's only readers of a top-k are the attention ops, which
     read KV rows by slot (the torch target's value is the positions; the IR's type is the same)."""
     q, w, layer = args
     scores = tt.indexer_scores(q, w, ctx.pool.index_k[layer], ctx.r2t, ctx.rows, ctx.pos, ctx.max_len,
                                lib=ctx.kernels, w_scale=ref.index_head_scale(op),
-                               tiled=ctx.last_rows is not None)   # prefill: token blocks share keys
+                               tiled=ctx.token_runs)   # long prefill runs: token blocks share keys
     return tt.topk_select(scores, ctx.lens, int(op.attr("k")), TOPK_CHUNK, ctx.kernels,
                           slots_of=(ctx.r2t, ctx.rows))
 

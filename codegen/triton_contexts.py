@@ -360,7 +360,7 @@ class SparseMlaDecodeCtx:
         # 60.6). bf16 rows, >= 32 tokens: 64 x 32 at 8 warps, 2 stages (90.6 vs 103.2; 270.0 vs 318.3);
         # fewer: 16 x 32 at 4 warps, 2 stages (unchanged, best at 1 and 8 tokens).
         # Sweep of 2026-12-02 (session 13, bench/results/h200_2026-12-02_s13/mla_tiles_sweep_parts.json):
-        # bf16 rows from 32 tokens: 32 x 64 at 4 warps, 2 stages (128 tokens 134.1 vs 158.1 us at 1K,
+        # bf16 rows from 32 tokens: 32 x 64 at 4 warps (replaced on 2026-12-04, below), 2 stages (128 tokens 134.1 vs 158.1 us at 1K,
         # 232.6 vs 270.4 at 2K, spilling 30 registers and still faster); FP8 rows at fewer tokens: the
         # latent output in 2 parts (v_parts, 219 registers, no spills: 1 token 11.8 vs 12.1 us at 1K, 15.9 vs
         # 16.5 at 2K). More parts, or parts at 128 tokens, lose: every part recomputes the scores.
@@ -368,9 +368,15 @@ class SparseMlaDecodeCtx:
         dequant = kv_fp8 if dequant is None else dequant
         if kv_fp8 and wide:
             dot16 = True if dot16 is None else dot16
+        # Sweep of 2026-12-04 (bench/results/h200_2026-12-04_s19/mla_tiles_sweep_*.json): bf16 rows from 32
+        # tokens also take 64 x 64 at 8 warps (all 64 heads in one program: Hopper's wgmma, not mma.sync):
+        # 32 / 128 / 8192 tokens at 2K 60.4 / 194.0 / 11646 us against 69.5 / 209.5 / 12311 for 32 x 64 at
+        # 4 warps. Key-major 64 x 128 (its scores dot 64 keys per warp group, where head-major computes the
+        # [64 heads, keys] scores in both warp groups alike: Triton's layout for a chained dot) lost at
+        # every count (74.6 / 227.1 / 13181; FP8 rows 143.9 at 32 tokens), spilling more.
         if wide:
-            block_h, block_n = block_h or (64 if kv_fp8 else 32), block_n or 64
-            num_warps, num_stages = num_warps or (8 if kv_fp8 else 4), num_stages or 2
+            block_h, block_n = block_h or 64, block_n or 64
+            num_warps, num_stages = num_warps or 8, num_stages or 2
         else:
             block_h, block_n = block_h or 16, block_n or 32
             num_warps, num_stages = num_warps or 4, num_stages or (1 if kv_fp8 else 2)

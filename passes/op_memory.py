@@ -299,10 +299,10 @@ def mla_splits(T: int, H: int, R: int, topk: int | None, s: Step) -> int:
     """SparseMlaDecodeCtx.make's head block, output parts and warps for T tokens, then mla_num_splits
     at the target's SMs."""
     wide = T >= 32 and H >= 64
-    block_h = (64 if s.t.kv_fp8 else 32) if wide else 16
+    block_h = 64 if wide else 16
     block_n = 64 if wide else 32
     v_parts = 2 if s.t.kv_fp8 and not wide and R >= 2 * FP8_BLOCK else 1   # triton_contexts.mla_v_parts
-    num_warps = 8 if wide and s.t.kv_fp8 else 4
+    num_warps = 8 if wide else 4
     num_keys = topk if topk is not None else s.t.max_len
     programs = T * -(-H // block_h) * v_parts
     fit = max(1, MLA_WARPS_PER_SM * s.t.num_sms // (programs * num_warps))

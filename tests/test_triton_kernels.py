@@ -352,8 +352,8 @@ def test_source_is_specialised_for_glm53(tmp_path):
           "num_keys = tl.minimum(qpos + 1, 2048)",
           "+ 512 + dr", "tl.bfloat16", "* 0.09016844005556021", absent=("num_keys = qpos + 1",))
     wide = tt.SparseMlaDecodeCtx.make(64, 512, 64, 2048, 1 / 16, torch.bfloat16, 128)
-    assert (wide.key_major, wide.block_h, wide.block_n, wide.num_warps, wide.num_stages) == (False, 32, 64, 4, 2)
-    check(tt.render("sparse_mla_decode", wide), "tl.zeros([32, 512]", "tl.dot(q0, tl.trans(ckv0)",
+    assert (wide.key_major, wide.block_h, wide.block_n, wide.num_warps, wide.num_stages) == (False, 64, 64, 8, 2)
+    check(tt.render("sparse_mla_decode", wide), "tl.zeros([64, 512]", "tl.dot(q0, tl.trans(ckv0)",
           "tl.dot(p.to(tl.bfloat16), ckv0", absent=("q1", "sc0", "tl.trans(q0)"))
     fp8 = tt.SparseMlaDecodeCtx.make(64, 512, 64, 2048, 1 / 16, torch.bfloat16, 32, kv_fp8=True)
     assert (fp8.dequant, fp8.block_h, fp8.block_n, fp8.dot_dtype) == (True, 64, 64, "tl.float16")

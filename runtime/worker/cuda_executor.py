@@ -61,6 +61,11 @@ PREFILL_GRAPH_TOKENS = (16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048, 3
 # The graphs' attention and indexer read up to this many positions per token whatever the step's
 # longest sequence (a graph's shapes are fixed), so a step with a longer sequence runs eagerly.
 PREFILL_GRAPH_MAX_LEN = 4096
+# An eager prefill step whose requests average at least this many tokens scores its indexer keys
+# with the token-block kernel (a key tile shared by a request's 64 consecutive tokens); a block of
+# many short requests would score most of its tokens one by one in a single program there. Graphs
+# (steps of any mix, captured once) keep the per-token kernel.
+TOKEN_RUN = 64
 
 
 def prefill_buckets(max_batch_tokens: int) -> list[int]:
@@ -79,6 +84,7 @@ class GpuStep(Step):
     r2t: torch.Tensor = None
     max_len: int = 0
     last_rows: torch.Tensor | None = None
+    token_runs: bool = False   # prefill whose requests average >= TOKEN_RUN tokens (indexer_scores' tiled)
     moe_tiles: dict = field(default_factory=dict)
     kernels: KernelLibrary = None
 
@@ -140,10 +146,10 @@ class GpuRunner(PlanExecutor):
         return self._derived[key]
 
     # ------------------------------------------------------------------ one step over device tensors
-    def _step(self, graph, batch, ids, pos, lens, loc, rows, max_len, last_rows=None) -> GpuStep:
+    def _step(self, graph, batch, ids, pos, lens, loc, rows, max_len, last_rows=None, token_runs=False) -> GpuStep:
         return GpuStep(self, graph, batch, {"input_ids": ids, "positions": pos}, loc, rows=rows, pos=pos,
-                       lens=lens, r2t=self.r2t, max_len=max_len, last_rows=last_rows, moe_tiles=self.moe_tiles,
-                       kernels=self.kernels)
+                       lens=lens, r2t=self.r2t, max_len=max_len, last_rows=last_rows, token_runs=token_runs,
+                       moe_tiles=self.moe_tiles, kernels=self.kernels)
 
     def _outputs(self, graph, values) -> dict:
         logits, hidden, ids = (values[v] for v in graph.step_outputs())
@@ -213,15 +219,17 @@ class GpuRunner(PlanExecutor):
             return self._replay(bucket, batch, self.prefill_captured[bucket])
         ids, pos, loc, rows = to_device(self._host_vectors(batch, size), self.r2t.device)
         last = to_device(self._last_tokens(batch, B), self.r2t.device)
-        return self._prefill_body(ids, pos, loc, rows, last, longest)
+        return self._prefill_body(ids, pos, loc, rows, last, longest,
+                                  token_runs=batch.num_tokens >= TOKEN_RUN * B)
 
-    def _prefill_body(self, ids, pos, loc, rows, last, max_len) -> dict:
+    def _prefill_body(self, ids, pos, loc, rows, last, max_len, token_runs=False) -> dict:
         """A prefill (or mixed) step's ops over device vectors: outputs of each request's last token
-        (`last`: its index among the step's tokens). The device table already holds the rows."""
+        (`last`: its index among the step's tokens). The device table already holds the rows.
+        `token_runs`: the requests average >= TOKEN_RUN tokens (GpuStep.token_runs)."""
         ids, lens = tt.step_inputs(ids, self.last_token, rows, pos, loc, self.r2t, self.kernels)   # r2t: as loaded
         graph = self.graphs["prefill"]
         return self._outputs(graph, self.run_ops(graph, self._step(graph, None, ids, pos, lens, loc, rows, max_len,
-                                                                   last), "prefill"))
+                                                                   last, token_runs), "prefill"))
 
     @staticmethod
     def _last_tokens(batch: ForwardBatch, size: int) -> torch.Tensor:
