@@ -127,6 +127,9 @@ def kernel_rows(runner, batch, ctx, bw):
         ("top-k select", lambda: tt.topk_select(scores, rt.pos + 1, k, TOPK_CHUNK, rt.kernels,
                                                 slots_of=(rt.r2t, rt.rows)),
          T * ((ctx + 1) * 4 + k * 4)),                                    # scores read, slots written
+        ("top-k, atomics only", lambda: tt.topk_select(scores, rt.pos + 1, k, TOPK_CHUNK, tt.JIT,
+                                                       slots_of=(rt.r2t, rt.rows), hist_share=0),
+         T * ((ctx + 1) * 4 + k * 4)),                                    # TopkSelectCtx.hist_share = 0
         ("sparse MLA decode", lambda: tt.sparse_mla_latent(q_lat, q_pe, rt.pool.kv[layer], rt.r2t, rt.rows, rt.pos,
                                                            slots, float(attn.attr("scale")), slots=slots,
                                                            lib=rt.kernels),
@@ -296,6 +299,10 @@ def indexer_tiles_micro(runner, batch, tiles) -> list:
     k, lens = int(op.attr("k")), rt.pos + 1
     base = tt.topk_select(want, lens, k, TOPK_CHUNK)
     sel = [{"select": f"chunk {TOPK_CHUNK}", "us": db.bench_ms(lambda: tt.topk_select(want, lens, k, TOPK_CHUNK)) * 1e3}]
+    for share in (0, 4, 16):   # TopkSelectCtx.hist_share: 0 = rounds 1-3 by atomics only
+        sel.append({"select": f"chunk {TOPK_CHUNK} hist_share {share}",
+                    "same": bool(torch.equal(tt.topk_select(want, lens, k, TOPK_CHUNK, hist_share=share), base)),
+                    "us": db.bench_ms(lambda: tt.topk_select(want, lens, k, TOPK_CHUNK, hist_share=share)) * 1e3})
     chunk = 1 << (int(want.shape[1]) - 1).bit_length()
     for w_ in (8, 16, 32):
         r = {"select": f"chunk {chunk} warps {w_}"}

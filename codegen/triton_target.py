@@ -310,7 +310,8 @@ def topk_segment(rows: int, width: int) -> int:
     return max(lo, min(hi, 1 << (share.bit_length() - 1)))
 
 
-def topk_select(scores, lens, k, chunk=None, lib: KernelLibrary = JIT, segment=None, slots_of=None, num_warps=None):
+def topk_select(scores, lens, k, chunk=None, lib: KernelLibrary = JIT, segment=None, slots_of=None, num_warps=None,
+                hist_share=None):
     """Per row t: positions of the k largest of scores[t, :lens[t]], ascending, -1 padded. [T, k] int64.
     Exact ties at the k-th score go to the lowest positions (torch_ref.topk_lowest_first's choice).
     `slots_of` = (req_to_token, rows): instead the KV slots req_to_token[rows[t], position] of the same
@@ -320,9 +321,10 @@ def topk_select(scores, lens, k, chunk=None, lib: KernelLibrary = JIT, segment=N
     is no wider). Longer rows: a byte-radix select split over programs of `segment` scores
     (`topk_segment` unless given) in five launches of the same kernel, STAGE 0..4, the last of
     which also runs the short rows (the template's docstring). Graph-safe: the split comes from the
-    shapes, each row's length is read on the device. `num_warps` overrides the context's (sweeps)."""
+    shapes, each row's length is read on the device. `num_warps` and `hist_share` override the
+    context's (sweeps)."""
     T, width = scores.shape
-    ctx = TopkSelectCtx.make(k, width, chunk, num_warps)
+    ctx = TopkSelectCtx.make(k, width, chunk, num_warps, hist_share)
     out = torch.empty(T, k, dtype=torch.int64 if slots_of is None else torch.int32, device=scores.device)
     if not T:
         return out
