@@ -283,17 +283,12 @@ class TopkSelectCtx:
     k: int
     chunk: int
     num_warps: int
-    # split select, rounds 1-3: a segment whose keys under the bytes found so far number more than
-    # 1 / hist_share of it counts them with tl.histogram (per-warp ballots), fewer by one integer
-    # atomic each (0: always atomics). Real indexer scores pack into few bins, where the atomics of
-    # thousands of keys on one bin serialise (bench/NOTES.md, session 19).
-    hist_share: int = 8
 
     @classmethod
-    def make(cls, k, row_len=None, chunk=None, num_warps=None, hist_share=None):
+    def make(cls, k, row_len=None, chunk=None, num_warps=None):
         """`chunk` scores per pass: given (a plan's TOPK_CHUNK), else fitted to `row_len`."""
         chunk = chunk or min(TOPK_CHUNK, next_pow2(max(row_len, 16)))
-        return cls(k, chunk, num_warps or _warps(chunk, 256, 8), 8 if hist_share is None else int(hist_share))
+        return cls(k, chunk, num_warps or _warps(chunk, 256, 8))
 
 
 MAX_SPLITS = 64  # flash-decoding splits of one (token, head block) at most: the combine's widest tile
