@@ -16,6 +16,8 @@ wrapper adapts.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from glmc.codegen import torch_ref as ref
 from glmc.codegen import fp8_ref
@@ -33,6 +35,8 @@ from glmc.codegen.triton_contexts import (  # noqa: F401  (re-exported)
     SampleCtx,
     SparseMlaDecodeCtx,
     StepInputsCtx,
+    TOPK_HIST_ROWS,
+    TOPK_HIST_SHARES,
     TopkSelectCtx,
     argmax_splits,
     mla_num_splits,
@@ -290,9 +294,6 @@ def indexer_scores(q_idx, weights, k_cache, req_to_token, rows, pos, max_len, bl
     return scores
 
 
-TOPK_HIST = (8, 1024)   # the split select's histogram share, and the rows from which it is 0 (atomics only)
-
-
 def topk_hist_share(rows: int) -> int:
     """The split select's `hist_share` for `rows` rows. Measured on an H200 (2026-12-04, real indexer
     scores, which pack into few bins): decode rows of 32K at B = 8 / 32 take 36.7 / 66.0 us with the
@@ -300,9 +301,10 @@ def topk_hist_share(rows: int) -> int:
     atomics on one bin serialise; B = 1 30.4 -> 29.7); a prefill chunk's 8192 rows of 32K take 5.82 ms
     with atomics only, 7.75 with the 1/8 rule (4: 7.45, 16: 7.93): there the programs are many waves
     and the histogram's per-key ballots cost more than the atomics' contention. Between 32 and 8192
-    rows it is unmeasured; from TOPK_HIST[1] rows on, atomics."""
-    share, rows_atomic = TOPK_HIST
-    return 0 if rows >= rows_atomic else share
+    rows it is unmeasured; from TOPK_HIST_ROWS rows on, atomics (a kernel variant without the
+    histogram: as a run-time choice, its untaken branch cost the atomics 24%, 7.24 vs 5.82 ms)."""
+    decode, prefill = TOPK_HIST_SHARES
+    return prefill if rows >= TOPK_HIST_ROWS else decode
 
 
 TOPK_SEGMENTS = (1024, 8192)   # scores per program of a long row's radix select: smallest, largest
@@ -341,8 +343,10 @@ def topk_select(scores, lens, k, chunk=None, lib: KernelLibrary = JIT, segment=N
     they are more than 1 / hist_share of it, else by one atomic each (0: atomics always); default
     `topk_hist_share(T)`."""
     T, width = scores.shape
-    ctx = TopkSelectCtx.make(k, width, chunk, num_warps)
     hist_share = topk_hist_share(T) if hist_share is None else int(hist_share)
+    ctx = TopkSelectCtx.make(k, width, chunk, num_warps)
+    if width > ctx.chunk:   # the share only matters to the split path: short rows keep one kernel
+        ctx = replace(ctx, hist_share=hist_share)
     out = torch.empty(T, k, dtype=torch.int64 if slots_of is None else torch.int32, device=scores.device)
     if not T:
         return out
@@ -357,7 +361,7 @@ def topk_select(scores, lens, k, chunk=None, lib: KernelLibrary = JIT, segment=N
     launches = [(stage, stage == 4) for stage in range(5)] if long_rows else [(-1, True)]
     for stage, short in launches:
         kernel[(T, num_segs)](scores, scores.stride(0), lens, out, out.stride(0), hist, state, gt, num_segs,
-                              r2t, r2t.stride(0), rows, hist_share, STAGE=stage, SHORT=short, SEG=segment,
+                              r2t, r2t.stride(0), rows, STAGE=stage, SHORT=short, SEG=segment,
                               SEG_TILE=TOPK_SEG_TILE, SLOTS=slots_of is not None, num_warps=ctx.num_warps)
     return out
 
