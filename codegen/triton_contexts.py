@@ -276,6 +276,10 @@ class IndexerScoresCtx:
 
 
 
+TOPK_HIST_SHARES = (8, 0)   # TopkSelectCtx.hist_share: up to TOPK_HIST_ROWS rows, and from there on
+TOPK_HIST_ROWS = 1024
+
+
 @dataclass(frozen=True)
 class TopkSelectCtx:
     """topk_select.py.j2: exact k-th-largest threshold by bitwise search, then ordered compaction."""
@@ -287,22 +291,19 @@ class TopkSelectCtx:
     # 1 / hist_share of it counts them with tl.histogram, fewer by one integer atomic each; 0: atomics
     # only, and the histogram is not compiled in (it cost the atomics-only launches 24% as a branch
     # not taken; `triton_target.topk_hist_share` picks per launch)
-    hist_share: int = 8
+    hist_share: int = TOPK_HIST_SHARES[0]
 
     @classmethod
-    def make(cls, k, row_len=None, chunk=None, num_warps=None, hist_share=8):
+    def make(cls, k, row_len=None, chunk=None, num_warps=None, hist_share=None):
         """`chunk` scores per pass: given (a plan's TOPK_CHUNK), else fitted to `row_len`."""
         chunk = chunk or min(TOPK_CHUNK, next_pow2(max(row_len, 16)))
-        return cls(k, chunk, num_warps or _warps(chunk, 256, 8), int(hist_share))
+        return cls(k, chunk, num_warps or _warps(chunk, 256, 8),
+                   TOPK_HIST_SHARES[0] if hist_share is None else int(hist_share))
 
     @classmethod
     def variants(cls, k, chunk) -> list["TopkSelectCtx"]:
         """Both histogram shares `topk_hist_share` picks from (decode-sized batches, prefill rows)."""
         return [cls.make(k, chunk=chunk, hist_share=share) for share in TOPK_HIST_SHARES]
-
-
-TOPK_HIST_SHARES = (8, 0)   # TopkSelectCtx.hist_share: up to TOPK_HIST_ROWS rows, and from there on
-TOPK_HIST_ROWS = 1024
 
 
 MAX_SPLITS = 64  # flash-decoding splits of one (token, head block) at most: the combine's widest tile
@@ -374,10 +375,10 @@ class SparseMlaDecodeCtx:
         # 60.6). bf16 rows, >= 32 tokens: 64 x 32 at 8 warps, 2 stages (90.6 vs 103.2; 270.0 vs 318.3);
         # fewer: 16 x 32 at 4 warps, 2 stages (unchanged, best at 1 and 8 tokens).
         # Sweep of 2026-12-02 (session 13, bench/results/h200_2026-12-02_s13/mla_tiles_sweep_parts.json):
-        # bf16 rows from 32 tokens: 32 x 64 at 4 warps (replaced on 2026-12-04, below), 2 stages (128 tokens 134.1 vs 158.1 us at 1K,
-        # 232.6 vs 270.4 at 2K, spilling 30 registers and still faster); FP8 rows at fewer tokens: the
-        # latent output in 2 parts (v_parts, 219 registers, no spills: 1 token 11.8 vs 12.1 us at 1K, 15.9 vs
-        # 16.5 at 2K). More parts, or parts at 128 tokens, lose: every part recomputes the scores.
+        # bf16 rows from 32 tokens: 32 x 64 at 4 warps (replaced on 2026-12-04, below), 2 stages (128
+        # tokens 134.1 vs 158.1 us at 1K, 232.6 vs 270.4 at 2K, spilling 30 registers and still faster);
+        # FP8 rows at fewer tokens: the latent output in 2 parts (v_parts, 219 registers, no spills: 1
+        # token 11.8 vs 12.1 us at 1K, 15.9 vs 16.5 at 2K). More parts, or parts at 128 tokens, lose: every part recomputes the scores.
         wide = num_tokens >= 32 and num_heads >= 64
         dequant = kv_fp8 if dequant is None else dequant
         if kv_fp8 and wide:
