@@ -106,17 +106,27 @@ def op_cost(op, args, rt, ctx):
     return 0, act, 0
 
 
-def per_op_table(runner, batch, ctx, bw, peak, deadline):
-    """Replay each decode op alone (CUDA graph) with the inputs of one real step; -> rows."""
-    calls, impls = [], runner.impls
-
-    def recorder(fn):
-        return lambda op, args, rt: calls.append((op, args, rt, fn)) or fn(op, args, rt)
-    runner.impls = {k: recorder(f) for k, f in impls.items()}
+def with_impls(runner, wrap, run):
+    """run() with each of `runner`'s op implementations f replaced by wrap(f); the table restored after."""
+    impls = runner.impls
+    runner.impls = {k: wrap(f) for k, f in impls.items()}
     try:
-        runner._body("decode", *runner._host_vectors(batch, batch.batch_size).to(runner.r2t.device))
+        return run()
     finally:
         runner.impls = impls
+
+
+def op_calls(runner, run) -> list:
+    """[(op, args, step, implementation)] of every op call `run()` makes on `runner`, in order."""
+    calls = []
+    with_impls(runner, lambda fn: lambda op, args, rt: calls.append((op, args, rt, fn)) or fn(op, args, rt), run)
+    return calls
+
+
+def per_op_table(runner, batch, ctx, bw, peak, deadline):
+    """Replay each decode op alone (CUDA graph) with the inputs of one real step; -> rows."""
+    calls = op_calls(runner, lambda: runner._body(
+        "decode", *runner._host_vectors(batch, batch.batch_size).to(runner.r2t.device)))
     rows = []
     for op, args, rt, fn in calls:
         if op.kind in VIEWS:

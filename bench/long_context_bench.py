@@ -102,14 +102,9 @@ def kernel_rows(runner, batch, ctx, bw):
     import torch
     from glmc.codegen import triton_target as tt
     from glmc.codegen.cuda_kernels import TOPK_CHUNK
-    calls, impls = [], runner.impls
-    runner.impls = {k: (lambda f: lambda op, a, rt: calls.append((op, a, rt)) or f(op, a, rt))(f)
-                    for k, f in impls.items()}
-    try:
-        runner._body("decode", *runner._host_vectors(batch, batch.batch_size).to(runner.r2t.device))
-    finally:
-        runner.impls = impls
-    op, args, rt = next(c for c in calls if c[0].kind == "idx.topk")
+    calls = db.op_calls(runner, lambda: runner._body(
+        "decode", *runner._host_vectors(batch, batch.batch_size).to(runner.r2t.device)))
+    op, args, rt, _ = next(c for c in calls if c[0].kind == "idx.topk")
     q, w, layer = args
     heads, k, T = int(op.attr("heads")), int(op.attr("k")), q.shape[0]
     kv_row, idx_row = rt.pool.bytes_per_token_per_layer()
@@ -265,14 +260,8 @@ def indexer_tiles_micro(runner, batch, tiles) -> list:
     stages"): time (graph replays) and the largest difference from the per-token scores."""
     import torch
     from glmc.codegen import triton_target as tt
-    rt_calls, impls = [], runner.impls
-    runner.impls = {k: (lambda f: lambda op, a, rt: rt_calls.append((op, a, rt)) or f(op, a, rt))(f)
-                    for k, f in impls.items()}
-    try:
-        runner.forward("prefill", batch)
-    finally:
-        runner.impls = impls
-    op, (q, w, layer), rt = next(c for c in rt_calls if c[0].kind == "idx.topk")
+    calls = db.op_calls(runner, lambda: runner.forward("prefill", batch))
+    op, (q, w, layer), rt, _ = next(c for c in calls if c[0].kind == "idx.topk")
     heads = int(op.attr("heads"))
 
     def scores(tiled):
@@ -338,7 +327,7 @@ def op_times(runner, batch, graph, env, dtypes, rate) -> list:
     flops = {}
     for op in graph.ops:
         flops[op.kind] = flops.get(op.kind, 0) + op_cost(op, graph, env, wb).flops
-    marks, impls = [], runner.impls
+    marks = []
 
     def timed(f):
         def run(op, args, rt):
@@ -354,11 +343,7 @@ def op_times(runner, batch, graph, env, dtypes, rate) -> list:
             marks.append((op.kind, a, b))
             return out
         return run
-    runner.impls = {k: timed(f) for k, f in impls.items()}
-    try:
-        runner.forward("prefill", batch)
-    finally:
-        runner.impls = impls
+    db.with_impls(runner, timed, lambda: runner.forward("prefill", batch))
     if cuda:
         torch.cuda.synchronize()
     per = {}

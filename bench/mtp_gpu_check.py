@@ -37,6 +37,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import decode_bench as db  # noqa: E402  (op_calls)
 import gpu_plan_check as pc  # noqa: E402  (slice config, model, weights, request tables)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -184,16 +185,8 @@ def segment_ms(runner, phase, batch, hidden, bench):
     """Run `phase` once eagerly recording every op call, then replay each layer's calls (and the
     rest: the head, the MTP prologue) as a CUDA graph of their own; -> {segment: ms}."""
     from collections import OrderedDict
-    calls, impls = [], runner.impls
-
-    def recorder(fn):
-        return lambda op, args, rt: calls.append((op, args, rt, fn)) or fn(op, args, rt)
-    runner.impls = {k: recorder(f) for k, f in impls.items()}
-    try:
-        v = runner._host_vectors(batch, batch.num_tokens).to(runner.r2t.device)
-        runner._body(phase, *v, hidden)
-    finally:
-        runner.impls = impls
+    calls = db.op_calls(runner, lambda: runner._body(
+        phase, *runner._host_vectors(batch, batch.num_tokens).to(runner.r2t.device), hidden))
     groups = OrderedDict()
     for op, args, rt, fn in calls:
         if op.kind in ("io.input",):
