@@ -80,23 +80,33 @@ def stats(ctx, pointer_types: dict, num_stages: int | None = None) -> dict:
             "wgmma": len(re.findall(r"wgmma\.mma_async", ptx)), "mma_sync": len(re.findall(r"mma\.sync", ptx))}
 
 
+MLA_TILES = ("key_major", "block_h", "block_n", "num_warps", "num_stages")
+INDEXER_TILES = ("block_m", "block_n", "num_warps", "num_stages")
+
+
+def kernel_rows(name: str, make, fields: tuple, tiles: list[str], pointer_types: dict, shown=(), **row) -> list[dict]:
+    """The default context (`make()`) and one per tile ("a:b:..." over `fields`, `make(**fields)`),
+    each with its compiled stats; `shown`: context fields reported beside `fields`."""
+    configs = [{}] + [dict(zip(fields, map(int, t.split(":")))) for t in tiles]
+    rows = []
+    for cfg in configs:
+        ctx = make(**cfg)
+        tile = {k: getattr(ctx, k) for k in fields + tuple(shown)}
+        rows.append({"kernel": name, **row, "tiles": tile, "default": not cfg, **stats(ctx, pointer_types)})
+    return rows
+
+
 def mla_rows(tokens: int, kv: str, tiles: list[str]) -> list[dict]:
     import torch
 
     from glmc.codegen.triton_contexts import SparseMlaDecodeCtx
     fp8 = kv == "fp8"
-    ptrs = dict(MLA_PTRS, kv_ptr="u8" if fp8 else "bf16")
-    configs = [{}] + [dict(zip(("key_major", "block_h", "block_n", "num_warps", "num_stages"), map(int, t.split(":"))))
-                      for t in tiles]
-    rows = []
-    for cfg in configs:
-        if "key_major" in cfg:
-            cfg["key_major"] = bool(cfg["key_major"])
-        ctx = SparseMlaDecodeCtx.make(64, 512, 64, 2048, 1 / 16, torch.bfloat16, tokens, kv_fp8=fp8, **cfg)
-        tile = {k: getattr(ctx, k) for k in ("key_major", "block_h", "block_n", "num_warps", "num_stages", "v_parts")}
-        rows.append({"kernel": "sparse_mla_decode", "tokens": tokens, "kv": kv, "tiles": tile,
-                     "default": not cfg, **stats(ctx, ptrs)})
-    return rows
+
+    def make(key_major=None, **cfg):
+        return SparseMlaDecodeCtx.make(64, 512, 64, 2048, 1 / 16, torch.bfloat16, tokens, kv_fp8=fp8,
+                                       key_major=None if key_major is None else bool(key_major), **cfg)
+    return kernel_rows("sparse_mla_decode", make, MLA_TILES, tiles, dict(MLA_PTRS, kv_ptr="u8" if fp8 else "bf16"),
+                       shown=("v_parts",), tokens=tokens, kv=kv)
 
 
 def indexer_rows(kv: str, tiles: list[str]) -> list[dict]:
@@ -104,16 +114,11 @@ def indexer_rows(kv: str, tiles: list[str]) -> list[dict]:
 
     from glmc.codegen.triton_contexts import IndexerScoresCtx
     fp8 = kv == "fp8"
-    ptrs = dict(INDEXER_PTRS, k_cache_ptr="u8" if fp8 else "bf16")
-    configs = [{}] + [dict(zip(("block_m", "block_n", "num_warps", "num_stages"), map(int, t.split(":"))))
-                      for t in tiles]
-    rows = []
-    for cfg in configs:
-        ctx = IndexerScoresCtx.make_tiled(32, 128, torch.bfloat16, fp8=fp8, w_scale=32 ** -0.5, **cfg)
-        tile = {k: getattr(ctx, k) for k in ("block_m", "block_n", "num_warps", "num_stages")}
-        rows.append({"kernel": "indexer_scores (token blocks)", "kv": kv, "tiles": tile, "default": not cfg,
-                     **stats(ctx, ptrs)})
-    return rows
+
+    def make(**cfg):
+        return IndexerScoresCtx.make_tiled(32, 128, torch.bfloat16, fp8=fp8, w_scale=32 ** -0.5, **cfg)
+    return kernel_rows("indexer_scores (token blocks)", make, INDEXER_TILES, tiles,
+                       dict(INDEXER_PTRS, k_cache_ptr="u8" if fp8 else "bf16"), kv=kv)
 
 
 def main(argv=None) -> int:
