@@ -97,8 +97,10 @@ def test_indexer_training_signal_is_transformers_numerics(smoke):
 
 
 def glmc_scores(ckpt_dir, windows: torch.Tensor):
-    """glmc's logits at every position of each window [W, S+1] (verify phase) and its MTP draft
-    logits (draft phase over the verify pass's hidden states): ([W, S, V], [W, S-1, V])."""
+    """glmc's logits at every position of each window [W, S+1] (verify phase), its MTP draft logits
+    (draft phase over the verify pass's hidden states) and a second draft pass over the first one's
+    hidden states (the MTP layer's depth 1: what its draft chain feeds back at steps 1..):
+    ([W, S, V], [W, S-1, V], [W, S-2, V])."""
     from glmc.api import load
     from glmc.runtime.worker.forward_batch import ForwardBatch
     from glmc.runtime.worker.kv_cache import PAGE_SIZE
@@ -110,7 +112,11 @@ def glmc_scores(ckpt_dir, windows: torch.Tensor):
     hidden = verify["hidden"].view(n, seq, -1)[:, :-1].reshape(n * (seq - 1), -1)
     draft = model.executor.forward("mtp_draft", ForwardBatch.build("extend", x[:, 1:].tolist(), rows, [0] * n,
                                                                    model.req_to_token), hidden=hidden)
-    return verify["logits"].view(n, seq, -1), draft["logits"].view(n, seq - 1, -1)
+    hidden = draft["hidden"].view(n, seq - 1, -1)[:, :-1].reshape(n * (seq - 2), -1)
+    depth1 = model.executor.forward("mtp_draft", ForwardBatch.build("extend", x[:, 2:].tolist(), rows, [0] * n,
+                                                                    model.req_to_token), hidden=hidden)
+    return (verify["logits"].view(n, seq, -1), draft["logits"].view(n, seq - 1, -1),
+            depth1["logits"].view(n, seq - 2, -1))
 
 
 def _mean_ce(logits, targets) -> float:
@@ -119,20 +125,21 @@ def _mean_ce(logits, targets) -> float:
 
 def _check_against_glmc(ckpt_dir, log: dict) -> None:
     """glmc's held-out perplexity of heldout.txt's first windows equals transformers' and its MTP loss
-    the script's (1e-3 relative), both equal the script's fp32 probe in train_log.json, and glmc's
-    logits equal transformers' where attention is dense."""
+    the script's (1e-3 relative), at depth 0 and at depth 1 (the script trains the MTP layer on the
+    hidden state glmc's draft chain feeds back), both equal the script's fp32 probe in
+    train_log.json, and glmc's logits equal transformers' where attention is dense."""
     probe = log["probe"]
     windows = train_small.probe_windows(ckpt_dir, probe["windows"])
     model, mtp = train_small.load_small(ckpt_dir)
     with torch.no_grad():
-        hf_lm, script_mtp, _, _ = (v.item() for v in train_small.losses(model, mtp, windows))
+        hf_lm, script_mtp, _, _ = train_small.losses(model, mtp, windows, depths=2)
         hf_logits = model(windows[:, :-1]).logits
-    logits, draft = glmc_scores(ckpt_dir, windows)
+    logits, draft, depth1 = glmc_scores(ckpt_dir, windows)
     lm, mtp_loss = _mean_ce(logits, windows[:, 1:]), _mean_ce(draft, windows[:, 2:])
     dense = model.config.index_topk
     assert (logits[:, :dense] - hf_logits[:, :dense]).abs().max() < 1e-4
-    assert math.exp(lm) == pytest.approx(math.exp(hf_lm), rel=REL)
-    assert mtp_loss == pytest.approx(script_mtp, rel=REL)
+    assert math.exp(lm) == pytest.approx(math.exp(hf_lm.item()), rel=REL)
+    assert [mtp_loss, _mean_ce(depth1, windows[:, 3:])] == pytest.approx(script_mtp.tolist(), rel=REL)
     assert (lm, mtp_loss) == pytest.approx((probe["lm_loss"], probe["mtp_loss"]), rel=REL)
 
 

@@ -41,6 +41,14 @@ fp32 on CPU), per step:
   final (post-norm) hidden h_t and token t+1, exactly the reference numerics: eh_proj(cat[enorm(
   embed(x_{t+1})), hnorm(h_t)]) -> one decoder block (MLA + its own full indexer + MoE) ->
   shared_head.norm -> the main lm_head. Its gradient also reaches the main model (as DeepSeek-V3).
+  `--mtp-depths D` (default 1) trains the one layer at D depths that share it, as GLM-5 trains its
+  MTP layer at 3: depth k >= 1 predicts token t+k+2 from depth k-1's shared_head.norm output at t
+  and token t+k+1 (DeepSeek-V3's sequential MTP, each depth a causal pass of its own), the hidden
+  state glmc's draft chain feeds back at its steps 1.. (the `lm.head` operand of `mtp_draft`, as
+  SGLang and vLLM recycle it); loss 0.3 x the mean over depths (DeepSeek-V3's lambda / D). On the
+  H200 (2026-12-04) D = 3 ran at half D = 1's speed: `--minutes 6` trained 7.1 epochs, held-out LM
+  perplexity 7.90 (D = 1: 8 epochs in 3.5 min, 6.90), and the accept lengths stayed those of D = 1
+  (bench/NOTES.md, session 20), so the shipped checkpoint keeps D = 1.
 - Indexer KL: transformers runs the DSA indexer under `torch.no_grad` (top-k is not differentiable),
   so the LM loss never trains it. As DeepSeek-V3.2 does, each full layer's indexer is trained with
   KL(p || softmax(I)), where I are its index scores (recomputed here with gradients, on detached
@@ -93,6 +101,7 @@ HELDOUT_MODULUS = 50            # sha256(relative path) % 50: 0 held out, 1 vali
 HELDOUT_TEXT_CHARS = 64 * 1024
 EOT = "<|endoftext|>"
 MTP_WEIGHT = 0.3
+MTP_DEPTHS = 1                  # training depths sharing the MTP layer (GLM-5: 3; see the docstring)
 BIAS_RATE = 1e-3                # DeepSeek-V3's bias update speed gamma
 DENSE_WARMUP = 0.1              # fraction of the run with dense attention
 WARMUP = 0.02                   # fraction of the run with a linear LR warm-up
@@ -244,15 +253,19 @@ class MtpLayer(hf.GlmMoeDsaDecoderLayer):
         self.shared_head.norm = hf.GlmMoeDsaRMSNorm(h, eps)
         self.attn_implementation = config._attn_implementation
 
-    def logits(self, model: GlmMoeDsaForCausalLM, hidden: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
-        """[B, T, V] logits of token t+2 at each position t from the main model's post-norm hidden
-        h_t [B, T, H] and token t+1 (`next_ids` [B, T]); positions 0..T-1 as the main model's."""
+    def draft(self, model: GlmMoeDsaForCausalLM, hidden: torch.Tensor,
+              next_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One causal pass: ([B, T, V] logits of the token after `next_ids` at each position t, [B, T, H]
+        the shared_head.norm output that feeds the next depth) from a post-norm hidden h_t [B, T, H]
+        (the main model's, or the previous depth's) and the token one further (`next_ids` [B, T]);
+        positions 0..T-1 as the main model's."""
         embed = self.enorm(model.model.embed_tokens(next_ids))
         x = self.eh_proj(torch.cat([embed, self.hnorm(hidden)], dim=-1))
         positions = torch.arange(x.shape[1], device=x.device)[None]
         x, _ = self(x, attention_mask=causal_mask(x.shape[1], self.attn_implementation, x.device),
                     position_ids=positions, position_embeddings=model.model.rotary_emb(x, positions))
-        return model.lm_head(self.shared_head.norm(x))
+        out = self.shared_head.norm(x)
+        return model.lm_head(out), out
 
 
 def build_model(config: GlmMoeDsaConfig, seed: int, device) -> tuple[GlmMoeDsaForCausalLM, MtpLayer]:
@@ -330,7 +343,7 @@ class IndexerDistillation:
             attn.register_forward_pre_hook(self._keep, with_kwargs=True)
 
     def _keep(self, module, args, kwargs):
-        if self.active:
+        if self.active and module not in self.inputs:   # the MTP layer's depth 0, not its later depths
             self.inputs[module] = (kwargs["hidden_states"].detach(), kwargs["position_embeddings"])
 
     def loss(self) -> torch.Tensor:
@@ -407,16 +420,22 @@ class RouterBalance:
 
 # ---- training ---------------------------------------------------------------------------------
 
-def losses(model, mtp, windows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Mean cross-entropy of the LM (token t+1) and the MTP head (token t+2) over windows [B, S+1],
-    and their argmax hits per token."""
+def losses(model, mtp, windows: torch.Tensor, depths: int = 1) -> tuple[torch.Tensor, torch.Tensor,
+                                                                        torch.Tensor, torch.Tensor]:
+    """Mean cross-entropy of the LM (token t+1) over windows [B, S+1], and of the MTP head at each of
+    `depths` depths (depth k: token t+k+2, from depth k-1's output; module docstring), and their
+    argmax hits per token: (lm, mtp [depths], lm top-1, mtp top-1 [depths])."""
     x, y = windows[:, :-1], windows[:, 1:]
     hidden = model.model(input_ids=x, use_cache=False).last_hidden_state
     logits = model.lm_head(hidden).float()
-    draft = mtp.logits(model, hidden[:, :-1], x[:, 1:]).float()
     lm = F.cross_entropy(logits.flatten(0, 1), y.flatten())
-    mtp_loss = F.cross_entropy(draft.flatten(0, 1), y[:, 1:].flatten())
-    return lm, mtp_loss, (logits.argmax(-1) == y).float().mean(), (draft.argmax(-1) == y[:, 1:]).float().mean()
+    mtp_losses, mtp_hits = [], []
+    for k in range(depths):
+        draft, hidden = mtp.draft(model, hidden[:, :-1], x[:, k + 1:])
+        draft, target = draft.float(), y[:, k + 1:]
+        mtp_losses.append(F.cross_entropy(draft.flatten(0, 1), target.flatten()))
+        mtp_hits.append((draft.argmax(-1) == target).float().mean())
+    return lm, torch.stack(mtp_losses), (logits.argmax(-1) == y).float().mean(), torch.stack(mtp_hits)
 
 
 def lr_at(progress: float, peak: float) -> float:
@@ -464,15 +483,15 @@ def train(model, mtp, distill: IndexerDistillation, balance: RouterBalance, ids:
         offsets = torch.randint(0, ids.numel() - size.seq_len - 1, (size.batch,), generator=gen)
         distill.active = True
         with autocast(device):
-            lm, mtp_loss, _, _ = losses(model, mtp, ids[offsets.to(device)[:, None] + span])
+            lm, mtp_loss, _, _ = losses(model, mtp, ids[offsets.to(device)[:, None] + span], args.mtp_depths)
             kl = distill.loss()
         distill.active = False
         opt.zero_grad(set_to_none=True)
-        (lm + MTP_WEIGHT * mtp_loss + kl).backward()
+        (lm + MTP_WEIGHT * mtp_loss.mean() + kl).backward()
         torch.nn.utils.clip_grad_norm_([*model.parameters(), *mtp.parameters()], 1.0)
         opt.step()
         balance.update(BIAS_RATE)
-        history.append(torch.stack([lm.detach(), mtp_loss.detach(), kl.detach()]))
+        history.append(torch.cat([torch.stack([lm, kl]), mtp_loss]).detach())   # lm, kl, mtp per depth
         step += 1
         if time.time() - last_log >= LOG_EVERY_S or step == 1:
             last_log = time.time()
@@ -486,8 +505,9 @@ def train(model, mtp, distill: IndexerDistillation, balance: RouterBalance, ids:
     tail = torch.stack(history).float().cpu()
     last = tail[-max(1, min(50, len(history) // 10)):].mean(0)
     return {"steps": step, "tokens": step * tokens_per_step, "minutes": (time.time() - start) / 60,
-            "loss_first": tail[0, 0].item(), "loss_last": last[0].item(), "mtp_loss_last": last[1].item(),
-            "indexer_kl_last": last[2].item(), "selected_step": best["step"], "validation": curve}
+            "loss_first": tail[0, 0].item(), "loss_last": last[0].item(), "mtp_loss_last": last[2].item(),
+            "mtp_depth_loss_last": last[2:].tolist(), "indexer_kl_last": last[1].item(),
+            "selected_step": best["step"], "validation": curve}
 
 
 def _validate(model, mtp, distill, balance, ids, size, device, step, curve, best) -> dict:
@@ -507,27 +527,33 @@ def _validate(model, mtp, distill, balance, ids, size, device, step, curve, best
 
 
 def _log_progress(step, elapsed, history, tokens_per_step, opt, dense) -> None:
-    lm, mtp_loss, kl = history[-1].tolist()
+    lm, kl, *mtp_loss = history[-1].tolist()
     rate = step * tokens_per_step / max(elapsed, 1e-9)
-    print(f"step {step:5d} | {elapsed:6.1f} s | loss {lm:.3f} | mtp {mtp_loss:.3f} | indexer kl {kl:.4f} | "
+    mtp = " / ".join(f"{v:.3f}" for v in mtp_loss)
+    print(f"step {step:5d} | {elapsed:6.1f} s | loss {lm:.3f} | mtp {mtp} | indexer kl {kl:.4f} | "
           f"lr {opt.param_groups[0]['lr']:.2e} | {rate / 1e3:.1f}k tok/s{' | dense warm-up' if dense else ''}",
           flush=True)
 
 
 @torch.no_grad()
-def evaluate(model, mtp, ids: torch.Tensor, seq_len: int, batch: int, device, max_windows=256) -> dict:
-    """LM and MTP loss (and argmax accuracy) over non-overlapping windows of `ids`."""
+def evaluate(model, mtp, ids: torch.Tensor, seq_len: int, batch: int, device, max_windows=256,
+             depths: int = 1) -> dict:
+    """LM and MTP loss (and argmax accuracy) over non-overlapping windows of `ids`; mtp_* are depth 0's,
+    `mtp_depths` every depth's."""
     model.eval(), mtp.eval()
     n = min(max_windows, (ids.numel() - 1) // seq_len)
     windows = ids[: n * seq_len + 1].to(device).unfold(0, seq_len + 1, seq_len)
-    sums = torch.zeros(4)
+    sums = torch.zeros(2 + 2 * depths)
     for lo in range(0, n, batch):
         chunk = windows[lo: lo + batch]
         with autocast(device):
-            sums += torch.stack(losses(model, mtp, chunk)).float().cpu() * len(chunk)
-    lm, mtp_loss, lm_top1, mtp_top1 = (sums / n).tolist()
-    return {"lm_loss": lm, "lm_ppl": math.exp(lm), "mtp_loss": mtp_loss, "mtp_ppl": math.exp(mtp_loss),
-            "lm_top1": lm_top1, "mtp_top1": mtp_top1, "windows": n, "tokens": n * seq_len}
+            lm, mtp_loss, lm_top1, mtp_top1 = losses(model, mtp, chunk, depths)
+        sums += torch.cat([torch.stack([lm, lm_top1]), mtp_loss, mtp_top1]).float().cpu() * len(chunk)
+    lm, lm_top1, *mtp = (sums / n).tolist()
+    mtp_loss, mtp_top1 = mtp[:depths], mtp[depths:]
+    return {"lm_loss": lm, "lm_ppl": math.exp(lm), "mtp_loss": mtp_loss[0], "mtp_ppl": math.exp(mtp_loss[0]),
+            "lm_top1": lm_top1, "mtp_top1": mtp_top1[0], "windows": n, "tokens": n * seq_len,
+            "mtp_depths": [{"loss": a, "top1": b} for a, b in zip(mtp_loss, mtp_top1)]}
 
 
 @torch.no_grad()
@@ -620,18 +646,19 @@ def probe_windows(ckpt_dir, windows: int = PROBE_WINDOWS, seq_len: int | None = 
 
 
 @torch.no_grad()
-def probe(ckpt_dir, device, seq_len: int) -> dict:
-    """fp32 LM and MTP loss on heldout.txt's first windows, from the files just written."""
+def probe(ckpt_dir, device, seq_len: int, depths: int = 1) -> dict:
+    """fp32 LM and MTP loss (depth 0, and each depth's) on heldout.txt's first windows, from the
+    files just written."""
     model, mtp = load_small(ckpt_dir, device)
     tf32 = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
     try:
         windows = probe_windows(ckpt_dir, seq_len=seq_len).to(device)
-        lm, mtp_loss, _, _ = losses(model, mtp, windows)
+        lm, mtp_loss, _, _ = losses(model, mtp, windows, depths)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = tf32
     return {"windows": len(windows), "seq_len": seq_len, "tokens": windows[:, 1:].numel(),
-            "lm_loss": lm.item(), "mtp_loss": mtp_loss.item()}
+            "lm_loss": lm.item(), "mtp_loss": mtp_loss[0].item(), "mtp_depth_loss": mtp_loss.tolist()}
 
 
 # ---- main -------------------------------------------------------------------------------------
@@ -646,6 +673,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=0, help="override the size's batch (sequences per step)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--mtp-depths", type=int, default=MTP_DEPTHS,
+                   help="training depths of the one MTP layer (GLM-5: 3; DeepSeek-V3: 1)")
     args = p.parse_args(argv)
     if args.steps is None:
         args.steps = 8 if args.smoke else 0
@@ -692,7 +721,7 @@ def main(argv=None) -> dict:
     distill, balance = IndexerDistillation(model, mtp), RouterBalance(model, mtp)
     run = train(model, mtp, distill, balance, ids["train"], ids["validation"], size, args, args.device)
     heldout = evaluate(model, mtp, ids["heldout"], size.seq_len, size.batch, args.device,
-                       max_windows=32 if args.smoke else 256)
+                       max_windows=32 if args.smoke else 256, depths=args.mtp_depths)
     expert_load = balance.report()  # counted over the held-out windows
     heldout["indexer_recall"] = indexer_recall(model, mtp, distill, ids["heldout"], size, args.device)
     save_checkpoint(args.out, model, mtp)
@@ -701,12 +730,12 @@ def main(argv=None) -> dict:
            "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu",
            "versions": {"python": platform.python_version(), "torch": torch.__version__,
                         "transformers": transformers.__version__},
-           "seed": args.seed, "size": asdict(size), "parameters": params,
+           "seed": args.seed, "mtp_depths": args.mtp_depths, "size": asdict(size), "parameters": params,
            "corpus": {"files": files, "tokens": {k: v.numel() for k, v in ids.items()},
                       "tokenizer_vocab": tok.get_vocab_size(), "data_seconds": round(t_data, 1)},
            "train": {**run, "epochs": run["tokens"] / ids["train"].numel()},
            "heldout": heldout, "expert_load": expert_load}
-    log["probe"] = probe(args.out, args.device, size.seq_len)
+    log["probe"] = probe(args.out, args.device, size.seq_len, args.mtp_depths)
     (args.out / "train_log.json").write_text(json.dumps(log, indent=2) + "\n")
     _summary(log)
     print(f"wrote {args.out}: {', '.join(sorted(f.name for f in args.out.iterdir()))}")
@@ -719,7 +748,8 @@ def _summary(log: dict) -> None:
           f"{r['minutes']:.1f} min: train loss {r['loss_first']:.3f} -> {r['loss_last']:.3f}; weights of step "
           f"{r['selected_step']} (lowest validation loss)", flush=True)
     print(f"held-out ({h['tokens']} tokens): LM loss {h['lm_loss']:.3f} (ppl {h['lm_ppl']:.2f}, top-1 "
-          f"{h['lm_top1']:.1%}); MTP loss {h['mtp_loss']:.3f} (ppl {h['mtp_ppl']:.2f}, top-1 {h['mtp_top1']:.1%})")
+          f"{h['lm_top1']:.1%}); MTP loss {h['mtp_loss']:.3f} (ppl {h['mtp_ppl']:.2f}, top-1 {h['mtp_top1']:.1%})"
+          + "".join(f"; depth {k} {d['loss']:.3f} ({d['top1']:.1%})" for k, d in enumerate(h["mtp_depths"]) if k))
     for name, recall in h["indexer_recall"].items():
         print(f"indexer {name}: top-{log['size']['index_topk']} keys hold {recall['topk']:.1%} of the dense "
               f"attention (the {log['size']['index_topk']} most recent keys: {recall['recent']:.1%})")
