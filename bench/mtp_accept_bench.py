@@ -2,6 +2,7 @@
 
     python bench/mtp_accept_bench.py [--steps 1,2,3] [--temperatures 0,1] [--rules standard,matching]
                                      [--prompts 8 --prompt-len 96 --max-tokens 48] [--out FILE]
+                                     [--weights DIR]   (another checkpoint of the small model's shape)
 
 For each N (`--steps`), temperature and rule: --prompts seeded requests (seed i), each a
 --prompt-len window of models/small/heldout.txt (evenly spaced), generating --max-tokens tokens
@@ -26,8 +27,8 @@ SMALL = ROOT / "models" / "small"
 def accept_length(num_steps: int, temperature: float, args) -> tuple[float, dict]:
     from glmc.api import build_engine
     from glmc.runtime.engine.sampling import SamplingParams
-    e = build_engine(SMALL, warmup=False, speculative_num_steps=num_steps)
-    ids = e.tokenizer.encode((SMALL / "heldout.txt").read_text(encoding="utf-8"))
+    e = build_engine(args.weights, warmup=False, speculative_num_steps=num_steps)
+    ids = e.tokenizer.encode((args.weights / "heldout.txt").read_text(encoding="utf-8"))
     stride = len(ids) // args.prompts
     reqs = [e.make_request(ids[i * stride:i * stride + args.prompt_len], SamplingParams(
         max_tokens=args.max_tokens, temperature=temperature, seed=i, ignore_eos=True))
@@ -50,6 +51,7 @@ def main(argv=None):
     ap.add_argument("--prompt-len", type=int, default=96)
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--weights", type=Path, default=SMALL, help="checkpoint directory with its heldout.txt")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     import torch
@@ -71,9 +73,9 @@ def main(argv=None):
     speculative.draw_drafts = standard_drafts
     date = time.strftime("%Y-%m-%d")
     out = Path(args.out) if args.out else ROOT / "bench" / "results" / f"mtp_accept_{date}.json"
-    config = {k: v for k, v in vars(args).items() if k != "out"}
+    config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "out"}
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"date": date, "device": "cpu", "model": "models/small", "config": config,
+    out.write_text(json.dumps({"date": date, "device": "cpu", "model": str(args.weights), "config": config,
                                "rows": rows}, indent=1))
     print(f"saved {out}")
 

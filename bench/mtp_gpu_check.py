@@ -347,8 +347,10 @@ def main():
         res["small"] = check_small(dev, a.gen or (8 if a.cpu else 48), conc)
         save()
     accept = {int(k.split("=")[0]): float(k.split("=")[1]) for k in a.accept.split(",") if k}
-    if not accept and "small" in res:   # greedy accept length at concurrency 1
-        accept = {n: res["small"]["runs"][f"N={n}"]["c1"]["accept_length"] for n in STEPS}
+    if not accept and "small" in res:   # greedy accept length of the widest wave (c1 is one prompt)
+        runs = res["small"]["runs"]
+        widest = max(runs["N=1"], key=lambda c: int(c[1:]) if c[1:].isdigit() else 0)
+        accept = {n: runs[f"N={n}"][widest]["accept_length"] for n in STEPS}
     if "serve" in parts:
         res["serve"] = check_serve(out.resolve(), a.cpu)
         save()
