@@ -5,10 +5,13 @@ batches 1/8/32, glmc (CUDA graphs) next to transformers and the roofline. One co
     python bench/long_context_bench.py --cpu                              # CPU smoke: narrow, interpreted
     python bench/long_context_bench.py --prefill 8192,32768 --chunk 8192  # chunked prefill instead (item 4)
 
-The context is not prefilled: every slot of the paged KV pool and of the indexer key cache holds
-random N(0, 1) values written through `KVPool`'s writers (so an FP8 pool holds valid e4m3 rows and
-scales), and each request's row of the request table owns `ctx` tokens; the decode token sits at
-position ctx. Timed: the captured decode graph's replay and the whole step with the host (inputs in,
+The context (`--fill`): `model` (the default) prefills each request's ctx random tokens through the
+plan in chunks of `--chunk` tokens, so the KV and indexer caches hold what the model writes there
+(the indexer scores a decode token's top-k selects from, and the KV rows it then reads, are the
+model's); `random` fills every slot of the paged KV pool and of
+the indexer key cache with N(0, 1) values through `KVPool`'s writers (so an FP8 pool holds valid
+e4m3 rows and scales; seconds instead of a prefill, scores of another spread). Each request's row
+of the request table owns `ctx` tokens; the decode token sits at position ctx. Timed: the captured decode graph's replay and the whole step with the host (inputs in,
 logits read), as bench/decode_bench.py; both KV dtypes (fp8: the plan's default for bf16
 checkpoints; bf16), fp8 first.
 Roofline = bytes that must move per step / the device-to-device copy bandwidth measured here: the
@@ -58,6 +61,22 @@ def fill_pool_(pool, chunk=1 << 18):
             pool.write_kv(layer, loc, rnd(pool.kv_lora_rank), rnd(pool.qk_rope_head_dim))
         for layer in pool.full_layers:
             pool.write_index_k(layer, loc, rnd(pool.index_head_dim))
+
+
+def fill_by_prefill_(runner, rows, ctx, table, chunk, seed=0):
+    """Request rows 0..rows-1: ctx random tokens each, prefilled through the plan (eager `prefill`
+    forwards of at most `chunk` tokens: whole prompts grouped when ctx < chunk, else chunks)."""
+    import torch
+    from glmc.runtime.worker.forward_batch import ForwardBatch
+    g = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(0, runner.config.vocab_size, (rows, ctx), generator=g)
+    step = min(ctx, chunk)
+    group = max(1, chunk // step)
+    for r0 in range(0, rows, group):
+        rs = list(range(r0, min(rows, r0 + group)))
+        for p in range(0, ctx, step):
+            ids = [prompts[r, p:p + step].tolist() for r in rs]
+            runner.forward("prefill", ForwardBatch.build("extend", ids, rs, [p] * len(rs), table))
 
 
 def pool_bytes(plan, batch, ctx):
@@ -122,9 +141,6 @@ def kernel_rows(runner, batch, ctx, bw):
         ("top-k select", lambda: tt.topk_select(scores, rt.pos + 1, k, TOPK_CHUNK, rt.kernels,
                                                 slots_of=(rt.r2t, rt.rows)),
          T * ((ctx + 1) * 4 + k * 4)),                                    # scores read, slots written
-        ("top-k, atomics only", lambda: tt.topk_select(scores, rt.pos + 1, k, TOPK_CHUNK, tt.JIT,
-                                                       slots_of=(rt.r2t, rt.rows), hist_share=0),
-         T * ((ctx + 1) * 4 + k * 4)),                                    # TopkSelectCtx.hist_share = 0
         ("sparse MLA decode", lambda: tt.sparse_mla_latent(q_lat, q_pe, rt.pool.kv[layer], rt.r2t, rt.rows, rt.pos,
                                                            slots, float(attn.attr("scale")), slots=slots,
                                                            lib=rt.kernels),
@@ -155,9 +171,9 @@ def glmc_point(runner, B, ctx, table, info):
             "x_roofline": replay / roof, "kernels": kernel_rows(runner, batch, ctx, info["copy_gbps"])}
 
 
-def run_glmc(model, kv_dtype, contexts, batches, dev, dtype, info, deadline, save):
-    """Every (context, batch) point of one KV dtype; -> {ctx: {B: point}}. Contexts in increasing
-    order, so a spent budget skips the largest."""
+def run_glmc(model, kv_dtype, contexts, batches, dev, dtype, info, deadline, save, fill="model", chunk=8192):
+    """Every (context, batch) point of one KV dtype, the caches filled by `fill` (module docstring);
+    -> {ctx: {B: point}}. Contexts in increasing order, so a spent budget skips the largest."""
     import torch
     out = {}
     t = db.now()
@@ -177,11 +193,22 @@ def run_glmc(model, kv_dtype, contexts, batches, dev, dtype, info, deadline, sav
         try:
             t = db.now()
             runner = pc.gpu_runner(plan, weights, dev, max(fits), ctx + 64, stacks=stacks)
-            fill_pool_(runner.pool)
-            point["setup"] = {"runner_and_fill_s": db.now() - t, "pool_gib": pool_bytes(plan, max(fits), ctx)[0] / GIB}
+            table = pc.req_table(max(fits), (ctx + 64 + 63) // 64)
+            if fill == "model":
+                fill_by_prefill_(runner, max(fits), ctx, table, chunk)   # prefill loads the rows' table
+            else:
+                fill_pool_(runner.pool)
+                w = min(runner.r2t.shape[1], table.shape[1])
+                runner.r2t[:max(fits), :w] = table[:max(fits), :w].to(runner.r2t.device)
+            # a captured decode step writes only its own token's slot into the device table: the
+            # context's positions must already map to their slots there (else they all read the
+            # pool's scratch slot: one key and one KV row, every score tied)
+            if not torch.equal(runner.r2t[:max(fits), :ctx].cpu(), table[:max(fits), :ctx]):
+                raise RuntimeError(f"ctx {ctx}: the runner's device table does not hold the requests' slots")
+            point["setup"] = {"fill": fill, "runner_and_fill_s": db.now() - t,
+                              "pool_gib": pool_bytes(plan, max(fits), ctx)[0] / GIB}
             t = db.now()
             point["setup"]["capture_s"] = runner.capture(fits) if dev == "cuda" else {}
-            table = pc.req_table(max(fits), (ctx + 64 + 63) // 64)
             for B in fits:
                 if db.now() > deadline:
                     point[B] = {"failed": "skipped: benchmark budget spent"}
@@ -288,10 +315,6 @@ def indexer_tiles_micro(runner, batch, tiles) -> list:
     k, lens = int(op.attr("k")), rt.pos + 1
     base = tt.topk_select(want, lens, k, TOPK_CHUNK)
     sel = [{"select": f"chunk {TOPK_CHUNK}", "us": db.bench_ms(lambda: tt.topk_select(want, lens, k, TOPK_CHUNK)) * 1e3}]
-    for share in (0, 4, 16):   # TopkSelectCtx.hist_share: 0 = rounds 1-3 by atomics only
-        sel.append({"select": f"chunk {TOPK_CHUNK} hist_share {share}",
-                    "same": bool(torch.equal(tt.topk_select(want, lens, k, TOPK_CHUNK, hist_share=share), base)),
-                    "us": db.bench_ms(lambda: tt.topk_select(want, lens, k, TOPK_CHUNK, hist_share=share)) * 1e3})
     chunk = 1 << (int(want.shape[1]) - 1).bit_length()
     for w_ in (8, 16, 32):
         r = {"select": f"chunk {chunk} warps {w_}"}
@@ -575,7 +598,10 @@ def main():
     ap.add_argument("--skip", default="", help="comma list of: hf, topk")
     ap.add_argument("--prefill", type=ints, default=[], help="prompt lengths to prefill in chunks (e.g. 8192,32768): "
                     "instead of the decode points, the chunked prefill table")
-    ap.add_argument("--chunk", type=int, default=8192, help="--prefill's chunk (tokens per forward)")
+    ap.add_argument("--chunk", type=int, default=8192, help="--prefill's chunk (tokens per forward), and "
+                    "--fill model's")
+    ap.add_argument("--fill", choices=("model", "random"), default="model",
+                    help="decode points: the caches as the model's prefill writes them, or random values")
     ap.add_argument("--indexer-tiles", default="", help="--prefill: the indexer's token-block kernel at these "
                     "block_m:block_n:warps:stages (comma list) on the longest prompt's last chunk, next to the "
                     "per-token kernel")
@@ -633,7 +659,8 @@ def main():
             save()
         share = budget_end - (0.45 * args.budget if i == 0 and len(kv_dtypes) > 1 else 0)
         try:
-            res["glmc"][kv] = run_glmc(model, kv, args.contexts, args.batches, dev, dtype, info, share, save)
+            res["glmc"][kv] = run_glmc(model, kv, args.contexts, args.batches, dev, dtype, info, share, save,
+                                       args.fill, args.chunk)
         except Exception as e:   # reported; the other parts still run
             res["glmc"][kv] = {"failed": fail(e)}
         save()

@@ -83,7 +83,7 @@ def _topk(op, graph, dtype, kv=(False, False)):
     heads, dim = _dims(graph, op.operands[0])
     return [tc.IndexerScoresCtx.make(heads, dim, dtype, fp8=kv[1], w_scale=ref.index_head_scale(op)),
             tc.IndexerScoresCtx.make_tiled(heads, dim, dtype, fp8=kv[1], w_scale=ref.index_head_scale(op)),
-            *tc.TopkSelectCtx.variants(int(op.attr("k")), tc.TOPK_CHUNK)]
+            tc.TopkSelectCtx.make(int(op.attr("k")), chunk=tc.TOPK_CHUNK)]
 
 
 def _attn(op, graph, dtype, kv=(False, False)):

@@ -276,10 +276,6 @@ class IndexerScoresCtx:
 
 
 
-TOPK_HIST_SHARES = (8, 0)   # TopkSelectCtx.hist_share: up to TOPK_HIST_ROWS rows, and from there on
-TOPK_HIST_ROWS = 1024
-
-
 @dataclass(frozen=True)
 class TopkSelectCtx:
     """topk_select.py.j2: exact k-th-largest threshold by bitwise search, then ordered compaction."""
@@ -287,23 +283,12 @@ class TopkSelectCtx:
     k: int
     chunk: int
     num_warps: int
-    # split select, rounds 1-3: a segment whose keys under the bytes found so far are more than
-    # 1 / hist_share of it counts them with tl.histogram, fewer by one integer atomic each; 0: atomics
-    # only, and the histogram is not compiled in (it cost the atomics-only launches 24% as a branch
-    # not taken; `triton_target.topk_hist_share` picks per launch)
-    hist_share: int = TOPK_HIST_SHARES[0]
 
     @classmethod
-    def make(cls, k, row_len=None, chunk=None, num_warps=None, hist_share=None):
+    def make(cls, k, row_len=None, chunk=None, num_warps=None):
         """`chunk` scores per pass: given (a plan's TOPK_CHUNK), else fitted to `row_len`."""
         chunk = chunk or min(TOPK_CHUNK, next_pow2(max(row_len, 16)))
-        return cls(k, chunk, num_warps or _warps(chunk, 256, 8),
-                   TOPK_HIST_SHARES[0] if hist_share is None else int(hist_share))
-
-    @classmethod
-    def variants(cls, k, chunk) -> list["TopkSelectCtx"]:
-        """Both histogram shares `topk_hist_share` picks from (decode-sized batches, prefill rows)."""
-        return [cls.make(k, chunk=chunk, hist_share=share) for share in TOPK_HIST_SHARES]
+        return cls(k, chunk, num_warps or _warps(chunk, 256, 8))
 
 
 MAX_SPLITS = 64  # flash-decoding splits of one (token, head block) at most: the combine's widest tile

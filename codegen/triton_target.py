@@ -16,7 +16,6 @@ wrapper adapts.
 """
 from __future__ import annotations
 
-from dataclasses import replace
 
 import torch
 from glmc.codegen import torch_ref as ref
@@ -35,8 +34,6 @@ from glmc.codegen.triton_contexts import (  # noqa: F401  (re-exported)
     SampleCtx,
     SparseMlaDecodeCtx,
     StepInputsCtx,
-    TOPK_HIST_ROWS,
-    TOPK_HIST_SHARES,
     TopkSelectCtx,
     argmax_splits,
     mla_num_splits,
@@ -294,19 +291,6 @@ def indexer_scores(q_idx, weights, k_cache, req_to_token, rows, pos, max_len, bl
     return scores
 
 
-def topk_hist_share(rows: int) -> int:
-    """The split select's `hist_share` for `rows` rows. Measured on an H200 (2026-12-04, real indexer
-    scores, which pack into few bins): decode rows of 32K at B = 8 / 32 take 36.7 / 66.0 us with the
-    histogram for segments with more than 1/8 matched, 49.6 / 126.3 with atomics only (thousands of
-    atomics on one bin serialise; B = 1 30.4 -> 29.7); a prefill chunk's 8192 rows of 32K take 5.82 ms
-    with atomics only, 7.75 with the 1/8 rule (4: 7.45, 16: 7.93): there the programs are many waves
-    and the histogram's per-key ballots cost more than the atomics' contention. Between 32 and 8192
-    rows it is unmeasured; from TOPK_HIST_ROWS rows on, atomics (a kernel variant without the
-    histogram: as a run-time choice, its untaken branch cost the atomics 24%, 7.24 vs 5.82 ms)."""
-    decode, prefill = TOPK_HIST_SHARES
-    return prefill if rows >= TOPK_HIST_ROWS else decode
-
-
 TOPK_SEGMENTS = (1024, 8192)   # scores per program of a long row's radix select: smallest, largest
 TOPK_PROGRAMS = (32, 16, 256)  # programs of the split select in all: at least, per row, at most
 TOPK_SEG_TILE = 32             # segments' histograms summed per load when a round's digit is found
@@ -327,8 +311,7 @@ def topk_segment(rows: int, width: int) -> int:
     return max(lo, min(hi, 1 << (share.bit_length() - 1)))
 
 
-def topk_select(scores, lens, k, chunk=None, lib: KernelLibrary = JIT, segment=None, slots_of=None, num_warps=None,
-                hist_share=None):
+def topk_select(scores, lens, k, chunk=None, lib: KernelLibrary = JIT, segment=None, slots_of=None, num_warps=None):
     """Per row t: positions of the k largest of scores[t, :lens[t]], ascending, -1 padded. [T, k] int64.
     Exact ties at the k-th score go to the lowest positions (torch_ref.topk_lowest_first's choice).
     `slots_of` = (req_to_token, rows): instead the KV slots req_to_token[rows[t], position] of the same
@@ -338,15 +321,9 @@ def topk_select(scores, lens, k, chunk=None, lib: KernelLibrary = JIT, segment=N
     is no wider). Longer rows: a byte-radix select split over programs of `segment` scores
     (`topk_segment` unless given) in five launches of the same kernel, STAGE 0..4, the last of
     which also runs the short rows (the template's docstring). Graph-safe: the split comes from the
-    shapes, each row's length is read on the device. `num_warps` overrides the context's (sweeps).
-    `hist_share`: rounds 1-3 of the split select count a segment's matched keys by tl.histogram when
-    they are more than 1 / hist_share of it, else by one atomic each (0: atomics always); default
-    `topk_hist_share(T)`."""
+    shapes, each row's length is read on the device. `num_warps` overrides the context's (sweeps)."""
     T, width = scores.shape
-    hist_share = topk_hist_share(T) if hist_share is None else int(hist_share)
     ctx = TopkSelectCtx.make(k, width, chunk, num_warps)
-    if width > ctx.chunk:   # the share only matters to the split path: short rows keep one kernel
-        ctx = replace(ctx, hist_share=hist_share)
     out = torch.empty(T, k, dtype=torch.int64 if slots_of is None else torch.int32, device=scores.device)
     if not T:
         return out

@@ -35,3 +35,18 @@ def test_chunked_prefill_table(tmp_path):
     assert per_token["us"] > 0 and tiled["us"] > 0 and tiled["same_inf"] and tiled["max_rel_diff"] < 1e-5, tiled
     assert select[0]["us"] > 0 and all(s["same"] for s in select[1:]), select   # same top-k, whole-row programs
     assert "indexer_tiles" not in rows[0]
+
+
+def test_decode_points_over_a_model_written_cache(tmp_path):
+    """Decode points (the default `--fill model`): each request's context prefilled through the plan,
+    then the decode step, its roofline and the per-kernel rows."""
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "long_context_bench.py"), "--cpu", "--skip", "hf,topk",
+                           "--kv-dtypes", "bf16", "--contexts", "200", "--out-dir", str(tmp_path)],
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    point = json.loads(next(tmp_path.glob("long_context_bench_*.json")).read_text())["glmc"]["bf16"]["200"]
+    assert point["setup"]["fill"] == "model"
+    step = point["1"]
+    assert step["replay_ms"] > 0 and step["x_roofline"] == step["replay_ms"] / step["roofline_ms"], step
+    kernels = {r["kernel"]: r for r in step["kernels"]}
+    assert {"indexer scores", "top-k select", "sparse MLA decode"} <= set(kernels), kernels

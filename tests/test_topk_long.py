@@ -21,8 +21,8 @@ def want_row(scores_row, n, k):
     return keep + [-1] * (k - len(keep))
 
 
-def assert_selects(scores, lens, k, chunk, segment, hist_share=None):
-    got = tt.topk_select(scores, lens, k, chunk=chunk, segment=segment, hist_share=hist_share)
+def assert_selects(scores, lens, k, chunk, segment):
+    got = tt.topk_select(scores, lens, k, chunk=chunk, segment=segment)
     assert got.shape == (scores.shape[0], k) and got.dtype == torch.int64
     for t in range(scores.shape[0]):
         assert got[t].tolist() == want_row(scores[t], int(lens[t]), k), f"row {t} (lens {int(lens[t])})"
@@ -35,19 +35,13 @@ def test_random_rows_over_many_segments():
     assert_selects(scores, torch.tensor([320, 257, 97, 30, 9]), 12, chunk=32, segment=16)
 
 
-# rounds 1-3 count a segment's matched keys by atomics (0), by the histogram whenever one matches
-# (1 << 20), or by whichever the matched share picks (None: the plan's)
-HIST_SHARES = [0, None, 1 << 20]
-
-
-@pytest.mark.parametrize("hist_share", HIST_SHARES)
-def test_heavy_ties_and_minus_inf(hist_share):
+def test_heavy_ties_and_minus_inf():
     """Few distinct values (every round's threshold bin is crowded), -inf included, so the k-th
     score ties across segments and the ties must go to the lowest positions."""
     g = torch.Generator().manual_seed(1)
     values = torch.tensor([-1.5, -0.25, 0.0, 0.25, 3.0, float("-inf")])
     scores = values[torch.randint(0, 6, (4, 300), generator=g)]
-    assert_selects(scores, torch.tensor([300, 211, 64, 40]), 20, chunk=16, segment=16, hist_share=hist_share)
+    assert_selects(scores, torch.tensor([300, 211, 64, 40]), 20, chunk=16, segment=16)
 
 
 def test_all_equal_and_all_minus_inf_rows():
@@ -56,14 +50,13 @@ def test_all_equal_and_all_minus_inf_rows():
     assert_selects(scores, torch.tensor([200, 150, 77]), 10, chunk=16, segment=32)
 
 
-@pytest.mark.parametrize("hist_share", HIST_SHARES)
-def test_values_that_share_their_high_bytes(hist_share):
+def test_values_that_share_their_high_bytes():
     """Keys equal in their top three bytes and differing in the last: the fourth round decides."""
     base = torch.tensor(1.0).view(torch.int32)
     g = torch.Generator().manual_seed(2)
     bits = base + torch.randint(0, 256, (2, 256), generator=g, dtype=torch.int32)
     scores = bits.view(torch.float32) * torch.tensor([[1.0], [-1.0]])   # a positive row and a negative one
-    assert_selects(scores, torch.tensor([256, 190]), 16, chunk=16, segment=16, hist_share=hist_share)
+    assert_selects(scores, torch.tensor([256, 190]), 16, chunk=16, segment=16)
 
 
 @pytest.mark.parametrize("k", [24, 40])
