@@ -37,7 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_plan_check as pc  # noqa: E402  (req_table)
-import long_context_bench as lc  # noqa: E402  (fill_pool_)
+import long_context_bench as lc  # noqa: E402  (fill_pool_, load_table_)
 
 GIB = 2**30
 HEADROOM = 12 * GIB      # activations, graph pools, NCCL and allocator slack beside weights and KV
@@ -111,6 +111,7 @@ def run_rank(rank: int, world: int, job: dict, out_dir: str) -> None:
     out = {"rank": rank, "load_and_capture_s": time.perf_counter() - t0, "points": {}}
     lc.fill_pool_(runner.pool)
     table = pc.req_table(b_max, -(-(ctx + mtp + 64) // 64))
+    lc.load_table_(runner, table, b_max)   # random values, but each position its own slot
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     g = torch.Generator().manual_seed(rank)
     vocab, hidden = plan.config.vocab_size, plan.config.hidden_size

@@ -63,6 +63,17 @@ def fill_pool_(pool, chunk=1 << 18):
             pool.write_index_k(layer, loc, rnd(pool.index_head_dim))
 
 
+def load_table_(runner, table, rows):
+    """The request table's first `rows` rows into a GPU runner's device table (`r2t`), as a prefill
+    would load them: a captured decode step writes only its own token's slot there, so a cache
+    filled without a prefill is otherwise read through the pool's scratch slot at every position.
+    A runner without a device table (the torch target) reads the batch's table: nothing to do."""
+    r2t = getattr(runner, "r2t", None)
+    if r2t is not None:
+        w = min(r2t.shape[1], table.shape[1])
+        r2t[:rows, :w] = table[:rows, :w].to(r2t.device)
+
+
 def fill_by_prefill_(runner, rows, ctx, table, chunk, seed=0):
     """Request rows 0..rows-1: ctx random tokens each, prefilled through the plan (eager `prefill`
     forwards of at most `chunk` tokens: whole prompts grouped when ctx < chunk, else chunks)."""
@@ -198,8 +209,7 @@ def run_glmc(model, kv_dtype, contexts, batches, dev, dtype, info, deadline, sav
                 fill_by_prefill_(runner, max(fits), ctx, table, chunk)   # prefill loads the rows' table
             else:
                 fill_pool_(runner.pool)
-                w = min(runner.r2t.shape[1], table.shape[1])
-                runner.r2t[:max(fits), :w] = table[:max(fits), :w].to(runner.r2t.device)
+                load_table_(runner, table, max(fits))
             # a captured decode step writes only its own token's slot into the device table: the
             # context's positions must already map to their slots there (else they all read the
             # pool's scratch slot: one key and one KV row, every score tied)
