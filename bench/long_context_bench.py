@@ -8,11 +8,11 @@ batches 1/8/32, glmc (CUDA graphs) next to transformers and the roofline. One co
 The context (`--fill`): `model` (the default) prefills each request's ctx random tokens through the
 plan in chunks of `--chunk` tokens, so the KV and indexer caches hold what the model writes there
 (the indexer scores a decode token's top-k selects from, and the KV rows it then reads, are the
-model's); `random` fills every slot of the paged KV pool and of
-the indexer key cache with N(0, 1) values through `KVPool`'s writers (so an FP8 pool holds valid
-e4m3 rows and scales; seconds instead of a prefill, scores of another spread). Each request's row
-of the request table owns `ctx` tokens; the decode token sits at position ctx. Timed: the captured decode graph's replay and the whole step with the host (inputs in,
-logits read), as bench/decode_bench.py; both KV dtypes (fp8: the plan's default for bf16
+model's); `random` fills every slot of the paged KV pool and of the indexer key cache with N(0, 1)
+values through `KVPool`'s writers (so an FP8 pool holds valid e4m3 rows and scales; seconds instead
+of a prefill, scores of another spread). Each request's row of the request table owns `ctx` tokens;
+the decode token sits at position ctx. Timed: the captured decode graph's replay and the whole step
+with the host (inputs in, logits read), as bench/decode_bench.py; both KV dtypes (fp8: the plan's default for bf16
 checkpoints; bf16), fp8 first.
 Roofline = bytes that must move per step / the device-to-device copy bandwidth measured here: the
 weights the step reads (experts touched, lm_head, ...), per full-indexer layer per request ctx x

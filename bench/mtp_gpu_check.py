@@ -348,9 +348,7 @@ def main():
         save()
     accept = {int(k.split("=")[0]): float(k.split("=")[1]) for k in a.accept.split(",") if k}
     if not accept and "small" in res:   # greedy accept length of the widest wave (c1 is one prompt)
-        runs = res["small"]["runs"]
-        widest = max(runs["N=1"], key=lambda c: int(c[1:]) if c[1:].isdigit() else 0)
-        accept = {n: runs[f"N={n}"][widest]["accept_length"] for n in STEPS}
+        accept = {n: res["small"]["runs"][f"N={n}"][f"c{max(conc)}"]["accept_length"] for n in STEPS}
     if "serve" in parts:
         res["serve"] = check_serve(out.resolve(), a.cpu)
         save()

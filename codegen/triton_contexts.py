@@ -363,7 +363,8 @@ class SparseMlaDecodeCtx:
         # bf16 rows from 32 tokens: 32 x 64 at 4 warps (replaced on 2026-12-04, below), 2 stages (128
         # tokens 134.1 vs 158.1 us at 1K, 232.6 vs 270.4 at 2K, spilling 30 registers and still faster);
         # FP8 rows at fewer tokens: the latent output in 2 parts (v_parts, 219 registers, no spills: 1
-        # token 11.8 vs 12.1 us at 1K, 15.9 vs 16.5 at 2K). More parts, or parts at 128 tokens, lose: every part recomputes the scores.
+        # token 11.8 vs 12.1 us at 1K, 15.9 vs 16.5 at 2K). More parts, or parts at 128 tokens, lose:
+        # every part recomputes the scores.
         wide = num_tokens >= 32 and num_heads >= 64
         dequant = kv_fp8 if dequant is None else dequant
         if kv_fp8 and wide:

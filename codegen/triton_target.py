@@ -16,7 +16,6 @@ wrapper adapts.
 """
 from __future__ import annotations
 
-
 import torch
 from glmc.codegen import torch_ref as ref
 from glmc.codegen import fp8_ref
