@@ -9,13 +9,14 @@ stages) is fastest, against the plan's default (`SparseMlaDecodeCtx.make`).
         # FP8 rows scaled once per gathered tile (one dot over the latent dim) against the per-group
         # kernel, head- and key-major, 16-64 heads, 1-2 stages; contexts below k select fewer keys
     python bench/mla_tiles_sweep.py --out-dir $OUT --splits --tokens 32,128 --contexts 1024,2048
-        # the default tiles at split counts 1 .. 16 against mla_num_splits' (the split partials are
+        # the default tiles at split counts 1 .. 64 against mla_num_splits' (the split partials are
         # [T, H, S, 512] fp32, written by the kernel and read back by mla_combine)
     python bench/mla_tiles_sweep.py --out-dir $OUT --parts --tokens 1,128 --contexts 1024,2048
         # the latent output in v_parts 1/2/4 column parts per head block (a smaller accumulator, fewer
         # spills) x head-major tiles x stages, FP8 rows scaled per tile and bf16; at T < 32 also split counts
-    python bench/mla_tiles_sweep.py --out-dir $OUT --tokens 128,8192 --tiles 0:32:64:8:2,1:32:64:8:2
-        # the given tiles (key_major:block_h:block_n:warps:stages), FP8 rows scaled per tile and bf16
+    python bench/mla_tiles_sweep.py --out-dir $OUT --tokens 128,8192 --tiles 0:32:64:8:2,1:32:64:8:2:1:1
+        # the given tiles (key_major:block_h:block_n:warps:stages[:v_parts[:dot16]]), FP8 rows scaled
+        # per tile and bf16 (dot16 applies to FP8 rows only)
 
 Each row records the compiled binary's registers and spills (Triton's n_regs / n_spills).
 """
@@ -40,7 +41,7 @@ def main():
     ap.add_argument("--focus", action="store_true", help="FP8 rows: best tiles x dot16 x split counts")
     ap.add_argument("--dequant", action="store_true", help="FP8 rows: per-tile scaling vs per-group dots")
     ap.add_argument("--parts", action="store_true", help="v_parts 1/2/4 x head-major tiles, FP8 and bf16")
-    ap.add_argument("--splits", action="store_true", help="the default tiles x split counts 1 .. 16 (kernel + combine)")
+    ap.add_argument("--splits", action="store_true", help="the default tiles x split counts 1 .. 64 (kernel + combine)")
     ap.add_argument("--contexts", default="2048", help="token positions + 1 (2048 and up: all k keys)")
     ap.add_argument("--tiles", default="", help="comma list of key_major:block_h:block_n:warps:stages to measure")
     a = ap.parse_args()
@@ -69,14 +70,14 @@ def main():
         for kv, cache in caches.items():
             def run(**tiles):
                 return tt.sparse_mla_latent(q_lat, q_pe, cache, r2t, rows, pos, topk, 0.07, slots=slots, **tiles)
-            want = run().float()
+            want = _reference(q_lat, q_pe, cache, slots, 0.07, R)
             combos = [(None,) * 5]
             if a.tiles:
-                combos += [dict(key_major=bool(km), block_h=bh, block_n=bn, num_warps=w, num_stages=st,
-                                **({"dequant": True} if kv == "fp8" else {}))
-                           for km, bh, bn, w, st in (map(int, t.split(":")) for t in a.tiles.split(","))]
+                for t in a.tiles.split(","):     # bf16 rows drop dot16: measure each tile once
+                    if _tiles_arg(t, kv == "fp8") not in combos:
+                        combos.append(_tiles_arg(t, kv == "fp8"))
             elif a.splits:
-                combos += [dict(num_splits=ns) for ns in (1, 2, 3, 4, 6, 8, 12, 16)]
+                combos += [dict(num_splits=ns) for ns in (1, 2, 3, 4, 6, 8, 12, 16, 32, 64)]
             elif a.parts:
                 combos += [dict(t, **({"dequant": True} if kv == "fp8" else {})) for t in _parts_tiles(T)]
             elif a.dequant and kv == "fp8":
@@ -114,7 +115,8 @@ def main():
                           key=lambda r: r["us"])
             default = next((r for r in best if r["tiles"] == "default"), None)
             errors = [r for r in res if (r["T"], r["ctx"], r["kv"]) == (T, n_ctx, kv) and "error" in r]
-            print(f"T={T} ctx={n_ctx} {kv}: default {default['us'] if default else None} us; best " +
+            print(f"T={T} ctx={n_ctx} {kv}: default {default['us'] if default else None} us "
+                  f"(err {default['err'] if default else None}); best " +
                   "; ".join(f"{r['us']:.1f} {r['tiles']} regs {r.get('n_regs')} spills {r.get('n_spills')}"
                             for r in best[:3]) +
                   (f"; {len(errors)} failed, e.g. {errors[0]['tiles']}: {errors[0]['error']}" if errors else ""),
@@ -122,6 +124,38 @@ def main():
     out = Path(a.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "mla_tiles_sweep.json").write_text(json.dumps(res, indent=1))
+
+
+def _reference(q_lat, q_pe, cache, slots, scale, R):
+    """fp32 softmax attention of each token over its selected rows (FP8 rows dequantised): what
+    every tile's `err` (max abs error / max abs value) is measured against."""
+    import torch
+    from glmc.codegen import fp8_ref
+    out = torch.zeros(q_lat.shape, dtype=torch.float32, device=q_lat.device)
+    for t in range(q_lat.shape[0]):
+        sel = slots[t][slots[t] >= 0].long()
+        rows = cache[sel]
+        c, pe = fp8_ref.kv_fp8_unpack(rows, R) if cache.dtype == torch.uint8 else (rows[:, :R], rows[:, R:])
+        c, pe = c.float(), pe.float()
+        p = torch.softmax(scale * (q_lat[t].float() @ c.T + q_pe[t].float() @ pe.T), -1)
+        out[t] = p @ c
+    return out
+
+
+def _tiles_arg(spec, fp8):
+    """key_major:block_h:block_n:warps:stages[:v_parts[:dot16]] -> make()'s keywords (FP8 rows: scaled
+    per tile; dot16 1 = fp16 dot operands, which e4m3 converts to exactly)."""
+    f = [int(x) for x in spec.split(":")]
+    if len(f) not in (5, 6, 7):
+        raise SystemExit(f"--tiles {spec!r}: want key_major:block_h:block_n:warps:stages[:v_parts[:dot16]]")
+    out = dict(key_major=bool(f[0]), block_h=f[1], block_n=f[2], num_warps=f[3], num_stages=f[4])
+    if len(f) > 5:
+        out["v_parts"] = f[5]
+    if fp8:
+        out["dequant"] = True
+        if len(f) > 6:
+            out["dot16"] = bool(f[6])
+    return out
 
 
 def _parts_tiles(T):

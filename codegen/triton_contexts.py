@@ -294,10 +294,27 @@ class TopkSelectCtx:
 MAX_SPLITS = 64  # flash-decoding splits of one (token, head block) at most: the combine's widest tile
 
 
+def mla_wide(num_tokens: int, num_heads: int, kv_fp8: bool) -> bool:
+    """SparseMlaDecodeCtx's wide class: 64 x 64 tiles at 8 warps, all 64 heads in one program (Hopper's
+    wgmma, where 16-head tiles run mma.sync), from 4 tokens on FP8 rows and 8 on bf16 rows. Sweep of
+    2026-12-04 on an H200 (bench/results/h200_2026-12-04_s21/mla_tiles_sweep_small.json, 64 heads, k
+    2048, 2K keys): FP8 rows at 4 / 8 / 16 tokens 21.2 / 26.0 / 40.8 us against 38.6 / 71.6 / 150.5 for
+    the 16 x 32 tiles at 4 warps before; bf16 rows at 8 / 16 24.3 / 37.6 against 29.0 / 55.0, at 4
+    tokens within 4% of 16 x 32 (kept there)."""
+    return num_heads >= 64 and num_tokens >= (4 if kv_fp8 else 8)
+
+
 def mla_v_parts(num_tokens: int, num_heads: int, kv_lora: int, fp8_tiles: bool) -> int:
-    """SparseMlaDecodeCtx's default output parts: 2 for FP8 rows scaled per tile (head-major) below
-    32 tokens when each part keeps whole 128-value scale groups, else 1."""
-    return 2 if fp8_tiles and not (num_tokens >= 32 and num_heads >= 64) and kv_lora >= 2 * FP8_GROUP else 1
+    """SparseMlaDecodeCtx's default output parts, for FP8 rows scaled per tile (head-major) when each
+    part keeps whole 128-value scale groups: at 64 heads 2 in the wide class below 8 tokens (4 tokens
+    21.2 us against 23.0 in one part), else 1 (the narrow class: 1 token 14.4 both, 2 tokens 17.1
+    against 20.2; the wide class from 8 tokens: every part recomputes the scores); below 64 heads
+    (a tensor-parallel rank; not swept) 2. Else 1."""
+    if not fp8_tiles or kv_lora < 2 * FP8_GROUP:
+        return 1
+    if num_heads < 64:
+        return 2
+    return 2 if mla_wide(num_tokens, num_heads, True) and num_tokens < 8 else 1
 
 
 MLA_WARPS_PER_SM = 8  # the split programs' warps, all together, fill this many per SM (one wave)
@@ -323,8 +340,8 @@ def mla_num_splits(num_tokens: int, num_heads: int, block_h: int, num_keys: int,
 class SparseMlaDecodeCtx:
     """sparse_mla_decode.py.j2: absorbed MLA split-K partials over top-k slots (or causal positions).
     The split count is a run-time argument (`mla_num_splits`), so one kernel serves every batch of
-    its token class: < 32 tokens or >= 32 with >= 64 heads (wider tiles), head-major; FP8 rows
-    scaled per gathered tile into fp16 operands. The key-major and per-group FP8 forms stay for
+    its token class (`mla_wide`: 16-head or 64-head tiles; FP8 rows also by dot operand type), head-major;
+    FP8 rows scaled per gathered tile. The key-major and per-group FP8 forms stay for
     `bench/mla_tiles_sweep.py`: the sweep that rejected them had 64 heads on the GPU, and a rank of
     a tensor-parallel plan holds 8 (tp8), where a head-major tile pads the MMA's 16 rows with heads
     it does not have and key-major puts keys there instead; they are still to be swept at 8 heads."""
@@ -352,29 +369,26 @@ class SparseMlaDecodeCtx:
              num_warps=None, num_stages=None, key_major=None, kv_fp8=False, dot16=None, dequant=None, v_parts=None):
         if kv_lora != next_pow2(kv_lora) or rope_dim != next_pow2(rope_dim):
             raise ValueError(f"sparse_mla_decode needs power-of-two kv_lora/rope dims, got {kv_lora}/{rope_dim}")
-        # Sweep of 2026-12-02 on an H200 (bench/results/mla_tiles_sweep_h200_2026-12-02_dequant.json, 64
-        # heads, k 2048, contexts 1K and 2K): head-major everywhere. FP8 rows scaled once per tile
-        # (dequant); >= 32 tokens: fp16 operands (dot16: e4m3 -> fp16 is exact), 64 x 64 tiles at 8
-        # warps, 2 stages (32 tokens 89.7 us at 2K vs 163.8 for the per-group key-major kernel; 128
-        # tokens 265.5 vs 474.1); fewer: 16 x 32 at 4 warps, 1 stage (1 token 16.5 vs 17.8; 8: 51.6 vs
-        # 60.6). bf16 rows, >= 32 tokens: 64 x 32 at 8 warps, 2 stages (90.6 vs 103.2; 270.0 vs 318.3);
-        # fewer: 16 x 32 at 4 warps, 2 stages (unchanged, best at 1 and 8 tokens).
-        # Sweep of 2026-12-02 (session 13, bench/results/h200_2026-12-02_s13/mla_tiles_sweep_parts.json):
-        # bf16 rows from 32 tokens: 32 x 64 at 4 warps (replaced on 2026-12-04, below), 2 stages (128
-        # tokens 134.1 vs 158.1 us at 1K, 232.6 vs 270.4 at 2K, spilling 30 registers and still faster);
-        # FP8 rows at fewer tokens: the latent output in 2 parts (v_parts, 219 registers, no spills: 1
-        # token 11.8 vs 12.1 us at 1K, 15.9 vs 16.5 at 2K). More parts, or parts at 128 tokens, lose:
-        # every part recomputes the scores.
-        wide = num_tokens >= 32 and num_heads >= 64
+        # Sweeps on an H200 (64 heads, k 2048, contexts 1K and 2K), in order:
+        # - 2026-12-02 (bench/results/mla_tiles_sweep_h200_2026-12-02_dequant.json): head-major everywhere;
+        #   FP8 rows scaled once per gathered tile (dequant: 32 tokens 89.7 us at 2K against 163.8 for the
+        #   per-group key-major kernel, 128 tokens 265.5 against 474.1).
+        # - 2026-12-04 (bench/results/h200_2026-12-04_s19/mla_tiles_sweep_*.json): from 32 tokens 64 x 64
+        #   tiles at 8 warps, all 64 heads in one program (Hopper's wgmma, not mma.sync): bf16 rows at 32 /
+        #   128 / 8192 tokens 60.4 / 194.0 / 11646 us against 69.5 / 209.5 / 12311 for 32 x 64 at 4 warps.
+        #   Key-major 64 x 128 (its scores dot 64 keys per warp group, where head-major computes the
+        #   [64 heads, keys] scores in both warp groups alike: Triton's layout for a chained dot) lost at
+        #   every count (74.6 / 227.1 / 13181; FP8 rows 143.9 at 32 tokens), spilling more.
+        # - 2026-12-04 (bench/results/h200_2026-12-04_s21/mla_tiles_sweep_{small,wide_dot16}.json): the
+        #   wide class from 4 (FP8 rows) or 8 (bf16) tokens (`mla_wide`), parts by `mla_v_parts`. Dot
+        #   operands for FP8 rows: fp16 in the narrow class (1 / 2 tokens 14.4 / 17.1 us against 15.9 /
+        #   23.4 in bf16: e4m3 -> fp16 is one conversion instruction), bf16 in the wide one (8 / 16 / 32 /
+        #   128 tokens 26.0 / 40.8 / 71.3 / 225.7 against 34.5 / 54.8 / 94.8 / 304.0 in fp16, which spills
+        #   114 registers at 32 tokens and up against 24).
+        wide = mla_wide(num_tokens, num_heads, kv_fp8)
         dequant = kv_fp8 if dequant is None else dequant
-        if kv_fp8 and wide:
-            dot16 = True if dot16 is None else dot16
-        # Sweep of 2026-12-04 (bench/results/h200_2026-12-04_s19/mla_tiles_sweep_*.json): bf16 rows from 32
-        # tokens also take 64 x 64 at 8 warps (all 64 heads in one program: Hopper's wgmma, not mma.sync):
-        # 32 / 128 / 8192 tokens at 2K 60.4 / 194.0 / 11646 us against 69.5 / 209.5 / 12311 for 32 x 64 at
-        # 4 warps. Key-major 64 x 128 (its scores dot 64 keys per warp group, where head-major computes the
-        # [64 heads, keys] scores in both warp groups alike: Triton's layout for a chained dot) lost at
-        # every count (74.6 / 227.1 / 13181; FP8 rows 143.9 at 32 tokens), spilling more.
+        if kv_fp8 and dot16 is None:
+            dot16 = not wide
         if wide:
             block_h, block_n = block_h or 64, block_n or 64
             num_warps, num_stages = num_warps or 8, num_stages or 2
@@ -396,7 +410,7 @@ class SparseMlaDecodeCtx:
     @classmethod
     def variants(cls, num_heads, kv_lora, rope_dim, topk, scale, dtype, kv_fp8=False) -> list["SparseMlaDecodeCtx"]:
         """Every context `make` gives for some token count (the token classes)."""
-        out = [cls.make(num_heads, kv_lora, rope_dim, topk, scale, dtype, t, kv_fp8=kv_fp8) for t in (1, 32, 64)]
+        out = [cls.make(num_heads, kv_lora, rope_dim, topk, scale, dtype, t, kv_fp8=kv_fp8) for t in (1, 4, 8, 32, 64)]
         return list(dict.fromkeys(out))
 
 

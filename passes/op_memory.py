@@ -298,10 +298,12 @@ def _topk(op, args, s):
 def mla_splits(T: int, H: int, R: int, topk: int | None, s: Step) -> int:
     """SparseMlaDecodeCtx.make's head block, output parts and warps for T tokens, then mla_num_splits
     at the target's SMs."""
-    wide = T >= 32 and H >= 64
+    wide = H >= 64 and T >= (4 if s.t.kv_fp8 else 8)             # triton_contexts.mla_wide
     block_h = 64 if wide else 16
     block_n = 64 if wide else 32
-    v_parts = 2 if s.t.kv_fp8 and not wide and R >= 2 * FP8_BLOCK else 1   # triton_contexts.mla_v_parts
+    v_parts = 1                                                    # triton_contexts.mla_v_parts
+    if s.t.kv_fp8 and R >= 2 * FP8_BLOCK and (H < 64 or (wide and T < 8)):
+        v_parts = 2
     num_warps = 8 if wide else 4
     num_keys = topk if topk is not None else s.t.max_len
     programs = T * -(-H // block_h) * v_parts

@@ -239,15 +239,16 @@ def test_fp8_source_is_specialised_for_glm53():
           "(loc % 64) * 128", "ik_scale_ptr + (loc // 64)")
     plain = tt.QkvNormRopeWriteCtx.make(2048, 512, 64, 1e-5, True, 128)
     check(tt.render("qkv_norm_rope_write", plain), "dst + 512 + j", absent=("_e4m3_round", "kv_scale_ptr"))
-    parts = tt.SparseMlaDecodeCtx.make(64, 512, 64, 2048, 1 / 16, torch.bfloat16, 1, kv_fp8=True)
-    assert parts.v_parts == 2    # default at one token: the latent output in two 256-wide parts
+    parts = tt.SparseMlaDecodeCtx.make(64, 512, 64, 2048, 1 / 16, torch.bfloat16, 4, kv_fp8=True)
+    assert parts.v_parts == 2    # default at 4 tokens: 64 x 64 tiles, the latent output in two 256-wide parts
     check(tt.render("sparse_mla_decode", parts), "vp = tl.program_id(0) % 2", "rq = tl.arange(0, 2)",
           "kv_scale_ptr + slot[:, None] * kv_scale_stride + c0 // 128 + rq[None, :]",
-          "tl.reshape(ck * sc.to(tl.bfloat16)[:, :, None], [32, 256])")
-    mla = tt.SparseMlaDecodeCtx.make(64, 512, 64, 2048, 1 / 16, torch.bfloat16, 1, kv_fp8=True, v_parts=1)
+          "tl.reshape(ck * sc.to(tl.bfloat16)[:, :, None], [64, 256])")
+    mla = tt.SparseMlaDecodeCtx.make(64, 512, 64, 2048, 1 / 16, torch.bfloat16, 1, kv_fp8=True)
+    assert mla.v_parts == 1      # default at one token: 16 x 32 tiles, fp16 dot operands, one part
     check(tt.render("sparse_mla_decode", mla), "kv_scale_ptr, kv_scale_stride, kv_pe_ptr",
           "rq = tl.arange(0, 4)", "kv_scale_ptr + slot[:, None] * kv_scale_stride + c0 // 128 + rq[None, :]",
-          "tl.reshape(ck * sc.to(tl.bfloat16)[:, :, None], [32, 512])", "kv_pe_ptr + slot[:, None] * kv_pe_stride",
+          "tl.reshape(ck * sc.to(tl.float16)[:, :, None], [32, 512])", "kv_pe_ptr + slot[:, None] * kv_pe_stride",
           absent=("+ 512 + dr", "sc3", "ckv1", "tl.float32) * sc"))
     grouped = tt.SparseMlaDecodeCtx.make(64, 512, 64, 2048, 1 / 16, torch.bfloat16, 1, kv_fp8=True, dequant=False)
     check(tt.render("sparse_mla_decode", grouped), "sc3 = tl.load(kv_scale_ptr + slot * kv_scale_stride + 3",

@@ -89,17 +89,40 @@ def test_gemv_takes_narrow_outputs_only_at_few_rows():
 
 
 def test_mla_split_count_is_the_measured_best():
-    """mla_num_splits gives the split count that was fastest in the H200 sweep of 2026-12-03 (kernel +
-    combine, 64 heads, 132 SMs): a power of two, the programs' warps within 8 per SM, >= 2 key blocks
-    a split. (tokens, FP8 rows, keys) -> splits; tiles, output parts and warps are make's defaults."""
+    """mla_num_splits gives the split count that was fastest in the H200 sweeps (kernel + combine, 64
+    heads, 132 SMs, a top-k of 2048, so num_keys 2048 at every context): a power of two, the programs'
+    warps within 8 per SM, >= 2 key blocks a split. 2026-12-04 (bench/results/h200_2026-12-04_s21/
+    mla_tiles_sweep_splits.json, 1-16 tokens, this session's tile classes): within 2% of the best count at
+    every point but bf16 rows at 2 tokens over a 1K context (12.2 us at 32 splits against 11.0 at 16);
+    2026-12-03 for 32 and 128 tokens. (tokens, FP8 rows, context) -> splits."""
     from glmc.codegen.triton_contexts import SparseMlaDecodeCtx, mla_num_splits
-    best = {(8, True, 1024): 4, (8, False, 1024): 8, (16, True, 2048): 2, (16, False, 1024): 4,
-            (32, True, 1024): 4, (32, False, 2048): 4, (128, True, 1024): 1, (128, False, 2048): 1,
-            (1, True, 1024): 16, (1, True, 2048): 32}
-    for (T, fp8, keys), want in best.items():
-        ctx = SparseMlaDecodeCtx.make(64, 512, 64, 2048, 0.1, torch.bfloat16, T, kv_fp8=fp8)
-        got = mla_num_splits(T, 64, ctx.block_h, keys, ctx.block_n, 132, ctx.v_parts, ctx.num_warps)
-        assert got == want, (T, fp8, keys, got)
+    best = {(1, True, 1024): 32, (1, False, 1024): 32, (1, True, 2048): 32, (2, True, 2048): 32,
+            (4, True, 1024): 16, (4, True, 2048): 16, (4, False, 2048): 16, (8, True, 1024): 16,
+            (8, False, 2048): 16, (16, True, 2048): 8, (16, False, 1024): 8, (32, True, 1024): 4,
+            (32, False, 2048): 4, (128, True, 1024): 1, (128, False, 2048): 1}
+    for (T, fp8, ctx), want in best.items():
+        c = SparseMlaDecodeCtx.make(64, 512, 64, 2048, 0.1, torch.bfloat16, T, kv_fp8=fp8)
+        got = mla_num_splits(T, 64, c.block_h, 2048, c.block_n, 132, c.v_parts, c.num_warps)
+        assert got == want, (T, fp8, ctx, got)
+
+
+def test_mla_tile_classes_are_the_measured_best():
+    """SparseMlaDecodeCtx's defaults per token count at 64 heads are the fastest of the H200 sweep of
+    2026-12-04 (bench/results/h200_2026-12-04_s21/mla_tiles_sweep_small.json), and a tensor-parallel
+    rank's 8 heads stay in 16-head tiles. (heads, tokens, FP8 rows) -> (block_h, block_n, warps,
+    stages, v_parts, dot operands)."""
+    from glmc.codegen.triton_contexts import SparseMlaDecodeCtx
+    want = {(64, 1, True): (16, 32, 4, 1, 1, "tl.float16"), (64, 2, True): (16, 32, 4, 1, 1, "tl.float16"),
+            (64, 4, True): (64, 64, 8, 2, 2, "tl.bfloat16"), (64, 8, True): (64, 64, 8, 2, 1, "tl.bfloat16"),
+            (64, 16, True): (64, 64, 8, 2, 1, "tl.bfloat16"), (64, 128, True): (64, 64, 8, 2, 1, "tl.bfloat16"),
+            (64, 4, False): (16, 32, 4, 2, 1, "tl.bfloat16"), (64, 8, False): (64, 64, 8, 2, 1, "tl.bfloat16"),
+            (8, 8, True): (16, 32, 4, 1, 2, "tl.float16"), (8, 64, False): (16, 32, 4, 2, 1, "tl.bfloat16")}
+    for (H, T, fp8), tiles in want.items():
+        c = SparseMlaDecodeCtx.make(H, 512, 64, 2048, 0.1, torch.bfloat16, T, kv_fp8=fp8)
+        assert (c.block_h, c.block_n, c.num_warps, c.num_stages, c.v_parts, c.dot_dtype) == tiles, (H, T, fp8)
+    variants = SparseMlaDecodeCtx.variants(64, 512, 64, 2048, 0.1, torch.bfloat16, kv_fp8=True)
+    for T in (1, 2, 3, 4, 7, 8, 31, 32, 500):   # the kernel set holds every class a batch can take
+        assert SparseMlaDecodeCtx.make(64, 512, 64, 2048, 0.1, torch.bfloat16, T, kv_fp8=True) in variants
 
 
 @pytest.mark.parametrize("m", [1, 3, 4, 16])
@@ -356,8 +379,8 @@ def test_source_is_specialised_for_glm53(tmp_path):
     check(tt.render("sparse_mla_decode", wide), "tl.zeros([64, 512]", "tl.dot(q0, tl.trans(ckv0)",
           "tl.dot(p.to(tl.bfloat16), ckv0", absent=("q1", "sc0", "tl.trans(q0)"))
     fp8 = tt.SparseMlaDecodeCtx.make(64, 512, 64, 2048, 1 / 16, torch.bfloat16, 32, kv_fp8=True)
-    assert (fp8.dequant, fp8.block_h, fp8.block_n, fp8.dot_dtype) == (True, 64, 64, "tl.float16")
-    check(tt.render("sparse_mla_decode", fp8), "tl.arange(0, 4)", "tl.reshape(ck * sc.to(tl.float16)",
+    assert (fp8.dequant, fp8.block_h, fp8.block_n, fp8.dot_dtype) == (True, 64, 64, "tl.bfloat16")
+    check(tt.render("sparse_mla_decode", fp8), "tl.arange(0, 4)", "tl.reshape(ck * sc.to(tl.bfloat16)",
           absent=("q1", "sc0", "ckv1"))
     qkv = tt.QkvNormRopeWriteCtx.make(2048, 512, 64, 1e-5, True, 128)
     check(tt.render("qkv_norm_rope_write", qkv), "oq < 2048", "oc < 512", "ia = 2 * j", "dst + 512 + j",
