@@ -278,9 +278,10 @@ def record_routes(runner) -> list:
     return calls
 
 
-def route_diffs(got: list, want: list) -> int:
-    """Tokens x MoE layers whose routed expert sets differ between two runs' recorded calls."""
-    return sum(int((a != b).any(-1).sum()) for a, b in zip(got, want))
+def route_diffs(got: list, want: list, tokens=None) -> int:
+    """Tokens x MoE layers whose routed expert sets differ between two runs' recorded calls (only
+    the rows `tokens` of each call where given: a prefill's compared last tokens)."""
+    return sum(int((a != b).any(-1)[slice(None) if tokens is None else tokens].sum()) for a, b in zip(got, want))
 
 
 def check_width(dev, dtype, narrow, lengths, steps=3, tol=2e-2, fp8=False, kv_dtype=None, routes=False):
@@ -306,6 +307,8 @@ def check_width(dev, dtype, narrow, lengths, steps=3, tol=2e-2, fp8=False, kv_dt
     prompts = [torch.randint(0, c.vocab_size, (n,), generator=g).tolist() for n in lengths]
     got = prefill(runner, prompts, table)
     rows = [_compare("prefill", got, prefill(ref, prompts, table), plain and prefill(plain, prompts, table))]
+    if routes:   # the prefill's logits are its prompts' last tokens: their routes decide
+        rows[-1]["route_diffs"] = route_diffs(got_routes, want_routes, torch.tensor(lengths).cumsum(0) - 1)
     seqs = [list(p) for p in prompts]
     for i in range(steps):
         for s in seqs:

@@ -25,12 +25,12 @@ def test_every_cuda_op_lists_its_kernels():
 
 
 @pytest.mark.parametrize("parallel,heads,tiles", [
-    ("tp1", 64, {(False, 16, "tl.bfloat16"), (False, 64, "tl.float16")}),
-    ("tp8", 8, {(False, 16, "tl.bfloat16")})])
+    ("tp1", 64, {(False, 16, "tl.float16"), (False, 64, "tl.bfloat16")}),
+    ("tp8", 8, {(False, 16, "tl.float16")})])
 def test_glm53_kernel_set_is_small_and_fits_the_rank(parallel, heads, tiles):
     """GLM-5.3 (FP8 weights, FP8 KV): a few dozen kernels, attention specialised to the rank's heads
-    (head-major 16-head blocks below 32 tokens; where a rank holds >= 64 heads, fp16 operands and
-    64-head blocks from 32 tokens; FP8 rows scaled per tile); the FP8 experts
+    (head-major 16-head blocks with fp16 operands; where a rank holds >= 64 heads, 64-head blocks
+    with bf16 operands from 4 tokens; FP8 rows scaled per tile); the FP8 experts
     and GEMMs at the rank's widths (A-projection: shared layers q_a | kv_a, full layers q_a | kv_a
     padded to its 128-row scale block | wk, one GEMM each)."""
     kernels = plan_kernels(compiled("glm_moe_dsa", parallel, device="cuda"))

@@ -50,3 +50,16 @@ def test_decode_points_over_a_model_written_cache(tmp_path):
     assert step["replay_ms"] > 0 and step["x_roofline"] == step["replay_ms"] / step["roofline_ms"], step
     kernels = {r["kernel"]: r for r in step["kernels"]}
     assert {"indexer scores", "top-k select", "sparse MLA decode"} <= set(kernels), kernels
+
+
+def test_plan_check_counts_route_differences_at_compared_tokens():
+    """gpu_plan_check --routes: a prefill's logits are its prompts' last tokens, so its route count
+    looks only at those rows (a flip elsewhere does not excuse a logit error); decode counts all."""
+    import torch
+    sys.path.insert(0, str(ROOT / "bench"))
+    import gpu_plan_check as pc
+    a = torch.tensor([[0, 1], [2, 3], [4, 5], [6, 7]])
+    b = torch.tensor([[0, 9], [2, 3], [4, 5], [6, 8]])   # rows 0 and 3 routed elsewhere
+    assert pc.route_diffs([a, a], [b, a]) == 2
+    last = torch.tensor([1, 3]).cumsum(0) - 1               # prompts of 1 and 3 tokens: rows 0, 3
+    assert pc.route_diffs([a, b], [b, b], last) == 2 and pc.route_diffs([a], [b], torch.tensor([1, 2])) == 0
