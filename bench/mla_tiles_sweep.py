@@ -1,6 +1,6 @@
-"""Tile sweep of the sparse-MLA decode kernel on FP8 and bf16 rows at GLM-5.3 shapes (64 heads,
-latent 512, rope 64, top-k 2048), per token count: which (key_major, block_h, block_n, warps,
-stages) is fastest, against the plan's default (`SparseMlaDecodeCtx.make`).
+"""Tile sweep of the sparse-MLA decode kernel on FP8 and bf16 rows at GLM-5.3 shapes (64 heads, or
+--heads: a tp8 rank's 8; latent 512, rope 64, top-k 2048), per token count: which (key_major,
+block_h, block_n, warps, stages) is fastest, against the plan's default (`SparseMlaDecodeCtx.make`).
 
     python bench/mla_tiles_sweep.py --out-dir $OUT [--tokens 1,8,32,128]
     python bench/mla_tiles_sweep.py --out-dir $OUT --focus     # FP8 rows: the two best tiles of the full
@@ -43,7 +43,9 @@ def main():
     ap.add_argument("--parts", action="store_true", help="v_parts 1/2/4 x head-major tiles, FP8 and bf16")
     ap.add_argument("--splits", action="store_true", help="the default tiles x split counts 1 .. 64 (kernel + combine)")
     ap.add_argument("--contexts", default="2048", help="token positions + 1 (2048 and up: all k keys)")
-    ap.add_argument("--tiles", default="", help="comma list of key_major:block_h:block_n:warps:stages to measure")
+    ap.add_argument("--tiles", default="", help="comma list of key_major:block_h:block_n:warps:stages"
+                    "[:v_parts[:dot16]] to measure")
+    ap.add_argument("--heads", type=int, default=64, help="query heads (a tp8 rank of GLM-5.3 holds 8)")
     a = ap.parse_args()
     pc.import_glmc()
     import torch
@@ -51,7 +53,7 @@ def main():
     from glmc.codegen import fp8_ref
     from glmc.codegen import triton_target as tt
     t_end = time.perf_counter() + a.budget
-    H, R, DR, K = 64, 512, 64, 2048
+    H, R, DR, K = a.heads, 512, 64, 2048
     g = torch.Generator(device="cuda").manual_seed(0)
     rows_total = 128 * K
     c_kv = torch.randn(rows_total, R, device="cuda", generator=g).to(torch.bfloat16)
