@@ -12,7 +12,7 @@ model's); `random` fills every slot of the paged KV pool and of the indexer key 
 values through `KVPool`'s writers (so an FP8 pool holds valid e4m3 rows and scales; seconds instead
 of a prefill, scores of another spread). Each request's row of the request table owns `ctx` tokens;
 the decode token sits at position ctx. Timed: the captured decode graph's replay and the whole step
-with the host (inputs in, logits read), as bench/decode_bench.py; both KV dtypes (fp8: the plan's default for bf16
+with the host (inputs in, logits read; median wall time of back-to-back steps), as bench/decode_bench.py; both KV dtypes (fp8: the plan's default for bf16
 checkpoints; bf16), fp8 first.
 Roofline = bytes that must move per step / the device-to-device copy bandwidth measured here: the
 weights the step reads (experts touched, lm_head, ...), per full-indexer layer per request ctx x
@@ -174,7 +174,7 @@ def glmc_point(runner, B, ctx, table, info):
     runner.forward("decode", batch)
     cap = runner.captured.get(B)
     replay = db.bench_ms(cap.graph.replay, graph=False) if cap else db.bench_ms(lambda: runner.forward("decode", batch))
-    step = db.bench_ms(lambda: runner.forward("decode", batch)["logits"][0, 0].item(), graph=False) if cap else replay
+    step = db.step_wall_ms(lambda: runner.forward("decode", batch)["logits"][0, 0].item()) if cap else replay
     ops = db.per_op_table(runner, batch, ctx, info["copy_gbps"], info["mm_tflops"], deadline=0)  # costs only
     must = sum(r["must_bytes"] for r in ops) + db.other_weight_bytes(runner)
     roof = must / info["copy_gbps"] / 1e6

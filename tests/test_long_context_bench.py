@@ -63,3 +63,18 @@ def test_plan_check_counts_route_differences_at_compared_tokens():
     assert pc.route_diffs([a, a], [b, a]) == 2
     last = torch.tensor([1, 3]).cumsum(0) - 1               # prompts of 1 and 3 tokens: rows 0, 3
     assert pc.route_diffs([a, b], [b, b], last) == 2 and pc.route_diffs([a], [b], torch.tensor([1, 2])) == 0
+
+
+def test_whole_step_is_wall_time_of_back_to_back_calls():
+    """The decode benchmarks' whole-step time: the median wall time of back-to-back calls, host work
+    included (a call that sleeps 4 ms costs >= 4 ms), at least 5 calls after the warm-up ones."""
+    import time
+    sys.path.insert(0, str(ROOT / "bench"))
+    import decode_bench as db
+    calls = []
+
+    def step():
+        calls.append(1)
+        time.sleep(0.004)
+    ms = db.step_wall_ms(step, seconds=0.01, warmup=2)
+    assert 4.0 <= ms < 40.0 and len(calls) >= 7, (ms, len(calls))
