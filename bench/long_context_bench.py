@@ -12,8 +12,8 @@ model's); `random` fills every slot of the paged KV pool and of the indexer key 
 values through `KVPool`'s writers (so an FP8 pool holds valid e4m3 rows and scales; seconds instead
 of a prefill, scores of another spread). Each request's row of the request table owns `ctx` tokens;
 the decode token sits at position ctx. Timed: the captured decode graph's replay and the whole step
-with the host (inputs in, logits read; median wall time of back-to-back steps), as bench/decode_bench.py; both KV dtypes (fp8: the plan's default for bf16
-checkpoints; bf16), fp8 first.
+with the host (inputs in, logits read; median wall time of back-to-back steps), as
+bench/decode_bench.py; both KV dtypes (fp8: the plan's default for bf16 checkpoints; bf16), fp8 first.
 Roofline = bytes that must move per step / the device-to-device copy bandwidth measured here: the
 weights the step reads (experts touched, lm_head, ...), per full-indexer layer per request ctx x
 the indexer bytes per key, per layer per request min(ctx, index_topk) selected KV rows x bytes per

@@ -75,9 +75,9 @@ def main():
             want = _reference(q_lat, q_pe, cache, slots, 0.07, R)
             combos = [(None,) * 5]
             if a.tiles:
-                for t in a.tiles.split(","):     # bf16 rows drop dot16: measure each tile once
-                    if _tiles_arg(t, kv == "fp8") not in combos:
-                        combos.append(_tiles_arg(t, kv == "fp8"))
+                for tiles in (_tiles_arg(t, kv == "fp8") for t in a.tiles.split(",")):
+                    if tiles not in combos:      # bf16 rows drop dot16: measure each tile once
+                        combos.append(tiles)
             elif a.splits:
                 combos += [dict(num_splits=ns) for ns in (1, 2, 3, 4, 6, 8, 12, 16, 32, 64)]
             elif a.parts:
