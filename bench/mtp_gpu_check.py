@@ -25,6 +25,13 @@
        mtp   = [verify(B(N+1)) + draft(B(N+1)) (draft-extend, an upper bound) + (N - 1) draft(B)] / accept(N)
    Graph time only (no host), one GPU holding every layer (the whole model does not fit one GPU; the
    ratio is what the prediction is about, and it says which term limits it).
+4. rank (`--parts rank`, not in the default): the same slice compiled for `--parallel` (tp8ep8, as
+   GLM-5.3 is served on eight H200s) and rank 0 of it run alone on this GPU (`LoneComm`: its shard
+   of heads and experts, collectives that keep shapes and move nothing, the other ranks' tokens'
+   expert ids drawn as a random router routes them). Each segment is replayed without its
+   collectives, once per EP rank's expert range; a segment costs the slowest rank's compute plus
+   the calibrated collectives of its ops (`--calibration`, glmc/predict.py's comm_s), and the
+   prediction is part 3's formula over those segments: a rank's compute measured, its links modelled.
 """
 from __future__ import annotations
 
@@ -42,6 +49,7 @@ import gpu_plan_check as pc  # noqa: E402  (slice config, model, weights, reques
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ROOT / "models" / "small"
+CALIBRATION = ROOT / "bench" / "results" / "calibration_nvidia-h200-x2_2026-11-30_derived.json"
 STEPS = (1, 2, 3)
 # GLM-5.3: 78 layers, the first 3 dense, a full indexer on every 4th layer (index_topk_freq 4)
 FULL_MODEL = {"layers": 78, "dense": 3, "full_every": 4}
@@ -147,10 +155,11 @@ def check_serve(out_dir: Path, cpu: bool):
 
 
 # ----------------------------------------------------------------------------- 3. GLM-5.3 width
-def slice_with_mtp(dev, dtype, narrow, fp8=False):
+def slice_with_mtp(dev, dtype, narrow, fp8=False, parallel="tp1"):
     """HF slice of 4 layers (dense full, MoE full, MoE shared, MoE full): the last becomes the MTP
-    layer; -> (glmc plan with MTP phases, weights, expert stacks). fp8: block-FP8 linear weights
-    (the loader quantises the random bf16 ones on load, as gpu_plan_check's width slice)."""
+    layer; -> (glmc plan for `parallel` with MTP phases, weights, expert stacks). fp8: block-FP8
+    linear weights (the loader quantises the random bf16 ones on load, as gpu_plan_check's width
+    slice)."""
     import tempfile
 
     import torch
@@ -176,23 +185,32 @@ def slice_with_mtp(dev, dtype, narrow, fp8=False):
     d = Path(tempfile.mkdtemp(prefix="glmc_mtp_slice_"))
     (d / "config.json").write_text(json.dumps(raw))
     spec = load_spec(d)
-    plan = compile_plan(spec, parse_parallel("tp1", spec.config),
+    plan = compile_plan(spec, parse_parallel(parallel, spec.config),
                         Options(device="cuda", max_batch=16, mtp_draft_tokens=4))
     return model, plan, weights, stacks
 
 
-def segment_ms(runner, phase, batch, hidden, bench):
-    """Run `phase` once eagerly recording every op call, then replay each layer's calls (and the
-    rest: the head, the MTP prologue) as a CUDA graph of their own; -> {segment: ms}."""
+def segment_calls(runner, phase, batch, hidden, size=None):
+    """Run `phase` once eagerly (`size` tokens after padding; default the batch's), recording every
+    op call; -> {segment: [(op, args, step, implementation)]}: a layer's calls ("layer<i>") and the
+    rest ("head": the final norm, lm_head, sampling; the MTP prologue)."""
     from collections import OrderedDict
+    size = size or batch.num_tokens
     calls = db.op_calls(runner, lambda: runner._body(
-        phase, *runner._host_vectors(batch, batch.num_tokens).to(runner.r2t.device), hidden))
+        phase, *runner._host_vectors(batch, size).to(runner.r2t.device), hidden))
     groups = OrderedDict()
     for op, args, rt, fn in calls:
         if op.kind in ("io.input",):
             continue
         key = f"layer{op.layer}" if op.layer is not None else "head"
         groups.setdefault(key, []).append((op, args, rt, fn))
+    return groups
+
+
+def segment_ms(runner, phase, batch, hidden, bench):
+    """Each segment of `segment_calls` replayed as a CUDA graph of its own, with the inputs of one
+    real step; -> {segment: ms}."""
+    groups = segment_calls(runner, phase, batch, hidden)
     return {k: bench(lambda cs=cs: [fn(op, args, rt) for op, args, rt, fn in cs]) for k, cs in groups.items()}
 
 
@@ -226,6 +244,136 @@ def check_width(dev, narrow, ctx, budget_end, batches=(1, 16), fp8=False):
             out["segments"][f"B={B} T={T}"] = row
             print(f"width {out['weights']} B={B} T={T}: " + ", ".join(f"{ph} " + " ".join(f"{k} {v:.3f}" for k, v in seg.items())
                                                       for ph, seg in row.items()), flush=True)
+    return out
+
+
+# ----------------------------------------------------------------------------- 4. one rank of a mesh
+# what a rank's collectives and the one-shot kernel's fused add + RMSNorm cost comes from the calibration
+COMM_KINDS = ("comm.", "fused.allreduce_add_rms", "fused.reduce_scatter_add_rms")
+
+
+def peer_routes(tokens, experts, seed=0):
+    """LoneComm's `peer` for a step of `tokens` real tokens: the expert ids the other ranks would
+    contribute to an all-gather. Part p's row j is the step's row p R + j (R rows per rank): a real
+    token's are this rank's row j mapped through a permutation of the experts of its own, a padding
+    row's are row 0 mapped through one permutation that every padding row shares (padding is one
+    token, so it routes alike on every rank). Independent uniform permutations make each real row an independent
+    uniformly random set of distinct experts: how random tokens route through a random router, and
+    what the cost model assumes. Floating values (hidden rows, routing weights) are this rank's."""
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    perms = {}
+
+    def perm(key):
+        if key not in perms:
+            perms[key] = torch.randperm(experts, generator=g)
+        return perms[key]
+
+    def peer(part, x):
+        if x.is_floating_point():
+            return x
+        R = x.shape[0]
+        rows = [perm(part * R + j).to(x.device)[x[j].long()] if part * R + j < tokens else
+                perm("pad").to(x.device)[x[0].long()] for j in range(R)]
+        return torch.stack(rows).to(x.dtype)
+    return peer
+
+
+def as_ep_rank(calls, shift, experts):
+    """`calls` with every moe.experts op's ids rotated down by `shift` (mod `experts`): rank 0's
+    kernels, whose experts are 0 .. E/ep - 1, then do the work of the rank whose experts start at
+    `shift` (the tokens routed to it, its count of distinct experts) on rank 0's weights."""
+    import torch
+    out = []
+    for op, args, rt, fn in calls:
+        if op.kind == "moe.experts" and shift:
+            args = [(a.long() - shift).remainder(experts).to(a.dtype)
+                    if torch.is_tensor(a) and not a.is_floating_point() else a for a in args]
+        out.append((op, args, rt, fn))
+    return out
+
+
+def ep_rank_ms(groups, ep, experts, bench):
+    """{EP rank: {segment: ms}} of `segment_calls`' groups replayed without their collectives
+    (COMM_KINDS), as each EP rank's experts (`as_ep_rank`); ranks past 0 only the segments with a
+    moe.experts op (the rest is the same work on every rank)."""
+    out = {}
+    for r in range(ep):
+        out[r] = {}
+        for k, calls in groups.items():
+            if r and not any(c[0].kind == "moe.experts" for c in calls):
+                continue
+            calls = as_ep_rank([c for c in calls if not c[0].kind.startswith(COMM_KINDS)], r * (experts // ep), experts)
+            out[r][k] = bench(lambda cs=calls: [fn(op, args, rt) for op, args, rt, fn in cs])
+    return out
+
+
+def comm_ms(plan, phase, env, cal):
+    """{segment: ms} of the calibrated collectives of `phase`'s ops at `env` (glmc/predict.py's
+    comm_s: the one-shot kernel's time where the plan runs it, else NCCL's)."""
+    from glmc.passes.costs import weight_bytes_for
+    from glmc.predict import op_seconds
+    graph, wb, out = plan.graphs[phase], weight_bytes_for(plan.dtypes), {}
+    for op in graph.ops:
+        key = f"layer{op.layer}" if op.layer is not None else "head"
+        out[key] = out.get(key, 0.0) + op_seconds(op, graph, env, plan.dtypes, cal, wb)["comm_s"] * 1e3
+    return out
+
+
+def check_rank(dev, narrow, ctx, budget_end, parallel, calibration, batches=(1, 16), fp8=False):
+    """One rank of `parallel` measured alone on this GPU (`LoneComm`: rank 0's shard, collectives that
+    keep shapes and move nothing, the peers' tokens' expert ids from `peer_routes`): each segment of
+    a decode / verify step and of a draft step replayed without its collectives, once per EP rank's
+    expert range (`as_ep_rank`); a segment's compute is the slowest rank's (the ranks meet at every
+    collective), and the calibrated collectives are added. -> the segments in `predict`'s form
+    (compute + collectives) and the parts."""
+    import torch
+    from decode_bench import bench_ms
+    from glmc.calibration import load
+    from glmc.runtime.worker.comm import LoneComm
+    from glmc.runtime.worker.forward_batch import ForwardBatch
+    t0 = now()
+    model, plan, weights, stacks = slice_with_mtp(dev, torch.bfloat16, narrow, fp8, parallel)
+    cal = load(calibration)
+    lone = LoneComm(plan.mesh, rank=0)
+    B_max = max(batches)
+    runner = pc.gpu_runner(plan, weights, dev, B_max, ctx + 64, stacks=stacks, comm=lone)
+    del model, weights, stacks
+    table = pc.req_table(B_max, (ctx + 64) // 64)
+    g = torch.Generator().manual_seed(0)
+    cfg = plan.config
+    prompts = [torch.randint(0, cfg.vocab_size, (ctx,), generator=g).tolist() for _ in range(B_max)]
+    pc.prefill(runner, prompts, table, group=max(1, 8192 // ctx))
+    E, ep = cfg.n_routed_experts, plan.mesh["ep"]
+    out = {"parallel": parallel, "rank": lone.rank, "ep_ranks": ep, "ctx": ctx, "weights": "fp8" if fp8 else "bf16",
+           "calibration": calibration, "setup_s": now() - t0, "segments": {}, "parts": {}}
+    bench = (lambda fn: bench_ms(fn)) if dev == "cuda" else (lambda fn: bench_ms(fn, graph=False))
+    for B in batches:
+        for T in sorted({B * (n + 1) for n in (0, *STEPS)}):
+            if now() > budget_end:
+                out["skipped"] = f"budget spent at B={B} T={T}"
+                break
+            per = T // B
+            size = runner.padded_tokens(T, None)
+            ids = [torch.randint(0, cfg.vocab_size, (per,), generator=g).tolist() for _ in range(B)]
+            batch = ForwardBatch.build("extend" if per > 1 else "decode", ids, list(range(B)), [ctx] * B, table)
+            hid = torch.randn(size, cfg.hidden_size, device=dev, dtype=runner.dtype)
+            env = {"T": size, "B": size, "S": ctx, "K": cfg.index_topk}
+            lone.peer = peer_routes(T, E)
+            row, parts = {}, {}
+            for name, phase, hidden in (("verify" if per > 1 else "decode", "mtp_verify" if per > 1 else "decode",
+                                         None), ("draft", "mtp_draft", hid)):
+                ranks = ep_rank_ms(segment_calls(runner, phase, batch, hidden, size), ep, E, bench)
+                compute = {k: max(r[k] for r in ranks.values() if k in r) for k in ranks[0]}
+                comm = comm_ms(plan, phase, env, cal)
+                row[name] = {k: compute[k] + comm.get(k, 0.0) for k in compute}
+                parts[name] = {"compute_ms": compute, "comm_ms": comm, "per_rank_ms": ranks}
+            lone.peer = None
+            out["segments"][f"B={B} T={T}"] = row
+            out["parts"][f"B={B} T={T}"] = parts
+            print(f"rank {parallel} {out['weights']} B={B} T={T}: " + ", ".join(
+                f"{ph} " + " ".join(f"{k} {parts[ph]['compute_ms'][k]:.3f}+{parts[ph]['comm_ms'].get(k, 0):.3f}"
+                                    for k in seg) for ph, seg in row.items()), flush=True)
     return out
 
 
@@ -316,7 +464,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cpu", action="store_true", help="dry run on the host: narrow widths, Triton interpreted")
     ap.add_argument("--out-dir", default="/tmp/mtp_gpu_check")
-    ap.add_argument("--parts", default="small,serve,width")
+    ap.add_argument("--parts", default="small,serve,width", help="comma list of small, serve, width, rank")
     ap.add_argument("--gen", type=int, help="tokens generated per request (small; default 48, --cpu 8)")
     ap.add_argument("--concurrency", help="comma list (small; default 1,16, --cpu 1,2)")
     ap.add_argument("--ctx", type=int, default=4096, help="context of the width slice's requests")
@@ -324,7 +472,9 @@ def main():
     ap.add_argument("--weights", default="bf16,fp8", help="width part: weight formats, each its own slice")
     ap.add_argument("--accept", default="", help="N=a,... accept lengths for the prediction (default: measured)")
     ap.add_argument("--calibration", help="bench/calibrate.py's file: also predict the whole GLM-5.3 on tp8ep8 "
-                    "with glmc explain's cost model")
+                    "with glmc explain's cost model (the rank part's collectives: default "
+                    f"{CALIBRATION.relative_to(ROOT)})")
+    ap.add_argument("--parallel", help="rank part: the mesh whose rank 0 is measured (default tp8ep8, --cpu tp2ep2)")
     a = ap.parse_args()
     if a.cpu:
         os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -358,6 +508,17 @@ def main():
                                fp8=fmt == "fp8")
         res[key.replace("width", "prediction")] = pred = predict(res[key], accept)
         print_prediction(f"GLM-5.3, {fmt} weights (one GPU's measured layers x 78)", pred)
+        save()
+        gc.collect()
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    for fmt in a.weights.split(",") if "rank" in parts else ():
+        key = f"rank_{fmt}"
+        parallel = a.parallel or ("tp2ep2" if a.cpu else "tp8ep8")
+        res[key] = check_rank(dev, a.cpu, 80 if a.cpu else a.ctx, t0 + a.budget, parallel,
+                              a.calibration or str(CALIBRATION), (1, 2) if a.cpu else (1, 16), fp8=fmt == "fp8")
+        res[f"prediction_rank_{fmt}"] = pred = predict(res[key], accept)
+        print_prediction(f"GLM-5.3 {parallel}, {fmt} weights (a rank's measured layers x 78 + calibrated collectives)",
+                         pred)
         save()
         gc.collect()
         torch.cuda.empty_cache() if torch.cuda.is_available() else None

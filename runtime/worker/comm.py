@@ -171,3 +171,65 @@ class Comm:
                                sizes.tolist(), group=g)
         self.count(kind, nbytes)
         return list(out.split(recv_sizes.tolist()))
+
+
+class LoneComm(Comm):
+    """Rank `rank` of `mesh` run by itself, in one process with no peers: one rank's share of a
+    multi-GPU plan, its weights and its work, on one GPU (`bench/mtp_gpu_check.py --parts rank`).
+
+    Every collective returns the shape the real one returns and moves nothing: an all-reduce
+    returns x (this rank's own contribution), a reduce-scatter this rank's slice of x, a broadcast
+    x, an all-gather this rank's part in its place and `peer(part, x)` in every other part's
+    (default x: a replicated value gathers to copies of itself; a caller that knows what the peers
+    hold, e.g. their tokens' expert ids, says so). The values are therefore not the multi-rank
+    run's; the shapes, the sizes and so the work of every other op are. Collectives are counted as
+    `Comm` counts them (the cost model's message bytes). An all-to-all (MoE dispatch / combine)
+    raises: what the peers send decides the work after it, and a lone rank cannot know it. No
+    process group is needed and no peer memory is mapped (the one-shot kernels fall back here)."""
+
+    def __init__(self, mesh: dict, rank: int = 0, peer=None):
+        world = mesh["attn_dp"] * mesh["attn_tp"]
+        if not 0 <= rank < world:
+            raise ValueError(f"LoneComm: rank {rank} is not one of the mesh's {world} ranks ({mesh})")
+        self.world, self.rank, self.mesh, self.coords = world, rank, mesh, Coords(rank, mesh)
+        self.nccl = False
+        self.peer = peer
+        self.counts = defaultdict(lambda: {"count": 0, "message_bytes": 0})
+        self._groups, self._channels = {}, {}
+
+    def _g(self, axes):
+        if axes not in self._groups:
+            ranks = next(g for g in group_ranks(axes, self.mesh, self.world) if self.rank in g)
+            self._groups[axes] = (None, ranks)
+        return self._groups[axes]
+
+    def peer_channel(self, axes, mode, row_bytes, cap, device):
+        return None
+
+    def all_reduce(self, x, axes, nbytes=None):
+        self.count("all_reduce", x.numel() * x.element_size() if nbytes is None else nbytes)
+        return x.contiguous().clone()
+
+    def all_gather(self, x, axes, dim=0, nbytes=None):
+        _, ranks = self._g(axes)
+        own = ranks.index(self.rank)
+        parts = [x if i == own or self.peer is None else self.peer(i, x) for i in range(len(ranks))]
+        out = torch.cat(parts, dim=dim)
+        self.count("all_gather", out.numel() * out.element_size() if nbytes is None else nbytes)
+        return out
+
+    def reduce_scatter(self, x, axes, dim=0, nbytes=None):
+        _, ranks = self._g(axes)
+        self.count("reduce_scatter", x.numel() * x.element_size() if nbytes is None else nbytes)
+        return x.chunk(len(ranks), dim=dim)[ranks.index(self.rank)].contiguous()
+
+    def broadcast(self, x, axes, nbytes=None):
+        self.count("broadcast", x.numel() * x.element_size() if nbytes is None else nbytes)
+        return x.contiguous().clone()
+
+    def all_to_all_equal(self, x, axes, kind, nbytes):
+        raise NotImplementedError(f"LoneComm: {kind} is an all-to-all; a rank alone cannot know what "
+                                  "its peers send it (measure a plan without MoE dispatch / combine)")
+
+    def all_to_all(self, chunks, axes, kind, nbytes):
+        return self.all_to_all_equal(None, axes, kind, nbytes)

@@ -1,0 +1,69 @@
+"""`bench/mtp_gpu_check.py --parts rank` (issue 17 item 6 on a mesh's rank): one rank of tp2ep2 alone
+(`LoneComm`) on the narrow slice, Triton interpreted: every segment of the decode / verify / draft
+steps timed without its collectives once per EP rank's experts, the slowest rank's compute plus the
+calibrated collectives, and the prediction from them. And the helpers it stands on."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+import mtp_gpu_check as mg  # noqa: E402
+
+
+def test_peer_routes_make_independent_real_rows_and_one_padding_route():
+    E, k = 64, 4
+    own = torch.stack([torch.randperm(E)[:k] for _ in range(2)]).to(torch.int32)    # R = 2 rows per rank
+    peer = mg.peer_routes(tokens=5, experts=E, seed=3)
+    parts = [own] + [peer(p, own) for p in range(1, 4)]     # rows 0..7; 5..7 are padding
+    rows = torch.cat(parts)
+    assert rows.dtype == torch.int32 and rows.shape == (8, k)
+    assert all(len(set(r.tolist())) == k for r in rows)       # each row: distinct experts
+    assert len({tuple(r.tolist()) for r in rows[:5]}) == 5     # the real tokens route differently
+    assert torch.equal(rows[5], rows[6]) and torch.equal(rows[6], rows[7])   # padding routes alike
+    assert torch.equal(peer(2, own), parts[2])                 # the same step: the same routes
+    w = torch.rand(2, k)
+    assert peer(1, w) is w                                     # floating values: this rank's
+
+
+def test_as_ep_rank_rotates_only_the_experts_ids():
+    class Op:
+        def __init__(self, kind):
+            self.kind = kind
+    x, w, ids = torch.rand(2, 8), torch.rand(2, 2), torch.tensor([[0, 5], [7, 3]], dtype=torch.int32)
+    calls = [(Op("moe.experts"), (x, w, ids), None, None), (Op("moe.topk"), (ids,), None, None)]
+    out = mg.as_ep_rank(calls, 4, 8)
+    assert out[0][1][0] is x and out[0][1][1] is w
+    assert out[0][1][2].tolist() == [[4, 1], [3, 7]] and out[0][1][2].dtype == torch.int32
+    assert out[1][1][0] is ids
+    assert mg.as_ep_rank(calls, 0, 8)[0][1][2] is ids
+
+
+def test_a_lone_rank_is_measured_and_predicted(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "mtp_gpu_check.py"), "--cpu", "--parts", "rank",
+                           "--weights", "bf16", "--accept", "1=1.8,2=2.4,3=3.0", "--out-dir", str(tmp_path)],
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    res = json.loads(next(tmp_path.glob("mtp_gpu_check_*.json")).read_text())
+    rank = res["rank_bf16"]
+    assert rank["parallel"] == "tp2ep2" and rank["ep_ranks"] == 2
+    assert set(rank["segments"]) == {f"B={b} T={t}" for b, ts in ((1, (1, 2, 3, 4)), (2, (2, 4, 6, 8))) for t in ts}
+    moe = {"layer1", "layer2", "layer3"}      # the MoE layers (layer 3: the MTP layer)
+    for point, row in rank["segments"].items():
+        for phase, seg in row.items():
+            part = rank["parts"][point][phase]
+            per_rank = part["per_rank_ms"]
+            assert set(per_rank["0"]) == set(seg) and set(per_rank["1"]) == set(seg) & moe, (point, phase)
+            for k, ms in seg.items():
+                compute = max(r[k] for r in per_rank.values() if k in r)
+                assert part["compute_ms"][k] == compute > 0
+                assert ms == compute + part["comm_ms"].get(k, 0.0)
+            assert all(part["comm_ms"][k] > 0 for k in seg if k != "head"), part["comm_ms"]   # tp2: every layer
+    pred = res["prediction_rank_bf16"]["rows"]
+    assert set(pred) == {"c1", "c2"}
+    for row in pred.values():
+        assert set(row["mtp"]) == {"1", "2", "3"} and all(m["speedup"] > 0 for m in row["mtp"].values())
+    assert "a rank's measured layers x 78 + calibrated collectives" in proc.stdout
