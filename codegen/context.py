@@ -50,6 +50,7 @@ class CudaStepContext(StepContext, Protocol):
     capture-safe (no host sync, sizes from shapes)."""
 
     rows: torch.Tensor               # [T] req_to_token row of each token (padding: a spare row)
+    pad_slot: int                    # the KV slot of padding tokens (loc[t] == pad_slot: t is padding)
     pos: torch.Tensor                # [T] position of each token
     lens: torch.Tensor               # [T] pos + 1: the keys each token attends to
     r2t: torch.Tensor                # the device req_to_token table

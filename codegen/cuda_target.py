@@ -329,9 +329,19 @@ def _experts(op, args, ctx: CudaStepContext):
         if xs is None:     # the tokens' own rows (gather lowering): quantised once with the shared expert's
             x, xs = quantized(x, op.operands[0], ctx)
         return tm.moe_experts_fp8(x, ids, w, gate, up, down, expert_offset=ctx.expert_offset(op),
-                                  lib=ctx.kernels, x_scales=xs, act_dtype=act).to(act)
+                                  lib=ctx.kernels, x_scales=xs, act_dtype=act, pad=_padding(op, ids, ctx)).to(act)
     return tm.moe_experts(x, ids, w, gate, up, down, expert_offset=ctx.expert_offset(op),
-                          tiles=ctx.moe_tiles, lib=ctx.kernels).to(x.dtype)
+                          tiles=ctx.moe_tiles, lib=ctx.kernels, pad=_padding(op, ids, ctx)).to(x.dtype)
+
+
+def _padding(op, ids, ctx: CudaStepContext):
+    """(loc, the padding slot) when the experts' rows are the step's own tokens, one per token in
+    order (one rank's, or all-gathered over attention TP): padding tokens then run no expert. None
+    for rows from elsewhere (a dispatch's, or gathered over DP ranks, whose padding loc does not
+    describe)."""
+    if ids.shape[0] != ctx.loc.shape[0] or ctx.graph.producer(op.operands[2]).kind == "moe.dispatch":
+        return None
+    return ctx.loc, ctx.pad_slot
 
 
 @impl("mlp.swiglu")

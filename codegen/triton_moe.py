@@ -167,22 +167,33 @@ def num_blocks_bound(num_rows: int, num_experts: int, block_m: int) -> int:
     return -(-num_rows // block_m) + min(num_experts, num_rows)
 
 
-def align_rows(ids, num_experts, block_m, expert_offset=0, lib: KernelLibrary | None = None):
+def _pad_args(pad, ids):
+    """(loc, pad_slot, MASK_PAD) kernel arguments of `pad` = (loc [T] KV slots, the padding slot) or None
+    (no token is padding: ids stands in for the pointer the kernel then never reads)."""
+    return (pad[0], int(pad[1]), True) if pad is not None else (ids, -1, False)
+
+
+def align_rows(ids, num_experts, block_m, expert_offset=0, lib: KernelLibrary | None = None, pad=None):
     """Sort routed rows by (local) expert, padding each expert's run to a multiple of block_m.
 
     ids [T, k] (global expert ids). Returns (sorted_rows [NB*BM] int32: flat row t*k+j or the sentinel
     T*k for padding; block_expert [NB] int32: local expert of each block, -1 past the end). Rows routed
     to experts outside [offset, offset+E) are dropped (another EP rank holds them). No host sync.
     With `lib`, decode-sized rows (<= ALIGN_ROWS, <= ALIGN_MAX_EXPERTS experts, block_m SPLIT_BLOCK_M) are sorted
-    by one moe_align launch; otherwise (and without `lib`) by torch ops. The result is the same.
+    by one moe_align launch, which with `pad` = (loc [T], pad_slot) also drops the rows of padding
+    tokens (loc[t] == pad_slot: a step's padding rows all route as one token, up to k experts no real
+    token may need); otherwise (and without `lib`) by torch ops, which keep them (prefill sizes, where
+    the combine zeroes their output). Besides that the result is the same.
     """
     n, nb = ids.numel(), num_blocks_bound(ids.numel(), num_experts, block_m)
     if lib is not None and n <= ALIGN_ROWS and num_experts <= ALIGN_MAX_EXPERTS and block_m == SPLIT_BLOCK_M:
         sorted_rows = torch.empty(nb * block_m, dtype=torch.int32, device=ids.device)
         block_expert = torch.empty(nb, dtype=torch.int32, device=ids.device)
         ctx = MoeAlignCtx.make(block_m, num_rows=n)
+        loc, pad_slot, mask = _pad_args(pad, ids)
         lib(ctx)[ctx.grid(n)](ids if ids.is_contiguous() else ids.contiguous(), sorted_rows, block_expert, n, nb,
-                       num_experts, expert_offset, num_warps=ctx.num_warps)
+                              num_experts, expert_offset, loc, pad_slot, ids.shape[1], mask,
+                              num_warps=ctx.num_warps)
         return sorted_rows, block_expert
     dev = ids.device
     E = num_experts
@@ -267,14 +278,16 @@ def _check_stacks(w_gate, w_up, w_down):
         raise ValueError(f"moe_experts: down stack {tuple(w_down.shape)} != {(E, hidden, inter)}")
 
 
-def _combine(y, ids, expert_offset, num_experts, out, lib):
+def _combine(y, ids, expert_offset, num_experts, out, lib, pad=None):
     """out[t] = sum over splits s and slots j of y[s, t*k + j] for the locally held routes (the others
-    were never written): one moe_combine launch, a fixed order."""
+    were never written), 0 for padding tokens (`pad`, as `align_rows`): one moe_combine launch, a
+    fixed order."""
     T, k = ids.shape
     ids = ids if ids.stride(-1) == 1 else ids.contiguous()
     ctx = MoeCombineCtx.make(out.shape[1], k)
     lib(ctx)[(T, -(-out.shape[1] // ctx.block))](y, y.stride(1), y.stride(0), ids, ids.stride(0), out, out.stride(0),
-                                                y.shape[0], num_experts, expert_offset, num_warps=ctx.num_warps)
+                                                y.shape[0], num_experts, expert_offset, *_pad_args(pad, ids),
+                                                num_warps=ctx.num_warps)
     return out
 
 
@@ -284,10 +297,13 @@ def _partials(splits, rows, cols, device):
     return torch.empty(splits, -(-rows // 16) * 16, cols, dtype=torch.float32, device=device)
 
 
-def moe_experts(x, ids, weights, w_gate, w_up, w_down, expert_offset=0, tiles=None, lib: KernelLibrary = JIT):
+def moe_experts(x, ids, weights, w_gate, w_up, w_down, expert_offset=0, tiles=None, lib: KernelLibrary = JIT,
+                pad=None):
     """torch_ref.moe_experts on Triton: -> fp32 [T, H]. `tiles` = {"gate_up": {...}, "down": {...},
     "block_m": int} overrides `moe_launch`'s splits ("splits") and MoeExpertsCtx.make's tile choices
-    (block_n, block_k, num_warps, num_stages) per stage (bench/moe_sweep.py sweeps them)."""
+    (block_n, block_k, num_warps, num_stages) per stage (bench/moe_sweep.py sweeps them). `pad` =
+    (loc [T] KV slots, the padding slot): padding tokens' rows run no expert (`align_rows`) and
+    their output is 0."""
     _check_stacks(w_gate, w_up, w_down)
     T, k = ids.shape
     E, inter, hidden = w_gate.shape
@@ -298,7 +314,7 @@ def moe_experts(x, ids, weights, w_gate, w_up, w_down, expert_offset=0, tiles=No
         return out
     launch = moe_launch(n, E, hidden, inter, _num_sms(x.device), block_m=tiles.get("block_m"))
     bm = launch["block_m"]
-    sorted_rows, block_expert = align_rows(ids, E, bm, expert_offset, lib)
+    sorted_rows, block_expert = align_rows(ids, E, bm, expert_offset, lib, pad)
     nb = block_expert.shape[0]
     x = x if x.stride(-1) == 1 else x.contiguous()
     h = torch.empty(nb * bm, inter, dtype=x.dtype, device=x.device)
@@ -318,7 +334,7 @@ def moe_experts(x, ids, weights, w_gate, w_up, w_down, expert_offset=0, tiles=No
     lib(dn)[(nb, -(-hidden // dn.block_n), s2)](
         h, h.stride(0), w_down, *w_down.stride(), weights.reshape(-1).float().contiguous(), y, y.stride(1),
         y.stride(0), sorted_rows, block_expert, n, s2, num_warps=dn.num_warps, num_stages=dn.num_stages)
-    return _combine(y, ids, expert_offset, E, out, lib)
+    return _combine(y, ids, expert_offset, E, out, lib, pad)
 
 
 # ----------------------------------------------------------------------------- FP8 experts
@@ -368,13 +384,13 @@ class MoeExpertsFp8Ctx:
 
 
 def moe_experts_fp8(x, ids, weights, w_gate, w_up, w_down, expert_offset=0, tiles=None,
-                    lib: KernelLibrary = JIT, x_scales=None, act_dtype=None):
+                    lib: KernelLibrary = JIT, x_scales=None, act_dtype=None, pad=None):
     """`moe_experts` on block-FP8 expert stacks (`fp8_ref.Fp8Weight` [E, out, in]): x quantised per
     token per 128 columns, h quantised in the gate/up kernel (or, split K, in the reduction), fp32
     accumulation; -> fp32 [T, H] (reference: `fp8_ref.moe_experts_fp8`). `tiles` as `moe_experts`'
     (per stage: splits, block_n, num_warps, num_stages; K steps are the 128-wide scale blocks).
     With `x_scales`, x is already e4m3 with those per-128 scales (rows an FP8 dispatch delivered)
-    and `act_dtype` the activations' dtype the kernels are specialised for."""
+    and `act_dtype` the activations' dtype the kernels are specialised for. `pad` as `moe_experts`'."""
     from glmc.codegen.triton_fp8 import quantize_tokens
     if w_gate.shape != w_up.shape or tuple(w_down.shape) != (w_gate.shape[0], w_gate.shape[2], w_gate.shape[1]):
         raise ValueError(f"moe_experts_fp8: gate {tuple(w_gate.shape)}, up {tuple(w_up.shape)}, "
@@ -392,7 +408,7 @@ def moe_experts_fp8(x, ids, weights, w_gate, w_up, w_down, expert_offset=0, tile
         return out
     launch = moe_launch(n, E, hidden, inter, _num_sms(x.device), fp8=True, block_m=tiles.get("block_m"))
     bm = launch["block_m"]
-    sorted_rows, block_expert = align_rows(ids, E, bm, expert_offset, lib)
+    sorted_rows, block_expert = align_rows(ids, E, bm, expert_offset, lib, pad)
     nb = block_expert.shape[0]
     xq, xs = (x, x_scales) if x_scales is not None else quantize_tokens(x, lib)
     hq = torch.empty(nb * bm, inter, dtype=torch.float8_e4m3fn, device=x.device)
@@ -419,4 +435,4 @@ def moe_experts_fp8(x, ids, weights, w_gate, w_up, w_down, expert_offset=0, tile
         hq, hq.stride(0), hs, hs.stride(0), dq, dq.stride(0), dq.stride(1), ds, ds.stride(0), ds.stride(1),
         weights.reshape(-1).float().contiguous(), y, y.stride(1), y.stride(0), sorted_rows, block_expert, n, s2,
         num_warps=dn.num_warps, num_stages=dn.num_stages)
-    return _combine(y, ids, expert_offset, E, out, lib)
+    return _combine(y, ids, expert_offset, E, out, lib, pad)

@@ -124,6 +124,37 @@ def test_align_past_the_fused_size_uses_the_torch_ops():
     assert not lib.grids and torch.equal(rows, tm.align_rows(ids, 256, 16)[0])
 
 
+@pytest.mark.parametrize("offset", [0, 4])
+def test_padding_tokens_run_no_expert_and_combine_to_zero(offset):
+    """pad = (loc, pad_slot): the tokens at the padding slot (a step's padding, all one token) route to
+    experts no real token needs; moe_align drops their rows (the blocks are the real rows' alone,
+    as if their ids were another rank's), the combine writes 0 for them, and the real tokens' rows
+    are the reference's. bf16-free: fp32 and FP8 stacks."""
+    from glmc.codegen import fp8_ref
+    T, k, E, hidden, inter, pad_slot = 6, 3, 4, 32, 24, 99
+    g = torch.Generator().manual_seed(2)
+    ids = torch.tensor([[0, 1, 2], [1, 2, 3], [0, 2, 3], [3, 1, 0], [5, 6, 7], [5, 6, 7]]) + offset
+    ids[4:] = (ids[4:] - offset + 2) % 8       # padding: experts 7, 0, 1 of this rank's 0..3 (offset 4: none)
+    loc = torch.tensor([10, 11, 12, 13, pad_slot, pad_slot])
+    x, w = torch.randn(T, hidden, generator=g), torch.rand(T, k, generator=g) + 0.1
+    stacks = _stacks(E, inter, hidden)
+    lib = _Launches()
+    rows, block_expert = tm.align_rows(ids, E, 16, offset, lib=lib, pad=(loc, pad_slot))
+    unrouted = torch.where(torch.arange(T)[:, None] >= 4, -1, ids)
+    assert torch.equal(rows, tm.align_rows(unrouted, E, 16, offset)[0])
+    assert torch.equal(block_expert, tm.align_rows(unrouted, E, 16, offset)[1])
+    assert not set(rows.tolist()) & set(range(4 * k, T * k))           # no padding token's row
+    real = ref.moe_experts(x[:4], ids[:4], w[:4], *stacks, expert_offset=offset)
+    got = tm.moe_experts(x, ids, w, *stacks, expert_offset=offset, pad=(loc, pad_slot))
+    torch.testing.assert_close(got[:4], real, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got[4:], torch.zeros(2, hidden))
+    q = [fp8_ref.Fp8Weight.quantize(s.contiguous()) for s in stacks]
+    got = tm.moe_experts_fp8(x, ids, w, *q, expert_offset=offset, pad=(loc, pad_slot))
+    torch.testing.assert_close(got[:4], fp8_ref.moe_experts_fp8(x[:4], ids[:4], w[:4], *q, expert_offset=offset),
+                               rtol=1e-4, atol=1e-4)
+    assert torch.equal(got[4:], torch.zeros(2, hidden))
+
+
 def test_generated_source_is_specialised():
     from glmc.codegen.triton_target import render
     ctx = tm.MoeExpertsCtx.make(True, 2048, 6144, 8, torch.bfloat16, 16)

@@ -79,6 +79,7 @@ class GpuStep(Step):
     """Step state on the device (fulfils `codegen.context.CudaStepContext`): per-token
     rows/positions, the device table, workspace width."""
     rows: torch.Tensor = None
+    pad_slot: int = -1
     pos: torch.Tensor = None
     lens: torch.Tensor = None
     r2t: torch.Tensor = None
@@ -147,9 +148,9 @@ class GpuRunner(PlanExecutor):
 
     # ------------------------------------------------------------------ one step over device tensors
     def _step(self, graph, batch, ids, pos, lens, loc, rows, max_len, last_rows=None, token_runs=False) -> GpuStep:
-        return GpuStep(self, graph, batch, {"input_ids": ids, "positions": pos}, loc, rows=rows, pos=pos,
-                       lens=lens, r2t=self.r2t, max_len=max_len, last_rows=last_rows, token_runs=token_runs,
-                       moe_tiles=self.moe_tiles, kernels=self.kernels)
+        return GpuStep(self, graph, batch, {"input_ids": ids, "positions": pos}, loc, rows=rows,
+                       pad_slot=self.scratch, pos=pos, lens=lens, r2t=self.r2t, max_len=max_len,
+                       last_rows=last_rows, token_runs=token_runs, moe_tiles=self.moe_tiles, kernels=self.kernels)
 
     def _outputs(self, graph, values) -> dict:
         logits, hidden, ids = (values[v] for v in graph.step_outputs())
