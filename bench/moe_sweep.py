@@ -23,6 +23,10 @@ CASE_WEIGHT share of what is left of --budget (T = 1 and 2 first and most); a se
 case not reached, says so in the table. --tiny: 8 experts, hidden 256, inter 128, top-2,
 T = 1, 2, a two-value grid, under TRITON_INTERPRET=1 on the CPU (wall time: checks the script only).
 Writes moe_sweep.json (every point) and moe_sweep.md (the table) to --out-dir, and prints the table.
+
+--padding (instead of the sweep): the op at padded steps (PADDED: real tokens, step rows), its padding
+tokens (one token's route) dropped as the runtime drops them (`pad=`) against run as before: us and
+experts touched each way (moe_sweep_padding.json).
 """
 from __future__ import annotations
 
@@ -54,6 +58,8 @@ def parse_args():
     ap.add_argument("--out-dir", required=True)
     ap.add_argument("--budget", type=float, default=300, help="seconds for the whole run (default 300)")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU under TRITON_INTERPRET=1")
+    ap.add_argument("--padding", action="store_true", help="instead of the sweep: padding tokens dropped "
+                    "(pad=) against run, at PADDED steps (moe_sweep_padding.json)")
     return ap.parse_args()
 
 
@@ -217,6 +223,35 @@ def align_us(case: Case) -> dict:
             "torch": time_us(lambda: tm.align_rows(case.ids, E, bm), case.dev)}
 
 
+# (real tokens, padded step): a one-GPU decode bucket (3 -> 4, 5 -> 8, 13 -> 16) and tp8's batch 1 (1 -> 8)
+PADDED = ((3, 4), (5, 8), (13, 16), (1, 8))
+
+
+def padding_rows(shape, weights, dev) -> list[dict]:
+    """The op at each PADDED step with its padding tokens (one token's route, as a step's padding rows
+    all are) dropped (`pad=`, what the runtime passes) and run (pad=None): us, experts touched, floor."""
+    import torch
+    from glmc.codegen import triton_moe as tm
+    rows = []
+    for dtype, (real, T) in itertools.product(("bf16", "fp8"), PADDED):
+        w, ids = routing(T, shape, dev, seed=1)
+        ids[real:] = ids[real]                                  # padding: one token's route
+        slot = 1 << 20
+        loc = torch.where(torch.arange(T, device=dev) < real, torch.arange(T, device=dev), slot)
+        x = torch.randn(T, shape["hidden"], device=dev, dtype=torch.bfloat16)
+        fn = tm.moe_experts_fp8 if dtype == "fp8" else tm.moe_experts
+        row = {"dtype": dtype, "real": real, "T": T}
+        for name, pad, touched in (("dropped", (loc, slot), ids[:real]), ("run", None, ids)):
+            b = moved_bytes(weights[dtype], touched, T, shape)
+            us = time_us(lambda pad=pad: fn(x, ids, w, *weights[dtype], pad=pad), dev)
+            row[name] = {"us": us, "touched": int(touched.unique().numel()), "floor_us": b / (HBM_TBPS * 1e12) * 1e6}
+        rows.append(row)
+        print(f"padding {dtype} {real} real of {T}: dropped {row['dropped']['us']:.1f} us "
+              f"({row['dropped']['touched']} experts), run {row['run']['us']:.1f} us ({row['run']['touched']})",
+              flush=True)
+    return rows
+
+
 def table(rows: list[dict]) -> str:
     head = ("| dtype | T | experts touched | MB moved | floor us | align_rows us (torch ops) | default us "
             "| default TB/s | default x floor | best us | best TB/s | best x floor | best tiles |")
@@ -266,6 +301,12 @@ def main():
             "sms": _sms(dev), "shape": {k: v for k, v in shape.items() if k != "grid"}, "grid": shape["grid"],
             "hbm_tbps": HBM_TBPS, "commit": os.environ.get("GLMC_COMMIT", "unknown"), "budget_s": a.budget}
     weights = {dtype: make_weights(shape, dtype, dev, seed=0) for dtype in ("bf16", "fp8")}
+    if a.padding:
+        out.mkdir(parents=True, exist_ok=True)
+        path = out / "moe_sweep_padding.json"
+        path.write_text(json.dumps({"meta": meta, "rows": padding_rows(shape, weights, dev)}, indent=1))
+        print(f"wrote {path}")
+        return
     cases = [(T, dtype) for T in shape["tokens"] for dtype in ("bf16", "fp8")]
     rows, points = [], []
     for i, (T, dtype) in enumerate(cases):

@@ -299,3 +299,23 @@ def test_fp8_experts_take_rows_an_fp8_dispatch_quantised():
     xq, xs = quantize_tokens(x)
     got = tm.moe_experts_fp8(xq, ids, w, *ws, x_scales=xs, act_dtype=torch.float32)
     assert torch.equal(got, tm.moe_experts_fp8(x, ids, w, *ws))
+
+
+def test_padding_ab_bench_runs(tmp_path):
+    """bench/moe_sweep.py --padding (the H200 A/B of dropping padding tokens), tiny shapes on the CPU:
+    every PADDED step measured both ways, the dropped run touching only the real tokens' experts."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, str(root / "bench" / "moe_sweep.py"), "--tiny", "--padding",
+                           "--out-dir", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads((tmp_path / "moe_sweep_padding.json").read_text())["rows"]
+    assert [(r["dtype"], r["real"], r["T"]) for r in rows] == [(d, *p) for d in ("bf16", "fp8")
+                                                                for p in ((3, 4), (5, 8), (13, 16), (1, 8))]
+    for r in rows:
+        assert r["dropped"]["us"] > 0 and r["run"]["us"] > 0
+        assert r["dropped"]["touched"] <= r["run"]["touched"] and r["dropped"]["floor_us"] <= r["run"]["floor_us"]
+    assert any(r["dropped"]["touched"] < r["run"]["touched"] for r in rows)
