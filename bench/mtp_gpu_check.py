@@ -214,36 +214,49 @@ def segment_ms(runner, phase, batch, hidden, bench):
     return {k: bench(lambda cs=cs: [fn(op, args, rt) for op, args, rt, fn in cs]) for k, cs in groups.items()}
 
 
-def check_width(dev, narrow, ctx, budget_end, batches=(1, 16), fp8=False):
+def width_steps(dev, plan, weights, stacks, ctx, batches, budget_end, out, comm=None):
+    """The slice's runner (`comm`: its collectives; default the plan's), max(batches) requests of ctx
+    random tokens prefilled; then (B, T, runner, batch, hidden) for every B in batches and every step
+    of T = B (N + 1) tokens, N in 0 and STEPS (per request: the verify of N drafts; hidden: the draft
+    step's input rows, padded as the runner pads T). Stops at budget_end (out["skipped"] says where);
+    out["setup_s"]: the load and prefill."""
     import torch
-    from decode_bench import bench_ms
     from glmc.runtime.worker.forward_batch import ForwardBatch
     t0 = now()
-    model, plan, weights, stacks = slice_with_mtp(dev, torch.bfloat16, narrow, fp8)
     B_max = max(batches)
-    runner = pc.gpu_runner(plan, weights, dev, B_max, ctx + 64, stacks=stacks)
+    runner = pc.gpu_runner(plan, weights, dev, B_max, ctx + 64, stacks=stacks, comm=comm)
     table = pc.req_table(B_max, (ctx + 64) // 64)
     g = torch.Generator().manual_seed(0)
     vocab = plan.config.vocab_size
     prompts = [torch.randint(0, vocab, (ctx,), generator=g).tolist() for _ in range(B_max)]
     pc.prefill(runner, prompts, table, group=max(1, 8192 // ctx))
-    out = {"ctx": ctx, "weights": "fp8" if fp8 else "bf16", "setup_s": now() - t0, "segments": {}}
-    bench = (lambda fn: bench_ms(fn)) if dev == "cuda" else (lambda fn: bench_ms(fn, graph=False))
+    out["setup_s"] = now() - t0
     for B in batches:
         for T in sorted({B * (n + 1) for n in (0, *STEPS)}):
             if now() > budget_end:
                 out["skipped"] = f"budget spent at B={B} T={T}"
-                break
-            per = T // B   # tokens per request: the verify of per - 1 drafts
+                return
+            per = T // B
             ids = [torch.randint(0, vocab, (per,), generator=g).tolist() for _ in range(B)]
             batch = ForwardBatch.build("extend" if per > 1 else "decode", ids, list(range(B)), [ctx] * B, table)
-            hid = torch.randn(T, plan.config.hidden_size, device=dev, dtype=runner.dtype)
-            row = {"verify" if per > 1 else "decode": segment_ms(runner, "mtp_verify" if per > 1 else "decode",
-                                                               batch, None, bench),
-                   "draft": segment_ms(runner, "mtp_draft", batch, hid, bench)}
-            out["segments"][f"B={B} T={T}"] = row
-            print(f"width {out['weights']} B={B} T={T}: " + ", ".join(f"{ph} " + " ".join(f"{k} {v:.3f}" for k, v in seg.items())
-                                                      for ph, seg in row.items()), flush=True)
+            hid = torch.randn(runner.padded_tokens(T, None), plan.config.hidden_size, device=dev, dtype=runner.dtype)
+            yield B, T, runner, batch, hid
+
+
+def check_width(dev, narrow, ctx, budget_end, batches=(1, 16), fp8=False):
+    import torch
+    from decode_bench import bench_ms
+    _, plan, weights, stacks = slice_with_mtp(dev, torch.bfloat16, narrow, fp8)
+    out = {"ctx": ctx, "weights": "fp8" if fp8 else "bf16", "segments": {}}
+    bench = (lambda fn: bench_ms(fn)) if dev == "cuda" else (lambda fn: bench_ms(fn, graph=False))
+    for B, T, runner, batch, hid in width_steps(dev, plan, weights, stacks, ctx, batches, budget_end, out):
+        verify = T > B
+        row = {"verify" if verify else "decode": segment_ms(runner, "mtp_verify" if verify else "decode",
+                                                            batch, None, bench),
+               "draft": segment_ms(runner, "mtp_draft", batch, hid, bench)}
+        out["segments"][f"B={B} T={T}"] = row
+        print(f"width {out['weights']} B={B} T={T}: " + ", ".join(f"{ph} " + " ".join(f"{k} {v:.3f}" for k, v in seg.items())
+                                                              for ph, seg in row.items()), flush=True)
     return out
 
 
@@ -331,49 +344,32 @@ def check_rank(dev, narrow, ctx, budget_end, parallel, calibration, batches=(1, 
     from decode_bench import bench_ms
     from glmc.calibration import load
     from glmc.runtime.worker.comm import LoneComm
-    from glmc.runtime.worker.forward_batch import ForwardBatch
-    t0 = now()
-    model, plan, weights, stacks = slice_with_mtp(dev, torch.bfloat16, narrow, fp8, parallel)
+    _, plan, weights, stacks = slice_with_mtp(dev, torch.bfloat16, narrow, fp8, parallel)
     cal = load(calibration)
     lone = LoneComm(plan.mesh, rank=0)
-    B_max = max(batches)
-    runner = pc.gpu_runner(plan, weights, dev, B_max, ctx + 64, stacks=stacks, comm=lone)
-    del model, weights, stacks
-    table = pc.req_table(B_max, (ctx + 64) // 64)
-    g = torch.Generator().manual_seed(0)
     cfg = plan.config
-    prompts = [torch.randint(0, cfg.vocab_size, (ctx,), generator=g).tolist() for _ in range(B_max)]
-    pc.prefill(runner, prompts, table, group=max(1, 8192 // ctx))
     E, ep = cfg.n_routed_experts, plan.mesh["ep"]
     out = {"parallel": parallel, "rank": lone.rank, "ep_ranks": ep, "ctx": ctx, "weights": "fp8" if fp8 else "bf16",
-           "calibration": calibration, "setup_s": now() - t0, "segments": {}, "parts": {}}
+           "calibration": calibration, "segments": {}, "parts": {}}
     bench = (lambda fn: bench_ms(fn)) if dev == "cuda" else (lambda fn: bench_ms(fn, graph=False))
-    for B in batches:
-        for T in sorted({B * (n + 1) for n in (0, *STEPS)}):
-            if now() > budget_end:
-                out["skipped"] = f"budget spent at B={B} T={T}"
-                break
-            per = T // B
-            size = runner.padded_tokens(T, None)
-            ids = [torch.randint(0, cfg.vocab_size, (per,), generator=g).tolist() for _ in range(B)]
-            batch = ForwardBatch.build("extend" if per > 1 else "decode", ids, list(range(B)), [ctx] * B, table)
-            hid = torch.randn(size, cfg.hidden_size, device=dev, dtype=runner.dtype)
-            env = {"T": size, "B": size, "S": ctx, "K": cfg.index_topk}
-            lone.peer = peer_routes(T, E)
-            row, parts = {}, {}
-            for name, phase, hidden in (("verify" if per > 1 else "decode", "mtp_verify" if per > 1 else "decode",
-                                         None), ("draft", "mtp_draft", hid)):
-                ranks = ep_rank_ms(segment_calls(runner, phase, batch, hidden, size), ep, E, bench)
-                compute = {k: max(r[k] for r in ranks.values() if k in r) for k in ranks[0]}
-                comm = comm_ms(plan, phase, env, cal)
-                row[name] = {k: compute[k] + comm.get(k, 0.0) for k in compute}
-                parts[name] = {"compute_ms": compute, "comm_ms": comm, "per_rank_ms": ranks}
-            lone.peer = None
-            out["segments"][f"B={B} T={T}"] = row
-            out["parts"][f"B={B} T={T}"] = parts
-            print(f"rank {parallel} {out['weights']} B={B} T={T}: " + ", ".join(
-                f"{ph} " + " ".join(f"{k} {parts[ph]['compute_ms'][k]:.3f}+{parts[ph]['comm_ms'].get(k, 0):.3f}"
-                                    for k in seg) for ph, seg in row.items()), flush=True)
+    for B, T, runner, batch, hid in width_steps(dev, plan, weights, stacks, ctx, batches, budget_end, out, lone):
+        size = hid.shape[0]
+        env = {"T": size, "B": size, "S": ctx, "K": cfg.index_topk}
+        lone.peer = peer_routes(T, E)
+        row, parts = {}, {}
+        for name, phase, hidden in (("verify", "mtp_verify", None) if T > B else ("decode", "decode", None),
+                                    ("draft", "mtp_draft", hid)):
+            ranks = ep_rank_ms(segment_calls(runner, phase, batch, hidden, size), ep, E, bench)
+            compute = {k: max(r[k] for r in ranks.values() if k in r) for k in ranks[0]}
+            comm = comm_ms(plan, phase, env, cal)
+            row[name] = {k: compute[k] + comm.get(k, 0.0) for k in compute}
+            parts[name] = {"compute_ms": compute, "comm_ms": comm, "per_rank_ms": ranks}
+        lone.peer = None
+        out["segments"][f"B={B} T={T}"] = row
+        out["parts"][f"B={B} T={T}"] = parts
+        print(f"rank {parallel} {out['weights']} B={B} T={T}: " + ", ".join(
+            f"{ph} " + " ".join(f"{k} {parts[ph]['compute_ms'][k]:.3f}+{parts[ph]['comm_ms'].get(k, 0):.3f}"
+                                for k in seg) for ph, seg in row.items()), flush=True)
     return out
 
 
