@@ -112,17 +112,20 @@ def run_spec(kind, parallel, a2a, world, job, backend) -> list[dict]:
     return [torch.load(f"{out}/rank{r}.pt") for r in range(world)]
 
 
-def compile_for(kind, source, parallel, a2a, max_running, dtype_name, p2p=True):
-    """The CUDA-target plan a check runs (`p2p`: small collectives over peer memory, the default)."""
+def compile_for(kind, source, parallel, a2a, max_running, dtype_name, p2p=True, routing=None):
+    """The CUDA-target plan a check runs (`p2p`: small collectives over peer memory, the default;
+    `routing`: Options.moe_routing)."""
     from glmc.compiler import compile_plan
     from glmc.config import Options
     from glmc.parallel import parse_parallel
     from glmc.spec import load_spec
     if kind == "width":
-        return pc.glmc_plan(source, max_running, dtype_name, parallel, moe_a2a=a2a, p2p_collectives=p2p)
+        return pc.glmc_plan(source, max_running, dtype_name, parallel, moe_a2a=a2a, p2p_collectives=p2p,
+                            moe_routing=routing)
     spec = load_spec(source)
     return compile_plan(spec, parse_parallel(parallel, spec.config),
-                        Options(device="cuda", max_batch=max_running, moe_a2a=a2a, p2p_collectives=p2p))
+                        Options(device="cuda", max_batch=max_running, moe_a2a=a2a, p2p_collectives=p2p,
+                                moe_routing=routing))
 
 
 def bill_at(plan, t, context):

@@ -70,9 +70,11 @@ def spec_plans(data: dict) -> dict:
     for r in rows:
         if r["spec"] not in plans:
             parallel, a2a = _spec_args(r["spec"])
-            # measured before glmc had peer-memory collectives: every reduction through NCCL
+            # measured before glmc had peer-memory collectives (every reduction through NCCL) and
+            # before the gather form recomputed its routing (moe_routing: the file's, else gather)
             plans[r["spec"]] = pc.glmc_plan(cfg, max_batch, "bfloat16", parallel, moe_a2a=a2a,
-                                            p2p_collectives=data.get("p2p_collectives", False))
+                                            p2p_collectives=data.get("p2p_collectives", False),
+                                            moe_routing=data.get("moe_routing", "gather"))
     return plans
 
 
@@ -107,9 +109,10 @@ def multi_plans(root: Path) -> dict:
             SimpleNamespace(config=GlmMoeDsaConfig(**{**pc.GLM53, **pc.SLICE}))
         for parallel, a2a in [("tp1", None), *mg.SPECS]:
             moe = {None: "-", False: "gather", True: "a2a"}[a2a]
-            # measured (2026-11-30) before peer-memory collectives: every collective through NCCL
+            # measured (2026-11-30) before peer-memory collectives (every collective through NCCL)
+            # and with the gather form's routing all-gathered
             plans[kind, parallel, moe] = mg.compile_for(kind, source, parallel, a2a, len(lengths), dtype,
-                                                        p2p=False)
+                                                        p2p=False, routing="gather")
     return plans
 
 

@@ -253,7 +253,8 @@ def main():
     report(rows, info)
     path = Path(args.out_dir) / f"spec_bench_{info['date']}{'_cpu' if args.cpu else ''}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"info": info, "rows": rows, "p2p_collectives": True}, indent=1))
+    path.write_text(json.dumps({"info": info, "rows": rows, "p2p_collectives": True,
+                                "moe_routing": None}, indent=1))
     print(f"saved {path}")
 
 

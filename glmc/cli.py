@@ -39,8 +39,8 @@ def cmd_compile(a) -> int:
         bad = [x for x in dump if x != "all" and x not in PASS_NAMES]
         if bad:
             raise ValueError(f"--dump-after: unknown pass {bad}; passes: {', '.join(PASS_NAMES)}")
-    opts = Options(moe_a2a=a.moe_a2a, topk_broadcast=a.topk_broadcast, device=a.device,
-                   p2p_collectives=not a.no_p2p)
+    opts = Options(moe_a2a=a.moe_a2a, moe_routing=a.moe_routing, topk_broadcast=a.topk_broadcast,
+                   device=a.device, p2p_collectives=not a.no_p2p)
     plan = compile_plan(spec, par, opts, dump)
     out = Path(a.output or f"build/{spec.name}-{par.name}")
     plan.save(out, {"report.md": render(explain_plan(plan))})
@@ -136,6 +136,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="force the all-to-all (dispatch/combine) MoE lowering")
     g.add_argument("--moe-gather", dest="moe_a2a", action="store_false",
                    help="force the all-gather / reduce-scatter MoE lowering")
+    c.add_argument("--moe-routing", choices=("gather", "recompute"),
+                   help="the gather lowering's routing: all-gather the router's weights and ids, or recompute "
+                        "the router on the gathered tokens (default: by cost, recompute for decode steps)")
     c.set_defaults(fn=cmd_compile)
     e = sub.add_parser("explain", help="parameters, memory, FLOPs and communication of a plan")
     e.add_argument("plan")

@@ -188,8 +188,10 @@ class DTypes(BaseModel):
 
 @dataclass(frozen=True)
 class Options:
-    """User choices that passes honour: `moe_a2a` True/False forces a MoE lowering (None: cost)."""
+    """User choices that passes honour: `moe_a2a` True/False forces a MoE lowering (None: cost);
+    `moe_routing` "gather" / "recompute" the gather form's routing (None: cost; passes/lower_moe.py)."""
     moe_a2a: bool | None = None
+    moe_routing: str | None = None
     topk_broadcast: bool = False
     device: str = "cuda"
     p2p_collectives: bool = True   # small all-reduces / reduce-scatters over peer memory (cuda)

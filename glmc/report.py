@@ -135,8 +135,10 @@ def render(d: dict) -> str:
         out += ["", "## MoE lowerings (decode step)"]
         for name, per_step in d["moe_alternatives"].items():
             out += ["", f"{name}:", "", *_step_table(per_step)]
-        out += ["", "Chosen: " + ", ".join(f"{ph} {m['choice']} (est. us {m['est_us']})"
-                                          for ph, m in d["moe_lowering"].items())]
+        out += ["", "Chosen: " + ", ".join(
+            f"{ph} {m['choice']} (est. us {m['est_us']})"
+            + (f", routing {m['routing']} (est. us {m['routing_est_us']})" if "routing" in m else "")
+            for ph, m in d["moe_lowering"].items())]
     out += ["", "## Fusions"]
     for ph, rules in d["fusions"].items():
         out.append(f"- {ph}: " + (", ".join(f"{k} x{v}" for k, v in sorted(rules.items())) or "none"))

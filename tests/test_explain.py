@@ -132,7 +132,8 @@ def test_diff_shows_a_lowering_change_once_per_class_of_layers():
                      "layers 4..76 step 4 {", "layers 5..77 step 4 {", "layers 6..74 step 4 {"]
     assert text.count("\n+  %L.routed.cb = moe.combine(%L.routed, %L.hn) {group=[ep], p2p_max_bytes=4194304, size=2, "
                       "top_k=8}") == 4
-    assert "+75 moe.dispatch (0 -> 75)" in text and len(text.splitlines()) < 110
+    # (the gather form routes on the gathered tokens, the a2a form on its own: 4 router lines a class)
+    assert "+75 moe.dispatch (0 -> 75)" in text and len(text.splitlines()) < 130
 
 
 def test_the_cards_command_compiles_glm53(tmp_path, monkeypatch, capsys):

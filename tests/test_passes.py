@@ -77,10 +77,14 @@ def test_tp8ep8_reduce_scatter_then_all_gather_and_ep():
 def test_dp8ep8_attention_is_local_and_moe_lowerings():
     gather = ir(FULL, "dp8ep8", "decode", moe_a2a=False)
     layer5 = lines(gather, r"# L5$")
+    # the tokens gathered, the router run again on them (its weights and ids not gathered)
     assert [l.split(" = ")[1].split("(")[0] for l in layer5 if "comm." in l] == \
-        ["comm.all_gather"] * 3 + ["comm.reduce_scatter"]
+        ["comm.all_gather", "comm.reduce_scatter"]
     assert lines(gather, r"%L5\.hn\.ag = comm\.all_gather\(%L5\.hn\) \{group=\[attn_dp\], p2p_max_bytes=\d+, size=8\} "
                         r": \[T\*8, 6144\] bf16 @ R")
+    assert lines(gather, r"%L5\.route_w\.all, %L5\.route_ids\.all = moe\.topk\(%L5\.router\.all\).* : \[T\*8, 8\] fp32 @ R")
+    assert lines(gather, r"%L5\.routed = moe\.experts\(%L5\.hn\.ag, %L5\.route_w\.all, %L5\.route_ids\.all\)")
+    assert not lines(gather, r"moe\.gate\(%L5\.hn\)")
     a2a = ir(FULL, "dp8ep8", "decode", moe_a2a=True)
     assert not lines(a2a, r"comm\.")
     assert lines(a2a, r"%L5\.routed\.cb = moe\.combine\(%L5\.routed, %L5\.hn\).* : \[T, 6144\] bf16 @ \{attn_dp=S\(0\)\}")
@@ -90,6 +94,15 @@ def test_dp8ep8_attention_is_local_and_moe_lowerings():
 def test_lower_moe_picks_by_cost_and_refuses_a2a_with_moe_tp():
     assert graph(FULL, "dp8ep8", "prefill").meta["moe_lowering"]["choice"] == "a2a"
     assert graph(FULL, "dp2ep2", "prefill").meta["moe_lowering"]["choice"] == "gather"
+    # the gather form's routing: recomputed on a decode step's gathered tokens, gathered for an 8K chunk
+    assert graph(FULL, "dp2ep2", "prefill").meta["moe_lowering"]["routing"] == "gather"
+    assert graph(FULL, "dp2ep2", "decode").meta["moe_lowering"]["routing"] == "recompute"
+    assert lines(ir(FULL, "dp2ep2", "prefill"), r"%L5\.route_ids\.ag = comm\.all_gather\(%L5\.route_ids\)")
+    # --moe-routing forces either way
+    assert lines(ir(FULL, "dp2ep2", "decode", moe_routing="gather"), r"%L5\.route_ids\.ag = comm\.all_gather")
+    assert lines(ir(FULL, "dp2ep2", "prefill", moe_routing="recompute"), r"%L5\.router\.all = moe\.gate\(%L5\.hn\.ag\)")
+    with pytest.raises(CompileError, match="moe_routing 'nearest': gather or recompute"):
+        graph(FULL, "dp2ep2", "decode", moe_routing="nearest")
     with pytest.raises(CompileError, match=r"lower-moe.*moe_tp 2 \(world 8 / ep 4\)"):
         graph(FULL, "tp8ep4", "decode", moe_a2a=True)
 
