@@ -27,8 +27,8 @@
    ratio is what the prediction is about, and it says which term limits it).
 4. rank (`--parts rank`, not in the default): the same slice compiled for `--parallel` (tp8ep8, as
    GLM-5.3 is served on eight H200s) and rank 0 of it run alone on this GPU (`LoneComm`: its shard
-   of heads and experts, collectives that keep shapes and move nothing, the other ranks' tokens'
-   expert ids drawn as a random router routes them). Each segment is replayed without its
+   of heads and experts, collectives that keep shapes and move nothing, the other ranks' tokens
+   drawn at random, so that the router spreads them as it spreads random tokens). Each segment is replayed without its
    collectives, once per EP rank's expert range; a segment costs the slowest rank's compute plus
    the calibrated collectives of its ops (`--calibration`, glmc/predict.py's comm_s), and the
    prediction is part 3's formula over those segments: a rank's compute measured, its links modelled.
@@ -265,30 +265,35 @@ def check_width(dev, narrow, ctx, budget_end, batches=(1, 16), fp8=False):
 COMM_KINDS = ("comm.", "fused.allreduce_add_rms", "fused.reduce_scatter_add_rms")
 
 
-def peer_routes(tokens, experts, seed=0):
-    """LoneComm's `peer` for a step of `tokens` real tokens: the expert ids the other ranks would
-    contribute to an all-gather. Part p's row j is the step's row p R + j (R rows per rank): a real
-    token's are this rank's row j mapped through a permutation of the experts of its own, a padding
-    row's are row 0 mapped through one permutation that every padding row shares (padding is one
-    token, so it routes alike on every rank). Independent uniform permutations make each real row an independent
-    uniformly random set of distinct experts: how random tokens route through a random router, and
-    what the cost model assumes. Floating values (hidden rows, routing weights) are this rank's."""
+def peer_tokens(tokens, experts, seed=0):
+    """LoneComm's `peer` for a step of `tokens` real tokens: what the other ranks contribute to an
+    all-gather, other tokens. Part p's row j is the step's row p R + j (R rows per rank). A real
+    token's row is, for floating values (hidden rows), random normal at x's RMS: the router, which
+    runs again on the gathered rows, routes such rows independently, as random tokens route; for
+    expert ids (where the plan gathers them), this rank's row j through a permutation of the
+    experts of its own: an independent uniform set of distinct experts. Padding rows all alike
+    (padding is one token): one shared random row, row 0 through one shared permutation."""
     import torch
     g = torch.Generator().manual_seed(seed)
-    perms = {}
+    made = {}
 
-    def perm(key):
-        if key not in perms:
-            perms[key] = torch.randperm(experts, generator=g)
-        return perms[key]
+    def draw(key, make):
+        if key not in made:
+            made[key] = make()
+        return made[key]
 
     def peer(part, x):
-        if x.is_floating_point():
-            return x
-        R = x.shape[0]
-        rows = [perm(part * R + j).to(x.device)[x[j].long()] if part * R + j < tokens else
-                perm("pad").to(x.device)[x[0].long()] for j in range(R)]
-        return torch.stack(rows).to(x.dtype)
+        R, rows = x.shape[0], []
+        rms = x.float().pow(2).mean().sqrt() if x.is_floating_point() else None
+        for j in range(R):
+            key, src = (part * R + j, x[j]) if part * R + j < tokens else ("pad", x[0])
+            if rms is not None:
+                noise = draw(("rows", key, tuple(src.shape)), lambda: torch.randn(tuple(src.shape), generator=g))
+                rows.append((noise.to(x.device) * rms).to(x.dtype))
+            else:
+                perm = draw(("ids", key), lambda: torch.randperm(experts, generator=g))
+                rows.append(perm.to(x.device)[src.long()].to(x.dtype))
+        return torch.stack(rows)
     return peer
 
 
@@ -321,6 +326,22 @@ def ep_rank_ms(groups, ep, experts, bench):
     return out
 
 
+def experts_touched(groups, ep, experts):
+    """{segment: [distinct experts its step's real tokens route to, per EP rank]} of the segments
+    with a moe.experts op (padding tokens, which run no expert, left out)."""
+    import torch
+    out = {}
+    for k, calls in groups.items():
+        for op, args, rt, _ in calls:
+            if op.kind != "moe.experts":
+                continue
+            ids = next(a for a in args if torch.is_tensor(a) and not a.is_floating_point())
+            real = ids[:len(rt.loc)][rt.loc != getattr(rt, "pad_slot", -1)] if len(ids) == len(rt.loc) else ids
+            used = real.reshape(-1).unique().tolist()
+            out[k] = [sum(r * experts // ep <= e < (r + 1) * experts // ep for e in used) for r in range(ep)]
+    return out
+
+
 def comm_ms(plan, phase, env, cal):
     """{segment: ms} of the calibrated collectives of `phase`'s ops at `env` (glmc/predict.py's
     comm_s: the one-shot kernel's time where the plan runs it, else NCCL's)."""
@@ -335,7 +356,7 @@ def comm_ms(plan, phase, env, cal):
 
 def check_rank(dev, narrow, ctx, budget_end, parallel, calibration, batches=(1, 16), fp8=False):
     """One rank of `parallel` measured alone on this GPU (`LoneComm`: rank 0's shard, collectives that
-    keep shapes and move nothing, the peers' tokens' expert ids from `peer_routes`): each segment of
+    keep shapes and move nothing, the peers' tokens from `peer_tokens`): each segment of
     a decode / verify step and of a draft step replayed without its collectives, once per EP rank's
     expert range (`as_ep_rank`); a segment's compute is the slowest rank's (the ranks meet at every
     collective), and the calibrated collectives are added. -> the segments in `predict`'s form
@@ -355,15 +376,17 @@ def check_rank(dev, narrow, ctx, budget_end, parallel, calibration, batches=(1, 
     for B, T, runner, batch, hid in width_steps(dev, plan, weights, stacks, ctx, batches, budget_end, out, lone):
         size = hid.shape[0]
         env = {"T": size, "B": size, "S": ctx, "K": cfg.index_topk}
-        lone.peer = peer_routes(T, E)
+        lone.peer = peer_tokens(T, E)
         row, parts = {}, {}
         for name, phase, hidden in (("verify", "mtp_verify", None) if T > B else ("decode", "decode", None),
                                     ("draft", "mtp_draft", hid)):
-            ranks = ep_rank_ms(segment_calls(runner, phase, batch, hidden, size), ep, E, bench)
+            groups = segment_calls(runner, phase, batch, hidden, size)
+            ranks = ep_rank_ms(groups, ep, E, bench)
             compute = {k: max(r[k] for r in ranks.values() if k in r) for k in ranks[0]}
             comm = comm_ms(plan, phase, env, cal)
             row[name] = {k: compute[k] + comm.get(k, 0.0) for k in compute}
-            parts[name] = {"compute_ms": compute, "comm_ms": comm, "per_rank_ms": ranks}
+            parts[name] = {"compute_ms": compute, "comm_ms": comm, "per_rank_ms": ranks,
+                           "experts_per_rank": experts_touched(groups, ep, E)}
         lone.peer = None
         out["segments"][f"B={B} T={T}"] = row
         out["parts"][f"B={B} T={T}"] = parts

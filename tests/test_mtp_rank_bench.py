@@ -14,10 +14,10 @@ sys.path.insert(0, str(ROOT / "bench"))
 import mtp_gpu_check as mg  # noqa: E402
 
 
-def test_peer_routes_make_independent_real_rows_and_one_padding_route():
+def test_peer_tokens_are_other_tokens_and_padding_one_token():
     E, k = 64, 4
     own = torch.stack([torch.randperm(E)[:k] for _ in range(2)]).to(torch.int32)    # R = 2 rows per rank
-    peer = mg.peer_routes(tokens=5, experts=E, seed=3)
+    peer = mg.peer_tokens(tokens=5, experts=E, seed=3)
     parts = [own] + [peer(p, own) for p in range(1, 4)]     # rows 0..7; 5..7 are padding
     rows = torch.cat(parts)
     assert rows.dtype == torch.int32 and rows.shape == (8, k)
@@ -25,8 +25,12 @@ def test_peer_routes_make_independent_real_rows_and_one_padding_route():
     assert len({tuple(r.tolist()) for r in rows[:5]}) == 5     # the real tokens route differently
     assert torch.equal(rows[5], rows[6]) and torch.equal(rows[6], rows[7])   # padding routes alike
     assert torch.equal(peer(2, own), parts[2])                 # the same step: the same routes
-    w = torch.rand(2, k)
-    assert peer(1, w) is w                                     # floating values: this rank's
+    # hidden rows: random at this rank's RMS, each real token its own, padding one row
+    x = torch.randn(2, 32).to(torch.bfloat16) * 3
+    h = torch.cat([x] + [peer(p, x) for p in range(1, 4)])
+    assert h.dtype == torch.bfloat16 and h.shape == (8, 32) and h.isfinite().all()
+    assert len({tuple(r.tolist()) for r in h[:5]}) == 5 and torch.equal(h[5], h[7])
+    assert 1.5 < h[2:5].float().pow(2).mean().sqrt() < 6
 
 
 def test_as_ep_rank_rotates_only_the_experts_ids():
@@ -62,6 +66,10 @@ def test_a_lone_rank_is_measured_and_predicted(tmp_path):
                 assert part["compute_ms"][k] == compute > 0
                 assert ms == compute + part["comm_ms"].get(k, 0.0)
             assert all(part["comm_ms"][k] > 0 for k in seg if k != "head"), part["comm_ms"]   # tp2: every layer
+            # the step's real tokens (T, top-2 of 8 experts) spread over both ranks' experts
+            T = int(point.split("T=")[1])
+            for k, counts in part["experts_per_rank"].items():
+                assert k in moe and len(counts) == 2 and 2 <= sum(counts) <= min(8, 2 * T), (point, phase, counts)
     pred = res["prediction_rank_bf16"]["rows"]
     assert set(pred) == {"c1", "c2"}
     for row in pred.values():
