@@ -185,8 +185,10 @@ def slice_with_mtp(dev, dtype, narrow, fp8=False, parallel="tp1"):
     d = Path(tempfile.mkdtemp(prefix="glmc_mtp_slice_"))
     (d / "config.json").write_text(json.dumps(raw))
     spec = load_spec(d)
+    # the MoE's gather form in every phase: a lone rank (the rank part) cannot run an all-to-all, and
+    # the prefill (8K-token chunks would take it) only fills the caches here
     plan = compile_plan(spec, parse_parallel(parallel, spec.config),
-                        Options(device="cuda", max_batch=16, mtp_draft_tokens=4))
+                        Options(device="cuda", max_batch=16, mtp_draft_tokens=4, moe_a2a=False))
     return model, plan, weights, stacks
 
 
@@ -376,7 +378,7 @@ def check_rank(dev, narrow, ctx, budget_end, parallel, calibration, batches=(1, 
     for B, T, runner, batch, hid in width_steps(dev, plan, weights, stacks, ctx, batches, budget_end, out, lone):
         size = hid.shape[0]
         env = {"T": size, "B": size, "S": ctx, "K": cfg.index_topk}
-        lone.peer = peer_tokens(T, E)
+        lone.peer = peer_tokens(T * plan.mesh["attn_dp"], E)   # DP: every rank holds T tokens
         row, parts = {}, {}
         for name, phase, hidden in (("verify", "mtp_verify", None) if T > B else ("decode", "decode", None),
                                     ("draft", "mtp_draft", hid)):
@@ -493,7 +495,8 @@ def main():
     ap.add_argument("--calibration", help="bench/calibrate.py's file: also predict the whole GLM-5.3 on tp8ep8 "
                     "with glmc explain's cost model (the rank part's collectives: default "
                     f"{CALIBRATION.relative_to(ROOT)})")
-    ap.add_argument("--parallel", help="rank part: the mesh whose rank 0 is measured (default tp8ep8, --cpu tp2ep2)")
+    ap.add_argument("--parallel", help="rank part: the mesh whose rank 0 is measured (default tp8ep8, --cpu tp2ep2; "
+                    "under attention DP, B is per DP rank, every rank holding B requests)")
     a = ap.parse_args()
     if a.cpu:
         os.environ.setdefault("TRITON_INTERPRET", "1")
