@@ -149,6 +149,19 @@ def test_the_cards_command_compiles_glm53(tmp_path, monkeypatch, capsys):
     assert "--- glm-5.3 tp8" in capsys.readouterr().out
 
 
+def test_compile_moe_routing_flag(tmp_path, monkeypatch):
+    """`glmc compile --moe-routing gather` keeps the router's all-gathers that the default (by cost)
+    drops from decode steps; the report says which routing each phase got."""
+    monkeypatch.setenv("GLMC_VERIFY", "0")
+    for routing, out in ((None, tmp_path / "cost"), ("gather", tmp_path / "gather")):
+        extra = ["--moe-routing", routing] if routing else []
+        assert main(["compile", "--parallel", "tp8ep8", "--model", "glm_moe_dsa_tiny", "-o", str(out), *extra]) == 0
+    for name, gathered in (("cost", False), ("gather", True)):
+        decode = (tmp_path / name / "decode.ir").read_text()
+        assert ("route_ids.ag = comm.all_gather" in decode) == gathered
+        assert ("routing gather" if gathered else "routing recompute") in (tmp_path / name / "report.md").read_text()
+
+
 @pytest.mark.parametrize("argv,msg", [
     (["compile", "--parallel", "tp48", "--model", "glm_moe_dsa"], "attn_tp = 48"),
     (["compile", "--model", "nope.yaml"], "nope.yaml: no such model file"),
