@@ -141,7 +141,7 @@ def op_calls(runner, run) -> list:
 def per_op_table(runner, batch, ctx, bw, peak, deadline):
     """Replay each decode op alone (CUDA graph) with the inputs of one real step; -> rows."""
     calls = op_calls(runner, lambda: runner._body(
-        "decode", *runner._host_vectors(batch, batch.batch_size).to(runner.r2t.device)))
+        "decode", runner._host_vectors(batch, batch.batch_size).to(runner.r2t.device)))
     rows = []
     for op, args, rt, fn in calls:
         if op.kind in VIEWS:

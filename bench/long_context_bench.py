@@ -133,7 +133,7 @@ def kernel_rows(runner, batch, ctx, bw):
     from glmc.codegen import triton_target as tt
     from glmc.codegen.cuda_kernels import TOPK_CHUNK
     calls = db.op_calls(runner, lambda: runner._body(
-        "decode", *runner._host_vectors(batch, batch.batch_size).to(runner.r2t.device)))
+        "decode", runner._host_vectors(batch, batch.batch_size).to(runner.r2t.device)))
     op, args, rt, _ = next(c for c in calls if c[0].kind == "idx.topk")
     q, w, layer = args
     heads, k, T = int(op.attr("heads")), int(op.attr("k")), q.shape[0]

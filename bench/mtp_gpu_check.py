@@ -199,7 +199,7 @@ def segment_calls(runner, phase, batch, hidden, size=None):
     from collections import OrderedDict
     size = size or batch.num_tokens
     calls = db.op_calls(runner, lambda: runner._body(
-        phase, *runner._host_vectors(batch, size).to(runner.r2t.device), hidden))
+        phase, runner._host_vectors(batch, size).to(runner.r2t.device), hidden))
     groups = OrderedDict()
     for op, args, rt, fn in calls:
         if op.kind in ("io.input",):

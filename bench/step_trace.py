@@ -46,7 +46,7 @@ def op_kernels(runner, batch) -> list:
     vectors = runner._host_vectors(batch, batch.batch_size).to(runner.r2t.device)
     runner.impls = {k: recorder(f) for k, f in impls.items()}
     try:
-        runner._body("decode", *vectors)
+        runner._body("decode", vectors)
     finally:
         runner.impls = impls
     out = []

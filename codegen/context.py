@@ -51,6 +51,7 @@ class CudaStepContext(StepContext, Protocol):
 
     rows: torch.Tensor               # [T] req_to_token row of each token (padding: a spare row)
     pad_slot: int                    # the KV slot of padding tokens (loc[t] == pad_slot: t is padding)
+    dp_loc: torch.Tensor | None      # attention DP: [attn_dp x T], pad_slot at every DP rank's padding
     pos: torch.Tensor                # [T] position of each token
     lens: torch.Tensor               # [T] pos + 1: the keys each token attends to
     r2t: torch.Tensor                # the device req_to_token table

@@ -335,13 +335,15 @@ def _experts(op, args, ctx: CudaStepContext):
 
 
 def _padding(op, ids, ctx: CudaStepContext):
-    """(loc, the padding slot) when the experts' rows are the step's own tokens, one per token in
-    order (one rank's, or all-gathered over attention TP): padding tokens then run no expert. None
-    for rows from elsewhere (a dispatch's, or gathered over DP ranks, whose padding loc does not
-    describe)."""
-    if ids.shape[0] != ctx.loc.shape[0] or ctx.graph.producer(op.operands[2]).kind == "moe.dispatch":
+    """(a loc of the experts' rows, the padding slot) where the rows are tokens in order: the step's
+    own (one rank's, or all-gathered over attention TP: `loc`) or every DP rank's, all-gathered over
+    attention DP (`dp_loc`); padding tokens then run no expert. None for a dispatch's rows."""
+    if ctx.graph.producer(op.operands[2]).kind == "moe.dispatch":
         return None
-    return ctx.loc, ctx.pad_slot
+    for loc in (ctx.loc, ctx.dp_loc):
+        if loc is not None and ids.shape[0] == loc.shape[0]:
+            return loc, ctx.pad_slot
+    return None
 
 
 @impl("mlp.swiglu")

@@ -148,7 +148,7 @@ class Measured:
                 packed = torch.zeros(4, b, dtype=torch.int64)     # made outside the pool, kept
                 packed[2].fill_(ex.scratch), packed[3].fill_(ex.pad_row)
                 with mem.region(b) as r:
-                    kept.append((packed, ex._body("decode", *packed)))
+                    kept.append((packed, ex._body("decode", packed)))
                 self.points[f"graph{b}"] = (("decode", b, b, 128, "graph"), r.peak - r.start)
             return mem.live
 

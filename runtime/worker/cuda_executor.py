@@ -80,6 +80,7 @@ class GpuStep(Step):
     rows/positions, the device table, workspace width."""
     rows: torch.Tensor = None
     pad_slot: int = -1
+    dp_loc: torch.Tensor | None = None
     pos: torch.Tensor = None
     lens: torch.Tensor = None
     r2t: torch.Tensor = None
@@ -100,8 +101,8 @@ MTP_PHASES = ("mtp_verify", "mtp_draft")
 @dataclass
 class Captured:
     graph: object          # torch.cuda.CUDAGraph
-    packed: torch.Tensor   # [4, b] int64 device: ids, positions, slots, rows
-    host: torch.Tensor     # [4, b] int64 pinned staging buffer
+    packed: torch.Tensor   # [4 (+ dp_rows), b] int64 device: `GpuRunner._host_vectors`
+    host: torch.Tensor     # the same shape, pinned: its staging buffer
     out: dict              # static outputs: logits, next_ids, hidden
     copied: object = None  # torch.cuda.Event: the last host->device copy of `host` is done
     counts: dict = field(default_factory=dict)  # the collectives one replay runs (as captured)
@@ -116,6 +117,9 @@ class GpuRunner(PlanExecutor):
         super().__init__(plan, weights, pool, comm, impls=CUDA_IMPLS, device=pool.device,
                          stacks=stacks)
         self.max_context, self.pad_row, self.scratch = max_context, max_reqs, pool.num_slots - 1
+        # attention DP with the MoE's rows gathered over it: every DP rank's padding, as slots (`_host_vectors`)
+        mesh = plan.mesh
+        self.dp_rows = mesh["attn_dp"] if mesh["attn_dp"] > 1 and mesh["attn_tp"] == 1 and mesh["ep"] > 1 else 0
         self.r2t = torch.full((max_reqs + 1, max_context), self.scratch, dtype=torch.int64, device=pool.device)
         self.last_token = torch.zeros(max_reqs + 1, dtype=torch.int64, device=pool.device)
         # exactly the plan's kernels; a benchmark that sets MoE tile overrides (`moe_tiles`) also
@@ -147,10 +151,13 @@ class GpuRunner(PlanExecutor):
         return self._derived[key]
 
     # ------------------------------------------------------------------ one step over device tensors
-    def _step(self, graph, batch, ids, pos, lens, loc, rows, max_len, last_rows=None, token_runs=False) -> GpuStep:
-        return GpuStep(self, graph, batch, {"input_ids": ids, "positions": pos}, loc, rows=rows,
-                       pad_slot=self.scratch, pos=pos, lens=lens, r2t=self.r2t, max_len=max_len,
-                       last_rows=last_rows, token_runs=token_runs, moe_tiles=self.moe_tiles, kernels=self.kernels)
+    def _step(self, graph, ids, vectors, lens, max_len, last_rows=None, token_runs=False) -> GpuStep:
+        """The step over `_host_vectors` on the device, its token ids `ids` (FUTURE_TOKEN filled in)."""
+        _, pos, loc, rows = vectors[:4]
+        return GpuStep(self, graph, None, {"input_ids": ids, "positions": pos}, loc, rows=rows,
+                       pad_slot=self.scratch, dp_loc=vectors[4:].reshape(-1) if self.dp_rows else None, pos=pos,
+                       lens=lens, r2t=self.r2t, max_len=max_len, last_rows=last_rows, token_runs=token_runs,
+                       moe_tiles=self.moe_tiles, kernels=self.kernels)
 
     def _outputs(self, graph, values) -> dict:
         logits, hidden, ids = (values[v] for v in graph.step_outputs())
@@ -161,21 +168,30 @@ class GpuRunner(PlanExecutor):
         self.last_token.index_copy_(0, to_device(torch.tensor(rows, dtype=torch.int64), self.last_token.device),
                                     tokens.to(self.last_token.device, torch.int64))
 
-    def _body(self, phase, ids, pos, loc, rows, hidden=None, max_len=None) -> dict:
-        """The captured region of a per-token phase: fill in FUTURE_TOKEN ids, each token's own
-        slot into the device table, then every op of the phase (`hidden`: mtp_draft's input rows)."""
+    def _body(self, phase, vectors, hidden=None, max_len=None) -> dict:
+        """The captured region of a per-token phase over `_host_vectors` on the device: fill in
+        FUTURE_TOKEN ids, each token's own slot into the device table, then every op of the phase
+        (`hidden`: mtp_draft's input rows)."""
+        ids, pos, loc, rows = vectors[:4]
         ids, lens = tt.step_inputs(ids, self.last_token, rows, pos, loc, self.r2t, self.kernels)
         graph = self.graphs[phase]
-        step = self._step(graph, None, ids, pos, lens, loc, rows, max_len or self.max_context)
+        step = self._step(graph, ids, vectors, lens, max_len or self.max_context)
         if hidden is not None:
             step.feeds["hidden"] = hidden
         return self._outputs(graph, self.run_ops(graph, step, phase))
 
-    def _host_vectors(self, batch: ForwardBatch, size: int) -> torch.Tensor:
-        """[4, size] int64: ids, positions, slots, rows per token, padded with the spare row."""
+    def _host_vectors(self, batch: ForwardBatch, size: int, dp_tokens=None) -> torch.Tensor:
+        """[4 + dp_rows, size] int64: ids, positions, slots, rows per token, padded with the spare
+        row; then (attention DP, the MoE's rows gathered over it) one row per DP rank, its tokens as
+        slot 0 and its padding as the scratch slot (`dp_tokens`: every rank's count; default this
+        batch's), which the MoE reads as the gathered rows' `loc` (`cuda_target._padding`)."""
         t = batch.num_tokens
-        v = torch.empty(4, size, dtype=torch.int64)
+        v = torch.empty(4 + self.dp_rows, size, dtype=torch.int64)
         v[0].zero_(), v[1].zero_(), v[2].fill_(self.scratch), v[3].fill_(self.pad_row)
+        if self.dp_rows:
+            v[4:].fill_(self.scratch)
+            for d, n in enumerate(dp_tokens or [t] * self.dp_rows):
+                v[4 + d, :n] = 0
         v[0, :t], v[1, :t], v[2, :t] = batch.input_ids, batch.positions, batch.out_cache_loc
         # numpy: torch's CPU repeat_interleave cost ~0.4 ms per call on the H200 host (2026-12-01)
         v[3, :t] = torch.from_numpy(np.repeat(batch.req_pool_indices.numpy(), batch.extend_lens.numpy()))
@@ -205,10 +221,10 @@ class GpuRunner(PlanExecutor):
             bucket = next((b for b in sorted(self.captured) if b >= need), None)
             self.last_bucket = bucket
             if bucket is not None:
-                return self._replay(bucket, batch)
+                return self._replay(bucket, batch, dp_tokens=dp_tokens)
             self._load_rows(batch)
-            ids, pos, loc, rows = to_device(self._host_vectors(batch, need), self.r2t.device)
-            return {k: v[:B] for k, v in self._body("decode", ids, pos, loc, rows).items()}
+            vectors = to_device(self._host_vectors(batch, need, dp_tokens), self.r2t.device)
+            return {k: v[:B] for k, v in self._body("decode", vectors).items()}
         if phase in MTP_PHASES:
             return self._mtp(phase, batch, hidden, dp_tokens, longest)
         self._load_rows(batch)
@@ -218,19 +234,19 @@ class GpuRunner(PlanExecutor):
                 and B <= self.prefill_captured[bucket].last.numel():
             self.num_prefill_replays += 1
             return self._replay(bucket, batch, self.prefill_captured[bucket])
-        ids, pos, loc, rows = to_device(self._host_vectors(batch, size), self.r2t.device)
+        vectors = to_device(self._host_vectors(batch, size, dp_tokens), self.r2t.device)
         last = to_device(self._last_tokens(batch, B), self.r2t.device)
-        return self._prefill_body(ids, pos, loc, rows, last, longest,
-                                  token_runs=batch.num_tokens >= TOKEN_RUN * B)
+        return self._prefill_body(vectors, last, longest, token_runs=batch.num_tokens >= TOKEN_RUN * B)
 
-    def _prefill_body(self, ids, pos, loc, rows, last, max_len, token_runs=False) -> dict:
-        """A prefill (or mixed) step's ops over device vectors: outputs of each request's last token
-        (`last`: its index among the step's tokens). The device table already holds the rows.
-        `token_runs`: the requests average >= TOKEN_RUN tokens (GpuStep.token_runs)."""
+    def _prefill_body(self, vectors, last, max_len, token_runs=False) -> dict:
+        """A prefill (or mixed) step's ops over `_host_vectors` on the device: outputs of each
+        request's last token (`last`: its index among the step's tokens). The device table already
+        holds the rows. `token_runs`: the requests average >= TOKEN_RUN tokens (GpuStep.token_runs)."""
+        ids, pos, loc, rows = vectors[:4]
         ids, lens = tt.step_inputs(ids, self.last_token, rows, pos, loc, self.r2t, self.kernels)   # r2t: as loaded
         graph = self.graphs["prefill"]
-        return self._outputs(graph, self.run_ops(graph, self._step(graph, None, ids, pos, lens, loc, rows, max_len,
-                                                                   last, token_runs), "prefill"))
+        step = self._step(graph, ids, vectors, lens, max_len, last, token_runs)
+        return self._outputs(graph, self.run_ops(graph, step, "prefill"))
 
     @staticmethod
     def _last_tokens(batch: ForwardBatch, size: int) -> torch.Tensor:
@@ -251,18 +267,19 @@ class GpuRunner(PlanExecutor):
         caps = self.mtp_captured[phase]
         bucket = next((b for b in sorted(caps) if b >= need), None)
         if bucket is not None:
-            return self._replay(bucket, batch, caps[bucket], hidden)
-        ids, pos, loc, rows = to_device(self._host_vectors(batch, need), self.r2t.device)
+            return self._replay(bucket, batch, caps[bucket], hidden, dp_tokens)
+        vectors = to_device(self._host_vectors(batch, need, dp_tokens), self.r2t.device)
         if hidden is not None:
             hidden = torch.cat([hidden.to(self.dtype), hidden.new_zeros(need - T, hidden.shape[1],
                                                                        dtype=self.dtype)])
-        out = self._body(phase, ids, pos, loc, rows, hidden, max_len=longest)
+        out = self._body(phase, vectors, hidden, max_len=longest)
         return {k: v[:T] for k, v in out.items()}
 
-    def _replay(self, bucket: int, batch: ForwardBatch, cap: Captured | None = None, hidden=None) -> dict:
+    def _replay(self, bucket: int, batch: ForwardBatch, cap: Captured | None = None, hidden=None,
+                dp_tokens=None) -> dict:
         cap = cap or self.captured[bucket]
         cap.copied.synchronize()             # the previous step's copy has read the staging buffer
-        cap.host.copy_(self._host_vectors(batch, bucket))
+        cap.host.copy_(self._host_vectors(batch, bucket, dp_tokens))
         cap.packed.copy_(cap.host, non_blocking=True)
         if cap.last is not None:   # a prefill graph: outputs per request
             cap.last_host.copy_(self._last_tokens(batch, cap.last.numel()))
@@ -317,7 +334,7 @@ class GpuRunner(PlanExecutor):
         return sum(len(self.phase_buckets[p]) for p in phases)
 
     def _capture_one(self, phase: str, b: int, warmup: int, pool, side: torch.cuda.Stream) -> Captured:
-        packed = torch.zeros(4, b, dtype=torch.int64, device=self.r2t.device)
+        packed = torch.zeros(4 + self.dp_rows, b, dtype=torch.int64, device=self.r2t.device)
         packed[2].fill_(self.scratch), packed[3].fill_(self.pad_row)
         hidden = (torch.zeros(b, self.config.hidden_size, dtype=self.dtype, device=self.r2t.device)
                   if phase == "mtp_draft" else None)
@@ -326,8 +343,8 @@ class GpuRunner(PlanExecutor):
 
         def body():
             if phase == "prefill":
-                return self._prefill_body(*packed, last, self.prefill_max_len)
-            return self._body(phase, *packed, hidden)
+                return self._prefill_body(packed, last, self.prefill_max_len)
+            return self._body(phase, packed, hidden)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):        # compile kernels, create handles, fill caches
             for _ in range(warmup):
@@ -340,7 +357,7 @@ class GpuRunner(PlanExecutor):
         counts = self.comm.reset()            # one step's collectives, credited per replay
         self.comm.add(saved)
         torch.cuda.synchronize()
-        host = torch.empty(4, b, dtype=torch.int64).pin_memory()
+        host = torch.empty(4 + self.dp_rows, b, dtype=torch.int64).pin_memory()
         return Captured(graph, packed, host, out, torch.cuda.Event(), counts, hidden, last,
                         None if last is None else torch.empty(last.numel(), dtype=torch.int64).pin_memory())
 
