@@ -89,8 +89,9 @@ LAUNCHES: dict[str, Launches] = {
     "comm.all_gather": Launches(collectives=("all_gather",)),
     "comm.reduce_scatter": Launches(collectives=("reduce_scatter",)),
     "comm.broadcast": Launches(collectives=("all_gather",)),
-    "fused.allreduce_add_rms": Launches(torch_ops=_ADD_RMS_TORCH, collectives=("all_reduce",)),
-    "fused.reduce_scatter_add_rms": Launches(torch_ops=_ADD_RMS_TORCH, collectives=("reduce_scatter",)),
+    # (NCCL, then the add + RMS norm kernel; `launches` swaps in the one-shot kernel where it runs)
+    "fused.allreduce_add_rms": Launches(1, collectives=("all_reduce",)),
+    "fused.reduce_scatter_add_rms": Launches(1, collectives=("reduce_scatter",)),
     # slot of each row per peer (one_hot, cumsum, gather, ...), packing, send buffer, unpacking
     "moe.dispatch": Launches(torch_ops=18, collectives=("all_to_all",)),
     "moe.combine": Launches(torch_ops=4, collectives=("all_to_all",)),   # gather back, k-way sum

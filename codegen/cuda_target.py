@@ -197,11 +197,17 @@ def _p2p_channel(op, x, ctx: CudaStepContext, mode: str):
 
 def _reduce(op, args, ctx: CudaStepContext, scatter: bool, fused: bool):
     """comm.all_reduce / comm.reduce_scatter and their fused add + RMSNorm forms: the one-shot
-    kernel where `_p2p_channel` allows, else the torch target's NCCL path."""
+    kernel where `_p2p_channel` allows, else NCCL (the torch target's collective) and, fused, this
+    target's add + RMSNorm (activations keep their dtype; an FP8 GEMM's input is quantised there)."""
     x = args[0]
     ch = _p2p_channel(op, x, ctx, "scatter" if scatter else "reduce")
-    if ch is None:
+    if ch is None and not fused:
         return torch_target.IMPLS[op.kind](op, args, ctx)
+    if ch is None:
+        nbytes = torch_target._plan_bytes(x, ctx, op.operands[0])
+        axes = torch_target._axes(op)
+        reduced = ctx.comm.reduce_scatter(x, axes, nbytes=nbytes) if scatter else ctx.comm.all_reduce(x, axes, nbytes)
+        return _fused_add_rms(op, [reduced, args[1]], ctx)
     ctx.comm.count("reduce_scatter" if scatter else "all_reduce",
                    torch_target._plan_bytes(x, ctx, op.operands[0]), p2p=True)
     if not fused:

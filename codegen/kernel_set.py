@@ -60,8 +60,12 @@ def _dims(graph: Graph, value: str) -> list[int]:
     return [int(d.coeff) for d in graph.type_of(value).shape if d.sym is None]
 
 
+# norms that add a residual first (the fused collectives' add + RMS norm after NCCL included)
+RESIDUAL_NORMS = ("fused.add_rms", "fused.allreduce_add_rms", "fused.reduce_scatter_add_rms")
+
+
 def _rms(op, graph, dtype, kv=(False, False)):
-    return [tc.RmsNormCtx.make(_dims(graph, op.results[0])[-1], op.attr("eps"), op.kind == "fused.add_rms")]
+    return [tc.RmsNormCtx.make(_dims(graph, op.results[0])[-1], op.attr("eps"), op.kind in RESIDUAL_NORMS)]
 
 
 def _rope(op, graph, dtype, kv=(False, False)):
@@ -137,14 +141,20 @@ def _p2p(op, graph, dtype, kv=(False, False)):
                                     op.attr("eps") if fused else None, fused, scatter, op.kind == "comm.all_gather")]
 
 
+def _fused_reduce(op, graph, dtype, kv=(False, False)):
+    """A reduction fused with add + RMS norm: the one-shot kernel where the plan allows it, and the
+    add + RMS norm kernel after NCCL for the messages above that (`cuda_target._reduce`)."""
+    return _p2p(op, graph, dtype, kv) + _rms(op, graph, dtype, kv)
+
+
 # op kind -> the kernel contexts its CUDA implementation can launch
 KERNELS_OF = {
     "norm.rms": _rms, "fused.add_rms": _rms, "rope.apply": _rope,
     "fused.qkv_a_norm_rope_write": _qkv, "fused.qkv_a_norm_rope_write_index": _qkv,
     "idx.topk": _topk, "attn.mla_absorbed": _attn, "attn.sparse_mla": _attn, "attn.mla_mha": _attn,
     "moe.gate": _gate, "moe.topk": _router, "moe.experts": _experts, "sample.tokens": _sample,
-    "comm.all_reduce": _p2p, "comm.reduce_scatter": _p2p, "fused.allreduce_add_rms": _p2p,
-    "fused.reduce_scatter_add_rms": _p2p, "comm.all_gather": _p2p, "moe.dispatch": _p2p, "moe.combine": _p2p,
+    "comm.all_reduce": _p2p, "comm.reduce_scatter": _p2p, "fused.allreduce_add_rms": _fused_reduce,
+    "fused.reduce_scatter_add_rms": _fused_reduce, "comm.all_gather": _p2p, "moe.dispatch": _p2p, "moe.combine": _p2p,
 }
 # CUDA implementations that launch no Triton kernel (cuBLAS, torch ops, NCCL)
 NO_TRITON = frozenset({
@@ -211,12 +221,14 @@ def _fp8_rms(op, graph, dtype, config):
     quant = any(u.operands[0] == value and u.kind in FP8_KINDS and any(map(is_fp8_name, op_weight_names(u)))
                 for u in graph.users(value))
     forms = (True, False) if quant else (False,)
-    return [tc.RmsNormCtx.make(_dims(graph, value)[-1], op.attr("eps"), op.kind == "fused.add_rms", q) for q in forms]
+    norms = [tc.RmsNormCtx.make(_dims(graph, value)[-1], op.attr("eps"), op.kind in RESIDUAL_NORMS, q) for q in forms]
+    return norms + (_p2p(op, graph, dtype) if op.kind.startswith("fused.") and op.kind != "fused.add_rms" else [])
 
 
 # op kind -> its kernel contexts when the plan stores its weights FP8 (`weight_formats.FP8_KINDS`)
 FP8_KERNELS_OF = {"linear": _fp8_linear, "mla.a_proj": _fp8_linear, "mlp.swiglu": _fp8_swiglu,
-                  "moe.experts": _fp8_experts, "norm.rms": _fp8_rms, "fused.add_rms": _fp8_rms}
+                  "moe.experts": _fp8_experts, "norm.rms": _fp8_rms, "fused.add_rms": _fp8_rms,
+                  "fused.allreduce_add_rms": _fp8_rms, "fused.reduce_scatter_add_rms": _fp8_rms}
 
 
 def op_kernels(op: Op, graph: Graph, dtype: torch.dtype, fp8_config=None, kv=(False, False)) -> list:

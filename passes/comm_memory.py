@@ -2,13 +2,13 @@
 the one-shot peer-memory kernel where the plan allows it: `p2p_runs`).
 
 Replays `Comm.all_reduce` / `broadcast` (a contiguous clone reduced in place), `all_gather` /
-`reduce_scatter` (a new output; along a dim > 0 a concatenation) and the torch target's fused
-collective + add + RMS norm (`torch_ref.add_rms_norm`: fp32 temporaries, an fp32 normed output) on a
-`step_arena.Arena`. The a2a MoE dispatch and combine are in `moe_memory.py`.
+`reduce_scatter` (a new output; along a dim > 0 a concatenation) and, for the fused forms, the
+collective then the CUDA target's add + RMS norm (`op_memory.add_rms`) on a `step_arena.Arena`. The a2a MoE dispatch and combine are in `moe_memory.py`.
 """
 from __future__ import annotations
 
 from .costs import comm_of, runs_p2p
+from .op_memory import add_rms
 from .step_arena import Step, Val, model
 
 
@@ -69,32 +69,12 @@ def _reduce_scatter_op(op, args, s):
     return _p2p(op, args, s) if p2p_runs(op, s) else _reduce_scatter(op, args, s, s.numel(op))
 
 
-def _torch_add_rms(op, s: Step, x: Val) -> tuple[Val, Val]:
-    """torch_ref.add_rms_norm (the torch target's, which the fused collectives use): the residual in
-    the compute dtype, the norm in fp32 through its temporaries; -> (normed fp32, residual)."""
-    n, T = s.numel(op, 1), s.rows(op, 1)
-    res = s.arena.new(n, x.elem)
-    x32 = s.tmp(n, 4) if x.elem != 4 else None
-    sq = s.tmp(n, 4)
-    mean = s.tmp(T, 4)
-    s.free(sq)
-    eps = s.tmp(T, 4)
-    s.free(mean)
-    rs = s.tmp(T, 4)
-    s.free(eps)
-    scaled = s.tmp(n, 4)
-    s.free(rs)
-    out = s.arena.new(n, 4)
-    s.free(scaled, x32)
-    return out, res
-
-
 @model("fused.allreduce_add_rms")
 def _fused_allreduce(op, args, s):
     if p2p_runs(op, s):
         return _p2p(op, args, s)
     reduced = _clone_collective(op, args, s)
-    out = _torch_add_rms(op, s, reduced)
+    out = add_rms(op, [reduced, args[1]], s)
     s.free(reduced.buf)
     return out
 
@@ -104,6 +84,6 @@ def _fused_reduce_scatter(op, args, s):
     if p2p_runs(op, s):
         return _p2p(op, args, s)
     reduced = _reduce_scatter(op, args, s, s.numel(op, 1))
-    out = _torch_add_rms(op, s, reduced)
+    out = add_rms(op, [reduced, args[1]], s)
     s.free(reduced.buf)
     return out

@@ -98,7 +98,9 @@ def _rms(op, args, s):
 
 
 @model("fused.add_rms")
-def _add_rms(op, args, s):
+def add_rms(op, args, s):
+    """The add + RMS norm kernel (also after a collective that did not run one-shot: comm_memory):
+    the residual and the normed rows in the input's dtype, the FP8 quantisation where it is read."""
     res = s.arena.new(s.numel(op, 1), max(args[0].elem, args[1].elem))
     out = s.arena.new(s.numel(op), args[0].elem)
     _norm_quantises(op, s)

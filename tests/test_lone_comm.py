@@ -83,3 +83,35 @@ def test_a_lone_rank_refuses_moe_all_to_all(ckpt):
     table = ((torch.arange(2) + 1)[:, None] * 64 + torch.arange(64)).reshape(1, -1)
     with pytest.raises(RuntimeError, match="dispatch is an all-to-all"):
         ex.forward("prefill", ForwardBatch.build("extend", [[1, 2, 3]], [0], [0], table))
+
+
+def test_a_lone_fp8_rank_runs_its_fused_reductions_through_the_nccl_path(tmp_path):
+    """Every collective of a lone rank takes the CUDA target's NCCL path (no peer memory), as the
+    messages above the one-shot threshold do on GPUs: a reduction fused with add + RMS norm then runs
+    the add + RMS norm kernel, which the plan's kernel set holds (FP8: its quantising form too), and
+    its rows keep the activations' dtype (the torch target's norm returned fp32 there)."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import decode_bench as db
+    from tiny_hf import save_tiny_fp8
+    save_tiny_fp8(tmp_path, "grouped", seed=3, v_head_dim=64, intermediate_size=256, moe_intermediate_size=256)
+    spec = load_spec(tmp_path)
+    plan = compile_plan(spec, parse_parallel("tp2ep2", spec.config), Options(device="cuda", max_batch=4))
+    ex = load_runner(plan, tmp_path, device="cpu", comm=LoneComm(plan.mesh, rank=0), num_pages=9,
+                     max_running=4, capture=False).executor
+    pages = torch.arange(8).view(4, 2) + 1
+    table = (pages[:, :, None] * 64 + torch.arange(64)).reshape(4, -1)
+    prompts = [[7, 8, 9, 10, 11], [12, 13, 14]]
+    ex.forward("prefill", ForwardBatch.build("extend", prompts, [0, 1], [0, 0], table))
+    step = ForwardBatch.build("decode", [[1], [2]], [0, 1], [5, 3], table)
+    out = {}
+    calls = db.op_calls(ex, lambda: out.update(ex.forward("decode", step)))
+    assert out["logits"].isfinite().all()
+    fused = [(op, args, rt, fn) for op, args, rt, fn in calls if op.kind == "fused.reduce_scatter_add_rms"]
+    assert fused
+    for op, args, rt, fn in fused:
+        rt.memo.pop((op.results[0], "fp8_tokens"), None)
+        normed, residual = fn(op, args, rt)
+        assert normed.dtype == residual.dtype == args[0].dtype
+        assert (op.results[0], "fp8_tokens") in rt.memo       # quantised for its FP8 readers, in the kernel

