@@ -28,8 +28,8 @@
 4. rank (`--parts rank`, not in the default): the same slice compiled for `--parallel` (tp8ep8, as
    GLM-5.3 is served on eight H200s) and rank 0 of it run alone on this GPU (`LoneComm`: its shard
    of heads and experts, collectives that keep shapes and move nothing, the other ranks' tokens
-   drawn at random, so that the router spreads them as it spreads random tokens). Each segment is replayed without its
-   collectives, once per EP rank's expert range; a segment costs the slowest rank's compute plus
+   drawn at random, so that the router spreads them as it spreads random tokens). Each segment is
+   replayed without its collectives, once per EP rank's expert range; a segment costs the slowest rank's compute plus
    the calibrated collectives of its ops (`--calibration`, glmc/predict.py's comm_s), and the
    prediction is part 3's formula over those segments: a rank's compute measured, its links modelled.
 """
@@ -209,6 +209,12 @@ def segment_calls(runner, phase, batch, hidden, size=None):
     return groups
 
 
+def segment_bench(dev):
+    """ms of one call of a segment: CUDA-graph replays on the GPU, wall time of one eager call on the CPU."""
+    from decode_bench import bench_ms
+    return (lambda fn: bench_ms(fn)) if dev == "cuda" else (lambda fn: bench_ms(fn, graph=False))
+
+
 def segment_ms(runner, phase, batch, hidden, bench):
     """Each segment of `segment_calls` replayed as a CUDA graph of its own, with the inputs of one
     real step; -> {segment: ms}."""
@@ -247,10 +253,9 @@ def width_steps(dev, plan, weights, stacks, ctx, batches, budget_end, out, comm=
 
 def check_width(dev, narrow, ctx, budget_end, batches=(1, 16), fp8=False):
     import torch
-    from decode_bench import bench_ms
     _, plan, weights, stacks = slice_with_mtp(dev, torch.bfloat16, narrow, fp8)
     out = {"ctx": ctx, "weights": "fp8" if fp8 else "bf16", "segments": {}}
-    bench = (lambda fn: bench_ms(fn)) if dev == "cuda" else (lambda fn: bench_ms(fn, graph=False))
+    bench = segment_bench(dev)
     for B, T, runner, batch, hid in width_steps(dev, plan, weights, stacks, ctx, batches, budget_end, out):
         verify = T > B
         row = {"verify" if verify else "decode": segment_ms(runner, "mtp_verify" if verify else "decode",
@@ -330,15 +335,18 @@ def ep_rank_ms(groups, ep, experts, bench):
 
 def experts_touched(groups, ep, experts):
     """{segment: [distinct experts its step's real tokens route to, per EP rank]} of the segments
-    with a moe.experts op (padding tokens, which run no expert, left out)."""
+    with a moe.experts op (padding tokens, which run no expert, left out as `cuda_target._padding`
+    finds them)."""
     import torch
+    from glmc.codegen.cuda_target import _padding
     out = {}
     for k, calls in groups.items():
         for op, args, rt, _ in calls:
             if op.kind != "moe.experts":
                 continue
             ids = next(a for a in args if torch.is_tensor(a) and not a.is_floating_point())
-            real = ids[:len(rt.loc)][rt.loc != getattr(rt, "pad_slot", -1)] if len(ids) == len(rt.loc) else ids
+            pad = _padding(op, ids, rt)
+            real = ids if pad is None else ids[pad[0] != pad[1]]
             used = real.reshape(-1).unique().tolist()
             out[k] = [sum(r * experts // ep <= e < (r + 1) * experts // ep for e in used) for r in range(ep)]
     return out
@@ -364,7 +372,6 @@ def check_rank(dev, narrow, ctx, budget_end, parallel, calibration, batches=(1, 
     collective), and the calibrated collectives are added. -> the segments in `predict`'s form
     (compute + collectives) and the parts."""
     import torch
-    from decode_bench import bench_ms
     from glmc.calibration import load
     from glmc.runtime.worker.comm import LoneComm
     _, plan, weights, stacks = slice_with_mtp(dev, torch.bfloat16, narrow, fp8, parallel)
@@ -374,7 +381,7 @@ def check_rank(dev, narrow, ctx, budget_end, parallel, calibration, batches=(1, 
     E, ep = cfg.n_routed_experts, plan.mesh["ep"]
     out = {"parallel": parallel, "rank": lone.rank, "ep_ranks": ep, "ctx": ctx, "weights": "fp8" if fp8 else "bf16",
            "calibration": calibration, "segments": {}, "parts": {}}
-    bench = (lambda fn: bench_ms(fn)) if dev == "cuda" else (lambda fn: bench_ms(fn, graph=False))
+    bench = segment_bench(dev)
     for B, T, runner, batch, hid in width_steps(dev, plan, weights, stacks, ctx, batches, budget_end, out, lone):
         size = hid.shape[0]
         env = {"T": size, "B": size, "S": ctx, "K": cfg.index_topk}

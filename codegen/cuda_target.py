@@ -203,13 +203,12 @@ def _reduce(op, args, ctx: CudaStepContext, scatter: bool, fused: bool):
     ch = _p2p_channel(op, x, ctx, "scatter" if scatter else "reduce")
     if ch is None and not fused:
         return torch_target.IMPLS[op.kind](op, args, ctx)
+    nbytes = torch_target._plan_bytes(x, ctx, op.operands[0])
     if ch is None:
-        nbytes = torch_target._plan_bytes(x, ctx, op.operands[0])
         axes = torch_target._axes(op)
         reduced = ctx.comm.reduce_scatter(x, axes, nbytes=nbytes) if scatter else ctx.comm.all_reduce(x, axes, nbytes)
         return _fused_add_rms(op, [reduced, args[1]], ctx)
-    ctx.comm.count("reduce_scatter" if scatter else "all_reduce",
-                   torch_target._plan_bytes(x, ctx, op.operands[0]), p2p=True)
+    ctx.comm.count("reduce_scatter" if scatter else "all_reduce", nbytes, p2p=True)
     if not fused:
         return tp2p.p2p_allreduce(x, ch, scatter=scatter, lib=ctx.kernels)
     return tp2p.p2p_allreduce(x, ch, args[1], ctx.w(op.attr("weight")), op.attr("eps"), scatter, ctx.kernels)

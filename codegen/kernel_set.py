@@ -221,14 +221,18 @@ def _fp8_rms(op, graph, dtype, config):
     quant = any(u.operands[0] == value and u.kind in FP8_KINDS and any(map(is_fp8_name, op_weight_names(u)))
                 for u in graph.users(value))
     forms = (True, False) if quant else (False,)
-    norms = [tc.RmsNormCtx.make(_dims(graph, value)[-1], op.attr("eps"), op.kind in RESIDUAL_NORMS, q) for q in forms]
-    return norms + (_p2p(op, graph, dtype) if op.kind.startswith("fused.") and op.kind != "fused.add_rms" else [])
+    return [tc.RmsNormCtx.make(_dims(graph, value)[-1], op.attr("eps"), op.kind in RESIDUAL_NORMS, q) for q in forms]
+
+
+def _fp8_fused_reduce(op, graph, dtype, config):
+    """`_fused_reduce` where the norm's readers are FP8 GEMMs: its norm in `_fp8_rms`' forms."""
+    return _p2p(op, graph, dtype) + _fp8_rms(op, graph, dtype, config)
 
 
 # op kind -> its kernel contexts when the plan stores its weights FP8 (`weight_formats.FP8_KINDS`)
 FP8_KERNELS_OF = {"linear": _fp8_linear, "mla.a_proj": _fp8_linear, "mlp.swiglu": _fp8_swiglu,
                   "moe.experts": _fp8_experts, "norm.rms": _fp8_rms, "fused.add_rms": _fp8_rms,
-                  "fused.allreduce_add_rms": _fp8_rms, "fused.reduce_scatter_add_rms": _fp8_rms}
+                  "fused.allreduce_add_rms": _fp8_fused_reduce, "fused.reduce_scatter_add_rms": _fp8_fused_reduce}
 
 
 def op_kernels(op: Op, graph: Graph, dtype: torch.dtype, fp8_config=None, kv=(False, False)) -> list:

@@ -3,7 +3,8 @@ the one-shot peer-memory kernel where the plan allows it: `p2p_runs`).
 
 Replays `Comm.all_reduce` / `broadcast` (a contiguous clone reduced in place), `all_gather` /
 `reduce_scatter` (a new output; along a dim > 0 a concatenation) and, for the fused forms, the
-collective then the CUDA target's add + RMS norm (`op_memory.add_rms`) on a `step_arena.Arena`. The a2a MoE dispatch and combine are in `moe_memory.py`.
+collective then the CUDA target's add + RMS norm (`op_memory.add_rms`) on a `step_arena.Arena`.
+The a2a MoE dispatch and combine are in `moe_memory.py`.
 """
 from __future__ import annotations
 
