@@ -285,20 +285,18 @@ def _absorbed_weights(ctx: CudaStepContext, name, heads, dn, dv):
 
 @impl("attn.mla_absorbed", "attn.sparse_mla", "attn.mla_mha")
 def _attn(op, args, ctx: CudaStepContext):
-    """Absorbed MLA for every phase: q_lat = q_nope W_UK (batched GEMM), the sparse latent kernel
-    over top-k (or causal) keys, o = out_lat W_UV. The MHA form of prefill is the same function."""
+    """Absorbed MLA for every phase (`triton_target.mla_absorbed`): q_lat = q_nope W_UK, the sparse
+    latent kernel over top-k (or causal) keys, o = out_lat W_UV; up to MLA_HEAD_ROWS tokens the
+    projections are head_gemv kernels (the second merging the kernel's splits), above them cuBLAS
+    batched GEMMs and mla_combine. The MHA form of prefill is the same function."""
     q_nope, q_pe, layer, topk = args
     H, dn, dv = q_nope.shape[1], int(op.attr("dn")), int(op.attr("dv"))   # this rank's heads
     w_uk, w_uv = _absorbed_weights(ctx, op.attr("weight"), H, dn, dv)
-    T = q_nope.shape[0]
-    q_lat = torch.bmm(q_nope.transpose(0, 1).to(w_uk.dtype), w_uk).transpose(0, 1)   # [T, H, R] view
     slots = topk if topk is not None and topk.dtype == torch.int32 else None   # `_topk`'s slots
-    out_lat = tt.sparse_mla_latent(q_lat, q_pe.to(q_lat.dtype), ctx.pool.kv[layer], ctx.r2t, ctx.rows, ctx.pos,
-                                   topk, op.attr("scale"), num_keys=None if topk is not None else ctx.max_len,
-                                   slots=slots, lib=ctx.kernels)
-    o = torch.empty(T, H, dv, dtype=out_lat.dtype, device=out_lat.device)
-    torch.bmm(out_lat.transpose(0, 1), w_uv, out=o.transpose(0, 1))   # cuBLAS writes [T, H, dv] itself: no copy
-    return o.view(T, H * dv)
+    o = tt.mla_absorbed(q_nope, q_pe, w_uk, w_uv, ctx.pool.kv[layer], ctx.r2t, ctx.rows, ctx.pos, topk,
+                        op.attr("scale"), num_keys=None if topk is not None else ctx.max_len, slots=slots,
+                        lib=ctx.kernels)
+    return o.view(o.shape[0], H * dv)
 
 
 @impl("moe.gate")

@@ -22,7 +22,9 @@ from glmc.codegen import fp8_ref
 from glmc.codegen.triton_contexts import (  # noqa: F401  (re-exported)
     GEMV_ROWS,
     ArgmaxCtx,
+    MLA_HEAD_ROWS,
     GemvCtx,
+    HeadGemvCtx,
     IndexerScoresCtx,
     MlaCombineCtx,
     MoeRouterCtx,
@@ -350,7 +352,26 @@ def sparse_mla_latent(q_lat, q_pe, kv_cache, req_to_token, rows, pos, topk, scal
     splits only its own keys (at most min(pos + 1, K)), so a short context does not pay for K.
     Graph-safe with topk or num_keys given. `slots` (topk_slots of topk) skips the conversion, e.g. when
     shared indexer layers reuse a full layer's top-k. `num_splits` overrides `mla_num_splits`;
-    `tiles` override SparseMlaDecodeCtx.make's choices."""
+    `tiles` override SparseMlaDecodeCtx.make's choices. `sparse_mla_partials`, then `mla_combine`
+    over more than one split."""
+    part, lse = sparse_mla_partials(q_lat, q_pe, kv_cache, req_to_token, rows, pos, topk, scale, num_keys, slots,
+                                    num_splits, lib, **tiles)
+    T, H, S, R = part.shape
+    if S == 1:
+        return part.view(T, H, R)
+    out = torch.empty(T, H, R, dtype=q_lat.dtype, device=q_lat.device)
+    if T:
+        cctx = MlaCombineCtx.make(H, R, S)
+        lib(cctx)[(T, H)](part, lse, out, out.stride(0), out.stride(1), S, num_warps=cctx.num_warps)
+    return out
+
+
+def sparse_mla_partials(q_lat, q_pe, kv_cache, req_to_token, rows, pos, topk, scale, num_keys=None, slots=None,
+                        num_splits=None, lib: KernelLibrary = JIT, **tiles):
+    """The sparse latent kernel's flash-decoding splits (arguments: `sparse_mla_latent`) -> (part
+    [T, H, S, R], lse [T, H, S] fp32 in log2 units): fp32 partials over S > 1 splits, or with one
+    split the normalised rows themselves in q_lat's dtype (the combine of one split rescales by
+    exp2(0) = 1: the same bits), so no fp32 partials and no merge."""
     T, H, R = q_lat.shape
     dev = q_lat.device
     if topk is not None:
@@ -362,24 +383,64 @@ def sparse_mla_latent(q_lat, q_pe, kv_cache, req_to_token, rows, pos, topk, scal
                                   q_lat.dtype if fp8 else kv_cache.dtype, T, kv_fp8=fp8, **tiles)
     S = num_splits or mla_num_splits(T, H, ctx.block_h, num_keys, ctx.block_n, _num_sms(dev), ctx.v_parts,
                                      ctx.num_warps)
-    # one split: the kernel's normalised rows are the output, stored in its dtype (the combine of one
-    # split rescales by exp2(0) = 1: the same bits), so no fp32 partials and no combine launch
-    o_part = torch.empty(T, H, S, R, dtype=torch.float32, device=dev) if S > 1 else None
+    part = torch.empty(T, H, S, R, dtype=torch.float32 if S > 1 else q_lat.dtype, device=dev)
     lse = torch.empty(T, H, S, dtype=torch.float32, device=dev)
-    out = torch.empty(T, H, R, dtype=q_lat.dtype, device=dev)
     if not T:
-        return out
+        return part, lse
     args = [q_lat, q_lat.stride(0), q_lat.stride(1), q_pe, q_pe.stride(0), q_pe.stride(1),
             *_kv_args(kv_cache, R), req_to_token, req_to_token.stride(0), rows, pos]
     if topk is not None:
         slots = topk_slots(topk, req_to_token, rows, pos) if slots is None else slots
         args += [slots, slots.stride(0)]
-    lib(ctx)[(-(-H // ctx.block_h) * ctx.v_parts, S, T)](*args, out if o_part is None else o_part, lse,
+    lib(ctx)[(-(-H // ctx.block_h) * ctx.v_parts, S, T)](*args, part, lse,
                                                            num_warps=ctx.num_warps, num_stages=ctx.num_stages)
-    if o_part is not None:
-        cctx = MlaCombineCtx.make(H, R, S)
-        lib(cctx)[(T, H)](o_part, lse, out, out.stride(0), out.stride(1), S, num_warps=cctx.num_warps)
-    return out
+    return part, lse
+
+
+def head_gemv(x, w, lse=None, out_dtype=None, lib: KernelLibrary = JIT, ctx=None):
+    """y[t, h] = x[t, h] @ w[h] for T <= MLA_HEAD_ROWS tokens in one launch (`HeadGemvCtx`): x [T, H,
+    K] with a unit last stride, w [H, K, N] contiguous -> [T, H, N] in `out_dtype` (default x's).
+    With `lse`, x is `sparse_mla_partials`' part [T, H, S, K] and each row is first merged from its
+    S splits in the same launch (in fp32, unrounded). `ctx`: other tiles (sweeps)."""
+    H, K, N = w.shape
+    if not w.is_contiguous():
+        raise ValueError(f"head_gemv: weight {tuple(w.shape)} / {w.stride()} is not a contiguous [H, K, N] tensor")
+    T = x.shape[0]
+    if x.shape[1] != H or x.shape[-1] != K or x.dim() != (3 if lse is None else 4):
+        raise ValueError(f"head_gemv: input {tuple(x.shape)} does not match weight [H={H}, K={K}, N={N}]"
+                         + (" (partials [T, H, S, K] with lse)" if lse is not None else ""))
+    y = torch.empty(T, H, N, dtype=out_dtype or x.dtype, device=w.device)
+    ctx = ctx or HeadGemvCtx.make(H, K, N, T, lse is not None)
+    if not T:
+        return y
+    grid = (H, -(-N // ctx.block_n))
+    if lse is None:
+        x = x if x.stride(2) == 1 else x.contiguous()
+        lib(ctx)[grid](x, x.stride(0), x.stride(1), w, y, y.stride(0), y.stride(1), T, num_warps=ctx.num_warps)
+    else:
+        lib(ctx)[grid](x.contiguous(), lse, x.shape[2], w, y, y.stride(0), y.stride(1), T, num_warps=ctx.num_warps)
+    return y
+
+
+def mla_absorbed(q_nope, q_pe, w_uk, w_uv, kv_cache, req_to_token, rows, pos, topk, scale, num_keys=None,
+                 slots=None, lib: KernelLibrary = JIT, head_rows: int = MLA_HEAD_ROWS, **tiles):
+    """Absorbed MLA -> o [T, H, dv]: q_lat = q_nope W_UK (w_uk [H, dn, R]), the sparse latent
+    kernel (`sparse_mla_latent`'s arguments), o = out_lat W_UV (w_uv [H, R, dv]), both weights
+    contiguous in the compute dtype. Up to `head_rows` tokens (<= MLA_HEAD_ROWS; 0: never, for A/B
+    benchmarks): three launches, head_gemv for each projection, the second merging the kernel's
+    splits itself; above: cuBLAS batched GEMMs around the kernel and its combine."""
+    T = q_nope.shape[0]
+    if T <= min(head_rows, MLA_HEAD_ROWS):
+        q_lat = head_gemv(q_nope, w_uk, out_dtype=w_uk.dtype, lib=lib)
+        part, lse = sparse_mla_partials(q_lat, q_pe.to(q_lat.dtype), kv_cache, req_to_token, rows, pos, topk, scale,
+                                        num_keys, slots, lib=lib, **tiles)
+        return head_gemv(part, w_uv, lse, out_dtype=q_lat.dtype, lib=lib)
+    q_lat = torch.bmm(q_nope.transpose(0, 1).to(w_uk.dtype), w_uk).transpose(0, 1)   # [T, H, R] view
+    out_lat = sparse_mla_latent(q_lat, q_pe.to(q_lat.dtype), kv_cache, req_to_token, rows, pos, topk, scale,
+                                num_keys, slots, lib=lib, **tiles)
+    o = torch.empty(T, out_lat.shape[1], w_uv.shape[2], dtype=out_lat.dtype, device=out_lat.device)
+    torch.bmm(out_lat.transpose(0, 1), w_uv, out=o.transpose(0, 1))   # cuBLAS writes [T, H, dv] itself: no copy
+    return o
 
 
 def topk_slots(topk, req_to_token, rows, pos):
@@ -394,13 +455,13 @@ def topk_slots(topk, req_to_token, rows, pos):
 
 def mla_attention_absorbed(q_nope, q_pe, kv_cache, w_kv_b, topk, req_to_token, rows, pos, scale, dn, dv,
                            lib: KernelLibrary = JIT, **tiles):
-    """torch_ref.mla_attention_absorbed: W_UK / W_UV absorption as torch batched GEMMs around the
-    sparse latent-attention kernel. -> [T, H*dv]."""
+    """torch_ref.mla_attention_absorbed through `mla_absorbed` (W_UK and W_UV cut out of kv_b_proj's
+    weight in q_nope's dtype). -> [T, H*dv]."""
     T, H = q_nope.shape[:2]
-    w = w_kv_b.view(H, dn + dv, -1)
-    q_lat = torch.einsum("thd,hdr->thr", q_nope, w[:, :dn].to(q_nope.dtype))
-    out_lat = sparse_mla_latent(q_lat, q_pe, kv_cache, req_to_token, rows, pos, topk, scale, lib=lib, **tiles)
-    return torch.einsum("thr,hvr->thv", out_lat, w[:, dn:].to(out_lat.dtype)).reshape(T, H * dv)
+    w = w_kv_b.view(H, dn + dv, -1).to(q_nope.dtype)
+    w_uk, w_uv = w[:, :dn].contiguous(), w[:, dn:].transpose(1, 2).contiguous()
+    return mla_absorbed(q_nope, q_pe, w_uk, w_uv, kv_cache, req_to_token, rows, pos, topk, scale, lib=lib,
+                        **tiles).reshape(T, H * dv)
 
 
 def sample(logits, temperature, top_k, top_p, min_p, seed, step, return_kept=False, lib: KernelLibrary = JIT):
