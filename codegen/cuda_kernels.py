@@ -81,8 +81,8 @@ LAUNCHES: dict[str, Launches] = {
     "moe.gate": Launches(2),                                        # narrow GEMM, its split reduction (decode: `launches`)
     "moe.topk": Launches(1),                                        # the router kernel
     # align_rows' torch ops (decode sizes: the moe_align kernel, `launches`); gate/up, down and combine
-    # kernels; the cast to the activations' dtype
-    "moe.experts": Launches(3, _ALIGN_ROWS + 1),
+    # kernels (the combine stores in the activations' dtype)
+    "moe.experts": Launches(3, _ALIGN_ROWS),
     "elt.add": Launches(torch_ops=1), "tensor.concat": Launches(torch_ops=1),
     "tensor.select_last": Launches(torch_ops=1),
     "sample.tokens": Launches(1, 1),                                # the done-counters memset, the split argmax

@@ -332,9 +332,10 @@ def _experts(op, args, ctx: CudaStepContext):
         if xs is None:     # the tokens' own rows (gather lowering): quantised once with the shared expert's
             x, xs = quantized(x, op.operands[0], ctx)
         return tm.moe_experts_fp8(x, ids, w, gate, up, down, expert_offset=ctx.expert_offset(op),
-                                  lib=ctx.kernels, x_scales=xs, act_dtype=act, pad=_padding(op, ids, ctx)).to(act)
+                                  lib=ctx.kernels, x_scales=xs, act_dtype=act, pad=_padding(op, ids, ctx),
+                                  out_dtype=act)
     return tm.moe_experts(x, ids, w, gate, up, down, expert_offset=ctx.expert_offset(op),
-                          tiles=ctx.moe_tiles, lib=ctx.kernels, pad=_padding(op, ids, ctx)).to(x.dtype)
+                          tiles=ctx.moe_tiles, lib=ctx.kernels, pad=_padding(op, ids, ctx), out_dtype=x.dtype)
 
 
 def _padding(op, ids, ctx: CudaStepContext):

@@ -298,18 +298,19 @@ def _partials(splits, rows, cols, device):
 
 
 def moe_experts(x, ids, weights, w_gate, w_up, w_down, expert_offset=0, tiles=None, lib: KernelLibrary = JIT,
-                pad=None):
-    """torch_ref.moe_experts on Triton: -> fp32 [T, H]. `tiles` = {"gate_up": {...}, "down": {...},
-    "block_m": int} overrides `moe_launch`'s splits ("splits") and MoeExpertsCtx.make's tile choices
-    (block_n, block_k, num_warps, num_stages) per stage (bench/moe_sweep.py sweeps them). `pad` =
-    (loc [T] KV slots, the padding slot): padding tokens' rows run no expert (`align_rows`) and
-    their output is 0."""
+                pad=None, out_dtype=torch.float32):
+    """torch_ref.moe_experts on Triton: -> [T, H] in `out_dtype` (the combine sums in fp32 and rounds
+    once as it stores: what a cast of the fp32 sums gives, without its launch). `tiles` = {"gate_up":
+    {...}, "down": {...}, "block_m": int} overrides `moe_launch`'s splits ("splits") and
+    MoeExpertsCtx.make's tile choices (block_n, block_k, num_warps, num_stages) per stage
+    (bench/moe_sweep.py sweeps them). `pad` = (loc [T] KV slots, the padding slot): padding tokens'
+    rows run no expert (`align_rows`) and their output is 0."""
     _check_stacks(w_gate, w_up, w_down)
     T, k = ids.shape
     E, inter, hidden = w_gate.shape
     tiles = tiles or {}
     n = T * k
-    out = torch.empty(T, hidden, dtype=torch.float32, device=x.device)
+    out = torch.empty(T, hidden, dtype=out_dtype, device=x.device)
     if not T:
         return out
     launch = moe_launch(n, E, hidden, inter, _num_sms(x.device), block_m=tiles.get("block_m"))
@@ -384,13 +385,14 @@ class MoeExpertsFp8Ctx:
 
 
 def moe_experts_fp8(x, ids, weights, w_gate, w_up, w_down, expert_offset=0, tiles=None,
-                    lib: KernelLibrary = JIT, x_scales=None, act_dtype=None, pad=None):
+                    lib: KernelLibrary = JIT, x_scales=None, act_dtype=None, pad=None, out_dtype=torch.float32):
     """`moe_experts` on block-FP8 expert stacks (`fp8_ref.Fp8Weight` [E, out, in]): x quantised per
     token per 128 columns, h quantised in the gate/up kernel (or, split K, in the reduction), fp32
-    accumulation; -> fp32 [T, H] (reference: `fp8_ref.moe_experts_fp8`). `tiles` as `moe_experts`'
-    (per stage: splits, block_n, num_warps, num_stages; K steps are the 128-wide scale blocks).
-    With `x_scales`, x is already e4m3 with those per-128 scales (rows an FP8 dispatch delivered)
-    and `act_dtype` the activations' dtype the kernels are specialised for. `pad` as `moe_experts`'."""
+    accumulation; -> [T, H] in `out_dtype` (reference: `fp8_ref.moe_experts_fp8`, fp32). `tiles` as
+    `moe_experts`' (per stage: splits, block_n, num_warps, num_stages; K steps are the 128-wide
+    scale blocks). With `x_scales`, x is already e4m3 with those per-128 scales (rows an FP8
+    dispatch delivered) and `act_dtype` the activations' dtype the kernels are specialised for.
+    `pad` as `moe_experts`'."""
     from glmc.codegen.triton_fp8 import quantize_tokens
     if w_gate.shape != w_up.shape or tuple(w_down.shape) != (w_gate.shape[0], w_gate.shape[2], w_gate.shape[1]):
         raise ValueError(f"moe_experts_fp8: gate {tuple(w_gate.shape)}, up {tuple(w_up.shape)}, "
@@ -403,7 +405,7 @@ def moe_experts_fp8(x, ids, weights, w_gate, w_up, w_down, expert_offset=0, tile
     act = act_dtype or x.dtype
     tiles = tiles or {}
     n = T * k
-    out = torch.empty(T, hidden, dtype=torch.float32, device=x.device)
+    out = torch.empty(T, hidden, dtype=out_dtype, device=x.device)
     if not T:
         return out
     launch = moe_launch(n, E, hidden, inter, _num_sms(x.device), fp8=True, block_m=tiles.get("block_m"))

@@ -123,17 +123,20 @@ def _partials(splits: int, rows: int, cols: int) -> int:
 
 @model("moe.experts")
 def _experts(op, args, s):
-    """fp32 out [T, H]; the row alignment (one moe_align launch's two outputs at decode sizes, else the
-    torch ops'); (FP8: x quantised) h [blocks x BM, inter]; split K: fp32 gate/up partials; fp32
-    per-routed-row outputs y [splits, T k, H], summed into out by moe_combine; then out cast to the
-    compute dtype."""
+    """out [T, H] in the activations' dtype; the row alignment (one moe_align launch's two outputs at
+    decode sizes, else the torch ops'); (FP8: x quantised) h [blocks x BM, inter]; split K: fp32
+    gate/up partials; fp32 per-routed-row outputs y [splits, T k, H], summed into out by moe_combine
+    (which rounds as it stores: no cast)."""
     T, H = s.rows(op), int(op.attr("hidden"))
     E = int(op.attr("experts")) // int(op.attr("ep", 1))
     inter = int(op.attr("inter")) // int(op.attr("moe_tp", 1))
     ids = s.type_of(op.operands[2]).shape                    # [tokens, k]; a2a: [received rows, 1]
     rows, k = ids[0].eval(s.env), ids[1].eval(s.env)
     n = rows * k
-    out = s.tmp(rows * H, 4)
+    src = s.graph.producer(op.operands[0])                  # e4m3 rows from an FP8 dispatch, scales with them
+    pre = src.kind == "moe.dispatch" and src.attr("dtype") == "fp8"
+    act = s.t.act if pre else args[0].elem
+    out = s.tmp(rows * H, act)
     if not rows:
         return s.arena.new(T * H, args[0].elem)
     bm = block_m_for(n, E)
@@ -144,8 +147,6 @@ def _experts(op, args, s):
         sorted_rows, block_expert, nb = align_rows(s, n, E, bm)
     s1, s2 = moe_splits(n, E, H, inter, s.t.num_sms, s.t.fp8_weights, bm)
     work = []
-    src = s.graph.producer(op.operands[0])                  # e4m3 rows from an FP8 dispatch, scales with them
-    pre = src.kind == "moe.dispatch" and src.attr("dtype") == "fp8"
     if s.t.fp8_weights:
         if not pre:
             quantized(s, op.operands[0], rows, H)
@@ -157,12 +158,7 @@ def _experts(op, args, s):
         work.append(s.tmp(_partials(s1, nb * bm, 2 * inter), 4))
     y = s.tmp(_partials(s2, n, H), 4)
     s.free(sorted_rows, block_expert, y, *work)
-    act = s.t.act if pre else args[0].elem
-    if act == 4:                                              # .to(the activations' dtype): no copy
-        return Val(out, 4)
-    result = s.arena.new(rows * H, act)
-    s.free(out)
-    return result
+    return Val(out, act)
 
 
 # ----------------------------------------------------------------------------- a2a lowering

@@ -287,6 +287,16 @@ def test_the_launch_counts_follow_the_torch_code():
             triton_target.mla_absorbed(*args, slots=slots, lib=NoLaunch())
         want = cuda_kernels.launches("attn.mla_absorbed", {}, rows=T)
         assert len(attn.ops) == want.torch_ops + want.gemms and attn.ops.count("aten::bmm") == want.gemms
+    # the routed experts at decode sizes (the moe_align kernel's rows), in the activations' dtype: no
+    # torch op beside the kernels (the combine stores bf16 itself; a cast was one more launch)
+    E, H, inter = 8, 16, 32
+    stacks = (torch.randn(E, inter, H).bfloat16(), torch.randn(E, inter, H).bfloat16(),
+              torch.randn(E, H, inter).bfloat16())
+    x, ids, weights = torch.randn(3, H).bfloat16(), torch.randint(0, E, (3, 2)), torch.rand(3, 2)
+    with Count() as experts:
+        out = triton_moe.moe_experts(x, ids, weights, *stacks, lib=NoLaunch(), out_dtype=torch.bfloat16)
+    assert out.dtype == torch.bfloat16
+    assert len(experts.ops) == cuda_kernels.launches("moe.experts", {"experts": E}, routed_rows=6).torch_ops == 0
 
 
 def test_every_multi_gpu_check_row_within_20_percent(tmp_path, launches_as_measured):
