@@ -72,7 +72,7 @@ LAUNCHES: dict[str, Launches] = {
     "fused.qkv_a_norm_rope_write": Launches(1), "fused.qkv_a_norm_rope_write_index": Launches(1),
     "mem.kv_write": Launches(torch_ops=3), "mem.index_k_write": Launches(torch_ops=2),
     "linear": Launches(1, gemms=1), "mla.a_proj": Launches(1, gemms=1), "lm.head": Launches(1, gemms=1),
-    "mlp.swiglu": Launches(2, 2, gemms=2),                          # gate|up GEMM, silu, mul, down GEMM
+    "mlp.swiglu": Launches(3, gemms=2),                             # gate|up GEMM, silu_mul kernel, down GEMM
     "idx.topk": Launches(2),                                        # scores; select
     # W_UK bmm, split-K latent kernel (over the select's slots), combine kernel, W_UV bmm (a step trace
     # of 2026-12-04, 32 tokens: these 4, no torch op); up to MLA_HEAD_ROWS tokens: `launches`

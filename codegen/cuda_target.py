@@ -352,7 +352,8 @@ def _padding(op, ids, ctx: CudaStepContext):
 
 @impl("mlp.swiglu")
 def _swiglu(op, args, ctx: CudaStepContext):
-    """down(silu(gate x) * up x) with gate and up as one GEMM over a fused [2I, H] weight."""
+    """down(silu(gate x) * up x) with gate and up as one GEMM over a fused [2I, H] weight (bf16: cuBLAS,
+    the silu_mul kernel, cuBLAS)."""
     p = op.attr("weight")
     names = (f"{p}.gate_proj.weight", f"{p}.up_proj.weight")
     if isinstance(ctx.w(names[0]), Fp8Weight):   # FP8: gate/up, SwiGLU + quantise in its split reduction, down
@@ -364,9 +365,7 @@ def _swiglu(op, args, ctx: CudaStepContext):
         return tf.fp8_block_gemm(hq, hs, down.q, down.scale_inv, x.dtype, ctx.kernels)
     gate_up = ctx.derived(("gate_up", p), lambda: torch.cat([ctx.w(f"{p}.gate_proj.weight"),
                                                             ctx.w(f"{p}.up_proj.weight")]))
-    gu = _mm(args[0], gate_up)
-    inter = gu.shape[1] // 2
-    return _mm(F.silu(gu[:, :inter]) * gu[:, inter:], ctx.w(f"{p}.down_proj.weight"))
+    return _mm(tt.silu_mul(_mm(args[0], gate_up), ctx.kernels), ctx.w(f"{p}.down_proj.weight"))
 
 
 def _exchange(op, buf, valid, ctx: CudaStepContext, kind: str, nbytes: int):

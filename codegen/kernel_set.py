@@ -120,6 +120,11 @@ def _gate(op, graph, dtype, kv=(False, False)):
                                      Fp8SplitReduceCtx.make()]
 
 
+def _swiglu(op, graph, dtype, kv=(False, False)):
+    """Unquantised weights: the activation between the two cuBLAS GEMMs (FP8: `_fp8_swiglu`)."""
+    return [tc.SiluMulCtx.make(int(op.attr("inter")) // int(op.attr("tp", 1)))]
+
+
 def _sample(op, graph, dtype, kv=(False, False)):
     vocab = _dims(graph, op.operands[0])[-1]
     return [tc.SampleCtx.make(vocab), tc.ArgmaxCtx.make(vocab)]
@@ -156,7 +161,7 @@ KERNELS_OF = {
     "norm.rms": _rms, "fused.add_rms": _rms, "rope.apply": _rope,
     "fused.qkv_a_norm_rope_write": _qkv, "fused.qkv_a_norm_rope_write_index": _qkv,
     "idx.topk": _topk, "attn.mla_absorbed": _attn, "attn.sparse_mla": _attn, "attn.mla_mha": _attn,
-    "moe.gate": _gate, "moe.topk": _router, "moe.experts": _experts, "sample.tokens": _sample,
+    "moe.gate": _gate, "moe.topk": _router, "moe.experts": _experts, "sample.tokens": _sample, "mlp.swiglu": _swiglu,
     "comm.all_reduce": _p2p, "comm.reduce_scatter": _p2p, "fused.allreduce_add_rms": _fused_reduce,
     "fused.reduce_scatter_add_rms": _fused_reduce, "comm.all_gather": _p2p, "moe.dispatch": _p2p, "moe.combine": _p2p,
 }
@@ -164,7 +169,7 @@ KERNELS_OF = {
 NO_TRITON = frozenset({
     "io.input", "elt.add", "tensor.slice", "tensor.view", "tensor.concat", "tensor.shard", "tensor.select_last",
     "mem.kv_write", "mem.index_k_write", "comm.broadcast", "embed.lookup", "norm.layer",
-    "linear", "mla.a_proj", "lm.head", "mlp.swiglu",
+    "linear", "mla.a_proj", "lm.head",
 })
 
 

@@ -435,6 +435,21 @@ class MlaCombineCtx:
         return [cls.make(num_heads, kv_lora, 1 << i) for i in range(MAX_SPLITS.bit_length())]
 
 
+@dataclass(frozen=True)
+class SiluMulCtx:
+    """silu_mul.py.j2: a bf16 (or fp32) SwiGLU's activation between its two cuBLAS GEMMs, one launch
+    where torch ran silu and the product (two, and one more [T, inter] pass)."""
+    template: ClassVar[str] = "silu_mul"
+    inter: int
+    block: int
+    num_warps: int
+
+    @classmethod
+    def make(cls, inter: int) -> "SiluMulCtx":
+        block = min(1024, next_pow2(int(inter)))
+        return cls(int(inter), block, _warps(block, 256))
+
+
 HEAD_GEMV_ROWS = (1, MLA_HEAD_ROWS)   # HeadGemvCtx's row classes
 HEAD_GEMV_BLOCK_N = 64                # output columns a program: W_UV's 256 in 4 programs per head
 

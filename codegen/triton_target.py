@@ -33,6 +33,7 @@ from glmc.codegen.triton_contexts import (  # noqa: F401  (re-exported)
     RmsNormCtx,
     RopeCtx,
     SampleCtx,
+    SiluMulCtx,
     SparseMlaDecodeCtx,
     StepInputsCtx,
     TopkSelectCtx,
@@ -129,6 +130,19 @@ def gemv(x, w, out=None, out_dtype=None, lib: KernelLibrary = JIT):
     if m:
         lib(ctx)[(-(-n // ctx.block_n),)](x, x.stride(0), w, y, y.stride(0), m, n, num_warps=ctx.num_warps)
     return y
+
+
+def silu_mul(gu, lib: KernelLibrary = JIT):
+    """SwiGLU's activation on the gate|up GEMM's output gu [T, 2I] (gate columns first, unit column
+    stride) -> silu(gate) * up [T, I] in gu's dtype, one launch (`SiluMulCtx`)."""
+    T, two = gu.shape
+    if two % 2 or (gu.stride(1) != 1 and two > 1):
+        raise ValueError(f"silu_mul: gate|up {tuple(gu.shape)} / {gu.stride()} is not [T, 2 * inter] row-major")
+    ctx = SiluMulCtx.make(two // 2)
+    h = torch.empty(T, ctx.inter, dtype=gu.dtype, device=gu.device)
+    if T:
+        lib(ctx)[(T, -(-ctx.inter // ctx.block))](gu, gu.stride(0), h, h.stride(0), num_warps=ctx.num_warps)
+    return h
 
 
 def narrow_gemm(x, w, out=None, out_dtype=None, lib: KernelLibrary = JIT, splits=None, ctx=None):

@@ -243,7 +243,7 @@ def _linear(op, args, s):
 
 @model("mlp.swiglu")
 def _swiglu(op, args, s):
-    """bf16: one gate|up GEMM, silu, product, down. FP8 (triton_fp8.fp8_swiglu_quant): x quantised
+    """bf16: one gate|up GEMM, the silu_mul kernel, down. FP8 (triton_fp8.fp8_swiglu_quant): x quantised
     (once per step),
     each gate/up GEMM's fp32 partials [splits, T, n] (one split too), h quantised by their reduction,
     then the down GEMM."""
@@ -261,11 +261,10 @@ def _swiglu(op, args, s):
         s.free(hq, hs)
         return out
     gu = mm(s, args[0], T * hidden, T * 2 * inter)
-    silu = s.tmp(T * inter, s.t.act)
-    prod = s.tmp(T * inter, s.t.act)
-    s.free(silu)
+    h = s.tmp(T * inter, s.t.act)                 # silu_mul
+    s.free(gu.buf)
     out = s.arena.new(T * hidden, s.t.act)
-    s.free(prod, gu.buf)
+    s.free(h)
     return out
 
 

@@ -342,6 +342,15 @@ def test_sparse_mla_latent_in_parts(v_parts):
         tt.SparseMlaDecodeCtx.make(4, R, DR, 16, 0.25, torch.float32, 1, key_major=True, v_parts=2)
 
 
+@pytest.mark.parametrize("T,inter", [(1, 24), (5, 40)])
+def test_silu_mul(T, inter):
+    """SwiGLU's activation over the gate|up GEMM's output (gate columns first), ragged widths."""
+    gu = torch.randn(T, 2 * inter) * 3
+    close(tt.silu_mul(gu), torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:], 1e-5)
+    with pytest.raises(ValueError, match=r"not \[T, 2 \* inter\]"):
+        tt.silu_mul(torch.randn(2, 7))
+
+
 @pytest.mark.parametrize("T", [1, 2, 4])
 def test_head_gemv_per_head_projection(T):
     """q_lat = q_nope W_UK per head, from a strided view (the q projection's head rows), ragged K
