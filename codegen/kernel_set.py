@@ -11,6 +11,7 @@ and the GPU choose grids and split counts at launch:
   up to MLA_HEAD_ROWS tokens the per-head projections around it (`head_gemv`: q_nope W_UK, and
   the split merge + W_UV) at each row class (1, 4 tokens);
 - MoE experts: gate/up and down at each row-block class (16, 32, 64 rows);
+- an unquantised SwiGLU's activation between its cuBLAS GEMMs (`silu_mul`);
 - the router's fp32 GEMV (and an FP8 A-projection's unquantised weights_proj) at decode sizes: one
   `gemv` per row class (1, 4, 16 rows); above them the router's `narrow_gemm` (its split count a
   launch argument) and the split reduction;
