@@ -13,19 +13,13 @@
 - the greedy sampler of `sample.tokens`: the split argmax (`sample_greedy`) against the one-program
   sampler at temperature 0 (`sample`), vocab 154880, B = 1, 32, 128;
 - the top-k select of a short row (`topk_select`, k 2048, the plan's 8192-score pass): rows of 1025
-  (a copy: n <= k) and 4000 / 8000 scores (32 counting passes) at 4 .. 32 warps, B = 1, 32;
-- absorbed MLA at 1, 2, 4 tokens (`heads`; `triton_target.mla_absorbed`, GLM-5.3's dims, 64 heads and
-  a tp8 rank's 8, FP8 and bf16 KV rows, 2048 selected keys): the head_gemv form (W_UK's kernel, the
-  sparse kernel, the split merge + W_UV's kernel) against cuBLAS batched GEMMs + mla_combine
-  (`head_rows=0`), the whole op and each projection alone, head_gemv's tiles swept, and the two
-  forms' relative difference.
+  (a copy: n <= k) and 4000 / 8000 scores (32 counting passes) at 4 .. 32 warps, B = 1, 32.
 Writes glue_micro_<date>.json. Measures; changes nothing.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import itertools
 import json
 import sys
 import time
@@ -47,69 +41,11 @@ def narrow_tiles(M: int, n: int) -> list:
     return [(bm, bn, bk, w, st) for bm in bms for bn in bns for bk in (32, 64, 128) for w in (4,) for st in (2, 3)]
 
 
-GLM53_MLA = dict(heads=(64, 8), R=512, DR=64, DN=192, DV=256, K=2048)   # 8: a tp8 rank's heads
-
-
-def heads_ab(torch, tt, g, dev="cuda", dims=GLM53_MLA, time_us=None) -> list:
-    """Absorbed MLA of 1 / 2 / 4 tokens: head_gemv's form against cuBLAS + mla_combine (module doc).
-    `dims` and `time_us` (default `us`): other shapes and clocks, for a CPU dry run."""
-    from glmc.codegen import fp8_ref
-    us_ = time_us or us
-    R, DR, DN, DV, K = (dims[k] for k in ("R", "DR", "DN", "DV", "K"))
-    n_rows = 64 * K
-    c_kv = torch.randn(n_rows, R, device=dev, generator=g).to(torch.bfloat16)
-    k_pe = torch.randn(n_rows, DR, device=dev, generator=g).to(torch.bfloat16)
-    caches = {"fp8": fp8_ref.kv_fp8_pack(c_kv, k_pe), "bf16": torch.cat([c_kv, k_pe], 1)}
-    rows = []
-    for H, (kv, cache), T in itertools.product(dims["heads"], caches.items(), (1, 2, 4)):
-        w_uk = (torch.randn(H, DN, R, device=dev, generator=g) * DN ** -0.5).to(torch.bfloat16)
-        w_uv = (torch.randn(H, R, DV, device=dev, generator=g) * R ** -0.5).to(torch.bfloat16)
-        q = torch.randn(T, H, DN + DR, device=dev, generator=g).to(torch.bfloat16)
-        q_nope, q_pe = q[:, :, :DN], q[:, :, DN:]             # views of the q projection, as in a plan
-        slots = torch.randint(0, n_rows, (T, K), device=dev, generator=g, dtype=torch.int32)
-        topk = torch.zeros(T, K, dtype=torch.int64, device=dev)
-        tok, pos = torch.arange(T, device=dev), torch.full((T,), 4095, device=dev)
-        r2t = torch.zeros(T, 1, dtype=torch.int64, device=dev)
-
-        def attn(head_rows):
-            return tt.mla_absorbed(q_nope, q_pe, w_uk, w_uv, cache, r2t, tok, pos, topk, 0.07, slots=slots,
-                                   head_rows=head_rows)
-        new, old = attn(4).float(), attn(0).float()
-        q_lat = tt.head_gemv(q_nope, w_uk)
-        part, lse = tt.sparse_mla_partials(q_lat, q_pe, cache, r2t, tok, pos, topk, 0.07, slots=slots)
-        out_lat = tt.sparse_mla_latent(q_lat, q_pe, cache, r2t, tok, pos, topk, 0.07, slots=slots)
-        o = torch.empty(T, H, DV, dtype=torch.bfloat16, device=dev)
-        r = {"heads": H, "kv": kv, "tokens": T, "splits": part.shape[2],
-             "rel_diff": float((new - old).abs().max() / old.abs().max()),
-             "cublas_op_us": us_(lambda: attn(0)), "head_gemv_op_us": us_(lambda: attn(4)),
-             "kernel_us": us_(lambda: tt.sparse_mla_partials(q_lat, q_pe, cache, r2t, tok, pos, topk, 0.07,
-                                                             slots=slots)),
-             "w_uk_bmm_us": us_(lambda: torch.bmm(q_nope.transpose(0, 1), w_uk)),
-             "w_uk_head_us": us_(lambda: tt.head_gemv(q_nope, w_uk)),
-             "w_uv_bmm_us": us_(lambda: torch.bmm(out_lat.transpose(0, 1), w_uv, out=o.transpose(0, 1))),
-             "merge_head_us": us_(lambda: tt.head_gemv(part, w_uv, lse, out_dtype=torch.bfloat16))}
-        for name, x, w, merge in (("w_uk", q_nope, w_uk, None), ("merge", part, w_uv, lse)):
-            base = tt.HeadGemvCtx.make(H, w.shape[1], w.shape[2], T, merge is not None)
-            want = tt.head_gemv(x, w, merge, out_dtype=torch.float32)
-            for bn, bk, warps in itertools.product((32, 64, 128), (16, 32, 64, 128, 256), (4, 8)):
-                if base.block_m * bn * bk > 4 * 8192 or bk > w.shape[1]:
-                    continue
-                ctx = dataclasses.replace(base, block_n=bn, block_k=bk, num_warps=warps)
-                got = tt.head_gemv(x, w, merge, out_dtype=torch.float32, ctx=ctx)
-                ok = float((got - want).abs().max() / want.abs().max()) < 1e-3
-                r[f"{name}_n{bn}_k{bk}_w{warps}_us"] = us_(lambda: tt.head_gemv(x, w, merge, out_dtype=torch.float32,
-                                                                                 ctx=ctx)) if ok else "WRONG"
-        rows.append(r)
-        print("heads", {k: v for k, v in r.items() if not k.startswith(("w_uk_n", "merge_n"))}, flush=True)
-    return rows
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "results"))
     ap.add_argument("--commit", default="unknown")
-    ap.add_argument("--parts", default="align,gemv,argmax,topk,heads",
-                    help="comma-separated: align, gemv, narrow, argmax, topk, heads")
+    ap.add_argument("--parts", default="align,gemv,argmax,topk", help="comma-separated: align, gemv, narrow, argmax, topk")
     args = ap.parse_args()
     parts = set(args.parts.split(","))
     pc.import_glmc()
@@ -233,7 +169,6 @@ def main():
             rows.append(r)
             print("topk", r, flush=True)
     res["topk_short"] = rows
-    res["heads"] = heads_ab(torch, tt, g) if "heads" in parts else []
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"glue_micro_{time.strftime('%Y-%m-%d')}.json").write_text(json.dumps(res, indent=1))

@@ -75,7 +75,7 @@ LAUNCHES: dict[str, Launches] = {
     "mlp.swiglu": Launches(3, gemms=2),                             # gate|up GEMM, silu_mul kernel, down GEMM
     "idx.topk": Launches(2),                                        # scores; select
     # W_UK bmm, split-K latent kernel (over the select's slots), combine kernel, W_UV bmm (a step trace
-    # of 2026-12-04, 32 tokens: these 4, no torch op); up to MLA_HEAD_ROWS tokens: `launches`
+    # of 2026-12-04, 32 tokens: these 4, no torch op)
     "attn.mla_absorbed": Launches(4, gemms=2),
     "attn.sparse_mla": Launches(4, gemms=2), "attn.mla_mha": Launches(4, gemms=2),
     "moe.gate": Launches(2),                                        # narrow GEMM, its split reduction (decode: `launches`)
@@ -110,9 +110,6 @@ GEMV_ROWS = 16      # triton_contexts.GEMV_ROWS[-1]: up to this many rows a deco
 # 32 outputs at 16 rows 37.8 us vs cuBLAS 8.2, at 4 rows 5.6 vs 7.0; the router's 256 at 16 rows 12.5
 # vs 19.2, at 32 rows 23.5 vs 18.2, so no 32-row class either)
 GEMV_NARROW = (64, 4)
-# absorbed MLA's per-head projections (q_nope W_UK; the split merge + W_UV) as head_gemv kernels up to
-# this many tokens a step, cuBLAS batched GEMMs (and mla_combine) above (triton_contexts.HeadGemvCtx)
-MLA_HEAD_ROWS = 4
 
 
 def gemv_takes(rows: int, n: int) -> bool:
@@ -148,11 +145,8 @@ def launches(kind: str, attrs: dict, p2p: bool = False, routed_rows: float | Non
     time, launch included, is the collective's: `glmc.calibration.p2p_collective_seconds`);
     `routed_rows`: the (token, slot) rows a `moe.experts` sorts (its ids' numel), whose count
     decides between the moe_align kernel and the torch ops; `rows`: the op's rows (the router's
-    GEMV below GEMV_ROWS; attention's head_gemv projections up to MLA_HEAD_ROWS: W_UK's, the latent
-    kernel, the split merge + W_UV's)."""
+    GEMV below GEMV_ROWS)."""
     base = LAUNCHES[kind]
-    if kind.startswith("attn.") and rows is not None and rows <= MLA_HEAD_ROWS:
-        return Launches(3)
     if kind == "moe.gate" and rows is not None and gemv_takes(rows, int(attrs.get("experts", 0))):
         return Launches(1)
     if kind == "moe.experts" and routed_rows is not None:

@@ -285,10 +285,9 @@ def _absorbed_weights(ctx: CudaStepContext, name, heads, dn, dv):
 
 @impl("attn.mla_absorbed", "attn.sparse_mla", "attn.mla_mha")
 def _attn(op, args, ctx: CudaStepContext):
-    """Absorbed MLA for every phase (`triton_target.mla_absorbed`): q_lat = q_nope W_UK, the sparse
-    latent kernel over top-k (or causal) keys, o = out_lat W_UV; up to MLA_HEAD_ROWS tokens the
-    projections are head_gemv kernels (the second merging the kernel's splits), above them cuBLAS
-    batched GEMMs and mla_combine. The MHA form of prefill is the same function."""
+    """Absorbed MLA for every phase (`triton_target.mla_absorbed`): q_lat = q_nope W_UK (batched GEMM),
+    the sparse latent kernel over top-k (or causal) keys, o = out_lat W_UV. The MHA form of prefill
+    is the same function."""
     q_nope, q_pe, layer, topk = args
     H, dn, dv = q_nope.shape[1], int(op.attr("dn")), int(op.attr("dv"))   # this rank's heads
     w_uk, w_uv = _absorbed_weights(ctx, op.attr("weight"), H, dn, dv)

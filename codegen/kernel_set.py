@@ -8,8 +8,6 @@ and the GPU choose grids and split counts at launch:
 
 - sparse MLA decode: the head-major tile for < 32 tokens and, with >= 64 heads on the rank, the
   wide one (>= 32 tokens); its split-K combine: one per power-of-two split bound (<= MAX_SPLITS);
-  up to MLA_HEAD_ROWS tokens the per-head projections around it (`head_gemv`: q_nope W_UK, and
-  the split merge + W_UV) at each row class (1, 4 tokens);
 - MoE experts: gate/up and down at each row-block class (16, 32, 64 rows);
 - an unquantised SwiGLU's activation between its cuBLAS GEMMs (`silu_mul`);
 - the router's fp32 GEMV (and an FP8 A-projection's unquantised weights_proj) at decode sizes: one
@@ -98,9 +96,7 @@ def _attn(op, graph, dtype, kv=(False, False)):
     kv_lora = int(op.attr("kv_lora"))
     topk = _dims(graph, op.operands[3])[-1] if len(op.operands) > 3 else None
     return (tc.SparseMlaDecodeCtx.variants(heads, kv_lora, int(op.attr("dr")), topk, op.attr("scale"), dtype, kv[0])
-            + tc.MlaCombineCtx.variants(heads, kv_lora)
-            + tc.HeadGemvCtx.variants(heads, int(op.attr("dn")), kv_lora, False)
-            + tc.HeadGemvCtx.variants(heads, kv_lora, int(op.attr("dv")), True))
+            + tc.MlaCombineCtx.variants(heads, kv_lora))
 
 
 def _router(op, graph, dtype, kv=(False, False)):

@@ -10,8 +10,8 @@ from typing import ClassVar
 
 import torch
 
-from glmc.codegen.cuda_kernels import (GEMV_NARROW, MLA_HEAD_ROWS, NARROW_BLOCK_K, NARROW_BLOCK_M,  # noqa: F401
-                                       TOPK_CHUNK, gemv_takes, narrow_block_n, narrow_splits)  # (re-exported)
+from glmc.codegen.cuda_kernels import (GEMV_NARROW, NARROW_BLOCK_K, NARROW_BLOCK_M, TOPK_CHUNK,  # noqa: F401
+                                       gemv_takes, narrow_block_n, narrow_splits)  # (re-exported)
 from glmc.codegen.fp8_ref import BLOCK as FP8_GROUP
 from glmc.codegen.fp8_ref import KV_PAGE
 from glmc.codegen.triton_render import _DOT, _warps, next_pow2
@@ -448,43 +448,6 @@ class SiluMulCtx:
     def make(cls, inter: int) -> "SiluMulCtx":
         block = min(1024, next_pow2(int(inter)))
         return cls(int(inter), block, _warps(block, 256))
-
-
-HEAD_GEMV_ROWS = (1, MLA_HEAD_ROWS)   # HeadGemvCtx's row classes
-HEAD_GEMV_BLOCK_N = 64                # output columns a program: W_UV's 256 in 4 programs per head
-
-
-@dataclass(frozen=True)
-class HeadGemvCtx:
-    """head_gemv.py.j2: y[t, h] = x[t, h] W_h for a decode step's few tokens (<= block_m), one
-    [k, n] weight per head: absorbed MLA's q_nope W_UK and, with `combine`, the merge of the sparse
-    MLA kernel's split partials followed by W_UV (one launch for what was mla_combine and a batched
-    GEMM). Program (head, block_n output columns); K in block_k steps; partials block_s splits at a
-    time (the split count is a launch argument)."""
-    template: ClassVar[str] = "head_gemv"
-    heads: int
-    k: int
-    n: int
-    combine: bool
-    block_m: int
-    block_n: int
-    block_k: int
-    block_s: int
-    num_warps: int
-
-    @classmethod
-    def make(cls, heads: int, k: int, n: int, rows: int, combine: bool) -> "HeadGemvCtx":
-        """The row class of `rows` (<= MLA_HEAD_ROWS)."""
-        block_m = next((r for r in HEAD_GEMV_ROWS if rows <= r), None)
-        if block_m is None:
-            raise ValueError(f"head_gemv: {rows} rows is more than its largest row class {HEAD_GEMV_ROWS[-1]}")
-        block_n = min(HEAD_GEMV_BLOCK_N, next_pow2(int(n)))
-        block_k = min(next_pow2(int(k)), GEMV_PRODUCTS // (block_m * block_n))
-        return cls(int(heads), int(k), int(n), bool(combine), block_m, block_n, block_k, 16, 4)
-
-    @classmethod
-    def variants(cls, heads: int, k: int, n: int, combine: bool) -> list["HeadGemvCtx"]:
-        return [cls.make(heads, k, n, r, combine) for r in HEAD_GEMV_ROWS]
 
 
 @dataclass(frozen=True)

@@ -22,9 +22,7 @@ from glmc.codegen import fp8_ref
 from glmc.codegen.triton_contexts import (  # noqa: F401  (re-exported)
     GEMV_ROWS,
     ArgmaxCtx,
-    MLA_HEAD_ROWS,
     GemvCtx,
-    HeadGemvCtx,
     IndexerScoresCtx,
     MlaCombineCtx,
     MoeRouterCtx,
@@ -366,26 +364,7 @@ def sparse_mla_latent(q_lat, q_pe, kv_cache, req_to_token, rows, pos, topk, scal
     splits only its own keys (at most min(pos + 1, K)), so a short context does not pay for K.
     Graph-safe with topk or num_keys given. `slots` (topk_slots of topk) skips the conversion, e.g. when
     shared indexer layers reuse a full layer's top-k. `num_splits` overrides `mla_num_splits`;
-    `tiles` override SparseMlaDecodeCtx.make's choices. `sparse_mla_partials`, then `mla_combine`
-    over more than one split."""
-    part, lse = sparse_mla_partials(q_lat, q_pe, kv_cache, req_to_token, rows, pos, topk, scale, num_keys, slots,
-                                    num_splits, lib, **tiles)
-    T, H, S, R = part.shape
-    if S == 1:
-        return part.view(T, H, R)
-    out = torch.empty(T, H, R, dtype=q_lat.dtype, device=q_lat.device)
-    if T:
-        cctx = MlaCombineCtx.make(H, R, S)
-        lib(cctx)[(T, H)](part, lse, out, out.stride(0), out.stride(1), S, num_warps=cctx.num_warps)
-    return out
-
-
-def sparse_mla_partials(q_lat, q_pe, kv_cache, req_to_token, rows, pos, topk, scale, num_keys=None, slots=None,
-                        num_splits=None, lib: KernelLibrary = JIT, **tiles):
-    """The sparse latent kernel's flash-decoding splits (arguments: `sparse_mla_latent`) -> (part
-    [T, H, S, R], lse [T, H, S] fp32 in log2 units): fp32 partials over S > 1 splits, or with one
-    split the normalised rows themselves in q_lat's dtype (the combine of one split rescales by
-    exp2(0) = 1: the same bits), so no fp32 partials and no merge."""
+    `tiles` override SparseMlaDecodeCtx.make's choices."""
     T, H, R = q_lat.shape
     dev = q_lat.device
     if topk is not None:
@@ -397,58 +376,34 @@ def sparse_mla_partials(q_lat, q_pe, kv_cache, req_to_token, rows, pos, topk, sc
                                   q_lat.dtype if fp8 else kv_cache.dtype, T, kv_fp8=fp8, **tiles)
     S = num_splits or mla_num_splits(T, H, ctx.block_h, num_keys, ctx.block_n, _num_sms(dev), ctx.v_parts,
                                      ctx.num_warps)
-    part = torch.empty(T, H, S, R, dtype=torch.float32 if S > 1 else q_lat.dtype, device=dev)
+    # one split: the kernel's normalised rows are the output, stored in its dtype (the combine of one
+    # split rescales by exp2(0) = 1: the same bits), so no fp32 partials and no combine launch
+    o_part = torch.empty(T, H, S, R, dtype=torch.float32, device=dev) if S > 1 else None
     lse = torch.empty(T, H, S, dtype=torch.float32, device=dev)
+    out = torch.empty(T, H, R, dtype=q_lat.dtype, device=dev)
     if not T:
-        return part, lse
+        return out
     args = [q_lat, q_lat.stride(0), q_lat.stride(1), q_pe, q_pe.stride(0), q_pe.stride(1),
             *_kv_args(kv_cache, R), req_to_token, req_to_token.stride(0), rows, pos]
     if topk is not None:
         slots = topk_slots(topk, req_to_token, rows, pos) if slots is None else slots
         args += [slots, slots.stride(0)]
-    lib(ctx)[(-(-H // ctx.block_h) * ctx.v_parts, S, T)](*args, part, lse,
+    lib(ctx)[(-(-H // ctx.block_h) * ctx.v_parts, S, T)](*args, out if o_part is None else o_part, lse,
                                                            num_warps=ctx.num_warps, num_stages=ctx.num_stages)
-    return part, lse
-
-
-def head_gemv(x, w, lse=None, out_dtype=None, lib: KernelLibrary = JIT, ctx=None):
-    """y[t, h] = x[t, h] @ w[h] for T <= MLA_HEAD_ROWS tokens in one launch (`HeadGemvCtx`): x [T, H,
-    K] with a unit last stride, w [H, K, N] contiguous -> [T, H, N] in `out_dtype` (default x's).
-    With `lse`, x is `sparse_mla_partials`' part [T, H, S, K] and each row is first merged from its
-    S splits in the same launch (in fp32, unrounded). `ctx`: other tiles (sweeps)."""
-    H, K, N = w.shape
-    if not w.is_contiguous():
-        raise ValueError(f"head_gemv: weight {tuple(w.shape)} / {w.stride()} is not a contiguous [H, K, N] tensor")
-    T = x.shape[0]
-    if x.shape[1] != H or x.shape[-1] != K or x.dim() != (3 if lse is None else 4):
-        raise ValueError(f"head_gemv: input {tuple(x.shape)} does not match weight [H={H}, K={K}, N={N}]"
-                         + (" (partials [T, H, S, K] with lse)" if lse is not None else ""))
-    y = torch.empty(T, H, N, dtype=out_dtype or x.dtype, device=w.device)
-    ctx = ctx or HeadGemvCtx.make(H, K, N, T, lse is not None)
-    if not T:
-        return y
-    grid = (H, -(-N // ctx.block_n))
-    if lse is None:
-        x = x if x.stride(2) == 1 else x.contiguous()
-        lib(ctx)[grid](x, x.stride(0), x.stride(1), w, y, y.stride(0), y.stride(1), T, num_warps=ctx.num_warps)
-    else:
-        lib(ctx)[grid](x.contiguous(), lse, x.shape[2], w, y, y.stride(0), y.stride(1), T, num_warps=ctx.num_warps)
-    return y
+    if o_part is not None:
+        cctx = MlaCombineCtx.make(H, R, S)
+        lib(cctx)[(T, H)](o_part, lse, out, out.stride(0), out.stride(1), S, num_warps=cctx.num_warps)
+    return out
 
 
 def mla_absorbed(q_nope, q_pe, w_uk, w_uv, kv_cache, req_to_token, rows, pos, topk, scale, num_keys=None,
-                 slots=None, lib: KernelLibrary = JIT, head_rows: int = MLA_HEAD_ROWS, **tiles):
-    """Absorbed MLA -> o [T, H, dv]: q_lat = q_nope W_UK (w_uk [H, dn, R]), the sparse latent
-    kernel (`sparse_mla_latent`'s arguments), o = out_lat W_UV (w_uv [H, R, dv]), both weights
-    contiguous in the compute dtype. Up to `head_rows` tokens (<= MLA_HEAD_ROWS; 0: never, for A/B
-    benchmarks): three launches, head_gemv for each projection, the second merging the kernel's
-    splits itself; above: cuBLAS batched GEMMs around the kernel and its combine."""
+                 slots=None, lib: KernelLibrary = JIT, **tiles):
+    """Absorbed MLA -> o [T, H, dv]: q_lat = q_nope W_UK (w_uk [H, dn, R]) and o = out_lat W_UV (w_uv
+    [H, R, dv]) as cuBLAS batched GEMMs around the sparse latent kernel (`sparse_mla_latent`'s
+    arguments) and its combine; both weights contiguous in the compute dtype. (Per-head Triton
+    GEMVs at <= 4 tokens, the second merging the splits, lost to this on an H200: bench/NOTES.md,
+    session 23.)"""
     T = q_nope.shape[0]
-    if T <= min(head_rows, MLA_HEAD_ROWS):
-        q_lat = head_gemv(q_nope, w_uk, out_dtype=w_uk.dtype, lib=lib)
-        part, lse = sparse_mla_partials(q_lat, q_pe.to(q_lat.dtype), kv_cache, req_to_token, rows, pos, topk, scale,
-                                        num_keys, slots, lib=lib, **tiles)
-        return head_gemv(part, w_uv, lse, out_dtype=q_lat.dtype, lib=lib)
     q_lat = torch.bmm(q_nope.transpose(0, 1).to(w_uk.dtype), w_uk).transpose(0, 1)   # [T, H, R] view
     out_lat = sparse_mla_latent(q_lat, q_pe.to(q_lat.dtype), kv_cache, req_to_token, rows, pos, topk, scale,
                                 num_keys, slots, lib=lib, **tiles)

@@ -107,7 +107,7 @@ def op_seconds(op, graph, env: dict, dtypes, cal: dict, weight_bytes: dict) -> d
         ids = graph.type_of(op.operands[2]).shape
         sorted_rows = ids[0].eval(env) * ids[1].eval(env)
     launch = launches(op.kind, dict(op.attrs), p2p, sorted_rows,
-                      op.types[0].shape[0].eval(env) if op.kind == "moe.gate" or op.kind.startswith("attn.") else None)
+                      op.types[0].shape[0].eval(env) if op.kind == "moe.gate" else None)
     size = int(op.attr("size", 1))
     kind = "all_to_all" if cost.comm in ("dispatch", "combine") else cost.comm
     comm = p2p_collective_seconds(cal, kind, cost.message_bytes, size) if p2p else 0.0

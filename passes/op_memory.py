@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from glmc.ir import Op
 
-from .step_arena import (ARGMAX_SPLITS, FP8_BLOCK, FP8_KINDS, INDEXER_BLOCK_N, MAX_SPLITS, MLA_HEAD_ROWS, MLA_WARPS_PER_SM,
+from .step_arena import (ARGMAX_SPLITS, FP8_BLOCK, FP8_KINDS, INDEXER_BLOCK_N, MAX_SPLITS, MLA_WARPS_PER_SM,
                          NORM_QUANT_ROWS, TOPK_CHUNK, TOPK_PROGRAMS, TOPK_SEGMENTS, UNQUANTISED, Step, Val, gemv_takes,
                          model)
 
@@ -329,31 +329,23 @@ def topk_slots(s: Step, T: int, K: int) -> int:
 
 @model("attn.mla_absorbed", "attn.sparse_mla", "attn.mla_mha")
 def _attn(op, args, s):
-    """triton_target.mla_absorbed: q_lat = q_nope W_UK, split-K partials (fp32 [T, H, splits, R]; with
-    one split the kernel's own rows in the compute dtype) + log-sum-exp, then o written as [T, H * dv].
-    Up to MLA_HEAD_ROWS tokens the head_gemv kernels read q_nope as it is and merge the partials into
-    o themselves; above them q_nope is cast to W_UK's dtype for the batched GEMM and mla_combine writes
-    out_lat first (more than one split)."""
+    """q_lat = q_nope W_UK, split-K partials (fp32 [T, H, splits, R], none with one split, + log-sum-exp),
+    out_lat, o = out_lat W_UV written as [T, H * dv] by the batched GEMM."""
     T, H = s.rows(op), s.type_of(op.operands[0]).shape[1].eval(s.env)    # this rank's heads
     R, dv = int(op.attr("kv_lora")), int(op.attr("dv"))
     K = None if len(args) < 4 or args[3] is None else args[3].cols or s.cfg.index_topk
     dn = s.type_of(op.operands[0]).shape[2].eval(s.env)
-    heads = T <= MLA_HEAD_ROWS
-    cast = s.tmp(T * H * dn, s.t.act) if args[0].elem != s.t.act and not heads else None   # q_nope.to(W_UK's dtype)
+    cast = s.tmp(T * H * dn, s.t.act) if args[0].elem != s.t.act else None   # q_nope.to(W_UK's dtype)
     q_lat = s.tmp(T * H * R, s.t.act)
     s.free(cast)
     pe = s.tmp(s.type_of(op.operands[1]).numel(s.env), s.t.act) if args[1].elem != s.t.act else None
     S = mla_splits(T, H, R, K, s)
-    part = s.tmp(T * H * S * R, 4 if S > 1 else s.t.act)
-    lse = s.tmp(T * H * S, 4)
+    o_part, lse = s.tmp(T * H * S * R, 4) if S > 1 else None, s.tmp(T * H * S, 4)   # one split: no partials
+    out_lat = s.tmp(T * H * R, s.t.act)
     if T:
-        s.free(topk_slots(s, T, K) if K is not None and args[3].elem != 4 else None)   # int32: slots already
-    if heads:
-        out = s.arena.new(T * H * dv, s.t.act)
-        s.free(part, lse, pe, q_lat)
-        return out
-    out_lat = s.tmp(T * H * R, s.t.act) if S > 1 else part   # mla_combine's output; one split: the rows
-    s.free(part if S > 1 else None, lse, pe)
+        slots = topk_slots(s, T, K) if K is not None and args[3].elem != 4 else None   # int32: slots already
+        s.free(o_part, lse, slots)
+    s.free(pe)
     out = s.arena.new(T * H * dv, s.t.act)
     s.free(q_lat, out_lat)
     return out

@@ -27,7 +27,6 @@ BLOCK_MS = (16, 32, 64)            # triton_moe.BLOCK_MS
 GEMV_ROWS = 16                     # triton_contexts.GEMV_ROWS[-1]: decode rows the gemv kernel takes ...
 GEMV_NARROW = (64, 4)              # ... cuda_kernels.GEMV_NARROW: narrower outputs up to 4 rows only
 NORM_QUANT_ROWS = 4                # triton_contexts.NORM_QUANT_ROWS: rows a norm quantises its output at
-MLA_HEAD_ROWS = 4                  # cuda_kernels.MLA_HEAD_ROWS: tokens up to which attention's projections are head_gemv
 H200_SMS = 132
 
 

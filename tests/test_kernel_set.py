@@ -49,9 +49,6 @@ def test_glm53_kernel_set_is_small_and_fits_the_rank(parallel, heads, tiles):
             (2 * 12288 // tp, 6144), (6144, 12288 // tp)} <= gemms
     assert (128, 6144) not in gemms            # wk joins the full layers' A-projection
     assert [c.vocab for c in kernels.values() if c.template == "sample"] == [154880]
-    heads_gemv = {(c.heads, c.k, c.n, c.combine, c.block_m) for c in kernels.values() if c.template == "head_gemv"}
-    assert heads_gemv == {(heads, k, n, merge, m) for k, n, merge in ((192, 512, False), (512, 256, True))
-                          for m in (1, 4)}        # q_nope W_UK; the split merge + W_UV
     if parallel == "tp1":                         # the README's count
         readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
         assert f"rendered: {len(kernels)} for GLM-5.3 at tp1" in " ".join(readme.split())

@@ -233,7 +233,6 @@ def test_mirrored_constants_match_codegen():
     assert step_arena.GEMV_NARROW == cuda_kernels.GEMV_NARROW
     assert all(step_arena.gemv_takes(r, n) == cuda_kernels.gemv_takes(r, n) for r in range(1, 40) for n in (8, 32, 64, 256))
     assert step_arena.NORM_QUANT_ROWS == cuda_target.NORM_QUANT_ROWS
-    assert step_arena.MLA_HEAD_ROWS == cuda_kernels.MLA_HEAD_ROWS
     assert step_arena.TOPK_SEGMENTS == triton_target.TOPK_SEGMENTS
     assert step_arena.TOPK_PROGRAMS == triton_target.TOPK_PROGRAMS
     assert step_arena.INDEXER_BLOCK_N == triton_contexts.IndexerScoresCtx.make(32, 128, torch.bfloat16).block_n

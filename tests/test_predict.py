@@ -171,8 +171,7 @@ def test_the_slice_lands_near_its_measured_steps():
     """The 2-layer GLM-5.3-width slice (1 dense + 1 MoE layer, FP8 KV, context 1024) as
     bench/long_context_bench.py measured its replay at batch 1 / 8 / 32 on an H200 (2026-12-04,
     01e59fd: 1.083 / 1.931 / 3.733 ms); the example calibration, assembled from other runs, predicts
-    each within 20%. (The code since then runs attention's projections of <= 4 tokens as head_gemv
-    kernels: 2 x 3 launches at batch 1 where cuBLAS and mla_combine made 2 x 5, not yet measured.)"""
+    each within 20%."""
     sys.path.insert(0, str(ROOT / "bench"))
     from types import SimpleNamespace
 
@@ -206,7 +205,6 @@ def launches_as_measured(monkeypatch):
     table["moe.experts"] = Launches(2, cuda_kernels._ALIGN_ROWS + 7)     # torch sort and combine, any rows
     monkeypatch.setattr(cuda_kernels, "LAUNCHES", table)
     monkeypatch.setattr(cuda_kernels, "ALIGN_ROWS", 0)
-    monkeypatch.setattr(cuda_kernels, "MLA_HEAD_ROWS", 0)   # cuBLAS projections at every row count then
 
 
 def test_every_spec_bench_row_within_20_percent(launches_as_measured):
@@ -274,19 +272,17 @@ def test_the_launch_counts_follow_the_torch_code():
     with Count() as align:
         triton_moe.align_rows(ids, 32, 16, 0)
     assert len(align.ops) == cuda_kernels._ALIGN_ROWS
-    # absorbed MLA with the select's slots: no torch op beside its kernels; above MLA_HEAD_ROWS tokens
-    # its two projections are cuBLAS GEMMs (`bmm`), at or below them Triton kernels like the rest
-    H, dn, dv, R, dr = 2, 8, 8, 16, 8
-    kv = torch.randn(64, R + dr)
-    for T in (cuda_kernels.MLA_HEAD_ROWS, cuda_kernels.MLA_HEAD_ROWS + 1):
-        q = torch.randn(T, H, dn + dr)
-        slots = torch.randint(0, 64, (T, 4), dtype=torch.int32)
-        args = (q[:, :, :dn], q[:, :, dn:], torch.randn(H, dn, R), torch.randn(H, R, dv), kv,
-                torch.zeros(1, 1, dtype=torch.int64), torch.arange(T), torch.full((T,), 40), slots, 0.1)
-        with Count() as attn:        # kernels not launched: the interpreter runs torch ops of its own
-            triton_target.mla_absorbed(*args, slots=slots, lib=NoLaunch())
-        want = cuda_kernels.launches("attn.mla_absorbed", {}, rows=T)
-        assert len(attn.ops) == want.torch_ops + want.gemms and attn.ops.count("aten::bmm") == want.gemms
+    # absorbed MLA with the select's slots: its two projections are cuBLAS GEMMs (`bmm`), no other
+    # torch op beside its kernels
+    H, dn, dv, R, dr, T = 2, 8, 8, 16, 8, 3
+    q = torch.randn(T, H, dn + dr)
+    slots = torch.randint(0, 64, (T, 4), dtype=torch.int32)
+    args = (q[:, :, :dn], q[:, :, dn:], torch.randn(H, dn, R), torch.randn(H, R, dv), torch.randn(64, R + dr),
+            torch.zeros(1, 1, dtype=torch.int64), torch.arange(T), torch.full((T,), 40), slots, 0.1)
+    with Count() as attn:        # kernels not launched: the interpreter runs torch ops of its own
+        triton_target.mla_absorbed(*args, slots=slots, lib=NoLaunch())
+    want = cuda_kernels.launches("attn.mla_absorbed", {})
+    assert len(attn.ops) == want.torch_ops + want.gemms and attn.ops.count("aten::bmm") == want.gemms
     # the routed experts at decode sizes (the moe_align kernel's rows), in the activations' dtype: no
     # torch op beside the kernels (the combine stores bf16 itself; a cast was one more launch)
     E, H, inter = 8, 16, 32

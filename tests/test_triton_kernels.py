@@ -351,48 +351,6 @@ def test_silu_mul(T, inter):
         tt.silu_mul(torch.randn(2, 7))
 
 
-@pytest.mark.parametrize("T", [1, 2, 4])
-def test_head_gemv_per_head_projection(T):
-    """q_lat = q_nope W_UK per head, from a strided view (the q projection's head rows), ragged K
-    and N (masks), fp32 math into the requested dtype."""
-    H, K, N = 3, 24, 40
-    q = torch.randn(T, H, K + 5)[:, :, :K]                    # row stride K + 5, like q_nope in [T, H, dn + dr]
-    w = torch.randn(H, K, N)
-    got = tt.head_gemv(q, w)
-    close(got, torch.einsum("thk,hkn->thn", q, w), 1e-5)
-    half = tt.head_gemv(q, w.half(), out_dtype=torch.float16)
-    assert half.dtype == torch.float16
-    close(half, torch.einsum("thk,hkn->thn", q, w.half().float()), 2e-3)
-
-
-@pytest.mark.parametrize("T,S", [(1, 1), (3, 3), (4, 20)])
-def test_head_gemv_merges_the_splits(T, S):
-    """o = merge(partials) W_UV in one launch equals mla_combine then the product: splits in two
-    block_s chunks (S = 20), a split that saw no key (lse = -inf, its partial huge), one split
-    (the sparse kernel's own normalised rows in their dtype)."""
-    H, K, N = 3, 32, 24
-    part = torch.randn(T, H, S, K) if S > 1 else torch.randn(T, H, 1, K).half()
-    lse = torch.randn(T, H, S) * 3
-    if S > 1:
-        lse[0, 1, S - 1] = float("-inf")
-        part[0, 1, S - 1] = 1e30                                   # weighs 0: must not leak
-    w = torch.randn(H, K, N)
-    a = torch.softmax(lse * torch.log(torch.tensor(2.0)), dim=-1)  # 2^lse normalised
-    merged = (a[..., None] * part.float()).sum(2) if S > 1 else part[:, :, 0].float()
-    got = tt.head_gemv(part, w, lse, out_dtype=torch.float32)
-    close(got, torch.einsum("thk,hkn->thn", merged, w), 1e-4)
-
-
-def test_head_gemv_refuses_what_it_cannot_run():
-    w = torch.randn(2, 8, 8)
-    with pytest.raises(ValueError, match="5 rows is more than its largest row class 4"):
-        tt.head_gemv(torch.randn(5, 2, 8), w)
-    with pytest.raises(ValueError, match=r"input \(1, 2, 6\) does not match weight \[H=2, K=8, N=8\]"):
-        tt.head_gemv(torch.randn(1, 2, 6), w)
-    with pytest.raises(ValueError, match="not a contiguous"):
-        tt.head_gemv(torch.randn(1, 2, 8), w.transpose(1, 2))
-
-
 def sparse_mla_case(pool, mode, prefix, extend, use_topk, splits, key_major, **tiles):
     """(the Triton sparse MLA's output, torch_ref's) on random queries over `pool`'s layer 0."""
     H, dn, dv = 4, 16, 8

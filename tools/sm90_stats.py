@@ -10,9 +10,6 @@ rarely worth a GPU run.
         # (default: SparseMlaDecodeCtx.make's choice for that many tokens)
     python tools/sm90_stats.py indexer [--kv fp8] [--tiles 64:256:8:3,128:128:8:2]
         # the prefill indexer's token-block kernel; tiles block_m:block_n:warps:stages
-    python tools/sm90_stats.py head --tokens 4 [--tiles 64:32:4,128:16:8]
-        # attention's per-head projections (head_gemv) at GLM-5.3's 64 heads: q_nope W_UK and the
-        # split merge + W_UV; tiles block_n:block_k:warps
 
 Integer arguments are compiled as the runtime sees GLM-5.3's (strides divisible by 16: Triton
 specialises them at launch, and without that a gathered row is not loaded asynchronously, so the
@@ -37,8 +34,7 @@ MLA_PTRS = {"q_lat_ptr": "bf16", "q_pe_ptr": "bf16", "kv_pe_ptr": "bf16", "req_t
             "tok_row_ptr": "i64", "pos_ptr": "i64", "slots_ptr": "i32"}
 INDEXER_PTRS = {"q_ptr": "bf16", "w_ptr": "bf16", "req_to_token_ptr": "i64", "tok_row_ptr": "i64",
                 "pos_ptr": "i64"}
-HEAD_PTRS = {"x_ptr": "bf16", "w_ptr": "bf16", "y_ptr": "bf16"}
-SCALARS_NOT_DIV16 = {"num_tokens", "width", "T", "num_splits"}   # run-time counts, not strides
+SCALARS_NOT_DIV16 = {"num_tokens", "width"}   # run-time counts, not strides
 
 
 def ptxas() -> str:
@@ -68,8 +64,7 @@ def stats(ctx, pointer_types: dict, num_stages: int | None = None) -> dict:
     signature = {p: ("*" + pointer_types.get(p, "fp32")) if p.endswith("_ptr") else "i32" for p in params}
     attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params) if p not in SCALARS_NOT_DIV16}
     kernel = triton.compile(ASTSource(fn, signature=signature, attrs=attrs), target=GPUTarget("cuda", 90, 128),
-                            options={"num_warps": ctx.num_warps,
-                                     "num_stages": num_stages or getattr(ctx, "num_stages", 3)})
+                            options={"num_warps": ctx.num_warps, "num_stages": num_stages or ctx.num_stages})
     ptx = kernel.asm["ptx"]
     with tempfile.TemporaryDirectory() as d:
         src = os.path.join(d, "k.ptx")
@@ -87,7 +82,6 @@ def stats(ctx, pointer_types: dict, num_stages: int | None = None) -> dict:
 
 MLA_TILES = ("key_major", "block_h", "block_n", "num_warps", "num_stages")
 INDEXER_TILES = ("block_m", "block_n", "num_warps", "num_stages")
-HEAD_TILES = ("block_n", "block_k", "num_warps")
 
 
 def kernel_rows(name: str, make, fields: tuple, tiles: list[str], pointer_types: dict, shown=(), **row) -> list[dict]:
@@ -127,32 +121,18 @@ def indexer_rows(kv: str, tiles: list[str]) -> list[dict]:
                        dict(INDEXER_PTRS, k_cache_ptr="u8" if fp8 else "bf16"), kv=kv)
 
 
-def head_rows(tokens: int, tiles: list[str]) -> list[dict]:
-    from dataclasses import replace
-
-    from glmc.codegen.triton_contexts import HeadGemvCtx
-    rows = []
-    for name, k, n, merge in (("head_gemv (q_nope W_UK)", 192, 512, False), ("head_gemv (merge + W_UV)", 512, 256, True)):
-        def make(**cfg):
-            return replace(HeadGemvCtx.make(64, k, n, tokens, merge), **cfg)
-        ptrs = dict(HEAD_PTRS, x_ptr="fp32") if merge else HEAD_PTRS    # merged from fp32 partials
-        rows += kernel_rows(name, make, HEAD_TILES, tiles, ptrs, shown=("block_m",), tokens=tokens)
-    return rows
-
-
 def main(argv=None) -> int:
     os.environ.pop("TRITON_INTERPRET", None)     # compiling for the GPU: the interpreter has no binaries
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")   # Triton 3.9's default, without its warning
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("kernel", choices=("mla", "indexer", "head"))
-    ap.add_argument("--tokens", type=int, default=128, help="mla, head: tokens of the step (the kernel's token class)")
+    ap.add_argument("kernel", choices=("mla", "indexer"))
+    ap.add_argument("--tokens", type=int, default=128, help="mla: tokens of the step (the kernel's token class)")
     ap.add_argument("--kv", choices=("bf16", "fp8"), default="bf16", help="KV / indexer-key cache format")
     ap.add_argument("--tiles", default="", help="comma list of tiles (module doc); the default is always included")
     ap.add_argument("--json", action="store_true", help="one JSON object per line instead of the table")
     a = ap.parse_args(argv)
     tiles = [t for t in a.tiles.split(",") if t]
-    rows = (mla_rows(a.tokens, a.kv, tiles) if a.kernel == "mla" else indexer_rows(a.kv, tiles) if a.kernel == "indexer"
-            else head_rows(a.tokens, tiles))
+    rows = mla_rows(a.tokens, a.kv, tiles) if a.kernel == "mla" else indexer_rows(a.kv, tiles)
     for r in rows:
         if a.json:
             print(json.dumps(r))
