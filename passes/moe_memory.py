@@ -127,7 +127,7 @@ def _experts(op, args, s):
     decode sizes, else the torch ops'); (FP8: x quantised) h [blocks x BM, inter]; split K: fp32
     gate/up partials; fp32 per-routed-row outputs y [splits, T k, H], summed into out by moe_combine
     (which rounds as it stores: no cast)."""
-    T, H = s.rows(op), int(op.attr("hidden"))
+    H = int(op.attr("hidden"))
     E = int(op.attr("experts")) // int(op.attr("ep", 1))
     inter = int(op.attr("inter")) // int(op.attr("moe_tp", 1))
     ids = s.type_of(op.operands[2]).shape                    # [tokens, k]; a2a: [received rows, 1]
@@ -138,7 +138,7 @@ def _experts(op, args, s):
     act = s.t.act if pre else args[0].elem
     out = s.tmp(rows * H, act)
     if not rows:
-        return s.arena.new(T * H, args[0].elem)
+        return Val(out, act)
     bm = block_m_for(n, E)
     if n <= ALIGN_ROWS and E <= ALIGN_MAX_EXPERTS and bm == MOE_SPLIT_BLOCK_M:
         nb = -(-n // bm) + min(E, n)
