@@ -233,10 +233,11 @@ def _all_gather(op, args, ctx: CudaStepContext):
 
 @impl("fused.add_rms")
 def _fused_add_rms(op, args, ctx: CudaStepContext):
+    addend = args[1] if len(args) == 3 else None      # a folded plain add: (a + b) + residual
+    w, eps = ctx.w(op.attr("weight")), op.attr("eps")
     if args[0].shape[0] > NORM_QUANT_ROWS or not _norm_quantises(op, ctx):
-        return tt.add_rms_norm(args[0], args[1], ctx.w(op.attr("weight")), op.attr("eps"), ctx.kernels)
-    out, res, qs = tt.add_rms_norm(args[0], args[1], ctx.w(op.attr("weight")), op.attr("eps"), ctx.kernels,
-                                   quant=True)
+        return tt.add_rms_norm(args[0], args[-1], w, eps, ctx.kernels, addend=addend)
+    out, res, qs = tt.add_rms_norm(args[0], args[-1], w, eps, ctx.kernels, quant=True, addend=addend)
     ctx.memo[(op.results[0], "fp8_tokens")] = qs
     return out, res
 

@@ -66,7 +66,8 @@ RESIDUAL_NORMS = ("fused.add_rms", "fused.allreduce_add_rms", "fused.reduce_scat
 
 
 def _rms(op, graph, dtype, kv=(False, False)):
-    return [tc.RmsNormCtx.make(_dims(graph, op.results[0])[-1], op.attr("eps"), op.kind in RESIDUAL_NORMS)]
+    return [tc.RmsNormCtx.make(_dims(graph, op.results[0])[-1], op.attr("eps"), op.kind in RESIDUAL_NORMS,
+                               has_addend=len(op.operands) == 3)]
 
 
 def _rope(op, graph, dtype, kv=(False, False)):
@@ -227,7 +228,8 @@ def _fp8_rms(op, graph, dtype, config):
     quant = any(u.operands[0] == value and u.kind in FP8_KINDS and any(map(is_fp8_name, op_weight_names(u)))
                 for u in graph.users(value))
     forms = (True, False) if quant else (False,)
-    return [tc.RmsNormCtx.make(_dims(graph, value)[-1], op.attr("eps"), op.kind in RESIDUAL_NORMS, q) for q in forms]
+    return [tc.RmsNormCtx.make(_dims(graph, value)[-1], op.attr("eps"), op.kind in RESIDUAL_NORMS, q,
+                               len(op.operands) == 3) for q in forms]
 
 
 def _fp8_fused_reduce(op, graph, dtype, config):

@@ -158,7 +158,8 @@ def _add_rms(op, a, b, ctx: StepContext):
 
 @impl("fused.add_rms")
 def _fused_add_rms(op, args, ctx: StepContext):
-    return _add_rms(op, args[0], args[1], ctx)
+    x = args[0] if len(args) == 2 else args[0] + args[1]   # (a + b) in the dtype, as the folded elt.add
+    return _add_rms(op, x, args[-1], ctx)
 
 
 @impl("fused.allreduce_add_rms")

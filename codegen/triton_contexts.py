@@ -35,13 +35,17 @@ class RmsNormCtx:
     block_d: int
     num_warps: int
     quant: bool = False
+    has_addend: bool = False   # x + addend (rounded to x's dtype) in x's place: a folded elt.add
 
     @classmethod
-    def make(cls, hidden: int, eps: float, has_residual: bool, quant: bool = False) -> "RmsNormCtx":
+    def make(cls, hidden: int, eps: float, has_residual: bool, quant: bool = False,
+             has_addend: bool = False) -> "RmsNormCtx":
         """`quant`: a program per (row, 128-column group), each reducing the whole row as the
         one-program form does (its warps too: the same statistic to the bit)."""
+        if has_addend and not has_residual:
+            raise ValueError("rms_norm: an addend needs the residual form (fused.add_rms with 3 operands)")
         block = next_pow2(hidden)
-        return cls(hidden, float(eps), bool(has_residual), block, _warps(block, 1024), bool(quant))
+        return cls(hidden, float(eps), bool(has_residual), block, _warps(block, 1024), bool(quant), bool(has_addend))
 
 
 GEMV_ROWS = (1, 4, 16)   # GemvCtx's row classes (the last is cuda_kernels.GEMV_ROWS; `gemv_takes` says when)

@@ -166,16 +166,21 @@ def narrow_gemm(x, w, out=None, out_dtype=None, lib: KernelLibrary = JIT, splits
     return y
 
 
-def add_rms_norm(x, residual, weight, eps, lib: KernelLibrary = JIT, quant: bool = False):
+def add_rms_norm(x, residual, weight, eps, lib: KernelLibrary = JIT, quant: bool = False, addend=None):
     """torch_ref.add_rms_norm: (rms_norm(x + residual), x + residual) in one pass; `quant`: the
-    normalised output's FP8 quantisation third (as `rms_norm`)."""
+    normalised output's FP8 quantisation third (as `rms_norm`). `addend` (x's shape and dtype): x +
+    addend, rounded to x's dtype as torch adds them, takes x's place (a folded elt.add)."""
     x2, r2 = _rows(x), _rows(residual)
     new_res = torch.empty(x2.shape, dtype=torch.result_type(x, residual), device=x.device)
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
-    ctx = RmsNormCtx.make(x2.shape[1], eps, True, quant)
+    ctx = RmsNormCtx.make(x2.shape[1], eps, True, quant, addend is not None)
     qs = _quant_out(x2) if quant else ()
+    if addend is not None and (addend.shape != x.shape or addend.dtype != x.dtype):
+        raise ValueError(f"add_rms_norm: addend {tuple(addend.shape)} {addend.dtype} is not x's "
+                         f"{tuple(x.shape)} {x.dtype}")
+    extra = [] if addend is None else [_rows(addend), _rows(addend).stride(0)]
     if x2.shape[0]:
-        lib(ctx)[_norm_grid(x2, quant)](x2, x2.stride(0), r2, r2.stride(0), new_res, new_res.stride(0),
+        lib(ctx)[_norm_grid(x2, quant)](x2, x2.stride(0), *extra, r2, r2.stride(0), new_res, new_res.stride(0),
                                         *_quant_args(qs), weight, out, out.stride(0), num_warps=ctx.num_warps)
     if quant:
         return out.view(x.shape), new_res.view(x.shape), qs

@@ -42,11 +42,15 @@ def _shard(op, ins):
     return [reshard_type(ins[0], "shard", int(op.attr("size")), int(op.attr("dim", 0)))]
 
 
-@register("fused.add_rms", 2, results=2, attrs=("eps",))
+@register("fused.add_rms", None, results=2, attrs=("eps",))
 def _add_rms(op, ins):
-    """(rms_norm(a + b), a + b): residual add fused with RMSNorm."""
-    if ins[0] != ins[1]:
-        raise ValueError(f"operand types differ: {ins[0]} vs {ins[1]}")
+    """(rms_norm(s), s), s = a + residual: residual add fused with RMSNorm. Three operands (a, b,
+    residual): s = (a + b) + residual, a + b rounded to the dtype first as the add it replaces
+    (an MoE layer's shared + routed experts)."""
+    if len(ins) not in (2, 3):
+        raise ValueError(f"takes 2 or 3 operands (a, [b,] residual), got {len(ins)}")
+    if any(t != ins[0] for t in ins[1:]):
+        raise ValueError(f"operand types differ: {', '.join(map(str, ins))}")
     return [ins[0], ins[0]]
 
 

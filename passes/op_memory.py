@@ -100,8 +100,9 @@ def _rms(op, args, s):
 @model("fused.add_rms")
 def add_rms(op, args, s):
     """The add + RMS norm kernel (also after a collective that did not run one-shot: comm_memory):
-    the residual and the normed rows in the input's dtype, the FP8 quantisation where it is read."""
-    res = s.arena.new(s.numel(op, 1), max(args[0].elem, args[1].elem))
+    the residual and the normed rows in the input's dtype, the FP8 quantisation where it is read;
+    a third operand (the folded add's) is read in place."""
+    res = s.arena.new(s.numel(op, 1), max(a.elem for a in args))
     out = s.arena.new(s.numel(op), args[0].elem)
     _norm_quantises(op, s)
     return out, res

@@ -124,16 +124,17 @@ def test_cli_compile_explain_diff_onnx(tmp_path, capsys):
 def test_diff_shows_a_lowering_change_once_per_class_of_layers():
     """GLM-5.3 decode under dp2ep2, MoE gather vs all-to-all: a handful of hunks (the metadata, the
     step workspaces among it, then one per class of MoE layers, not one per layer), each naming the
-    layers it is in."""
+    layers it is in. Layer 3 is a class of its own: its residual norm reads the dense layer 2's
+    ffn, the others' read the MoE layer before them's shared and routed outputs."""
     gather, a2a = (graph(FULL, "dp2ep2", "decode", moe_a2a=forced) for forced in (False, True))
     text = diff_text("gather", gather, "a2a", a2a)
     hunks = [line.split(" @@ ")[1] for line in text.splitlines() if line.startswith("@@ ")]
-    assert hunks == ["#! cost = {", "#! memory = {", "#! model = glm-5.3", "#! rewrites = {", "layers 3..75 step 4 {",
-                     "layers 4..76 step 4 {", "layers 5..77 step 4 {", "layers 6..74 step 4 {"]
+    assert hunks == ["#! cost = {", "#! memory = {", "#! model = glm-5.3", "#! rewrites = {", "layers 3 {",
+                     "layers 4..76 step 4 {", "layers 5..77 step 4 {", "layers 6..74 step 4 {", "layers 7..75 step 4 {"]
     assert text.count("\n+  %L.routed.cb = moe.combine(%L.routed, %L.hn) {group=[ep], p2p_max_bytes=4194304, size=2, "
-                      "top_k=8}") == 4
+                      "top_k=8}") == 5
     # (the gather form routes on the gathered tokens, the a2a form on its own: 4 router lines a class)
-    assert "+75 moe.dispatch (0 -> 75)" in text and len(text.splitlines()) < 130
+    assert "+75 moe.dispatch (0 -> 75)" in text and len(text.splitlines()) < 160
 
 
 def test_the_cards_command_compiles_glm53(tmp_path, monkeypatch, capsys):

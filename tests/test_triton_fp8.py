@@ -277,3 +277,7 @@ def test_norms_quantise_their_output_as_quantize_tokens_does(hidden, dtype):
     assert all(torch.equal(a, b) for a, b in zip((normed, res), tt.add_rms_norm(x, r, w, 1e-6)))
     want_q, want_s = tf.quantize_tokens(normed)
     assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(s, want_s)
+    normed, res, (q, s) = tt.add_rms_norm(x, r, w, 1e-6, quant=True, addend=r)    # a folded add: x + r first
+    assert all(torch.equal(a, b) for a, b in zip((normed, res), tt.add_rms_norm(x, r, w, 1e-6, addend=r)))
+    want_q, want_s = tf.quantize_tokens(normed)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(s, want_s)

@@ -179,6 +179,22 @@ def test_rms_norm_and_fused_residual():
     close(normed, ref_normed)
 
 
+def test_add_rms_norm_folds_a_plain_add():
+    """fused.add_rms with three operands: (a + b) rounded to the dtype as the elt.add it replaces,
+    then the residual add and the norm: the same bits as the add then the two-operand kernel. In
+    fp16: the interpreter rounds fp32 -> fp16 to nearest even as torch and the GPU do (its bf16
+    conversion does not)."""
+    g = torch.Generator().manual_seed(1)
+    a, b, res = ((torch.randn(5, 48, generator=g) * 3).to(torch.float16) for _ in range(3))
+    w = torch.randn(48, generator=g).to(torch.float16)
+    normed, new_res = tt.add_rms_norm(a, res, w, 1e-6, addend=b)
+    want_normed, want_res = tt.add_rms_norm(a + b, res, w, 1e-6)
+    assert torch.equal(new_res, want_res) and torch.equal(normed, want_normed)
+    assert not torch.equal(new_res, (a.float() + b.float() + res.float()).to(torch.float16))   # rounded twice
+    with pytest.raises(ValueError, match="addend"):
+        tt.add_rms_norm(a, res, w, 1e-6, addend=b.float())
+
+
 @pytest.mark.parametrize("n_group,topk_group", [(1, 1), (4, 2)])
 def test_moe_route(n_group, topk_group):
     x, gate_w, bias = torch.randn(7, 64), torch.randn(16, 64) * 0.3, torch.randn(16) * 0.1
