@@ -6,7 +6,7 @@ before they cost device time: a tile that spills hundreds of bytes or falls back
 rarely worth a GPU run.
 
     python tools/sm90_stats.py mla --tokens 128 [--kv fp8] [--tiles 0:64:64:8:2,1:64:128:8:1]
-        # sparse_mla_decode at GLM-5.3 shapes; tiles key_major:block_h:block_n:warps:stages
+        # sparse_mla_decode at GLM-5.3 shapes; tiles key_major:block_h:block_n:warps:stages[:v_parts]
         # (default: SparseMlaDecodeCtx.make's choice for that many tokens)
     python tools/sm90_stats.py indexer [--kv fp8] [--tiles 64:256:8:3,128:128:8:2]
         # the prefill indexer's token-block kernel; tiles block_m:block_n:warps:stages
@@ -80,7 +80,7 @@ def stats(ctx, pointer_types: dict, num_stages: int | None = None) -> dict:
             "wgmma": len(re.findall(r"wgmma\.mma_async", ptx)), "mma_sync": len(re.findall(r"mma\.sync", ptx))}
 
 
-MLA_TILES = ("key_major", "block_h", "block_n", "num_warps", "num_stages")
+MLA_TILES = ("key_major", "block_h", "block_n", "num_warps", "num_stages", "v_parts")
 INDEXER_TILES = ("block_m", "block_n", "num_warps", "num_stages")
 
 
@@ -106,7 +106,7 @@ def mla_rows(tokens: int, kv: str, tiles: list[str]) -> list[dict]:
         return SparseMlaDecodeCtx.make(64, 512, 64, 2048, 1 / 16, torch.bfloat16, tokens, kv_fp8=fp8,
                                        key_major=None if key_major is None else bool(key_major), **cfg)
     return kernel_rows("sparse_mla_decode", make, MLA_TILES, tiles, dict(MLA_PTRS, kv_ptr="u8" if fp8 else "bf16"),
-                       shown=("v_parts",), tokens=tokens, kv=kv)
+                       tokens=tokens, kv=kv)
 
 
 def indexer_rows(kv: str, tiles: list[str]) -> list[dict]:
