@@ -1,6 +1,7 @@
 """Where one decode step's time goes: every kernel of the captured graph, attributed to its op.
 
     python bench/step_trace.py --out-dir $OUT --commit <sha> [--kv fp8|bf16] [--batches 1,32,128]
+    python bench/step_trace.py --out-dir $OUT --parallel tp8ep8 --batches 1,16   # one rank, alone
 
 The GLM-5.3-width slice of bench/decode_bench.py (2 layers, random weights, context --ctx), FP8 weights
 and KV by default (`--kv bf16`: bf16 weights and KV). Per batch:
@@ -11,7 +12,11 @@ and KV by default (`--kv bf16`: bf16 weights and KV). Per batch:
   sequence is the graph's (same ops, same order), so every graph kernel gets its op: per op, its
   kernels' device time inside the graph and the gaps in front of them;
 - the host step: `runner.forward` (host vectors, copy in, replay) + reading one logit, wall time.
-Writes step_trace_<kv>_<date>.json and prints the per-op table. Measures; changes nothing.
+`--parallel` (not tp1): rank 0 of that mesh on this GPU (`LoneComm`, the peers' tokens from
+mtp_gpu_check.peer_tokens, as its `--parts rank`): the decode body's calls are recorded once, and the
+graph traced is theirs without the collectives (a lone rank has no peers to wait for; mtp_gpu_check
+adds the calibrated collectives), so it shows the rank's own kernels and the gaps between them.
+Writes step_trace_<kv>[_<parallel>]_<date>.json and prints the per-op table. Measures; changes nothing.
 """
 from __future__ import annotations
 
@@ -34,21 +39,17 @@ def cuda_kernels(prof):
                    and e.device_time > 0 and not e.name.startswith("op::")), key=lambda e: e.time_range.start)
 
 
-def op_kernels(runner, batch) -> list:
-    """[(op label, kernel name)] of one decode body's ops, in launch order: the body runs once with
-    its op calls recorded, then each call runs alone under the profiler (its kernels counted)."""
+def decode_calls(runner, batch) -> list:
+    """[(op, args, step, implementation)] of one decode body, recorded as it runs once."""
+    vectors = runner._host_vectors(batch, batch.batch_size).to(runner.r2t.device)
+    return db.op_calls(runner, lambda: runner._body("decode", vectors))
+
+
+def op_kernels(calls) -> list:
+    """[(op label, kernel name)] of recorded calls, in launch order: each call runs alone under the
+    profiler (its kernels counted)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
-    calls, impls = [], runner.impls
-
-    def recorder(fn):
-        return lambda op, args, rt: calls.append((op, args, rt, fn)) or fn(op, args, rt)
-    vectors = runner._host_vectors(batch, batch.batch_size).to(runner.r2t.device)
-    runner.impls = {k: recorder(f) for k, f in impls.items()}
-    try:
-        runner._body("decode", vectors)
-    finally:
-        runner.impls = impls
     out = []
     for op, args, rt, fn in calls:
         fn(op, args, rt)
@@ -60,16 +61,31 @@ def op_kernels(runner, batch) -> list:
     return out
 
 
-def graph_trace(cap, replays: int) -> list:
+def calls_graph(calls):
+    """A CUDA graph of the recorded calls, in order, on their recorded arguments."""
+    import torch
+    run = lambda: [fn(op, args, rt) for op, args, rt, fn in calls]   # noqa: E731
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        run()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    return graph
+
+
+def graph_trace(graph, replays: int) -> list:
     """Per replay: [(kernel name, start us, duration us)]."""
     import torch
     from torch.profiler import ProfilerActivity, profile
     for _ in range(3):
-        cap.graph.replay()
+        graph.replay()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(replays):
-            cap.graph.replay()
+            graph.replay()
             torch.cuda.synchronize()
     ks = cuda_kernels(prof)
     per = len(ks) // replays
@@ -133,12 +149,15 @@ def main():
     ap.add_argument("--ctx", type=int, default=1024)
     ap.add_argument("--replays", type=int, default=10)
     ap.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 32, 128])
+    ap.add_argument("--parallel", default="tp1", help="not tp1: rank 0 of this mesh alone (LoneComm), collectives left out")
     args = ap.parse_args()
     pc.import_glmc()
     import torch
     fp8 = args.kv == "fp8"
+    lone = args.parallel != "tp1"
     info = {"device": torch.cuda.get_device_name(), "commit": args.commit, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-            "torch": torch.__version__, "ctx": args.ctx, "kv": args.kv, "weights": args.kv}
+            "torch": torch.__version__, "ctx": args.ctx, "kv": args.kv, "weights": args.kv, "parallel": args.parallel,
+            "rank": "rank 0 alone (LoneComm), collectives left out of the graph" if lone else "the whole step"}
     model = pc.slice_model("cuda", torch.bfloat16, seed=0)
     with torch.no_grad():
         for n, b in model.named_buffers():
@@ -146,31 +165,50 @@ def main():
                 b.zero_()
     weights, stacks = pc.glmc_weights(model)
     B_max, ctx = max(args.batches), args.ctx
-    plan = pc.glmc_plan(model, B_max, "bfloat16", fp8=fp8, kv_dtype=args.kv)
-    runner = pc.gpu_runner(plan, weights, "cuda", B_max, ctx + 64, stacks=stacks)
+    # a lone rank cannot run an all-to-all: the MoE's gather form (as mtp_gpu_check's rank part)
+    plan = pc.glmc_plan(model, B_max, "bfloat16", fp8=fp8, kv_dtype=args.kv, parallel=args.parallel,
+                        **({"moe_a2a": False} if lone else {}))
+    comm = None
+    if lone:
+        from glmc.runtime.worker.comm import LoneComm
+        comm = LoneComm(plan.mesh, rank=0)
+    runner = pc.gpu_runner(plan, weights, "cuda", B_max, ctx + 64, stacks=stacks, comm=comm)
     del model
     table = pc.req_table(B_max, (ctx + 64) // 64)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, plan.config.vocab_size, (ctx,), generator=g).tolist() for _ in range(B_max)]
-    pc.prefill(runner, prompts, table, group=max(1, 16384 // ctx))
-    runner.capture(args.batches)
+    # a lone rank prefills 8192 tokens a forward, as mtp_gpu_check's rank part (16384 under tp8ep8 ended
+    # in an illegal memory access on 2026-12-05, not yet reproduced elsewhere: bench/NOTES.md, session 24)
+    pc.prefill(runner, prompts, table, group=max(1, (8192 if lone else 16384) // ctx))
+    if not lone:
+        runner.capture(args.batches)
     res = {}
     for B in args.batches:
         nxt = torch.randint(0, plan.config.vocab_size, (B,), generator=g).tolist()
         batch = pc.decode_batch([p + [t] for p, t in zip(prompts[:B], nxt)], table)
-        runner.forward("decode", batch)
-        r = summarise(op_kernels(runner, batch), graph_trace(runner.captured[B], args.replays))
-        r["replay_ms"] = db.bench_ms(runner.captured[B].graph.replay, graph=False)
-        r["host_step_ms"] = host_step_ms(runner, batch)
+        if lone:
+            from mtp_gpu_check import COMM_KINDS, peer_tokens
+            comm.peer = peer_tokens(B * plan.mesh["attn_dp"], plan.config.n_routed_experts)
+            calls = [c for c in decode_calls(runner, batch) if not c[0].kind.startswith(COMM_KINDS)]
+            comm.peer = None
+            graph = calls_graph(calls)
+        else:
+            runner.forward("decode", batch)
+            calls, graph = decode_calls(runner, batch), runner.captured[B].graph
+        r = summarise(op_kernels(calls), graph_trace(graph, args.replays))
+        r["replay_ms"] = db.bench_ms(graph.replay, graph=False)
+        r["host_step_ms"] = None if lone else host_step_ms(runner, batch)
         res[B] = r
-        print(f"\nB={B}: replay {r['replay_ms']:.3f} ms, host step {r['host_step_ms']:.3f} ms, traced span "
+        host = "" if lone else f", host step {r['host_step_ms']:.3f} ms"
+        print(f"\nB={B}: replay {r['replay_ms']:.3f} ms{host}, traced span "
               f"{r['span_us']:.1f} us = busy {r['busy_us']:.1f} + gaps {r['gap_us']:.1f} over {r['kernels']} kernels"
               f" ({r['matched']} of the ops' {r['op_kernels']} kernels found in the graph)")
         for o in r["ops"]:
             print(f"  {o['op'][:56]:56s} {o['kernels']:3d} k {o['us']:8.1f} us  gaps {o['gap_us']:6.1f}")
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"step_trace_{args.kv}_{time.strftime('%Y-%m-%d')}.json").write_text(
+    tag = f"_{args.parallel}" if lone else ""
+    (out / f"step_trace_{args.kv}{tag}_{time.strftime('%Y-%m-%d')}.json").write_text(
         json.dumps({"info": info, "batches": res}, indent=1))
 
 
