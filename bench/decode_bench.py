@@ -50,6 +50,22 @@ def bench_ms(fn, graph=True):
         tb.do_bench(fn, warmup=5, rep=30, return_mode="median")
 
 
+def capture_graph(fn):
+    """fn() captured in a CUDA graph after one warm-up call on a side stream (so that its first-call
+    allocations and compilations happen outside the capture); -> (graph, what the captured call
+    returned: the tensors each replay rewrites)."""
+    import torch
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
 def step_wall_ms(fn, seconds=0.5, warmup=3):
     """Median wall ms of back-to-back calls of fn, each ending in a host sync (a whole decode step:
     inputs in, replay, logits read): what a serving loop sees, host included. Not do_bench's events,

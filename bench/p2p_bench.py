@@ -139,14 +139,8 @@ def _stability(ch, weight, dev, dtype, replays: int, world: int, cpu: bool) -> d
     res = torch.zeros(rows, H, device=dev, dtype=dtype)
     step = (lambda: p2p_allreduce(x, ch, res, weight, 1e-5))
     if not cpu:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            step()
-        torch.cuda.current_stream().wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            outs = step()
+        from decode_bench import capture_graph
+        graph, outs = capture_graph(step)
         run = (lambda: (graph.replay(), outs)[1])
     else:
         run = step

@@ -61,21 +61,6 @@ def op_kernels(calls) -> list:
     return out
 
 
-def calls_graph(calls):
-    """A CUDA graph of the recorded calls, in order, on their recorded arguments."""
-    import torch
-    run = lambda: [fn(op, args, rt) for op, args, rt, fn in calls]   # noqa: E731
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        run()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    return graph
-
-
 def graph_trace(graph, replays: int) -> list:
     """Per replay: [(kernel name, start us, duration us)]."""
     import torch
@@ -191,7 +176,7 @@ def main():
             comm.peer = peer_tokens(B * plan.mesh["attn_dp"], plan.config.n_routed_experts)
             calls = [c for c in decode_calls(runner, batch) if not c[0].kind.startswith(COMM_KINDS)]
             comm.peer = None
-            graph = calls_graph(calls)
+            graph, _ = db.capture_graph(lambda: [fn(op, args, rt) for op, args, rt, fn in calls])
         else:
             runner.forward("decode", batch)
             calls, graph = decode_calls(runner, batch), runner.captured[B].graph

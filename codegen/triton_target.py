@@ -178,7 +178,8 @@ def add_rms_norm(x, residual, weight, eps, lib: KernelLibrary = JIT, quant: bool
     if addend is not None and (addend.shape != x.shape or addend.dtype != x.dtype):
         raise ValueError(f"add_rms_norm: addend {tuple(addend.shape)} {addend.dtype} is not x's "
                          f"{tuple(x.shape)} {x.dtype}")
-    extra = [] if addend is None else [_rows(addend), _rows(addend).stride(0)]
+    a2 = None if addend is None else _rows(addend)
+    extra = [] if a2 is None else [a2, a2.stride(0)]
     if x2.shape[0]:
         lib(ctx)[_norm_grid(x2, quant)](x2, x2.stride(0), *extra, r2, r2.stride(0), new_res, new_res.stride(0),
                                         *_quant_args(qs), weight, out, out.stride(0), num_warps=ctx.num_warps)
