@@ -3,7 +3,7 @@
 Why two processes: the event loop's work per streamed token (SSE formatting, writes, the loop
 itself) and the engine thread's host work share one GIL in one process; at concurrency 32 on the
 H200 the loop's ~55 us of CPU per token stretched each decode step from ~1.2x to ~1.8x its graph
-replay (bench/NOTES.md, session 6). SGLang splits the same way (tokenizer manager / scheduler).
+replay (bench/NOTES.md). SGLang splits the same way (tokenizer manager / scheduler).
 
 - `EngineHost` (the engine's process) takes submissions, aborts and calls off the pipe on its own
   thread, and after every engine step sends the step's events as one message (`Engine.after_step`),
@@ -13,8 +13,16 @@ replay (bench/NOTES.md, session 6). SGLang splits the same way (tokenizer manage
   `submit_many`, `abort`, `metrics.inc/exposition`, `profile`, `flush_cache`, `reset_metrics`,
   `alive`). Requests are validated here by the engine's own `Admission`; `submit_many` refuses
   (`Overloaded`) from the last waiting count the engine sent plus what was submitted since, which
-  is never below the engine's own count. Events are read on the event loop (`add_reader`), so they
-  reach their streams with no extra thread. Blocking calls (`call`) must come from other threads.
+  is never below the engine's own count. Blocking calls (`call`) must come from other threads.
+
+Both ends keep the pipe blocking and give it threads of their own. The HTTP process reads on one
+thread, which hands each step's events to their streams as the engine thread does in one process,
+and writes on another, so the event loop never waits for the engine to take a large message (a
+request with megabytes of stop strings) and nothing else touches the socket's mode. (Watching the
+pipe with the loop's `add_reader` made uvloop switch the socket, which serves both directions, to
+non-blocking: a message larger than its buffer, ~200 KB, then failed with `BlockingIOError`.) The
+engine's process is gone only when the pipe reaches its end (`EOFError`): then every open stream
+ends with an error and `on_lost` is called (`glmc run`'s server exits, status 1).
 
 Messages (tuples, pickled): HTTP -> engine: ("submit", seq, [Request]), ("abort", rid),
 ("inc", counter, value), ("call", id, name, args); engine -> HTTP: ("events", waiting, seq, [event
@@ -22,9 +30,10 @@ tuple]), ("reply", id, ok, value), ("alive", bool).
 """
 from __future__ import annotations
 
-import asyncio
 import itertools
+import queue
 import threading
+import traceback
 from collections import deque
 from concurrent.futures import Future
 from multiprocessing.connection import Connection
@@ -130,14 +139,16 @@ class RemoteEngine:
         self.conn, self.tokenizer, self.admission = conn, tokenizer, admission
         self.max_context, self.max_waiting = admission.max_context, max_waiting
         self.metrics = _RemoteMetrics(self)
-        self.on_lost = on_lost                 # called (on the loop) if the engine's process goes
-        self._send_lock = threading.Lock()
+        self.on_lost = on_lost                 # called (reader thread) if the engine's process goes
+        self._lock = threading.Lock()          # the sinks and the waiting count (loop and reader)
         self._sinks: dict[str, object] = {}
         self._ids = itertools.count()
         self._seq, self._waiting, self._unseen = 0, 0, deque()   # (seq, count) not yet reported
         self._calls: dict[int, Future] = {}
-        self._engine_alive, self._lost = True, False
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._engine_alive, self._lost, self._stopping = True, False, False
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads = [threading.Thread(target=self._write, name="glmc-link-write", daemon=True),
+                         threading.Thread(target=self._read, name="glmc-link-read", daemon=True)]
 
     # -- the engine's interface ------------------------------------------------------------------
 
@@ -147,16 +158,17 @@ class RemoteEngine:
         return req
 
     def submit_many(self, reqs: list[Request], sinks: list) -> None:
-        """(Event loop.) Queue all of `reqs` or none (`Overloaded` when the queue is full)."""
-        if self._lost:
-            raise Overloaded("the engine's process is gone")
-        waiting = self._waiting + sum(n for _, n in self._unseen)
-        if waiting + len(reqs) > self.max_waiting:
-            raise Overloaded(f"{self.max_waiting} requests already waiting")
-        self._seq += 1
-        self._unseen.append((self._seq, len(reqs)))
-        self._sinks.update((r.rid, s) for r, s in zip(reqs, sinks))
-        self._send(("submit", self._seq, reqs))
+        """Queue all of `reqs` or none (`Overloaded` when the queue is full)."""
+        with self._lock:
+            if self._lost:
+                raise Overloaded("the engine's process is gone")
+            waiting = self._waiting + sum(n for _, n in self._unseen)
+            if waiting + len(reqs) > self.max_waiting:
+                raise Overloaded(f"{self.max_waiting} requests already waiting")
+            self._seq += 1
+            self._unseen.append((self._seq, len(reqs)))
+            self._sinks.update((r.rid, s) for r, s in zip(reqs, sinks))
+            self._send(("submit", self._seq, reqs))
 
     def abort(self, rid: str) -> None:
         self._send(("abort", rid))
@@ -166,13 +178,16 @@ class RemoteEngine:
         return self._engine_alive and not self._lost
 
     def start(self) -> None:
-        """(Event loop.) Read the engine's messages on this loop."""
-        self._loop = asyncio.get_running_loop()
-        self._loop.add_reader(self.conn.fileno(), self._on_readable)
+        """Start the pipe's reading and writing threads."""
+        for t in self._threads:
+            if not t.is_alive():
+                t.start()
 
     def stop(self) -> None:
-        if self._loop is not None and not self._lost:
-            self._loop.remove_reader(self.conn.fileno())
+        """Stop writing once what was sent so far is written; the end of the pipe from now on is
+        this server's own shutdown, not a lost engine."""
+        self._stopping = True
+        self._outbox.put(None)
 
     def flush_cache(self, timeout: float = 10.0) -> None:
         self.call("flush_cache", timeout)
@@ -188,6 +203,8 @@ class RemoteEngine:
         future: Future = Future()
         cid = next(self._ids)
         self._calls[cid] = future
+        if self._lost:   # checked after the entry is in: a loss from now on fails it
+            raise RuntimeError("the engine's process is gone")
         self._send(("call", cid, name, args))
         try:
             return future.result(timeout)
@@ -197,27 +214,52 @@ class RemoteEngine:
     # -- the pipe --------------------------------------------------------------------------------
 
     def _send(self, msg: tuple) -> None:
-        with self._send_lock:
+        """(Any thread, never blocks.) The writing thread sends `msg` after what came before."""
+        self._outbox.put(msg)
+
+    def _write(self) -> None:
+        """The writing thread: blocking sends, in order. A failed send means the engine's end is
+        closed; the reading thread sees the same and reports it."""
+        while (msg := self._outbox.get()) is not None:
             try:
                 self.conn.send(msg)
             except (OSError, ValueError):
-                self._lost = True
+                return
+            except Exception:  # noqa: BLE001 - a message that does not pickle: fail its callers
+                traceback.print_exc()
+                self._fail(msg)
 
-    def _on_readable(self) -> None:
-        try:
-            while self.conn.poll():
-                self._dispatch(self.conn.recv())
-        except (EOFError, OSError):
+    def _fail(self, msg: tuple) -> None:
+        if msg[0] == "submit":
+            with self._lock:
+                sinks = [self._sinks.pop(r.rid, None) for r in msg[2]]
+            for sink in filter(None, sinks):
+                sink(StreamEvent(-1, "", None, "error", 0, 0, 0))
+        elif msg[0] == "call" and (future := self._calls.get(msg[1])) is not None:
+            future.set_exception(RuntimeError("the engine call could not be sent"))
+
+    def _read(self) -> None:
+        """The reading thread: every message as it arrives, until the engine's end closes."""
+        while True:
+            try:
+                msg = self.conn.recv()
+            except (EOFError, OSError):
+                break
+            self._dispatch(msg)
+        if not self._stopping:
             self._connection_lost()
 
     def _dispatch(self, msg: tuple) -> None:
         kind = msg[0]
         if kind == "events":
-            _, self._waiting, seq, events = msg
-            while self._unseen and self._unseen[0][0] <= seq:
-                self._unseen.popleft()
-            for rid, *fields in events:
-                sink = self._sinks.pop(rid) if fields[3] is not None else self._sinks.get(rid)
+            _, waiting, seq, events = msg
+            with self._lock:
+                self._waiting = waiting
+                while self._unseen and self._unseen[0][0] <= seq:
+                    self._unseen.popleft()
+                sinks = [self._sinks.pop(rid) if fields[3] is not None else self._sinks.get(rid)
+                         for rid, *fields in events]
+            for sink, (_, *fields) in zip(sinks, events):
                 if sink is not None:
                     sink(StreamEvent(*fields))
         elif kind == "reply":
@@ -229,13 +271,14 @@ class RemoteEngine:
             self._engine_alive = msg[1]
 
     def _connection_lost(self) -> None:
-        self._lost = True
-        self._loop.remove_reader(self.conn.fileno())
+        with self._lock:
+            self._lost = True
+            sinks, self._sinks = list(self._sinks.values()), {}
         for future in list(self._calls.values()):
-            future.set_exception(RuntimeError("the engine's process is gone"))
-        for rid, sink in list(self._sinks.items()):   # every open stream ends with an error
+            if not future.done():
+                future.set_exception(RuntimeError("the engine's process is gone"))
+        for sink in sinks:   # every open stream ends with an error
             sink(StreamEvent(-1, "", None, "error", 0, 0, 0))
-        self._sinks.clear()
         if self.on_lost is not None:
             self.on_lost()
 
