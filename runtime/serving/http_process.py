@@ -167,13 +167,13 @@ def _warm_then_announce(server, engine: RemoteEngine, url: str, model_name: str)
     pays one-time costs no engine warm-up reaches (the chat template's compile, validators', the
     SSE path's first use: ~90 ms of the first TTFT on the H200 host, 2026-12-01); this request
     pays them instead, as SGLang's start-up request does. A failure is logged, never fatal."""
-    import httpx
     while not server.started:
         if server.should_exit:
             return
         time.sleep(0.01)
     t0 = time.perf_counter()
     try:
+        import httpx
         with httpx.Client(base_url=url + "/v1", timeout=300) as c:
             for path, body in (("/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                                                       "stream": True}),
