@@ -13,6 +13,7 @@ import httpx
 import openai
 import pytest
 import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
 from glmc.runtime.engine.sampling import SamplingParams
 from glmc.runtime.serving.engine_link import EngineHost, RemoteEngine
 from glmc.runtime.serving.http_process import listen
@@ -116,6 +117,17 @@ def test_models_health_metrics(served, client):
                  "kv_usage_ratio", "kv_pages_used", "prefix_cache_hit_rate", "prefill_tokens_total"):
         assert f"glmc_{name}" in text
     assert 'glmc_requests_finished_total{finish_reason="length"}' in text
+
+
+def test_kv_usage_counts_pages_requests_hold_not_the_prefix_cache(served, client):
+    engine, server = served
+    client.chat.completions.create(model=MODEL, messages=chat("Fill the cache."), max_tokens=4)
+    wait_idle(engine)
+    gauges = {f.name: f.samples[0].value for f in
+              text_string_to_metric_families(httpx.get(server.url + "/metrics").text)
+              if f.type == "gauge"}
+    assert gauges["glmc_kv_pages_cached"] >= 2   # the system prompt's page and the rest
+    assert gauges["glmc_kv_pages_used"] == 0 and gauges["glmc_kv_usage_ratio"] == 0.0
 
 
 def test_greedy_chat_equals_engine_and_stream_equals_whole(served, client, ckpt):

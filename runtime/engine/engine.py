@@ -386,13 +386,12 @@ class Engine:
 
     def _update_gauges(self) -> None:
         ss = self.scheduler.ranks
-        total = sum(s.allocator.num_pages for s in ss)
+        total, held = sum(s.allocator.num_pages for s in ss), self.scheduler.num_pages_held
         self.metrics.set_gauges(
             num_requests_waiting=self.num_waiting,
             num_requests_running=len(self.scheduler.running), kv_pages_total=total,
-            kv_pages_used=self.scheduler.num_pages_held,
-            kv_pages_cached=sum(s.cache.num_cached_pages for s in ss),
-            kv_usage_ratio=sum(s.allocator.num_used for s in ss) / total,
+            kv_pages_used=held, kv_pages_cached=sum(s.cache.num_cached_pages for s in ss),
+            kv_usage_ratio=held / total,
             kernel_binaries_compiled=self._kernel_binaries())
 
     def _kernel_binaries(self) -> int:

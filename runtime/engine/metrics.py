@@ -42,7 +42,8 @@ class Metrics:
         "kv_pages_total": "Pages in the KV pool (64 tokens each, main and indexer cache).",
         "kv_pages_used": "Pages held by requests.",
         "kv_pages_cached": "Pages held by the prefix cache.",
-        "kv_usage_ratio": "Fraction of KV pages in use (held by requests or the prefix cache).",
+        "kv_usage_ratio": "Fraction of KV pages held by requests (pages only the prefix cache "
+                          "holds are evicted as needed: not counted).",
         "kernel_binaries_compiled": "Triton binaries compiled in this process (GPU plans); a rise "
                                     "while serving is a request that waited for a compile.",
     }
