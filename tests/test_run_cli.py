@@ -2,12 +2,14 @@
 (made on first run into a cache dir) or a compiled plan with a checkpoint, called with the official
 `openai` client, then stopped with SIGTERM, which must end it (and every process it started)
 cleanly."""
+import json
 import os
 import re
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -157,6 +159,70 @@ def test_glmc_run_serves_the_tiny_model_by_name(tmp_path):
         ids = engine.tokenizer.encode(engine.tokenizer.apply_chat_template(messages))
         assert got.choices[0].message.content == offline(cache / "tiny", ids)
         assert got.usage.prompt_tokens == len(ids) and got.usage.completion_tokens == 8
+
+
+class HealthPoller(threading.Thread):
+    """GET /health on `port` every 10 ms from before the server listens until it answers 200:
+    the answers in order, as (status, JSON body)."""
+
+    def __init__(self, port: int):
+        super().__init__(daemon=True)
+        self.url, self.answers = f"http://127.0.0.1:{port}/health", []
+
+    def run(self):
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline and not (self.answers and self.answers[-1][0] == 200):
+            try:
+                r = httpx.get(self.url, timeout=30)
+                self.answers.append((r.status_code, r.json()))
+            except httpx.TransportError:   # not listening yet
+                pass
+            time.sleep(0.01)
+
+
+def http10_stream(port: int, body: dict) -> tuple[bytes, bytes]:
+    """POST /v1/completions as an HTTP/1.0 client: (response head, body read until the server
+    closes the connection)."""
+    data = json.dumps(body).encode()
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.0\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n%s" % (len(data), data))
+        raw = b""
+        while chunk := s.recv(65536):
+            raw += chunk
+    head, _, payload = raw.partition(b"\r\n\r\n")
+    return head.lower(), payload
+
+
+def test_health_is_503_while_warming_up_and_http10_streams_are_not_chunked(tmp_path):
+    """/health polled from before `glmc run` listens: connections wait in the socket's backlog
+    until uvicorn takes them, as its start-up requests begin, so the first answer comes during
+    the warm-up: 503 `warming_up` until it ends, then 200. A streamed reply to an HTTP/1.0 client
+    has no chunked framing (HTTP/1.0 has none): its SSE lines end where the connection closes."""
+    port = free_port()
+    poller = HealthPoller(port)
+    poller.start()
+    with GlmcRun(["--weights", TINY_NAME, "--cache-dir", str(tmp_path / "cache"), "--port",
+                  str(port), "--log-level", "warning"], tmp_path / "log"):
+        poller.join(START_TIMEOUT_S)
+        statuses = [status for status, _ in poller.answers]
+        assert statuses[0] == 503 and statuses[-1] == 200, poller.answers
+        assert set(statuses[:statuses.index(200)]) == {503}
+        err = poller.answers[0][1]["error"]
+        assert err["code"] == "warming_up" and "warming up" in err["message"]
+        assert httpx.get(f"http://127.0.0.1:{port}/health").json() == {"status": "ok"}
+
+        head, payload = http10_stream(port, {"model": TINY_NAME, "prompt": "hi", "max_tokens": 4,
+                                             "stream": True, "ignore_eos": True})
+        assert head.startswith(b"http/1.1 200") and b"transfer-encoding" not in head, head
+        assert b"connection: close" in head
+        events = payload.split(b"\n\n")
+        assert events[-2:] == [b"data: [DONE]", b""], payload
+        chunks = [json.loads(e.removeprefix(b"data: ")) for e in events[:-2]]   # each one whole
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length", payload
+        head, payload = http10_stream(port, {"model": TINY_NAME, "prompt": "hi", "max_tokens": 2})
+        assert b"content-length: %d" % len(payload) in head
+        assert json.loads(payload)["usage"]["completion_tokens"] == 2
 
 
 def test_glmc_run_serves_a_compiled_plan_with_a_checkpoint(tmp_path):

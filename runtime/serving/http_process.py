@@ -112,11 +112,14 @@ def _start_ignoring(proc, handlers: dict) -> dict:
 
 
 def http_main(conn, spec: HttpSpec, early) -> None:
-    """The server process: uvicorn over a `RemoteEngine` on `conn` until told to stop. It starts
-    with SIGINT and SIGTERM ignored (`_start_ignoring`); `early` counts the signals its engine's
-    process got until this one takes them."""
+    """The server process: uvicorn over a `RemoteEngine` on `conn` until told to stop, /health
+    answering 503 until the start-up requests are answered, HTTP/1.0 streams close-delimited
+    (`http10.py`). It starts with SIGINT and SIGTERM ignored (`_start_ignoring`); `early` counts
+    the signals its engine's process got until this one takes them."""
     os.setsid()   # a terminal's signals go to the engine's process, which forwards them
     import uvicorn
+
+    from glmc.runtime.serving.http10 import Http10Protocol
 
     sock = listen(spec.host, spec.port)
     url = f"http://{'[' + spec.host + ']' if ':' in spec.host else spec.host}:{sock.getsockname()[1]}"
@@ -124,7 +127,8 @@ def http_main(conn, spec: HttpSpec, early) -> None:
     app = create_app(remote, spec.model_name, spec.options)
     grace = spec.options.shutdown_timeout_s
     # uvicorn cancels what is left a little after our own deadline (which ends requests cleanly)
-    config = uvicorn.Config(app, log_level=spec.log_level, timeout_graceful_shutdown=grace + 5)
+    config = uvicorn.Config(app, log_level=spec.log_level, timeout_graceful_shutdown=grace + 5,
+                            http=Http10Protocol)
 
     def on_stop():
         print(f"glmc: shutting down: in-flight requests have {grace:g} s to finish (signal again "
@@ -138,7 +142,8 @@ def http_main(conn, spec: HttpSpec, early) -> None:
         got, early.value = early.value, -1  # from now on the engine's process forwards them
     if got:
         server.record(handled[0], None)
-    threading.Thread(target=_warm_then_announce, args=(server.server, remote, url, spec.model_name),
+    app.state.api.warming_up = True   # until the start-up requests are answered
+    threading.Thread(target=_warm_then_announce, args=(server.server, app.state.api, url),
                      name="glmc-http-warmup", daemon=True).start()
     server.run(sock)
     print(f"glmc: stopped serving {spec.model_name}", flush=True)
@@ -161,12 +166,14 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _warm_then_announce(server, engine: RemoteEngine, url: str, model_name: str) -> None:
+def _warm_then_announce(server, api, url: str) -> None:
     """Once uvicorn runs: one streamed chat request and one completion through the whole HTTP path,
-    then forget them (metrics, prefix cache) and print the URL. The first request a server answers
-    pays one-time costs no engine warm-up reaches (the chat template's compile, validators', the
-    SSE path's first use: ~90 ms of the first TTFT on the H200 host, 2026-12-01); this request
-    pays them instead, as SGLang's start-up request does. A failure is logged, never fatal."""
+    then forget them (metrics, prefix cache), end `api`'s warm-up (/health answers 200 from now on)
+    and print the URL. The first request a server answers pays one-time costs no engine warm-up
+    reaches (the chat template's compile, validators', the SSE path's first use: ~90 ms of the
+    first TTFT on an H200); this request pays them instead, as SGLang's start-up request does. A
+    failure is logged, never fatal."""
+    engine, model_name = api.engine, api.model_name
     while not server.started:
         if server.should_exit:
             return
@@ -186,4 +193,5 @@ def _warm_then_announce(server, engine: RemoteEngine, url: str, model_name: str)
               flush=True)
     except Exception as e:  # noqa: BLE001 - serving goes on; the first request pays the costs instead
         print(f"glmc: start-up request failed ({type(e).__name__}: {e}); serving anyway", flush=True)
+    api.warming_up = False
     print(f"glmc: serving {model_name} at {url}/v1", flush=True)

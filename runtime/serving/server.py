@@ -43,6 +43,9 @@ from starlette.exceptions import HTTPException
 SHUT_DOWN = APIError(503, "the server shut down before this request finished (its shutdown "
                      "timeout passed)", None, "shutdown", "server_error")
 
+WARMING_UP = APIError(503, "warming up: the server's start-up requests are still running; retry "
+                      "shortly", None, "warming_up", "server_error", {"Retry-After": "1"})
+
 
 @dataclass(frozen=True)
 class ServerOptions:
@@ -67,6 +70,7 @@ class _Api:
         self.live: set[EventStream] = set()  # calls being answered
         self.loop: asyncio.AbstractEventLoop | None = None
         self.shut_down = False  # in-flight requests were aborted: the server is stopping
+        self.warming_up = False  # /health answers 503 while set (`glmc run`'s start-up requests)
 
     def begin_shutdown(self) -> None:
         """(Any thread.) In-flight requests get `shutdown_timeout_s`, then are aborted: each gets
@@ -243,6 +247,8 @@ def create_app(engine: Engine, model_name: str = "glmc-tiny",
         if not engine.alive:
             raise APIError(503, "engine thread is not running", None, "engine_dead",
                            "server_error")
+        if api.warming_up:  # answered, not raised: a health probe is no rejected request
+            return WARMING_UP.response()
         return {"status": "ok"}
 
     @app.post("/start_profile")
