@@ -2,10 +2,13 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from pathlib import Path
 
+# a plan's phases: glmc.passes.PHASES (a test keeps them equal), without importing the compiler here
+PHASES = ("prefill", "decode", "mtp_draft", "mtp_verify")
 DEFAULT_MODEL = "glm_moe_dsa_tiny"  # small, random weights: what `glmc run` serves by default
 CARD_MODEL = "glm_moe_dsa"          # GLM-5.3: what `glmc compile` and `glmc diff` compile by default
 
@@ -15,6 +18,18 @@ KV_DTYPE_HELP = ("KV and indexer caches: fp8 (FlashMLA's 656-byte latent rows, 1
                  "quantised by the KV-write kernel on the CUDA target) or bf16 (unquantised, in the compute "
                  "dtype); default: what the checkpoint's config gives (fp8 for bf16 and FP8 checkpoints, as "
                  "GLM-5.3's card; fp32 checkpoints keep fp32). The torch target computes in fp32 either way")
+
+
+class _HelpWithDefaults(argparse.HelpFormatter):
+    """Help that ends each option's text with its default, unless it takes no value (a flag), has
+    no default (None) or the text already says what it is."""
+
+    def _get_help_string(self, action) -> str:
+        text = action.help or ""
+        if action.nargs == 0 or action.default is None or action.default == argparse.SUPPRESS \
+                or "default" in text:
+            return text
+        return f"{text} (default: %(default)s)"
 
 
 def _model_path(arg: str | None) -> str:
@@ -119,6 +134,7 @@ def cmd_run(a) -> int:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="glmc", description="GLM-5.x graph compiler and runtime")
     sub = ap.add_subparsers(dest="cmd", required=True)
+    sub.add_parser = functools.partial(sub.add_parser, formatter_class=_HelpWithDefaults)
     c = sub.add_parser("compile", help="compile a model for a parallel spec into a plan directory")
     c.add_argument("--model", help="model YAML, HF checkpoint dir, or packaged name "
                    f"({CARD_MODEL}, {DEFAULT_MODEL}; default {CARD_MODEL}, GLM-5.3)")
@@ -152,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("a")
     d.add_argument("b")
     d.add_argument("--model", help=f"with two parallel specs: the model (default {CARD_MODEL}, GLM-5.3)")
-    d.add_argument("--phase", default="decode")
+    d.add_argument("--phase", default="decode", choices=PHASES, help="the phase whose IR is compared")
     d.set_defaults(fn=cmd_diff)
     x = sub.add_parser("export-onnx", help="write the plan's IR as ONNX graphs")
     x.add_argument("plan")
@@ -174,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu: the torch "
                    "target; cuda: the CUDA target (Triton kernels, decode replayed from CUDA "
                    "graphs), one GPU per rank")
-    r.add_argument("--host", default="127.0.0.1")
+    r.add_argument("--host", default="127.0.0.1", help="address to listen on")
     r.add_argument("--port", type=int, default=8000, help="0 picks a free port")
     r.add_argument("--num-pages", type=int, default=256, help="KV pages of 64 tokens per DP rank")
     r.add_argument("--max-running", type=int, default=32, help="running requests per DP rank")
@@ -193,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds in-flight "
                    "requests get to finish after SIGINT/SIGTERM before they are aborted (a second "
                    "signal exits at once)")
-    r.add_argument("--no-prefix-cache", action="store_true")
+    r.add_argument("--no-prefix-cache", action="store_true", help="compute every prompt in full "
+                   "(default: reuse the KV pages of prompt prefixes seen before)")
     r.add_argument("--quantize", choices=("fp8",), help=QUANTIZE_HELP)
     r.add_argument("--kv-dtype", choices=("fp8", "bf16"), help=KV_DTYPE_HELP)
     r.add_argument("--no-warmup", action="store_true", help="skip the warm-up (on a GPU it compiles "
@@ -213,7 +230,8 @@ def main(argv: list[str] | None = None) -> int:
                    "torch.profiler traces of the next N engine steps are written here")
     r.add_argument("--cache-dir", help="where glmc-tiny's weights are made (default "
                    "$GLMC_CACHE or ~/.cache/glmc)")
-    r.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    r.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
+                   help="uvicorn's log level")
     r.set_defaults(fn=cmd_run)
     a = ap.parse_args(argv)
     try:

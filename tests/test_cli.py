@@ -1,0 +1,40 @@
+"""The `glmc` command's surface: help that shows defaults, arguments checked before any work."""
+import re
+
+import pytest
+
+from glmc import cli
+from glmc.cli import main as glmc
+from glmc.passes import PHASES
+
+
+def help_of(capsys, *args) -> str:
+    with pytest.raises(SystemExit) as e:
+        glmc([*args, "--help"])
+    assert e.value.code == 0
+    return " ".join(capsys.readouterr().out.split())   # argparse wraps lines: one line of words
+
+
+def test_run_help_shows_the_defaults(capsys):
+    text = help_of(capsys, "run").split(" options: ", 1)[1]
+    for option, default in (("--host HOST", "127.0.0.1"), ("--port PORT", "8000"),
+                            ("--num-pages NUM_PAGES", "256"), ("--max-running MAX_RUNNING", "32"),
+                            ("--max-batch-tokens MAX_BATCH_TOKENS", "256"),
+                            ("--max-waiting MAX_WAITING", "256"), ("--max-body-mb MAX_BODY_MB", "8.0"),
+                            ("--shutdown-timeout SHUTDOWN_TIMEOUT", "30.0"), ("--device {cpu,cuda}", "cpu"),
+                            ("--speculative-num-steps N", "0"), ("--log-level {debug,info,warning,error}", "info")):
+        # its help: up to the next option that takes a value (a flag's text may follow)
+        after = re.search(re.escape(option) + r" (.*?)(?= --[a-z-]+ [A-Z{]|$)", text).group(1)
+        assert f"(default: {default})" in after, (option, after)
+    # flags and options without a default say nothing of one, or say it in words
+    assert "(default: False)" not in text and "(default: None)" not in text
+    assert "(default: True)" not in help_of(capsys, "compile")
+
+
+def test_diff_names_the_valid_phases_before_compiling(capsys):
+    assert cli.PHASES == PHASES
+    with pytest.raises(SystemExit) as e:
+        glmc(["diff", "tp1", "tp2", "--phase", "bogus"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "invalid choice: 'bogus'" in err and all(repr(p) in err for p in PHASES), err
