@@ -1,4 +1,5 @@
-"""The `glmc` command's surface: help that shows defaults, arguments checked before any work."""
+"""The `glmc` command's surface: help that shows defaults, arguments checked before any work,
+what start-up writes to a log."""
 import re
 
 import pytest
@@ -6,6 +7,7 @@ import pytest
 from glmc import cli
 from glmc.cli import main as glmc
 from glmc.passes import PHASES
+from glmc.runtime.worker.loader import progress
 
 
 def help_of(capsys, *args) -> str:
@@ -38,3 +40,14 @@ def test_diff_names_the_valid_phases_before_compiling(capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "invalid choice: 'bogus'" in err and all(repr(p) in err for p in PHASES), err
+
+
+def test_one_step_progress_is_one_line(capfd, monkeypatch):
+    monkeypatch.delenv("TQDM_DISABLE", raising=False)
+    with progress(total=1, desc="compiling tp1 (cpu)", unit="plan") as bar:
+        bar.update()
+    assert capfd.readouterr().err == "glmc: compiling tp1 (cpu)\n"
+    monkeypatch.setenv("TQDM_DISABLE", "1")
+    with progress(total=1, desc="loading weights", unit="shard") as bar:
+        bar.update()
+    assert capfd.readouterr().err == ""

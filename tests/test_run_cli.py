@@ -159,6 +159,10 @@ def test_glmc_run_serves_the_tiny_model_by_name(tmp_path):
         ids = engine.tokenizer.encode(engine.tokenizer.apply_chat_template(messages))
         assert got.choices[0].message.content == offline(cache / "tiny", ids)
         assert got.usage.prompt_tokens == len(ids) and got.usage.completion_tokens == 8
+    # work of one step is one line in the log, not a progress bar's carriage returns
+    lines = (tmp_path / "log").read_text().split("\n")
+    for what in ("compiling tp1 (cpu)", "loading weights"):
+        assert [line for line in lines if what in line] == [f"glmc: {what}"], what
 
 
 class HealthPoller(threading.Thread):

@@ -76,9 +76,9 @@ def load_weights(ckpt_dir: Path, config) -> dict[str, torch.Tensor]:
         return {name: random[name] for name in progress(random, desc="making random weights",
                                                         unit="tensor")}
     expected = expected_tensors(config, **detect_mtp(ckpt_dir))
-    with progress(total=len(expected), desc="loading weights", unit="tensor") as bar:
-        weights = load_checkpoint(ckpt_dir, expected)  # no per-tensor hook: one jump at the end
-        bar.update(len(weights))
+    with progress(total=1, desc="loading weights", unit="checkpoint") as bar:
+        weights = load_checkpoint(ckpt_dir, expected)  # one call: no progress to show within it
+        bar.update()
     return weights
 
 

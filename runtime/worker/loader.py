@@ -52,8 +52,29 @@ Weights = "str | Path | Mapping[str, torch.Tensor]"
 
 def progress(*args, **kwargs):
     """A progress bar on stderr, off when $TQDM_DISABLE is set (read now, not at import: ranks
-    other than 0 set it after tqdm was imported)."""
-    return _tqdm(*args, disable=bool(os.environ.get("TQDM_DISABLE")), leave=False, **kwargs)
+    other than 0 set it after tqdm was imported). Work of one step (`total=1`) gets one line
+    instead: its bar would only show 0% and then 100%, carriage returns in a log."""
+    quiet = bool(os.environ.get("TQDM_DISABLE"))
+    if kwargs.get("total") == 1:
+        return _Line(kwargs.get("desc", ""), quiet)
+    return _tqdm(*args, disable=quiet, leave=False, **kwargs)
+
+
+class _Line:
+    """`progress` of one step: `glmc: <desc>` on stderr as it starts; `update` does nothing."""
+
+    def __init__(self, desc: str, quiet: bool):
+        if not quiet:
+            print(f"glmc: {desc}", file=sys.stderr, flush=True)
+
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def __enter__(self) -> _Line:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
 
 
 def load_runner(plan: Plan, weights: Weights, *, device: str | torch.device | None = None,
