@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -118,7 +118,9 @@ class Plan:
         """Write the plan (and `files`: relative path -> text, e.g. report.md) atomically."""
         out_dir = Path(out_dir)
         out_dir.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+        # a directory of its own, not mkdtemp's: that is mode 0700, this one follows the umask
+        tmp = out_dir.parent / f".{out_dir.name}.{os.getpid()}.{secrets.token_hex(4)}"
+        tmp.mkdir()
         try:
             texts = {f"{ph}.ir": print_graph(g) for ph, g in self.graphs.items()}
             texts |= {f"kernels/{name}.py": src for name, src in self.kernels.items()}

@@ -1,6 +1,8 @@
 """The `glmc` command's surface: help that shows defaults, arguments checked before any work,
-what start-up writes to a log."""
+what start-up writes to a log, and plan directories made with the user's umask."""
+import os
 import re
+import stat
 
 import pytest
 
@@ -51,3 +53,15 @@ def test_one_step_progress_is_one_line(capfd, monkeypatch):
     with progress(total=1, desc="loading weights", unit="shard") as bar:
         bar.update()
     assert capfd.readouterr().err == ""
+
+
+def test_plan_directories_follow_the_umask(tmp_path):
+    old = os.umask(0o022)
+    try:
+        assert glmc(["compile", "--model", "glm_moe_dsa_tiny", "--parallel", "tp1", "--device",
+                     "cpu", "-o", str(tmp_path / "plan")]) == 0
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "plan").stat().st_mode) == 0o755
+    assert stat.S_IMODE((tmp_path / "plan" / "plan.json").stat().st_mode) == 0o644
+    assert [p.name for p in tmp_path.iterdir()] == ["plan"]   # no temporary directory left
