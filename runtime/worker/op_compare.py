@@ -1,0 +1,382 @@
+"""Op-by-op comparison of a plan's target against its oracle, each op on the oracle's own upstream values.
+
+A plan-level comparison (logits after every layer) cannot tell a kernel bug from rounding that a
+random model amplifies. Here every op of one step is checked alone:
+
+1. the oracle (a torch-target `PlanExecutor`, fp32) runs the step and every value it makes is kept;
+2. the target (`GpuRunner`, or the torch target itself) runs the step with each op's operands
+   replaced by the oracle's values, rounded to the dtype the target holds them in (its own
+   operand's dtype), so no error compounds from op to op;
+3. a second oracle executor (its own KV pool) runs the step on those same rounded operands in fp32:
+   the op's exact arithmetic on the target's inputs.
+
+Per op and result, `compare_step` reports the error of (2) against (3) and how many elements lie
+outside the op's rounding bound: one unit in the last place of the target's dtype at the oracle's
+value, plus `REL_SLACK` of the row's RMS (fp32 summation order). For an op whose FP8 GEMMs read a
+quantised activation (linear, the A-projection, the LM head with FP8 weights) the target's own
+quantisation of its input is read back (the step's `memo`, where the CUDA target keeps it) and
+
+- `in_flips`: the fraction of FP8 codes (value x scale) that differ from the oracle's quantisation of
+  the same rounded input; a code differs from the fp32 oracle's when rounding the input to the
+  target's dtype moved it across an FP8 rounding boundary or moved its group's scale;
+- `fp8_out_of_bound`: elements of the target's result outside the bound around the exact GEMM of
+  the target's own quantised input (`fp8_ref.fp8_gemm`): this, not the plain error, decides whether
+  the FP8 GEMM is right, since in_flips alone move the result by whole FP8 steps.
+
+Ops whose result is an integer tensor (top-k indices, routed expert ids) report the fraction of
+rows whose sets differ (`set_diff_rows`), and for `moe.topk` the smallest router margin among
+them (the gap between the k-th and (k+1)-th expert scores: a near-tie flips on rounding).
+
+The contract: the two executors run the same plan on the same weights; the target runs eagerly
+(no captured graph replays: a replay runs no Python); the step's batch is given to both.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from glmc.codegen.fp8_ref import Fp8Weight, quantize_token_groups
+
+# Summation order in fp32 (blocked, split-K, tensor-core fragments) moves a result by up to a few
+# 2^-24 of the sum of |terms|; against the row's RMS this slack is generous for every op here and
+# still 30x below one bf16 ulp.
+REL_SLACK = 2.0 ** -14
+FP8_KINDS = ("linear", "mla.a_proj", "lm.head")
+
+
+@dataclass
+class OpRow:
+    """One result of one op: where, what, and how far the target is from the oracle."""
+    op: str
+    kind: str
+    layer: int | None
+    result: str
+    dtype: str
+    numel: int
+    rel_err: float | None = None
+    max_abs: float | None = None
+    out_of_bound: int = 0
+    vs_fp32_input: float | None = None   # the oracle's own move when its inputs are rounded (3 vs 1)
+    set_diff_rows: float | None = None
+    min_margin: float | None = None
+    in_flips: float | None = None
+    fp8_rel_err: float | None = None
+    fp8_out_of_bound: int | None = None
+    scale_rel: float | None = None
+    flip_rows: int | None = None          # rows outside the plain bound that an FP8 flip of h explains
+    note: str = ""
+
+    def ok(self) -> bool:
+        """Within its bound: every element of a float result (for an FP8 GEMM, around the exact
+        product of its own quantised input); integer results are reported, not judged here."""
+        if self.fp8_out_of_bound is not None:
+            return self.fp8_out_of_bound == 0
+        return self.out_of_bound == 0
+
+    def as_dict(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if v is not None and v != ""}
+
+
+def ulp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """One unit in the last place of `dtype` at |x| (fp32 tensor; normal numbers)."""
+    mant = {torch.float32: 23, torch.bfloat16: 7, torch.float16: 10}[dtype]
+    tiny = torch.finfo(dtype).tiny
+    _, e = torch.frexp(x.abs().clamp_min(tiny))
+    return torch.ldexp(torch.ones_like(x), e - 1 - mant)
+
+
+def bound(want: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The rounding bound around an fp32 result `want` for a result held in `dtype`."""
+    w = want.float()
+    rows = w.reshape(w.shape[0], -1) if w.dim() > 1 else w.reshape(1, -1)
+    rms = rows.pow(2).mean(1, keepdim=True).sqrt().expand_as(rows).reshape(w.shape)
+    return ulp(w, dtype) + REL_SLACK * rms
+
+
+def _substitute(own, given):
+    """The target's operand replaced by the oracle's value, in the target's dtype and device (its
+    rows past the oracle's kept: padding); anything not a tensor of the same rank is kept."""
+    if not isinstance(own, torch.Tensor) or not isinstance(given, torch.Tensor) or own.dim() != given.dim() \
+            or own.dtype == torch.float8_e4m3fn or own.is_floating_point() != given.is_floating_point():
+        return own
+    if own.shape[1:] != given.shape[1:] or own.shape[0] < given.shape[0]:
+        return own
+    out = own.clone()
+    out[:given.shape[0]] = given.to(own.device, own.dtype)
+    return out
+
+
+def _fp32_of(own, rounded):
+    """The oracle's operand: the rounded value the target saw, back in fp32 on the oracle's device."""
+    if isinstance(rounded, torch.Tensor) and rounded.is_floating_point() and rounded.dtype != torch.float8_e4m3fn:
+        return rounded.to(own.device if isinstance(own, torch.Tensor) else rounded.device, torch.float32)
+    return own
+
+
+def _wrap(impls: dict, hook) -> dict:
+    return {kind: (lambda fn: lambda op, args, ctx: hook(fn, op, args, ctx))(fn) for kind, fn in impls.items()}
+
+
+def _results(op, out) -> list:
+    return list(zip(op.results, out if isinstance(out, tuple) else (out,)))
+
+
+@dataclass
+class _Run:
+    values: dict = field(default_factory=dict)     # value -> tensor (the oracle's, fp32)
+    seen: dict = field(default_factory=dict)       # value -> the operand as the target saw it
+    target_out: dict = field(default_factory=dict)  # value -> the target's result
+    fp8_in: dict = field(default_factory=dict)     # op result -> (xq, xs, weights) of its FP8 GEMMs
+    slots: dict = field(default_factory=dict)      # idx.topk result -> its positions as KV slots
+    order: list = field(default_factory=list)      # (op, result) in step order
+    slot_ctx: object = None                        # the target's step (its req_to_token) for slots
+
+
+def _record(run: _Run):
+    def hook(fn, op, args, ctx):
+        out = fn(op, args, ctx)
+        for name, v in _results(op, out):
+            if isinstance(v, torch.Tensor):
+                run.values[name] = v
+        return out
+    return hook
+
+
+def _fp8_parts(op, ctx):
+    """The target's weights of a linear-type op, where any of them is FP8 (else None)."""
+    names = op.attr("weight")
+    ws = [ctx.w(n) for n in (names if isinstance(names, tuple) else (names,))]
+    return ws if any(isinstance(w, Fp8Weight) for w in ws) else None
+
+
+def positions_to_slots(pos: torch.Tensor, ctx) -> torch.Tensor:
+    """Top-k positions (the torch target's idx.topk, -1 padded) as the KV slots the CUDA target's
+    idx.topk gives its attention ops (int32, -1 padded): slot = req_to_token[row of the token, pos]."""
+    pos = pos.to(ctx.r2t.device)
+    rows = ctx.rows[:pos.shape[0]]
+    slots = ctx.r2t[rows[:, None], pos.clamp_min(0)]
+    return torch.where(pos >= 0, slots, -1).to(torch.int32)
+
+
+def _substituted(run: _Run):
+    def hook(fn, op, args, ctx):
+        args = [_substitute(a, run.slots.get(name, run.values.get(name))) for name, a in zip(op.operands, args)]
+        for name, a in zip(op.operands, args):
+            if isinstance(a, torch.Tensor):
+                run.seen[name] = a
+        out = fn(op, args, ctx)
+        if op.kind == "idx.topk" and out.dtype == torch.int32 and run.values[op.results[0]].dtype != torch.int32:
+            run.slots[op.results[0]] = positions_to_slots(run.values[op.results[0]], ctx)
+            run.slot_ctx = ctx
+        for name, v in _results(op, out):
+            if isinstance(v, torch.Tensor) and name in run.values:
+                run.target_out[name] = v
+                run.order.append((op, name))
+        if op.kind in ("mlp.swiglu", "moe.experts"):
+            memo = getattr(ctx, "memo", {}).get((op.operands[0], "fp8_tokens"))
+            if memo is not None:
+                run.fp8_in[op.results[0]] = (memo[0], memo[1], args)
+        if op.kind in FP8_KINDS and (parts := _fp8_parts(op, ctx)) is not None:
+            memo = getattr(ctx, "memo", {}).get((op.operands[0], "fp8_tokens"))
+            if memo is not None:
+                run.fp8_in[op.results[0]] = (memo[0], memo[1], [isinstance(w, Fp8Weight) for w in parts], args[0])
+        return out
+    return hook
+
+
+def _rerun(run: _Run, again: dict):
+    def hook(fn, op, args, ctx):
+        args = [_fp32_of(a, run.seen.get(name)) for name, a in zip(op.operands, args)]
+        out = fn(op, args, ctx)
+        for name, v in _results(op, out):
+            if isinstance(v, torch.Tensor):
+                again[name] = v
+        return out
+    return hook
+
+
+def _float_row(row: OpRow, got, want, fp32_want):
+    got, want = got.float().cpu()[:want.shape[0]], want.float().cpu()
+    err = (got - want).nan_to_num(float("inf"))
+    norm = float(want.norm())
+    row.rel_err = float(err.norm()) / norm if norm else float(err.norm())
+    row.max_abs = float(err.abs().max()) if err.numel() else 0.0
+    row.out_of_bound = int((err.abs() > bound(want, torch.__dict__[row.dtype])).sum())
+    if fp32_want is not None:
+        f = fp32_want.float().cpu()
+        n = float(f.norm())
+        row.vs_fp32_input = float((want - f).norm()) / n if n else 0.0
+
+
+def _int_row(row: OpRow, got, want, scores=None, k=None):
+    got, want = got.cpu()[:want.shape[0]], want.cpu()
+    if got.shape != want.shape:
+        row.note = f"shapes differ: {tuple(got.shape)} vs {tuple(want.shape)}"
+        return
+    a, b = got.reshape(got.shape[0], -1).sort(-1).values, want.reshape(want.shape[0], -1).sort(-1).values
+    diff = (a != b).any(-1)
+    row.set_diff_rows = float(diff.float().mean()) if diff.numel() else 0.0
+    if scores is not None and bool(diff.any()):
+        s = scores.float().cpu()[:want.shape[0]][diff]
+        top = s.topk(min(k + 1, s.shape[-1]), -1).values
+        row.min_margin = float((top[:, k - 1] - top[:, k]).min()) if top.shape[-1] > k else None
+
+
+def _fp8_check(row: OpRow, got, xq, xs, fp8_parts, x_in, weights, want_fp32_in):
+    """The product of the target's own quantised input (and, for parts whose weights are not FP8,
+    its rounded input) with the oracle's weights (FP8 ones dequantised), exact in fp32, against
+    the target's result; and the fraction of the input's FP8 codes that differ from the oracle's
+    quantisation of its own fp32 input."""
+    dev = weights[0].device
+    deq = lambda q, s: q.float() * s.repeat_interleave(128, 1)[:, :q.shape[1]]   # noqa: E731
+    xd, x = deq(xq, xs).to(dev), x_in.float().to(dev)
+    exact = torch.cat([(xd if fp8 else x) @ w.float().T for fp8, w in zip(fp8_parts, weights)], 1)
+    exact = exact[:got.shape[0]].cpu()
+    g = got.float().cpu()[:exact.shape[0]]
+    err = g - exact
+    row.fp8_rel_err = float(err.norm() / exact.norm()) if float(exact.norm()) else float(err.norm())
+    row.fp8_out_of_bound = int((err.abs() > bound(exact, torch.__dict__[row.dtype])).sum())
+    _in_flips(row, xq, xs, want_fp32_in)
+
+
+def _in_flips(row: OpRow, xq, xs, want_fp32_in):
+    """in_flips: the fraction of the target's FP8 codes of its input that differ from the oracle's
+    quantisation of its fp32 input; scale_rel: the largest relative difference of their scales."""
+    oq, os_ = quantize_token_groups(want_fp32_in.float().to(xq.device)[:xq.shape[0]])
+    n = min(xq.shape[0], oq.shape[0])
+    row.in_flips = float((xq[:n].float() != oq[:n].float()).float().mean()) if n else 0.0
+    row.scale_rel = float(((xs[:n] - os_[:n]).abs() / os_[:n].clamp_min(1e-30)).max()) if n else 0.0
+
+
+def _deq(q, s):
+    return q.float() * s.repeat_interleave(128, 1)[:, :q.shape[1]]
+
+
+def _silu_mul(g, u):
+    return g / (1.0 + torch.exp(-g)) * u
+
+
+def _ambiguous_h(h, act_dtype):
+    """(the FP8 quantisation of h as the kernel takes it: h rounded to `act_dtype`, then per token
+    per 128 columns, dequantised; how far each element's dequantised value could move had h come
+    out a rounding step either way): a kernel computes h with another summation order, so an h
+    next to a rounding boundary (of act_dtype, or of FP8, or moving its group's scale) may land on
+    the other side."""
+    hr = h.to(act_dtype).float()
+    q, sc = quantize_token_groups(hr)
+    amax = sc.repeat_interleave(128, 1)[:, :h.shape[1]] * 448.0
+    rms = h.pow(2).mean(1, keepdim=True).sqrt()
+    eps = ulp(hr, act_dtype) + 2.0 ** -16 * hr.abs() + ulp(amax, act_dtype) / amax.clamp_min(1e-30) * hr.abs() \
+        + 2.0 ** -20 * rms
+    lo, hi = (_deq(*quantize_token_groups(hr + d)) for d in (-eps, eps))
+    return _deq(q, sc), (hi - lo).abs() + (_deq(q, sc) - lo).abs() + (hi - _deq(q, sc)).abs()
+
+
+def _mlp_check(row: OpRow, got, xq, xs, act_dtype, parts: list, dev):
+    """An FP8 SwiGLU, or routed experts: `parts` [(rows, gate, up, down, route weight or None)];
+    out[rows] += w * down(Q(silu(gate x) up x)). The exact result from the target's quantised input
+    and the oracle's weights, with a bound that admits the FP8 codes of h near a rounding boundary
+    (`_ambiguous_h`) moving one step: out-of-bound elements beyond that are errors."""
+    xd = _deq(xq, xs).to(dev)
+    exact = torch.zeros(got.shape[0], got.shape[1], dtype=torch.float32, device=dev)
+    slack = torch.zeros_like(exact)
+    for rows, gate, up, down, w in parts:
+        x = xd[rows]
+        hd, amb = _ambiguous_h(_silu_mul(x @ gate.float().T, x @ up.float().T), act_dtype)
+        y, b = hd @ down.float().T, amb @ down.float().abs().T
+        if w is not None:
+            y, b = y * w[:, None], b * w.abs()[:, None]
+        exact.index_add_(0, rows, y)
+        slack.index_add_(0, rows, b)
+    exact, slack = exact.cpu(), slack.cpu()
+    err = (got.float().cpu() - exact).abs()
+    row.fp8_rel_err = float(err.norm() / exact.norm()) if float(exact.norm()) else float(err.norm())
+    row.fp8_out_of_bound = int((err > bound(exact, act_dtype if got.dtype == act_dtype else got.dtype) + slack).sum())
+    row.flip_rows = int(((err > bound(exact, got.dtype)) & (slack > 0)).any(-1).sum())
+
+
+def _device(ex):
+    return ex.device if ex.device is not None else torch.device("cpu")
+
+
+def _mlp_parts(op, oracle, args) -> list:
+    """`_mlp_check`'s parts from the oracle's weights: a SwiGLU's one part over every row, or one
+    part per routed expert (the rows routed to it and their route weights, `args` = x, w, ids)."""
+    dev = _device(oracle)
+    if op.kind == "mlp.swiglu":
+        p = op.attr("weight")
+        gate, up, down = (oracle.weight(f"{p}.{n}_proj.weight") for n in ("gate", "up", "down"))
+        return [(torch.arange(args[0].shape[0], device=dev), gate, up, down, None)]
+    _, w, ids = args
+    gate, up, down = oracle.expert_stacks(op)
+    ep = int(op.attr("ep", 1))
+    offset = oracle.comm.coords.of("ep") * (int(op.attr("experts")) // ep) if ep > 1 else 0
+    flat, wf = ids.reshape(-1).to(dev) - offset, w.reshape(-1).float().to(dev)
+    k, parts = ids.shape[1], []
+    for e in range(gate.shape[0]):
+        sel = (flat == e).nonzero().flatten()
+        if sel.numel():
+            parts.append((sel // k, gate[e], up[e], down[e], wf[sel]))
+    return parts
+
+
+def compare_step(target, oracle, again, phase: str, batch, hidden=None) -> list[OpRow]:
+    """Every op of one `phase` step of `batch` on `target` against the oracle (module doc).
+    `oracle` and `again` are two torch-target executors of the same plan and weights with their
+    own KV pools (`again` computes on the target's rounded inputs); all three step once."""
+    run, again_vals = _Run(), {}
+    saved = target.impls, oracle.impls, again.impls
+    try:
+        oracle.impls = _wrap(saved[1], _record(run))
+        oracle.forward(phase, batch, hidden)
+        target.impls = _wrap(saved[0], _substituted(run))
+        target.forward(phase, batch, hidden)
+        again.impls = _wrap(saved[2], _rerun(run, again_vals))
+        again.forward(phase, batch, hidden)
+    finally:
+        target.impls, oracle.impls, again.impls = saved
+    rows = []
+    for op, name in run.order:
+        got, want = run.target_out[name], again_vals.get(name)
+        if want is None:
+            continue
+        if name in run.slots:     # the oracle's positions as the target's slots
+            want = positions_to_slots(want, run.slot_ctx)
+        row = OpRow(op=op.where(), kind=op.kind, layer=op.layer, result=name,
+                    dtype=str(got.dtype).removeprefix("torch."), numel=got.numel())
+        if got.is_floating_point() and got.dtype != torch.float8_e4m3fn:
+            _float_row(row, got, want, run.values.get(name))
+        elif not got.is_floating_point():
+            scores = None
+            if op.kind == "moe.topk":
+                scores = again_vals.get(op.operands[0])
+            _int_row(row, got, want, scores, int(op.attr("top_k", 0)) or got.shape[-1])
+        if name in run.fp8_in and op.kind in ("mlp.swiglu", "moe.experts"):
+            xq, xs, args = run.fp8_in[name]
+            _mlp_check(row, got, xq, xs, args[0].dtype, _mlp_parts(op, again, args), _device(again))
+            _in_flips(row, xq, xs, run.values[op.operands[0]])
+        elif name in run.fp8_in:
+            xq, xs, fp8_parts, x_in = run.fp8_in[name]
+            names = op.attr("weight")
+            weights = [again.weight(n) for n in (names if isinstance(names, tuple) else (names,))]
+            _fp8_check(row, got, xq, xs, fp8_parts, x_in, weights, run.values[op.operands[0]])
+        rows.append(row)
+    return rows
+
+
+def summary(rows: list[OpRow]) -> dict:
+    """Per op kind: count, worst plain error, elements out of bound, FP8 GEMMs out of their bound,
+    the largest input-flip fraction, and integer results whose sets differ."""
+    out: dict = {}
+    for r in rows:
+        s = out.setdefault(r.kind, {"results": 0, "max_rel_err": 0.0, "out_of_bound": 0})
+        s["results"] += 1
+        s["max_rel_err"] = max(s["max_rel_err"], r.rel_err or 0.0)
+        s["out_of_bound"] += r.out_of_bound
+        if r.fp8_out_of_bound is not None:
+            s["fp8_out_of_bound"] = s.get("fp8_out_of_bound", 0) + r.fp8_out_of_bound
+            s["max_fp8_rel_err"] = max(s.get("max_fp8_rel_err", 0.0), r.fp8_rel_err)
+            s["max_in_flips"] = max(s.get("max_in_flips", 0.0), r.in_flips)
+        if r.set_diff_rows is not None:
+            s["set_diff_rows"] = max(s.get("set_diff_rows", 0.0), r.set_diff_rows)
+    return out

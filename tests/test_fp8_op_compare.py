@@ -1,0 +1,103 @@
+"""The FP8 plan op by op against its oracle (`runtime/worker/op_compare.py`) on the CPU: the CUDA target
+(Triton interpreted) on a tiny block-FP8 checkpoint whose FP8 blocks are whole (widths of 128 and 256),
+each op fed the w8a8 torch target's own upstream values.
+
+Every op lies within its rounding bound, the FP8 GEMMs within theirs around the exact product of
+their own quantised input; an FP8 code of a SwiGLU's h that lands on the other side of a rounding
+boundary is admitted only through the bound's flip term. A wrong weight scale and a wrong kernel
+result are both caught, at the op that has them.
+"""
+import pytest
+import torch
+from tiny_hf import save_tiny_fp8
+
+from glmc.codegen import cuda_target, fp8_torch_target
+from glmc.codegen.fp8_ref import Fp8Weight
+from glmc.compiler import compile_plan
+from glmc.config import Options
+from glmc.parallel import parse_parallel
+from glmc.runtime.worker.forward_batch import ForwardBatch
+from glmc.runtime.worker.kv_cache import PAGE_SIZE
+from glmc.runtime.worker.loader import load_runner
+from glmc.runtime.worker.op_compare import bound, compare_step, summary, ulp
+from glmc.spec import load_spec
+
+ALIGNED = dict(v_head_dim=64, intermediate_size=256, moe_intermediate_size=256)
+
+
+@pytest.fixture(scope="module")
+def plan_and_ckpt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("fp8_aligned")
+    save_tiny_fp8(path, "grouped", seed=3, **ALIGNED)
+    spec = load_spec(path)
+    return compile_plan(spec, parse_parallel("tp1", spec.config), Options(device="cuda", max_batch=4)), path
+
+
+def executors(plan, path):
+    mk = lambda **kw: load_runner(plan, path, device="cpu", num_pages=8, max_context=128,   # noqa: E731
+                                  max_running=4, capture=False, **kw).executor
+    target, oracle, again = mk(), mk(target="cpu"), mk(target="cpu")
+    oracle.impls = again.impls = fp8_torch_target.IMPLS
+    return target, oracle, again
+
+
+def batches():
+    pages = torch.arange(4 * 2).view(4, 2) + 1
+    table = (pages[:, :, None] * PAGE_SIZE + torch.arange(PAGE_SIZE)).reshape(4, -1)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (14, 11)]
+    prefill = ForwardBatch.build("extend", prompts, [0, 1], [0, 0], table)
+    decode = ForwardBatch.build("decode", [[5], [7]], [0, 1], [14, 11], table)
+    return prefill, decode
+
+
+def test_ulp_and_bound():
+    x = torch.tensor([1.0, 1.5, 2.0, -3.0, 0.0])
+    assert ulp(x, torch.bfloat16)[:4].tolist() == [2 ** -7, 2 ** -7, 2 ** -6, 2 ** -6]
+    assert ulp(x, torch.float32)[0] == 2 ** -23
+    b = bound(x.view(1, -1), torch.bfloat16)
+    assert torch.all(b >= ulp(x, torch.bfloat16)) and torch.all(b < ulp(x, torch.bfloat16) + 1e-3)
+
+
+def test_every_op_within_its_bound(plan_and_ckpt, one_torch_thread):
+    plan, path = plan_and_ckpt
+    target, oracle, again = executors(plan, path)
+    for phase, batch in zip(("prefill", "decode"), batches()):
+        rows = compare_step(target, oracle, again, phase, batch)
+        kinds = summary(rows)
+        assert {"linear", "mla.a_proj", "mlp.swiglu", "moe.experts", "attn.mla_mha" if phase == "prefill"
+                else "attn.mla_absorbed", "idx.topk", "moe.topk"} <= set(kinds), sorted(kinds)
+        assert [r.as_dict() for r in rows if not r.ok()] == []
+        fp8 = [r for r in rows if r.fp8_out_of_bound is not None]
+        assert len(fp8) >= 10 and all(r.in_flips == 0.0 for r in fp8)   # fp32 plan: the same inputs
+        for r in rows:
+            if r.set_diff_rows is not None:
+                assert r.set_diff_rows == 0.0, r.as_dict()
+            if r.out_of_bound:     # only an FP8 code of h on the other side of a boundary
+                assert r.kind in ("mlp.swiglu", "moe.experts") and r.flip_rows >= 1, r.as_dict()
+
+
+def test_a_wrong_weight_scale_is_caught_at_its_op(plan_and_ckpt, one_torch_thread):
+    plan, path = plan_and_ckpt
+    target, oracle, again = executors(plan, path)
+    name = "model.layers.1.self_attn.o_proj.weight"
+    w = target.weights[name]
+    assert isinstance(w, Fp8Weight)
+    w.scale_inv[0, 0] *= 1.01
+    rows = compare_step(target, oracle, again, "prefill", batches()[0])
+    bad = [r for r in rows if not r.ok()]
+    assert bad and bad[0].result == "L1.o" and bad[0].fp8_out_of_bound > 0
+
+
+def test_a_wrong_kernel_result_is_caught_at_its_op(plan_and_ckpt, one_torch_thread, monkeypatch):
+    plan, path = plan_and_ckpt
+    target, oracle, again = executors(plan, path)
+    rope = cuda_target.IMPLS["rope.apply"]
+
+    def off_by_a_little(op, args, ctx):
+        out = rope(op, args, ctx)
+        return out * (1 + 1e-3) if op.layer == 2 else out
+    target.impls = {**target.impls, "rope.apply": off_by_a_little}
+    rows = compare_step(target, oracle, again, "prefill", batches()[0])
+    bad = {r.result for r in rows if not r.ok()}
+    assert bad == {"L2.iq", "L2.q_pe"}, bad
