@@ -173,11 +173,11 @@ def test_tool_choice_none_and_bad_choices(scripted):
     assert plain.choices[0].message.tool_calls is None
     assert "<tool_call>get_weather" in plain.choices[0].message.content
     assert plain.usage.prompt_tokens < ask(scripted).usage.prompt_tokens
-    for choice in ({"type": "function", "function": {"name": "no_such_tool"}},
-                   {"type": "function", "function": {}}):
+    for choice, param in (({"type": "function", "function": {"name": "no_such_tool"}}, "tool_choice"),
+                          ({"type": "function", "function": {}}, "tool_choice.function.name")):
         with pytest.raises(openai.BadRequestError) as e:
             ask(scripted, tool_choice=choice)
-        assert e.value.body["param"] == "tool_choice"
+        assert e.value.body["param"] == param
     with pytest.raises(openai.BadRequestError) as e:   # a call required, no tool to call
         scripted.chat.completions.create(model=MODEL, tool_choice="required", messages=[
             {"role": "user", "content": "x"}])

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 import jinja2.sandbox
 import tokenizers
 
@@ -95,7 +96,7 @@ class Tokenizer:
         self.tok, self.chat_template = tok, chat_template
         self.eos_token_ids = frozenset(eos_token_ids)
         self.special = special or {}
-        self._template = None
+        self._template, self._variables = None, None
         added = tok.get_added_tokens_decoder()
         self.added_tokens = {a.content: i for i, a in added.items()}
         self.control_ids = frozenset(i for i, a in added.items()
@@ -212,10 +213,20 @@ class Tokenizer:
 
     # -- chat template ---------------------------------------------------------------------------
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            **kwargs) -> str:
-        if self.chat_template is None:
-            raise TemplateError("this model's tokenizer_config.json has no chat_template")
+    def template_variables(self) -> frozenset[str]:
+        """The names the chat template reads and does not define (`messages`, `tools`,
+        `enable_thinking`, ...), less the environment's globals and the special tokens: what a
+        caller can set. Empty without a template."""
+        if self._variables is None:
+            names = set()
+            if self.chat_template is not None:
+                env = self._compiled().environment
+                names = jinja2.meta.find_undeclared_variables(env.parse(self.chat_template))
+                names -= env.globals.keys() | self.special.keys()
+            self._variables = frozenset(names)
+        return self._variables
+
+    def _compiled(self) -> jinja2.Template:
         if self._template is None:
             env = jinja2.sandbox.ImmutableSandboxedEnvironment(
                 trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
@@ -224,8 +235,14 @@ class Tokenizer:
             env.globals["raise_exception"] = _raise
             env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
             self._template = env.from_string(self.chat_template)
+        return self._template
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            **kwargs) -> str:
+        if self.chat_template is None:
+            raise TemplateError("this model's tokenizer_config.json has no chat_template")
         try:
-            return self._template.render(messages=messages,
+            return self._compiled().render(messages=messages,
                                          add_generation_prompt=add_generation_prompt,
                                          **{**kwargs, **self.special})
         except TemplateError:

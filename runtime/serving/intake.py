@@ -23,6 +23,7 @@ from glmc.runtime.serving.protocol import (
     ChatRequest,
     CompletionRequest,
     choice_seed,
+    refuse_unsupported,
     sampling_params,
 )
 from pydantic import ValidationError
@@ -182,6 +183,7 @@ class Intake:
             body = (ChatRequest if chat else CompletionRequest).model_validate(obj)
         except ValidationError as e:
             raise APIError.invalid(e) from None
+        refuse_unsupported(body)
         if body.model != self.model_name:
             raise APIError(404, f"The model `{body.model}` does not exist.", "model",
                            "model_not_found")

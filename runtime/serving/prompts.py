@@ -1,7 +1,8 @@
 """Request bodies -> prompt token ids: chat messages through the chat template, completion prompts.
 
 Shapes are checked here, failing at the first bad item with its index (pydantic unions over a
-huge list would list every item). Length is checked before tokenising where a bound allows it: a
+huge list would list every item): each message carries OpenAI's fields for its role
+(`MESSAGE_FIELDS`), and `chat_template_kwargs` only variables the chat template reads. Length is checked before tokenising where a bound allows it: a
 prompt of B UTF-8 bytes has at least B / `Tokenizer.max_token_bytes` tokens, so one that cannot fit
 the context is refused without the (slow) tokenizer. Request strings never become control tokens
 (`Tokenizer.render_chat`); completion prompts only when the body sets `parse_special_tokens`.
@@ -17,7 +18,14 @@ from glmc.runtime.engine.tokenizer import ChatPrompt, TemplateError, Tokenizer
 from glmc.runtime.serving.glm_output import CALL_START, THINK_END
 from glmc.runtime.serving.protocol import APIError, ChatRequest, CompletionRequest
 
-ROLES = ("system", "user", "assistant", "tool")
+SERVER_SET = {"messages", "tools", "add_generation_prompt"}  # template variables the server sets
+ROLES = ("system", "developer", "user", "assistant", "tool")
+# The fields a message of each role may carry (OpenAI's, less `name`, which GLM's template has no
+# place for; plus `reasoning_content`, an earlier turn's thinking, as vLLM and SGLang take it).
+# A field set to null is as if absent; `content` is required except on an assistant's tool calls.
+MESSAGE_FIELDS = {"system": {"content"}, "developer": {"content"}, "user": {"content"},
+                  "assistant": {"content", "reasoning_content", "tool_calls"},
+                  "tool": {"content", "tool_call_id"}}
 FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")  # OpenAI's rule for tool names
 
 
@@ -44,9 +52,15 @@ def chat_prompts(body: ChatRequest, tok: Tokenizer, max_context: int) -> Prompts
     messages = chat_messages(body.messages, max_context)
     tools = _tools(body)
     kwargs = dict(body.chat_template_kwargs or {})
-    bad = sorted({"messages", "tools", "add_generation_prompt"} & kwargs.keys())
+    bad = sorted(SERVER_SET & kwargs.keys())
     if bad:
         raise APIError(400, f"chat_template_kwargs: {bad[0]!r} is set by the server",
+                       "chat_template_kwargs")
+    readable = tok.template_variables() - SERVER_SET
+    unknown = sorted(kwargs.keys() - readable)
+    if unknown:   # the template would never read it: a typo, or another model's option
+        raise APIError(400, f"chat_template_kwargs: {unknown[0]!r} is not a variable of this "
+                       f"model's chat template (it reads: {', '.join(sorted(readable)) or 'none'})",
                        "chat_template_kwargs")
     try:
         prompt = tok.render_chat(messages, tools=tools, **kwargs)
@@ -72,7 +86,7 @@ def _forced_call(body: ChatRequest, tools: list[dict] | None, thinking: bool) ->
     opening = (THINK_END if thinking else "") + CALL_START
     if choice == "required":
         return opening
-    name = choice.function.get("name")
+    name = choice.function.name
     if name not in {t["function"]["name"] for t in tools}:
         raise APIError(400, f"tool_choice: no tool named {name!r} in tools", "tool_choice")
     return opening + name
@@ -91,12 +105,29 @@ def _message(m, i: int) -> dict:
     where = f"messages[{i}]"
     if not isinstance(m, dict) or not isinstance(m.get("role"), str):
         raise APIError(400, f"{where} must be an object with a string role", where)
-    role = "system" if m["role"] == "developer" else m["role"]  # OpenAI's newer name
-    out = {**m, "role": role, "content": _text(m.get("content"), f"{where}.content")}
+    if m["role"] not in ROLES:
+        raise APIError(400, f"{where}.role: unknown role {m['role']!r} (one of {', '.join(ROLES)})",
+                       f"{where}.role")
+    fields = MESSAGE_FIELDS[m["role"]]
+    for key, value in m.items():
+        if key != "role" and value is not None and key not in fields:
+            why = "participant names are not rendered by this model's chat template" \
+                if key == "name" else f"a {m['role']} message has {', '.join(sorted(fields))}"
+            raise APIError(400, f"{where}.{key}: not supported ({why})", f"{where}.{key}")
+    out = {"role": "system" if m["role"] == "developer" else m["role"]}  # OpenAI's newer name
+    calls = m.get("tool_calls")
+    if m.get("content") is None and not (m["role"] == "assistant" and calls):
+        raise APIError(400, f"{where}.content: required, a string or a list of text parts",
+                       f"{where}.content")
+    out["content"] = _text(m.get("content"), f"{where}.content")
     if m.get("reasoning_content") is not None:
         out["reasoning_content"] = _text(m["reasoning_content"], f"{where}.reasoning_content")
-    if role == "assistant" and m.get("tool_calls") is not None:
-        calls = m["tool_calls"]
+    if m["role"] == "tool":
+        if not isinstance(m.get("tool_call_id"), str):
+            raise APIError(400, f"{where}.tool_call_id: required, the id of the call this answers",
+                           f"{where}.tool_call_id")
+        out["tool_call_id"] = m["tool_call_id"]
+    if calls is not None:
         if not isinstance(calls, list):
             raise APIError(400, f"{where}.tool_calls must be a list", f"{where}.tool_calls")
         out["tool_calls"] = [_tool_call(c, f"{where}.tool_calls[{k}]") for k, c in
@@ -108,9 +139,11 @@ def _text(content, where: str) -> str:
     if content is None or isinstance(content, str):
         return content or ""
     if isinstance(content, list):  # OpenAI content parts: only text is understood here
-        if any(not isinstance(c, dict) or c.get("type") != "text"
-               or not isinstance(c.get("text"), str) for c in content):
-            raise APIError(400, f"{where}: only text parts are supported", where)
+        for k, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" \
+                    or not isinstance(part.get("text"), str) or part.keys() != {"type", "text"}:
+                raise APIError(400, f"{where}[{k}]: only text parts ({{\"type\": \"text\", "
+                               "\"text\": ...}) are supported", where)
         return "".join(c["text"] for c in content)
     raise APIError(400, f"{where} must be a string or a list of text parts", where)
 
@@ -120,6 +153,13 @@ def _tool_call(call, where: str) -> dict:
     fn = call.get("function") if isinstance(call, dict) else None
     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
         raise APIError(400, f"{where} needs function.name", where)
+    extra = sorted(k for k, v in call.items() if v is not None and k not in ("id", "type", "function"))
+    extra += sorted(f"function.{k}" for k in fn if k not in ("name", "arguments"))
+    if extra:
+        raise APIError(400, f"{where}.{extra[0]}: not supported (a tool call has id, type and "
+                       "function {name, arguments})", f"{where}.{extra[0]}")
+    if call.get("type", "function") != "function":
+        raise APIError(400, f"{where}.type: must be 'function'", f"{where}.type")
     args = fn.get("arguments", "{}")
     if isinstance(args, str):
         try:

@@ -1,10 +1,14 @@
 """The OpenAI wire format of requests: bodies in, errors out.
 
-Pydantic models for `/v1/chat/completions` and `/v1/completions` bodies (unknown fields ignored,
-as OpenAI does; types strict, so `"stream": "yes"` or `"n": "2"` is a 400, not a guess), their
-translation to `SamplingParams`, and `APIError`, every error in OpenAI's shape. `messages` and
-`prompt` are shape-checked by `runtime/serving/prompts.py` (fail-fast, with the offending index),
-responses and SSE chunks are `runtime/serving/responses.py`. No engine, no HTTP here.
+Pydantic models for `/v1/chat/completions` and `/v1/completions` bodies, their translation to
+`SamplingParams`, and `APIError`, every error in OpenAI's shape. Every field is honoured or
+refused with a 400 naming it: unknown fields (a typo such as `temprature`) are refused as OpenAI
+refuses them, types are strict (`"stream": "yes"` or `"n": "2"` is a 400, not a guess), and fields
+OpenAI defines that glmc does not implement are refused where a request sets them to anything but
+their no-op value (`refuse_unsupported`: `response_format` other than text, `suffix`, `best_of`
+other than `n`, `parallel_tool_calls: false`, strict tools). `messages` and `prompt` are
+shape-checked by `runtime/serving/prompts.py` (fail-fast, with the offending index), responses and
+SSE chunks are `runtime/serving/responses.py`. No engine, no HTTP here.
 """
 from __future__ import annotations
 
@@ -15,7 +19,16 @@ from fastapi.responses import JSONResponse
 from glmc.runtime.engine.sampling import SamplingError, SamplingParams
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed takes: [lo, hi)
+SEED_RANGE = (0, 2**64)  # [lo, hi): the sampler's 64-bit seeds, each drawing its own tokens
+# Fields OpenAI defines that glmc refuses whenever a request sets them, and why.
+NOT_SUPPORTED = {
+    "reasoning_effort": "GLM's thinking is on or off: chat_template_kwargs {\"enable_thinking\": "
+                        "true|false}",
+    "functions": "use tools", "function_call": "use tool_choice",
+    "modalities": "text only", "audio": "text only", "prediction": "no predicted outputs",
+    "store": "nothing is stored", "metadata": "nothing is stored",
+    "web_search_options": "no web search", "service_tier": "one tier",
+}
 
 
 class APIError(Exception):
@@ -36,10 +49,29 @@ class APIError(Exception):
 
     @classmethod
     def invalid(cls, e: ValidationError) -> APIError:
-        """The first problem pydantic found, naming the field as a dotted path."""
-        err = (e.errors() or [{}])[0]
-        param = ".".join(str(x) for x in err.get("loc", ())) or None
+        """The first field pydantic found wrong, named as a path (`tools[0].function`). Where it
+        tried the branches of a union (`tool_choice`: a string or an object), the error of the
+        branch that got furthest into the value, the branch names left out of the path."""
+        errors = e.errors() or [{"loc": ()}]
+        field = [x for x in errors if x["loc"][:1] == errors[0]["loc"][:1]]
+        err = max(field, key=lambda x: len(_path(x["loc"])))   # the first of the deepest
+        loc = _path(err["loc"])
+        param = "".join(f"[{x}]" if isinstance(x, int) else f".{x}" for x in loc).lstrip(".") or None
+        if err.get("type") == "extra_forbidden":
+            why = NOT_SUPPORTED.get(param) if len(loc) == 1 else None
+            return cls(400, f"{param}: not supported by this server ({why})" if why else
+                       f"Unrecognized request argument supplied: {param}", param,
+                       "unsupported_parameter" if why else "unknown_parameter")
         return cls(400, f"{param or 'body'}: {err.get('msg', 'invalid value')}", param)
+
+
+_UNION_BRANCH = re.compile(r"^(str|int|float|bool|dict|list|none|[a-z-]+\[.*\]|[A-Z]\w*)$")
+
+
+def _path(loc: tuple) -> tuple:
+    """A pydantic error location without its union branch names (`str`, `literal[...]`, a model's
+    class name): request fields are snake_case."""
+    return tuple(x for x in loc if isinstance(x, int) or not _UNION_BRANCH.match(x))
 
 
 def _printable(text: str | None) -> str | None:
@@ -52,7 +84,7 @@ ENGINE_FAILED = APIError(500, "the engine failed while running this request (see
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class StreamOptions(_Strict):
@@ -60,7 +92,8 @@ class StreamOptions(_Strict):
 
 
 class _SamplingFields(_Strict):
-    """Fields common to both generation endpoints; unknown fields are ignored, as OpenAI does."""
+    """Fields common to both generation endpoints (beyond OpenAI's: vLLM's and SGLang's `top_k`,
+    `min_p`, `repetition_penalty`, `stop_token_ids`, `ignore_eos`, token ids in `stop`)."""
 
     model: str
     n: int | None = 1
@@ -79,6 +112,7 @@ class _SamplingFields(_Strict):
     seed: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    user: str | None = None  # an end-user id for the caller's records: it changes no output
 
 
 class FunctionDef(_Strict):
@@ -93,9 +127,13 @@ class ToolDef(_Strict):
     function: FunctionDef
 
 
+class ToolName(_Strict):
+    name: str
+
+
 class NamedToolChoice(_Strict):
     type: Literal["function"]
-    function: dict
+    function: ToolName
 
 
 class ChatRequest(_SamplingFields):
@@ -105,6 +143,8 @@ class ChatRequest(_SamplingFields):
     top_logprobs: int | None = None
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # true (or unset): every call the model writes
+    response_format: dict | None = None  # {"type": "text"} only: no constrained decoding
     chat_template_kwargs: dict | None = None  # e.g. {"enable_thinking": true} (vLLM, SGLang)
 
 
@@ -112,8 +152,53 @@ class CompletionRequest(_SamplingFields):
     prompt: Any  # str | list[int] | list[str] | list[list[int]], checked by prompts.completion_ids
     logprobs: int | None = None
     echo: bool | None = False
+    suffix: str | None = None  # refused unless empty: GLM has no fill-in-the-middle
+    best_of: int | None = None  # refused unless n: no server-side candidates to rank
     # Read special-token text in the prompt (`<|user|>`) as those tokens; off: it is plain text.
     parse_special_tokens: bool = False
+
+
+def refuse_unsupported(body: _SamplingFields) -> None:
+    """A 400 naming the field for each OpenAI field set to what glmc does not do."""
+    if body.stream_options is not None and not body.stream:
+        raise APIError(400, "stream_options: only allowed when stream is true", "stream_options")
+    if isinstance(body, ChatRequest):
+        _refuse_chat(body)
+    else:
+        _refuse_completion(body)
+
+
+def _refuse_chat(body: ChatRequest) -> None:
+    fmt = body.response_format
+    if fmt is not None:
+        kind = fmt.get("type")
+        if kind not in ("text", "json_object", "json_schema"):
+            raise APIError(400, "response_format.type: must be 'text', 'json_object' or "
+                           f"'json_schema', got {kind!r}", "response_format.type")
+        if fmt != {"type": "text"}:
+            raise APIError(400, f"response_format: {kind} is not supported (JSON output needs "
+                           "constrained decoding, which this server does not do); only "
+                           "{\"type\": \"text\"}", "response_format", "unsupported_value")
+    if body.parallel_tool_calls is False:
+        raise APIError(400, "parallel_tool_calls: false is not supported (the model may write "
+                       "several calls; all are returned)", "parallel_tool_calls", "unsupported_value")
+    for k, tool in enumerate(body.tools or []):
+        if tool.function.strict:
+            raise APIError(400, f"tools[{k}].function.strict: strict tools need constrained "
+                           "decoding, which this server does not do", f"tools[{k}].function.strict",
+                           "unsupported_value")
+
+
+def _refuse_completion(body: CompletionRequest) -> None:
+    if body.suffix:
+        raise APIError(400, "suffix: not supported (the model has no fill-in-the-middle)", "suffix",
+                       "unsupported_value")
+    n = 1 if body.n is None else body.n
+    if body.best_of is not None and body.best_of != n:
+        why = "must be >= n" if body.best_of < n else \
+            "only best_of = n is supported (no extra candidates are generated and ranked)"
+        raise APIError(400, f"best_of: {why}, got best_of={body.best_of}, n={n}", "best_of",
+                       None if body.best_of < n else "unsupported_value")
 
 
 def sampling_params(body: _SamplingFields, max_tokens: int | None, logprobs: bool, top: int,
@@ -153,6 +238,5 @@ def choice_seed(body: _SamplingFields, k: int) -> int | None:
         return None
     lo, hi = SEED_RANGE
     if not lo <= body.seed < hi:
-        raise APIError(400, f"seed: must be an integer in [-2**63, 2**64), got {body.seed}",
-                       "seed")
+        raise APIError(400, f"seed: must be an integer in [0, 2**64), got {body.seed}", "seed")
     return (body.seed + k) % 2**64
