@@ -1,6 +1,6 @@
-"""Inputs that used to get a 500, a wrong answer or a stalled server (issue 13), each through a real
-server: uvicorn on a loopback port with the tiny model, called with the `openai` client or raw
-HTTP. Limits: body size (413), prompts that can never fit (400, not 503), the event loop free
+"""Hostile and extreme inputs get a 4xx, a right answer and a server that keeps answering, each
+through a real server: uvicorn on a loopback port with the tiny model, called with the `openai`
+client or raw HTTP. Limits: body size (413), prompts that can never fit (400, not 503), the event loop free
 while a maximal body is parsed and tokenised. Special tokens typed by a user stay text."""
 import asyncio
 import json

@@ -10,7 +10,7 @@ import time
 
 import httpx
 import pytest
-from test_run_cli import GlmcRun, alive, descendants
+from test_run_cli import GlmcRun, descendants
 from test_server_hardening import health_latencies
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -126,8 +126,8 @@ def test_start_up_interrupted_cleanly(tmp_path, cache, parallel, when):
     """Ctrl-C while `glmc run` starts (tp1: once it compiles; tp2: once its ranks load weights, or
     as soon as both rank processes exist, while the launcher is still starting them): exit 130 with
     every rank gone, no traceback; a start-up that finished just before the signal (glmc-tiny
-    starts in ~1 s on an idle host) stops as a server does, status 0. (Until 2026-12-03 a Ctrl-C
-    while the launcher started the ranks was lost: SIGINT was ignored over the whole start.)"""
+    starts in ~1 s on an idle host) stops as a server does, status 0. The "ranks born" case is a
+    signal that comes while the launcher is still starting the ranks: it must not be lost."""
     log = tmp_path / "log"
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "glmc.cli", "run", "--parallel", parallel,
