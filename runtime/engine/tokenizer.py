@@ -312,6 +312,17 @@ class Detokenizer:
             self.text, self.stopped = self.text[:min(hits)], True
 
     def _held_back(self) -> int:
-        """Length of the longest tail of the text that is a proper prefix of a stop string."""
-        return max((k for s in self.stop for k in range(min(len(s) - 1, len(self.text)), 0, -1)
-                    if self.text.endswith(s[:k])), default=0)
+        """Length of the longest tail of the text that is a proper prefix of a stop string. Only
+        the places where a stop string's first character occurs can start one: found with
+        `str.find`, so a step costs about one pass over the text's last len(stop) characters per
+        stop string, whatever their length (trying every length was quadratic in it)."""
+        text, held = self.text, 0
+        for s in self.stop:
+            end = len(text) - held   # a start at or past it would not beat `held`
+            i = text.find(s[0], max(len(text) - len(s) + 1, 0), end)
+            while i >= 0:
+                if s.startswith(text[i:]):   # the earliest start: the longest tail for `s`
+                    held = len(text) - i
+                    break
+                i = text.find(s[0], i + 1, end)
+        return held
