@@ -1,7 +1,7 @@
 """Measure the ceilings glmc's step-time predictor reads; write a calibration file.
 
-    python bench/calibrate.py [--out-dir bench/results] [--commit SHA]   # every visible GPU, ~1-2 min on 2 H200s
-    python bench/calibrate.py --smoke --out-dir /tmp                    # CPU + gloo, tiny sizes: the plumbing
+    python -m bench.calibrate [--out-dir bench/results] [--commit SHA]   # every visible GPU, ~1-2 min on 2 H200s
+    python -m bench.calibrate --smoke --out-dir /tmp                    # CPU + gloo, tiny sizes: the plumbing
 
 Writes <out-dir>/calibration_<device>[-x<gpus>]_<date>.json (format and conventions:
 glmc/calibration.py), then `glmc explain PLAN --calibration FILE` predicts decode steps from it. One
@@ -40,20 +40,17 @@ from __future__ import annotations
 
 import argparse
 import functools
-import importlib
 import json
 import os
 import re
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-pc = importlib.import_module("gpu_plan_check")   # shared helpers; imports glmc on the device image too
-pc.import_glmc()
+from bench import common
+
 KIB, MIB = 2**10, 2**20
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 WINDOWS = 3
@@ -205,7 +202,7 @@ def target_torch_ops(dev: str, cuda: bool) -> tuple[float, dict]:
     def sequences():
         triton_moe.align_rows(ids, 256, 16, 0)
         torch_ref.add_rms_norm(x, r, w, 1e-5)
-    ops = cuda_kernels._ALIGN_ROWS + cuda_kernels._ADD_RMS_TORCH
+    ops = cuda_kernels.ALIGN_ROWS_OPS + cuda_kernels.ADD_RMS_TORCH_OPS
     sec = seconds_per_call(sequences, 8, 5, cuda)
     return sec / ops, {"sequences_s": sec, "aten_ops": ops}
 
@@ -437,7 +434,7 @@ def summary(cal: dict) -> str:
 
 def git_commit() -> str:
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=pc.ROOT, capture_output=True,
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=common.ROOT, capture_output=True,
                               text=True, timeout=10, check=False).stdout.strip() or "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
@@ -445,7 +442,7 @@ def git_commit() -> str:
 
 def main(argv: list[str] | None = None) -> Path:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out-dir", default=str(pc.ROOT / "bench" / "results"))
+    ap.add_argument("--out-dir", default=str(common.ROOT / "bench" / "results"))
     ap.add_argument("--commit", help="recorded in the file (default: git rev-parse --short HEAD)")
     ap.add_argument("--gpus", type=int, help="GPUs to use (default: every visible one)")
     ap.add_argument("--max-mib", type=int, default=256, help="largest collective message, MiB")

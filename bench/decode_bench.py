@@ -1,8 +1,8 @@
 """Decode step of a 2-layer GLM-5.3-width slice on one GPU: glmc (CUDA graphs) vs transformers eager vs
 torch.compile of the transformers model vs the HBM roofline. One command, one run:
 
-    python bench/decode_bench.py --out-dir $OUT --commit <git sha>     # CUDA (the H200)
-    python bench/decode_bench.py --cpu                                 # CPU dry run: narrow widths, no graphs
+    python -m bench.decode_bench --out-dir $OUT --commit <git sha>     # CUDA (the H200)
+    python -m bench.decode_bench --cpu                                 # CPU dry run: narrow widths, no graphs
 
 Slice: layer 0 dense, layer 1 MoE (256 experts top-8 + shared), both full DSA indexers, bf16, random
 weights shared by every competitor (glmc reads the HF parameters in place), router correction bias
@@ -21,78 +21,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 import traceback
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import gpu_plan_check as pc  # noqa: E402
+from bench import common
+from bench.common import bench_ms, ceilings, now, op_calls, step_wall_ms
 
 VIEWS = ("io.input", "tensor.slice", "tensor.view")
-
-
-def now():
-    return time.perf_counter()
-
-
-def bench_ms(fn, graph=True):
-    """Median ms of fn: CUDA-graph replays (do_bench_cudagraph) or eager (do_bench); wall time on CPU."""
-    import torch
-    if not torch.cuda.is_available():
-        t = now()
-        fn()
-        return (now() - t) * 1e3
-    import triton.testing as tb
-    fn()
-    torch.cuda.synchronize()
-    return tb.do_bench_cudagraph(fn, rep=20, return_mode="median") if graph else \
-        tb.do_bench(fn, warmup=5, rep=30, return_mode="median")
-
-
-def capture_graph(fn):
-    """fn() captured in a CUDA graph after one warm-up call on a side stream (so that its first-call
-    allocations and compilations happen outside the capture); -> (graph, what the captured call
-    returned: the tensors each replay rewrites)."""
-    import torch
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    return graph, out
-
-
-def step_wall_ms(fn, seconds=0.5, warmup=3):
-    """Median wall ms of back-to-back calls of fn, each ending in a host sync (a whole decode step:
-    inputs in, replay, logits read): what a serving loop sees, host included. Not do_bench's events,
-    which time from after an L2-flushing memset and so hide host work shorter than that memset."""
-    import statistics
-    for _ in range(warmup):
-        fn()
-    times, end = [], now() + seconds
-    while now() < end or len(times) < 5:
-        t = now()
-        fn()
-        times.append(now() - t)
-    return statistics.median(times) * 1e3
-
-
-def ceilings(cpu):
-    """(copy GB/s counting read + write, bf16 matmul TFLOP/s), measured here."""
-    import torch
-    if cpu:
-        return 1.0, 1.0
-    a = torch.randn(2**30, device="cuda", dtype=torch.bfloat16)
-    b = torch.empty_like(a)
-    gbps = 2 * a.nbytes / bench_ms(lambda: b.copy_(a), graph=False) / 1e6
-    x, y = (torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    tflops = 2 * 8192**3 / bench_ms(lambda: x @ y, graph=False) / 1e9
-    del a, b, x, y
-    return gbps, tflops
 
 
 # ----------------------------------------------------------------------------- bytes and FLOPs per op
@@ -137,27 +73,10 @@ def op_cost(op, args, rt, ctx):
     return 0, act, 0
 
 
-def with_impls(runner, wrap, run):
-    """run() with each of `runner`'s op implementations f replaced by wrap(f); the table restored after."""
-    impls = runner.impls
-    runner.impls = {k: wrap(f) for k, f in impls.items()}
-    try:
-        return run()
-    finally:
-        runner.impls = impls
-
-
-def op_calls(runner, run) -> list:
-    """[(op, args, step, implementation)] of every op call `run()` makes on `runner`, in order."""
-    calls = []
-    with_impls(runner, lambda fn: lambda op, args, rt: calls.append((op, args, rt, fn)) or fn(op, args, rt), run)
-    return calls
-
-
 def per_op_table(runner, batch, ctx, bw, peak, deadline):
     """Replay each decode op alone (CUDA graph) with the inputs of one real step; -> rows."""
-    calls = op_calls(runner, lambda: runner._body(
-        "decode", runner._host_vectors(batch, batch.batch_size).to(runner.r2t.device)))
+    calls = op_calls(runner, lambda: runner.run_tokens(
+        "decode", runner.host_vectors(batch, batch.batch_size).to(runner.r2t.device)))
     rows = []
     for op, args, rt, fn in calls:
         if op.kind in VIEWS:
@@ -282,8 +201,8 @@ def moe_sweep(runner, B, dev, dtype):
     import torch
     from glmc.codegen import triton_moe as tm
     from glmc.codegen import triton_target as tt
-    key = next(k for k in runner._stacks if "experts" in str(k))
-    gate, up, down = runner._stacks[key]
+    key = next(k for k in runner.stacks if "experts" in str(k))
+    gate, up, down = runner.stacks[key]
     gw = runner.weights[key.replace("experts", "gate.weight")].float()
     x = torch.randn(B, gate.shape[2], device=dev, dtype=dtype)
     c = runner.config
@@ -308,12 +227,12 @@ def setup_glmc(model, batches, ctx, dev, dtype, info):
     """Plan, runner over the HF parameters, MoE tile sweep, prefill, capture."""
     import torch
     t = now()
-    plan = pc.glmc_plan(model, max(batches), "float32" if dtype == torch.float32 else "bfloat16",
+    plan = common.glmc_plan(model, max(batches), "float32" if dtype == torch.float32 else "bfloat16",
                         kv_dtype="bf16")   # the bf16 baseline: bf16 KV too
     info["compile_s"] = now() - t
     c, max_ctx = plan.config, ctx + 64
-    weights, stacks = pc.glmc_weights(model)
-    runner = pc.gpu_runner(plan, weights, dev, max(batches), max_ctx, stacks=stacks)
+    weights, stacks = common.glmc_weights(model)
+    runner = common.gpu_runner(plan, weights, dev, max(batches), max_ctx, stacks=stacks)
     if dev == "cuda":
         t = now()
         runner.moe_tiles, info["moe_sweep"] = moe_sweep(runner, 32 if 32 in batches else max(batches), dev, dtype)
@@ -321,11 +240,11 @@ def setup_glmc(model, batches, ctx, dev, dtype, info):
             from glmc.codegen.triton_render import KernelLibrary
             runner.kernels = KernelLibrary.from_plan(plan, jit_extra=True)
         info["moe_sweep_s"], info["moe_tiles"] = now() - t, runner.moe_tiles
-    table = pc.req_table(max(batches), max_ctx // 64)
+    table = common.req_table(max(batches), max_ctx // 64)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, c.vocab_size, (ctx,), generator=g).tolist() for _ in range(max(batches))]
     t = now()
-    pc.prefill(runner, prompts, table, group=max(1, 16384 // ctx))
+    common.prefill(runner, prompts, table, group=max(1, 16384 // ctx))
     if dev == "cuda":
         torch.cuda.synchronize()
     info["prefill_s"] = now() - t
@@ -341,7 +260,7 @@ def measure_glmc(runner, table, prompts, batches, ctx, res, info, deadline):
     g = torch.Generator().manual_seed(1)
     for B in batches:   # distinct random next tokens: routing spreads over experts like real traffic's
         nxt = torch.randint(0, runner.config.vocab_size, (B,), generator=g).tolist()
-        batch = pc.decode_batch([p + [t] for p, t in zip(prompts[:B], nxt)], table)
+        batch = common.decode_batch([p + [t] for p, t in zip(prompts[:B], nxt)], table)
         runner.forward("decode", batch)
         cap = runner.captured.get(B)
         replay = bench_ms(cap.graph.replay, graph=False) if cap else bench_ms(lambda: runner.forward("decode", batch))
@@ -355,7 +274,7 @@ def measure_glmc(runner, table, prompts, batches, ctx, res, info, deadline):
 
 def predict(plan, batches, ctx, calibration, res):
     """The predicted replay (glmc/predict.py via bench/predicted.py) next to the measured one."""
-    import predicted
+    from bench import predicted
 
     from glmc.calibration import load
     cal = load(calibration)
@@ -412,7 +331,6 @@ def main():
     if args.cpu:
         os.environ["TRITON_INTERPRET"] = "1"
         args.ctx, args.batches = min(args.ctx, 40), [b for b in args.batches if b <= 2] or [1]
-    pc.import_glmc()
     import torch
     t_start, out_dir = now(), Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -424,7 +342,7 @@ def main():
     save = lambda: path.write_text(json.dumps({"info": info, "batches": res}, indent=1, default=str))  # noqa: E731
     info["copy_gbps"], info["mm_tflops"] = ceilings(args.cpu)
     t = now()
-    model = pc.slice_model(dev, dtype, seed=0, narrow=args.cpu)
+    model = common.slice_model(dev, dtype, seed=0, narrow=args.cpu)
     info["model_build_s"] = now() - t
     info["hf_impl"] = {"attn": model.config._attn_implementation,
                        "experts": getattr(model.config, "_experts_implementation", None)}

@@ -1,7 +1,7 @@
 """Where a served step's time goes, without HTTP: the engine in this process, one workload, per-step
 timings and a cProfile of the loop. For finding host time per step and comparing commits on one machine.
 
-    bash bench/with_wheels.sh python3 bench/engine_steps.py --out-dir $OUT [--concurrency 32] [--label x]
+    bash bench/with_wheels.sh python -m bench.engine_steps --out-dir $OUT [--concurrency 32] [--label x]
 
 1. The serve_gpu slice checkpoint (bench/serve_gpu.py's write_checkpoint: GLM-5.3 width, 2 layers,
    random bf16 weights; reused when --ckpt-dir has it) and the engine `glmc run --device cuda` builds
@@ -26,13 +26,11 @@ import io
 import json
 import os
 import pstats
-import sys
 import time
 from argparse import Namespace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
 
 
 def build(ckpt: Path, cpu: bool):
@@ -47,7 +45,7 @@ def build(ckpt: Path, cpu: bool):
 
 
 def workload(engine, seed: int, n: int, lo: int, hi: int, words: tuple | None, shared: float) -> list:
-    import serve_bench
+    from bench import serve_bench
     from glmc.runtime.engine.request import SamplingParams
     a = Namespace(seed=seed, num_requests=n, min_tokens=lo, max_tokens=hi, prompt_words=words,
                   prefix_words=160, num_prefixes=2, shared_frac=shared)
@@ -128,7 +126,7 @@ def main():
         os.environ["TRITON_INTERPRET"] = "1"
     out = Path(a.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    import serve_gpu
+    from bench import serve_gpu
     import torch
     ckpt = Path(a.ckpt_dir)
     t = time.perf_counter()

@@ -29,14 +29,12 @@ import argparse
 import gc
 import json
 import os
-import sys
 import time
 import traceback
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import decode_bench as db  # noqa: E402
-import gpu_plan_check as pc  # noqa: E402
+from bench import common
+from bench import decode_bench as db
 
 PREFILL_SHAPES = [(4096, 6144, 16384, "issue"), (8192, 8192, 8192, "anchor")]
 TARGET = {1: 1.4}   # x FP8 roofline; other batches 1.25
@@ -46,19 +44,19 @@ TARGET = {1: 1.4}   # x FP8 roofline; other batches 1.25
 def run_variant(model, weights, stacks, batches, ctx, dev, dtype, fp8, info, deadline):
     """Plan, runner, prefill, capture, replay per batch (decode_bench.measure_glmc) -> {B: result}."""
     import torch
-    key, t = ("fp8" if fp8 else "bf16"), db.now()
-    plan = pc.glmc_plan(model, max(batches), "float32" if dtype == torch.float32 else "bfloat16", fp8=fp8,
+    key, t = ("fp8" if fp8 else "bf16"), common.now()
+    plan = common.glmc_plan(model, max(batches), "float32" if dtype == torch.float32 else "bfloat16", fp8=fp8,
                         kv_dtype="fp8" if fp8 else "bf16")
-    runner = pc.gpu_runner(plan, weights, dev, max(batches), ctx + 64, stacks=stacks)
-    table = pc.req_table(max(batches), (ctx + 64) // 64)
+    runner = common.gpu_runner(plan, weights, dev, max(batches), ctx + 64, stacks=stacks)
+    table = common.req_table(max(batches), (ctx + 64) // 64)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, plan.config.vocab_size, (ctx,), generator=g).tolist() for _ in range(max(batches))]
-    pc.prefill(runner, prompts, table, group=max(1, 16384 // ctx))
-    info[f"{key}_setup_s"] = db.now() - t
+    common.prefill(runner, prompts, table, group=max(1, 16384 // ctx))
+    info[f"{key}_setup_s"] = common.now() - t
     if dev == "cuda":
-        t = db.now()
+        t = common.now()
         runner.capture(batches)
-        info[f"{key}_capture_s"] = db.now() - t
+        info[f"{key}_capture_s"] = common.now() - t
     res = {B: {} for B in batches}
     db.measure_glmc(runner, table, prompts, batches, ctx, res, info, deadline)
     info[f"{key}_weights"], info[f"{key}_kv"] = plan.weight_formats["linear_weights"], plan.dtypes.kv_cache
@@ -95,7 +93,7 @@ def fp8_matrices(runner) -> dict:
 
 
 def time_or_none(fn, deadline):
-    return db.bench_ms(fn) if db.now() < deadline else None
+    return common.bench_ms(fn) if common.now() < deadline else None
 
 
 def decode_kernel_rows(runner, Ms, deadline) -> list:
@@ -114,8 +112,8 @@ def decode_kernel_rows(runner, Ms, deadline) -> list:
             ms = time_or_none(lambda: tf.fp8_block_gemm(xq, xs, w.q, w.scale_inv, out=out), deadline)
             rows.append({"kernel": "fp8_block_gemm", "weight": label, "M": m, "N": n, "K": k, "bytes": moved,
                          "ms": ms, "tbps": ms and moved / ms / 1e9})
-    key = next(k for k in runner._stacks if not isinstance(k, tuple))
-    gate, up, down = runner._stacks[key]
+    key = next(k for k in runner.stacks if not isinstance(k, tuple))
+    gate, up, down = runner.stacks[key]
     E, _, hidden = gate.shape
     gw = runner.weights[key.replace("experts", "gate.weight")].float()
     c = runner.config
@@ -224,9 +222,8 @@ def main():
         os.environ["TRITON_INTERPRET"] = "1"
         args.ctx, args.batches = min(args.ctx, 40), [b for b in args.batches if b <= 2] or [1]
         prefill_m, shapes = 4, [(4, 128, 256, "narrow stand-in for 4096x6144x16384")]
-    pc.import_glmc()
     import torch
-    t0, out_dir = db.now(), Path(args.out_dir)
+    t0, out_dir = common.now(), Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     dev, dtype = ("cpu", torch.float32) if args.cpu else ("cuda", torch.bfloat16)
     info = {"device": "cpu-interpreter" if args.cpu else torch.cuda.get_device_name(), "commit": args.commit,
@@ -235,13 +232,13 @@ def main():
     path = out_dir / f"fp8_decode_bench_{time.strftime('%Y-%m-%d')}.json"
     save = lambda: path.write_text(json.dumps({"info": info, "batches": res, "kernels": kernels},  # noqa: E731
                                               indent=1, default=str))
-    info["copy_gbps"], info["mm_tflops"] = db.ceilings(args.cpu)
-    model = pc.slice_model(dev, dtype, seed=0, narrow=args.cpu)
+    info["copy_gbps"], info["mm_tflops"] = common.ceilings(args.cpu)
+    model = common.slice_model(dev, dtype, seed=0, narrow=args.cpu)
     with torch.no_grad():
         for n, b in model.named_buffers():
             if n.endswith("e_score_correction_bias"):
                 b.zero_()
-    weights, stacks = pc.glmc_weights(model)
+    weights, stacks = common.glmc_weights(model)
     budget = lambda f: t0 + args.budget * f  # noqa: E731
     for key, fp8, frac in (("bf16", False, 0.0), ("fp8", True, 0.55)):   # bf16: costs only, no per-op timing
         try:
@@ -260,7 +257,7 @@ def main():
         if dev == "cuda":
             torch.cuda.empty_cache()
         save()
-    info["total_s"] = db.now() - t0
+    info["total_s"] = common.now() - t0
     table = summary(res)
     save()
     print(db.kernel_table(res["fp8"]))

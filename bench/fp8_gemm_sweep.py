@@ -1,8 +1,8 @@
 """Tile and split-K sweep of the block-FP8 w8a8 GEMM (`codegen/triton_fp8.fp8_block_gemm`) at GLM-5.3's
 shapes, against its defaults (`triton_fp8.default_config`) and torch._scaled_mm (glmc issue 10, item 4):
 
-    bash bench/with_wheels.sh python3 bench/fp8_gemm_sweep.py --out-dir $OUT --budget 400   # the H200
-    python bench/fp8_gemm_sweep.py --out-dir /tmp/sweep --tiny        # CPU smoke test, TRITON_INTERPRET=1
+    bash bench/with_wheels.sh python -m bench.fp8_gemm_sweep --out-dir $OUT --budget 400   # the H200
+    python -m bench.fp8_gemm_sweep --out-dir /tmp/sweep --tiny        # CPU smoke test, TRITON_INTERPRET=1
 
 Shapes: every FP8 GEMM (N, K) the GLM-5.3 plan (tp1, CUDA target) runs, read from its kernel set
 (`kernel_set.plan_kernels`: row parts joined as `cuda_target.fp8_parts` joins them), labelled from the
@@ -23,12 +23,9 @@ import json
 import os
 import re
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import gpu_plan_check as pc  # noqa: E402
 
 DECODE_M = (1, 32, 128)
 # (block_m, block_n, num_warps, num_stages), tried at every decode M whose rows they do not overshoot
@@ -104,9 +101,9 @@ class Sweep:
     def __init__(self, device, budget_s, tiny):
         import torch
         from glmc.codegen import triton_fp8 as tf
-        from glmc.codegen.triton_render import _num_sms
+        from glmc.codegen.triton_render import sm_count
         self.torch, self.tf, self.dev, self.tiny = torch, tf, device, tiny
-        self.clock, self.sms = Clock(device), _num_sms(device)
+        self.clock, self.sms = Clock(device), sm_count(device)
         self.t0, self.budget = time.perf_counter(), budget_s
         self.skipped = {"decode": 0, "prefill": 0}
         self.decode, self.prefill = [], []
@@ -391,7 +388,6 @@ def main():
     a = ap.parse_args()
     if a.tiny:
         os.environ["TRITON_INTERPRET"] = "1"
-    pc.import_glmc()
     import torch
     device = torch.device("cpu" if a.tiny else "cuda")
     s = Sweep(device, a.budget, a.tiny)

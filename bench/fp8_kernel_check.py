@@ -1,19 +1,15 @@
 """Each FP8 kernel on the GPU against codegen/fp8_ref.py (the torch reference, on the host), at the
 CI test shapes and at GLM-5.3 shapes; prints one JSON line per case and a verdict.
 
-    python3 bench/fp8_kernel_check.py [--out fp8_kernels.json]
+    python -m bench.fp8_kernel_check [--out fp8_kernels.json]
 """
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import gpu_plan_check as pc  # noqa: E402
 
 
 def rel(got, want) -> float:
@@ -24,7 +20,6 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
     a = ap.parse_args()
-    pc.import_glmc()
     from glmc.codegen import fp8_ref
     from glmc.codegen import triton_fp8 as tf
     from glmc.codegen.triton_moe import moe_experts_fp8

@@ -1,9 +1,9 @@
 """GLM-5.3 at full size on the GPUs of one host (issue 14): decode TPOT per concurrency, MTP off and on.
 
-    python bench/full_model.py --out-dir $OUT                   # every visible GPU (full size: 8 H200s)
-    python bench/full_model.py --layers 8 --out-dir $OUT        # fewer layers (default on < 8 GPUs: what fits)
-    python bench/full_model.py --cpu                            # gloo dry run: the tiny config, 2 ranks
-    python bench/full_model.py --specs dp-a2a,tp --mtp 0        # some specs; MTP off only
+    python -m bench.full_model --out-dir $OUT                   # every visible GPU (full size: 8 H200s)
+    python -m bench.full_model --layers 8 --out-dir $OUT        # fewer layers (default on < 8 GPUs: what fits)
+    python -m bench.full_model --cpu                            # gloo dry run: the tiny config, 2 ranks
+    python -m bench.full_model --specs dp-a2a,tp --mtp 0        # some specs; MTP off only
 
 Each spec (dp{n}ep{n} with the gather and with the all-to-all MoE lowering, tp{n}ep{n}; n = the GPUs)
 runs as n processes, one per GPU. Every rank makes its shard of `glm-5.3-random` (GLM-5.3's card with
@@ -28,16 +28,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import gpu_plan_check as pc  # noqa: E402  (req_table)
-import long_context_bench as lc  # noqa: E402  (fill_pool_, load_table_)
+from bench import common
+from bench import long_context_bench as lc
 
 GIB = 2**30
 HEADROOM = 12 * GIB      # activations, graph pools, NCCL and allocator slack beside weights and KV
@@ -110,7 +108,7 @@ def run_rank(rank: int, world: int, job: dict, out_dir: str) -> None:
                          speculative=bool(mtp)).executor
     out = {"rank": rank, "load_and_capture_s": time.perf_counter() - t0, "points": {}}
     lc.fill_pool_(runner.pool)
-    table = pc.req_table(b_max, -(-(ctx + mtp + 64) // 64))
+    table = common.req_table(b_max, -(-(ctx + mtp + 64) // 64))
     lc.load_table_(runner, table, b_max)   # random values, but each position its own slot
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     g = torch.Generator().manual_seed(rank)
@@ -288,7 +286,6 @@ def main():
         if args.context == ap.get_default("context"):
             args.context = 80
         args.reps = min(args.reps, 2)
-    pc.import_glmc()
     import torch
     from glmc.calibration import load
     from glmc.runtime.worker.random_weights import make_random_checkpoint

@@ -1,6 +1,6 @@
 """The small kernels between the GEMMs of a decode step, alone (CUDA-graph replays, us, median):
 
-    python bench/glue_micro.py --out-dir $OUT --commit <sha>
+    python -m bench.glue_micro --out-dir $OUT --commit <sha>
 
 - MoE row alignment (`triton_moe.align_rows`): the moe_align kernel at each rows-per-program x warps,
   launched directly, against the torch ops, top-8 of 256 experts, 8 .. 1024 routed rows (2048: the
@@ -21,17 +21,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import decode_bench as db  # noqa: E402
-import gpu_plan_check as pc  # noqa: E402
+from bench import common
 
 
 def us(fn):
-    return round(db.bench_ms(fn) * 1e3, 2)
+    return round(common.bench_ms(fn) * 1e3, 2)
 
 
 def narrow_tiles(M: int, n: int) -> list:
@@ -48,7 +45,6 @@ def main():
     ap.add_argument("--parts", default="align,gemv,argmax,topk", help="comma-separated: align, gemv, narrow, argmax, topk")
     args = ap.parse_args()
     parts = set(args.parts.split(","))
-    pc.import_glmc()
     import torch
     from glmc.codegen import triton_moe as tm
     from glmc.codegen import triton_target as tt

@@ -1,7 +1,7 @@
 """Every glmc Triton kernel at GLM-5.3 shapes on a GPU, checked against codegen/torch_ref.py.
 
-    python bench/gpu_kernels.py --out results.json            # CUDA, GLM-5.3 shapes
-    python bench/gpu_kernels.py --tiny --out /tmp/t.json      # CPU interpreter dry run, tiny shapes
+    python -m bench.gpu_kernels --out results.json            # CUDA, GLM-5.3 shapes
+    python -m bench.gpu_kernels --tiny --out /tmp/t.json      # CPU interpreter dry run, tiny shapes
 
 Outputs are allocated poisoned (NaN / -777; the KV pool NaN) before the checked run. References run on
 the CPU in fp32 from the same (bf16) inputs, since torch_ref builds some index tensors on the CPU.
@@ -21,13 +21,6 @@ from pathlib import Path
 from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _import_glmc():
-    from _glmc_import import (
-        import_glmc,  # bench/ is on sys.path when a script here runs
-    )
-    import_glmc("glmc.codegen.torch_ref")
 
 
 GLM = dict(hidden=6144, q_lora=2048, heads=64, dn=192, dv=256, R=512, DR=64, HI=32, DI=128, topk=2048,
@@ -306,7 +299,6 @@ def main():
     import torch
     import triton
     import triton.testing
-    _import_glmc()
     from glmc.codegen import torch_ref as ref
     from glmc.codegen import triton_target as tt
     from glmc.runtime.worker.forward_batch import ForwardBatch

@@ -1,9 +1,9 @@
 """The compiled plan on a GPU (runtime/worker/cuda_executor.py, decode replayed from CUDA graphs) against its oracles.
 
-    python bench/gpu_plan_check.py --out results.json     # CUDA (the H200)
-    python bench/gpu_plan_check.py --cpu                  # CPU dry run under TRITON_INTERPRET=1, tiny shapes
-    python bench/gpu_plan_check.py --fp8 --out fp8.json   # the same checks with block-FP8 weights
-    python bench/gpu_plan_check.py --kv-dtype fp8          # FP8 KV cache (also for the fp32 tiny checkpoint)
+    python -m bench.gpu_plan_check --out results.json     # CUDA (the H200)
+    python -m bench.gpu_plan_check --cpu                  # CPU dry run under TRITON_INTERPRET=1, tiny shapes
+    python -m bench.gpu_plan_check --fp8 --out fp8.json   # the same checks with block-FP8 weights
+    python -m bench.gpu_plan_check --kv-dtype fp8          # FP8 KV cache (also for the fp32 tiny checkpoint)
 
 1. tiny: greedy tokens of the GPU plan (fp32 tiny checkpoint from tests/tiny_hf.py, 16 indexer heads, rope 16,
    3 requests padded into the 4-bucket graph) == transformers `generate` on the same device.
@@ -26,185 +26,19 @@ KV cache (`--kv-dtype fp8|bf16`, default the plan's: fp8 for the bf16 width slic
 tiny checkpoint): where the plan stores it fp8 (FlashMLA's 656-byte rows, 132-byte indexer keys) the
 oracles are the torch target whose pool rounds the same values through FP8 (`kv_fp8="emulate"`); tiny
 then passes on the first half of the steps, as with FP8 weights.
-The helpers here (slice config, model, glmc weights, greedy loop) are shared with bench/decode_bench.py.
+The slice, its glmc plan and runner, and the greedy loop come from bench/common.py.
 """
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-GLM53 = dict(vocab_size=154880, hidden_size=6144, intermediate_size=12288, moe_intermediate_size=2048,
-             num_attention_heads=64, num_key_value_heads=64, q_lora_rank=2048, kv_lora_rank=512,
-             qk_nope_head_dim=192, qk_rope_head_dim=64, v_head_dim=256, n_routed_experts=256,
-             num_experts_per_tok=8, n_shared_experts=1, n_group=1, topk_group=1, norm_topk_prob=True,
-             routed_scaling_factor=2.5, index_topk=2048, index_n_heads=32, index_head_dim=128, rms_norm_eps=1e-5,
-             rope_parameters={"rope_type": "default", "rope_theta": 8e6}, max_position_embeddings=202752,
-             tie_word_embeddings=False, eos_token_id=None, bos_token_id=None, pad_token_id=None)
-SLICE = dict(num_hidden_layers=2, first_k_dense_replace=1, indexer_types=["full", "full"])
-# Same structure at tiny widths, for CPU dry runs (power-of-two latent dims for the Triton kernels).
-NARROW = dict(vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_attention_heads=4,
-              num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
-              v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2, index_topk=16, index_n_heads=4,
-              index_head_dim=16)
-
-
-def import_glmc():
-    """Import glmc; without an install, map the repo's folders onto glmc.* (the device image)."""
-    sys.path.insert(0, str(ROOT / "tests"))
-    try:
-        import glmc.runtime.worker.cuda_executor  # noqa: F401
-        return
-    except ImportError:
-        pass
-    for name, folder in [("glmc", "glmc"), ("glmc.ir", "ir"), ("glmc.passes", "passes"), ("glmc.codegen", "codegen"),
-                         ("glmc.runtime", "runtime"), ("glmc.models", "models")]:
-        spec = importlib.util.spec_from_file_location(name, ROOT / folder / "__init__.py",
-                                                      submodule_search_locations=[str(ROOT / folder)])
-        sys.modules[name] = module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-
-
-# ----------------------------------------------------------------------------- shared helpers
-def slice_model(device, dtype, seed=0, narrow=False, **overrides):
-    """A randomised GlmMoeDsaForCausalLM slice built directly on `device` in `dtype` (eval mode)."""
-    import torch
-    from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
-    cfg = GlmMoeDsaConfig(**{**GLM53, **SLICE, **(NARROW if narrow else {}), **overrides})
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model = GlmMoeDsaForCausalLM(cfg).eval()
-    finally:
-        torch.set_default_dtype(old)
-    randomize_on_device_(model, seed)
-    return model
-
-
-@__import__("torch").no_grad()
-def randomize_on_device_(model, seed):
-    """tests/tiny_hf.randomize_'s decisive scales, drawn on the parameters' device (GB-sized slices)."""
-    import torch
-    g = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
-    for name, t in sorted(list(model.named_parameters()) + list(model.named_buffers())):
-        if "inv_freq" in name or not t.is_floating_point():
-            continue
-        if name.endswith("e_score_correction_bias") or name.endswith("k_norm.bias"):
-            t.normal_(0.0, 0.2, generator=g)
-        elif t.dim() == 1:
-            t.normal_(1.0, 0.2, generator=g)
-        elif name.endswith("embed_tokens.weight"):
-            t.normal_(0.0, 1.0, generator=g)
-        else:
-            t.normal_(0.0, t.shape[-1] ** -0.5, generator=g)
-
-
-FP8_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
-
-
-def glmc_plan(model, max_reqs, dtype_name, parallel="tp1", fp8=False, kv_dtype=None, **options):
-    """The CUDA-target `Plan` of the model's config (written as config.json to a temp dir); fp8:
-    with block-FP8 linear weights (the loader quantises unquantised weights on load); kv_dtype:
-    `spec.kv_dtyped` (None: the config's default)."""
-    from glmc.compiler import compile_plan
-    from glmc.config import Options
-    from glmc.parallel import parse_parallel
-    from glmc.spec import kv_dtyped, load_spec
-    d = Path(tempfile.mkdtemp(prefix="glmc_slice_"))
-    raw = model.config.to_dict()
-    raw.update(model_type="glm_moe_dsa", dtype=dtype_name, num_nextn_predict_layers=0)
-    if fp8:
-        raw["quantization_config"] = FP8_CONFIG
-    (d / "config.json").write_text(json.dumps(raw))
-    spec = kv_dtyped(load_spec(d), kv_dtype)
-    return compile_plan(spec, parse_parallel(parallel, spec.config),
-                        Options(device="cuda", max_batch=max_reqs, **options))
-
-
-def gpu_runner(plan, weights, dev, max_reqs, max_ctx, capture=False, **kw):
-    """The plan's `GpuRunner` from the one loader (`runtime/worker/loader.py`): rows 0..max_reqs-1
-    on pages 1.. of `req_table`, plus the loader's scratch page."""
-    from glmc.runtime.worker.loader import load_runner
-    pages = max_reqs * -(-max_ctx // 64) + 1
-    return load_runner(plan, weights, device=dev, num_pages=pages, max_context=max_ctx,
-                       max_running=max_reqs, capture=capture, **kw).executor
-
-
-def glmc_weights(model):
-    """HF state dict -> (checkpoint-named weights, expert stacks {prefix: (gate, up, down)}), zero copy:
-    gate and up are views of HF's fused gate_up_proj [E, 2I, H]."""
-    sd = model.state_dict()
-    weights, stacks = {}, {}
-    for k, v in sd.items():
-        if k.endswith("experts.gate_up_proj"):
-            prefix = k[: -len(".gate_up_proj")]
-            inter = sd[prefix + ".down_proj"].shape[-1]
-            stacks[prefix] = (v[:, :inter], v[:, inter:], sd[prefix + ".down_proj"])
-        elif not k.endswith("experts.down_proj") and "inv_freq" not in k:
-            weights[k] = v
-    return weights, stacks
-
-
-def replay_ms(graph, replays: int = 20) -> float:
-    """Milliseconds per replay of a captured decode graph (every rank replays the same count)."""
-    import torch
-    for _ in range(3):
-        graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / replays
-
-
-def req_table(num_rows, pages_per_req):
-    """req_to_token: row r on pages r*ppr+1 .. (r+1)*ppr (page 0 unused; the pool's last page is scratch)."""
-    import torch
-    from glmc.runtime.worker.kv_cache import PAGE_SIZE
-    pages = torch.arange(num_rows * pages_per_req).view(num_rows, pages_per_req) + 1
-    return (pages[:, :, None] * PAGE_SIZE + torch.arange(PAGE_SIZE)).reshape(num_rows, -1)
-
-
-def prefill(runner, prompts, table, group=None):
-    """Prefill prompts (rows 0..B-1), `group` requests per forward; -> logits [B, V]."""
-    import torch
-    from glmc.runtime.worker.forward_batch import ForwardBatch
-    group, out = group or len(prompts), []
-    for i in range(0, len(prompts), group):
-        ps = prompts[i:i + group]
-        batch = ForwardBatch.build("extend", ps, list(range(i, i + len(ps))), [0] * len(ps), table)
-        out.append(runner.forward("prefill", batch)["logits"].float())
-    return torch.cat(out)
-
-
-def decode_batch(seqs, table):
-    from glmc.runtime.worker.forward_batch import ForwardBatch
-    return ForwardBatch.build("decode", [[s[-1]] for s in seqs], list(range(len(seqs))),
-                              [len(s) - 1 for s in seqs], table)
-
-
-def greedy(runner, prompts, steps, table):
-    """Prefill + `steps` greedy decode steps; -> tokens [B, steps] (CPU)."""
-    import torch
-    seqs = [list(p) for p in prompts]
-    nxt = prefill(runner, prompts, table).argmax(-1).tolist()
-    tokens = []
-    for _ in range(steps):
-        tokens.append(nxt)
-        for s, t in zip(seqs, nxt):
-            s.append(t)
-        nxt = runner.forward("decode", decode_batch(seqs, table))["logits"].argmax(-1).tolist()
-    return torch.tensor(tokens).T
+from bench.common import (decode_batch, glmc_plan, glmc_weights, gpu_runner, greedy, prefill, req_table, route_diffs,
+                          slice_model, tests_module)
 
 
 # ----------------------------------------------------------------------------- checks
@@ -216,12 +50,12 @@ def w8a8_twin(plan, runner, num_pages):
     from glmc.runtime.worker.kv_cache import KVPool
     pool = KVPool.for_plan(plan, num_pages, runner.pool.dtype, runner.pool.device, fp8="emulate")
     return PlanExecutor(plan, runner.weights, pool, runner.comm, impls=fp8_torch_target.IMPLS,
-                        device=runner.device, stacks=runner._stacks)
+                        device=runner.device, stacks=runner.stacks)
 
 
 def check_tiny(dev, capture, steps=16, fp8=False, kv_dtype=None):
     import torch
-    from tiny_hf import save_tiny, save_tiny_fp8
+    tiny_hf = tests_module("tiny_hf")
 
     from glmc.compiler import compile_plan
     from glmc.config import Options
@@ -231,7 +65,7 @@ def check_tiny(dev, capture, steps=16, fp8=False, kv_dtype=None):
     # 16 indexer heads: with tiny's 4, keys whose every head is ReLU'd to 0 tie exactly at the top-k
     # threshold, and torch.topk breaks such ties differently on CPU and CUDA (HF itself is ambiguous there).
     # RoPE dim 16 (index head 32): Triton's tl.dot needs K >= 16 on a GPU (tiny's 8 runs only interpreted).
-    save = save_tiny_fp8 if fp8 else save_tiny
+    save = tiny_hf.save_tiny_fp8 if fp8 else tiny_hf.save_tiny
     model = save(tmp, "grouped", seed=3, index_n_heads=16, qk_rope_head_dim=16, index_head_dim=32).to(dev)
     spec = kv_dtyped(load_spec(tmp), kv_dtype)
     plan = compile_plan(spec, parse_parallel("tp1", spec.config), Options(device="cuda", max_batch=4))
@@ -276,12 +110,6 @@ def record_routes(runner) -> list:
         return out
     runner.impls = {**impls, "moe.topk": rec}
     return calls
-
-
-def route_diffs(got: list, want: list, tokens=None) -> int:
-    """Tokens x MoE layers whose routed expert sets differ between two runs' recorded calls (only
-    the rows `tokens` of each call where given: a prefill's compared last tokens)."""
-    return sum(int((a != b).any(-1)[slice(None) if tokens is None else tokens].sum()) for a, b in zip(got, want))
 
 
 def check_width(dev, dtype, narrow, lengths, steps=3, tol=2e-2, fp8=False, kv_dtype=None, routes=False):
@@ -359,7 +187,6 @@ def main():
     args = ap.parse_args()
     if args.cpu:
         os.environ["TRITON_INTERPRET"] = "1"
-    import_glmc()
     import torch
     torch.backends.cuda.matmul.allow_tf32 = False
     dev = "cpu" if args.cpu else "cuda"

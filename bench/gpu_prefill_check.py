@@ -1,7 +1,7 @@
 """Sparse prefill attention (codegen/triton_prefill.py) at GLM-5.3 shapes on a GPU, checked against torch_ref.
 
-    python bench/gpu_prefill_check.py --out prefill.json            # CUDA, GLM-5.3 shapes, bf16
-    python bench/gpu_prefill_check.py --cpu --out /tmp/prefill.json  # tiny shapes, CPU, Triton interpreter
+    python -m bench.gpu_prefill_check --out prefill.json            # CUDA, GLM-5.3 shapes, bf16
+    python -m bench.gpu_prefill_check --cpu --out /tmp/prefill.json  # tiny shapes, CPU, Triton interpreter
 
 Shapes: 64 heads, dn 192, dr 64, dv 256, kv_lora 512, index_topk 2048, prompts of 3000 and 700 tokens in
 one ragged batch (top-k and dense causal), and a 700-token chunk after a 2300-token prefix (prefix hit /
@@ -34,13 +34,6 @@ TINY = dict(heads=4, dn=24, dr=8, dv=32, R=32, topk=16, prompts=(30, 7), chunk=(
 TILES = [(64, 64, 8, 2), (64, 32, 4, 2), (64, 64, 4, 2), (64, 128, 8, 1), (128, 64, 8, 2), (128, 32, 8, 2),
          (32, 64, 4, 2)]
 REL_TOL = 2e-2  # bf16 inputs and kv_b expansion vs an fp32 reference: expect ~4e-3
-
-
-def _import_glmc():
-    from _glmc_import import (
-        import_glmc,  # bench/ is on sys.path when a script here runs
-    )
-    import_glmc("glmc.codegen.triton_prefill")
 
 
 def time_ms(fn, reps, cuda):
@@ -228,7 +221,6 @@ def main():
         os.environ["TRITON_INTERPRET"] = "1"
     import torch
     import triton
-    _import_glmc()
     from glmc.codegen import torch_ref as ref
     from glmc.codegen import triton_prefill as tp
     from glmc.codegen import triton_target as tt

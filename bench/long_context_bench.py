@@ -32,13 +32,11 @@ import argparse
 import json
 import os
 import signal
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import decode_bench as db  # noqa: E402
-import gpu_plan_check as pc  # noqa: E402
+from bench import common
+from bench import decode_bench as db
 
 GIB = 2**30
 HF_PROMPT = 37     # the short prefill HF's cache is grown from (a length no weight dimension has)
@@ -132,8 +130,8 @@ def kernel_rows(runner, batch, ctx, bw):
     import torch
     from glmc.codegen import triton_target as tt
     from glmc.codegen.cuda_kernels import TOPK_CHUNK
-    calls = db.op_calls(runner, lambda: runner._body(
-        "decode", runner._host_vectors(batch, batch.batch_size).to(runner.r2t.device)))
+    calls = common.op_calls(runner, lambda: runner.run_tokens(
+        "decode", runner.host_vectors(batch, batch.batch_size).to(runner.r2t.device)))
     op, args, rt, _ = next(c for c in calls if c[0].kind == "idx.topk")
     q, w, layer = args
     heads, k, T = int(op.attr("heads")), int(op.attr("k")), q.shape[0]
@@ -160,7 +158,7 @@ def kernel_rows(runner, batch, ctx, bw):
     rows = []
     for name, fn, floor_bytes in jobs:
         try:
-            ms = db.bench_ms(fn)
+            ms = common.bench_ms(fn)
             rows.append({"kernel": name, "ms": ms, "floor_bytes": floor_bytes, "floor_ms": floor_bytes / bw / 1e6,
                          "gbps": floor_bytes / ms / 1e6, "x_floor": ms / (floor_bytes / bw / 1e6)})
         except Exception as e:   # reported; the next kernel still runs
@@ -173,8 +171,8 @@ def glmc_point(runner, B, ctx, table, info):
     batch = decode_batch_at(runner, B, ctx, table, seed=B)
     runner.forward("decode", batch)
     cap = runner.captured.get(B)
-    replay = db.bench_ms(cap.graph.replay, graph=False) if cap else db.bench_ms(lambda: runner.forward("decode", batch))
-    step = db.step_wall_ms(lambda: runner.forward("decode", batch)["logits"][0, 0].item()) if cap else replay
+    replay = common.bench_ms(cap.graph.replay, graph=False) if cap else common.bench_ms(lambda: runner.forward("decode", batch))
+    step = common.step_wall_ms(lambda: runner.forward("decode", batch)["logits"][0, 0].item()) if cap else replay
     ops = db.per_op_table(runner, batch, ctx, info["copy_gbps"], info["mm_tflops"], deadline=0)  # costs only
     must = sum(r["must_bytes"] for r in ops) + db.other_weight_bytes(runner)
     roof = must / info["copy_gbps"] / 1e6
@@ -187,13 +185,13 @@ def run_glmc(model, kv_dtype, contexts, batches, dev, dtype, info, deadline, sav
     -> {ctx: {B: point}}. Contexts in increasing order, so a spent budget skips the largest."""
     import torch
     out = {}
-    t = db.now()
-    plan = pc.glmc_plan(model, max(batches), "float32" if dtype == torch.float32 else "bfloat16", kv_dtype=kv_dtype)
-    info[f"compile_s_{kv_dtype}"] = db.now() - t
-    weights, stacks = pc.glmc_weights(model)
+    t = common.now()
+    plan = common.glmc_plan(model, max(batches), "float32" if dtype == torch.float32 else "bfloat16", kv_dtype=kv_dtype)
+    info[f"compile_s_{kv_dtype}"] = common.now() - t
+    weights, stacks = common.glmc_weights(model)
     for ctx in contexts:
         point = out.setdefault(ctx, {})
-        if db.now() > deadline:
+        if common.now() > deadline:
             point.update({B: {"failed": "skipped: benchmark budget spent"} for B in batches})
             continue
         free = torch.cuda.mem_get_info()[0] if dev == "cuda" else 64 * GIB
@@ -202,9 +200,9 @@ def run_glmc(model, kv_dtype, contexts, batches, dev, dtype, info, deadline, sav
             continue
         runner = None
         try:
-            t = db.now()
-            runner = pc.gpu_runner(plan, weights, dev, max(fits), ctx + 64, stacks=stacks)
-            table = pc.req_table(max(fits), (ctx + 64 + 63) // 64)
+            t = common.now()
+            runner = common.gpu_runner(plan, weights, dev, max(fits), ctx + 64, stacks=stacks)
+            table = common.req_table(max(fits), (ctx + 64 + 63) // 64)
             if fill == "model":
                 fill_by_prefill_(runner, max(fits), ctx, table, chunk)   # prefill loads the rows' table
             else:
@@ -215,12 +213,12 @@ def run_glmc(model, kv_dtype, contexts, batches, dev, dtype, info, deadline, sav
             # pool's scratch slot: one key and one KV row, every score tied)
             if not torch.equal(runner.r2t[:max(fits), :ctx].cpu(), table[:max(fits), :ctx]):
                 raise RuntimeError(f"ctx {ctx}: the runner's device table does not hold the requests' slots")
-            point["setup"] = {"fill": fill, "runner_and_fill_s": db.now() - t,
+            point["setup"] = {"fill": fill, "runner_and_fill_s": common.now() - t,
                               "pool_gib": pool_bytes(plan, max(fits), ctx)[0] / GIB}
-            t = db.now()
+            t = common.now()
             point["setup"]["capture_s"] = runner.capture(fits) if dev == "cuda" else {}
             for B in fits:
-                if db.now() > deadline:
+                if common.now() > deadline:
                     point[B] = {"failed": "skipped: benchmark budget spent"}
                     continue
                 try:
@@ -250,11 +248,11 @@ def run_prefill(model, kv_dtype, lengths, chunk, dev, dtype, info, deadline, pro
     import torch
     from glmc.passes.estimate_cost import bill
     from glmc.runtime.worker.forward_batch import ForwardBatch
-    plan = pc.glmc_plan(model, 1, "float32" if dtype == torch.float32 else "bfloat16", kv_dtype=kv_dtype)
-    weights, stacks = pc.glmc_weights(model)
+    plan = common.glmc_plan(model, 1, "float32" if dtype == torch.float32 else "bfloat16", kv_dtype=kv_dtype)
+    weights, stacks = common.glmc_weights(model)
     n_max, k = max(lengths), model.config.index_topk
-    runner = pc.gpu_runner(plan, weights, dev, 1, n_max + 64, stacks=stacks)
-    table = pc.req_table(1, -(-(n_max + 64) // 64))
+    runner = common.gpu_runner(plan, weights, dev, 1, n_max + 64, stacks=stacks)
+    table = common.req_table(1, -(-(n_max + 64) // 64))
     g, rows = torch.Generator().manual_seed(1), []
     rate = info["mm_tflops"] * 1e12
     for n in lengths:
@@ -263,7 +261,7 @@ def run_prefill(model, kv_dtype, lengths, chunk, dev, dtype, info, deadline, pro
             c = min(chunk, n - p)
             row = {"kv": kv_dtype, "length": n, "prefix": p, "chunk": c}
             rows.append(row)
-            if db.now() > deadline:
+            if common.now() > deadline:
                 row["failed"] = "skipped: benchmark budget spent"
                 continue
             batch = ForwardBatch.build("extend", [toks[p:p + c]], [0], [p], table)
@@ -271,11 +269,11 @@ def run_prefill(model, kv_dtype, lengths, chunk, dev, dtype, info, deadline, pro
                 runner.forward("prefill", batch)
                 if dev == "cuda":
                     torch.cuda.synchronize()
-                t = db.now()
+                t = common.now()
                 runner.forward("prefill", batch)
                 if dev == "cuda":
                     torch.cuda.synchronize()
-                ms = (db.now() - t) * 1e3
+                ms = (common.now() - t) * 1e3
             except Exception as e:   # reported; the next prompt still runs
                 row.update(fail(e))
                 break
@@ -297,7 +295,7 @@ def indexer_tiles_micro(runner, batch, tiles) -> list:
     stages"): time (graph replays) and the largest difference from the per-token scores."""
     import torch
     from glmc.codegen import triton_target as tt
-    calls = db.op_calls(runner, lambda: runner.forward("prefill", batch))
+    calls = common.op_calls(runner, lambda: runner.forward("prefill", batch))
     op, (q, w, layer), rt, _ = next(c for c in calls if c[0].kind == "idx.topk")
     heads = int(op.attr("heads"))
 
@@ -306,7 +304,7 @@ def indexer_tiles_micro(runner, batch, tiles) -> list:
                                  lib=tt.JIT, w_scale=heads ** -0.5, tiled=tiled)   # tiles not in the plan
     want = scores(False)
     fin = torch.isfinite(want)
-    out = [{"tiles": "per token", "us": db.bench_ms(lambda: scores(False)) * 1e3}]
+    out = [{"tiles": "per token", "us": common.bench_ms(lambda: scores(False)) * 1e3}]
     for t in tiles:
         bm, bn, w_, st = (int(x) for x in t.split(":"))
         cfg = dict(block_m=bm, block_n=bn, num_warps=w_, num_stages=st)
@@ -315,7 +313,7 @@ def indexer_tiles_micro(runner, batch, tiles) -> list:
             got = scores(cfg)
             r["max_rel_diff"] = float(((got - want)[fin]).abs().max() / want[fin].abs().max())
             r["same_inf"] = bool(torch.equal(torch.isinf(got), torch.isinf(want)))
-            r["us"] = db.bench_ms(lambda: scores(cfg)) * 1e3
+            r["us"] = common.bench_ms(lambda: scores(cfg)) * 1e3
         except Exception as e:   # out of resources etc.
             r.update(fail(e))
         out.append(r)
@@ -324,13 +322,13 @@ def indexer_tiles_micro(runner, batch, tiles) -> list:
     from glmc.codegen.cuda_kernels import TOPK_CHUNK
     k, lens = int(op.attr("k")), rt.pos + 1
     base = tt.topk_select(want, lens, k, TOPK_CHUNK)
-    sel = [{"select": f"chunk {TOPK_CHUNK}", "us": db.bench_ms(lambda: tt.topk_select(want, lens, k, TOPK_CHUNK)) * 1e3}]
+    sel = [{"select": f"chunk {TOPK_CHUNK}", "us": common.bench_ms(lambda: tt.topk_select(want, lens, k, TOPK_CHUNK)) * 1e3}]
     chunk = 1 << (int(want.shape[1]) - 1).bit_length()
     for w_ in (8, 16, 32):
         r = {"select": f"chunk {chunk} warps {w_}"}
         try:
             r["same"] = bool(torch.equal(tt.topk_select(want, lens, k, chunk, num_warps=w_), base))
-            r["us"] = db.bench_ms(lambda: tt.topk_select(want, lens, k, chunk, num_warps=w_)) * 1e3
+            r["us"] = common.bench_ms(lambda: tt.topk_select(want, lens, k, chunk, num_warps=w_)) * 1e3
         except Exception as e:   # out of resources etc.
             r.update(fail(e))
         sel.append(r)
@@ -376,7 +374,7 @@ def op_times(runner, batch, graph, env, dtypes, rate) -> list:
             marks.append((op.kind, a, b))
             return out
         return run
-    db.with_impls(runner, timed, lambda: runner.forward("prefill", batch))
+    common.with_impls(runner, timed, lambda: runner.forward("prefill", batch))
     if cuda:
         torch.cuda.synchronize()
     per = {}
@@ -438,7 +436,7 @@ def topk_micro(lengths, batches, k, dev, deadline):
     rows = []
     for n in lengths:
         for B in batches:
-            if db.now() > deadline:
+            if common.now() > deadline:
                 rows.append({"n": n, "batch": B, "failed": "skipped: benchmark budget spent"})
                 continue
             r = {"n": n, "batch": B}
@@ -449,10 +447,10 @@ def topk_micro(lengths, batches, k, dev, deadline):
                 kk = min(k, n)          # n < k: every position, -1 padded (torch.topk: all n)
                 want = torch.topk(scores, kk, dim=-1).indices.sort(-1).values
                 r["agrees_with_torch"] = bool(torch.equal(got[:, :kk], want) and bool((got[:, kk:] == -1).all()))
-                r["glmc_us"] = db.bench_ms(lambda: tt.topk_select(scores, lens, k, TOPK_CHUNK)) * 1e3
-                r["torch_topk_us"] = db.bench_ms(lambda: torch.topk(scores, kk, dim=-1)) * 1e3
+                r["glmc_us"] = common.bench_ms(lambda: tt.topk_select(scores, lens, k, TOPK_CHUNK)) * 1e3
+                r["torch_topk_us"] = common.bench_ms(lambda: torch.topk(scores, kk, dim=-1)) * 1e3
                 if n > TOPK_CHUNK:   # the split's segment size (topk_segment's choice is `glmc_us`)
-                    r["by_segment_us"] = {seg: db.bench_ms(lambda seg=seg: tt.topk_select(
+                    r["by_segment_us"] = {seg: common.bench_ms(lambda seg=seg: tt.topk_select(
                         scores, lens, k, TOPK_CHUNK, segment=seg)) * 1e3 for seg in SEGMENTS if seg < n}
                 if dev == "cuda":
                     r["launch_us"] = launch_times(lambda: tt.topk_select(scores, lens, k, TOPK_CHUNK))
@@ -511,7 +509,7 @@ def run_hf(model, contexts, batches, dev, deadline, per_point_s, save):
         for ctx in contexts:
             for B in batches:
                 row = out.setdefault(ctx, {}).setdefault(B, {})
-                left = deadline - db.now()
+                left = deadline - common.now()
                 if left < 5:
                     row.update(failed="skipped: benchmark budget spent")
                     continue
@@ -626,9 +624,8 @@ def main():
             args.contexts = [96, 200]
         args.batches = [b for b in args.batches if b <= 2] or [1]
         args.topk_lengths = [n for n in args.topk_lengths if n <= 300] or [200]
-    pc.import_glmc()
     import torch
-    t0, out_dir = db.now(), Path(args.out_dir)
+    t0, out_dir = common.now(), Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     dev, dtype = ("cpu", torch.float32) if args.cpu else ("cuda", torch.bfloat16)
     info = {"device": "cpu-interpreter" if args.cpu else torch.cuda.get_device_name(), "commit": args.commit,
@@ -636,13 +633,13 @@ def main():
     res = {"info": info, "glmc": {}, "hf": {}, "topk": []}
     path = out_dir / f"long_context_bench_{time.strftime('%Y-%m-%d_%H%M')}.json"
     save = lambda: path.write_text(json.dumps(res, indent=1, default=str))  # noqa: E731
-    info["copy_gbps"], info["mm_tflops"] = db.ceilings(args.cpu)
-    model = pc.slice_model(dev, dtype, seed=0, narrow=args.cpu)
+    info["copy_gbps"], info["mm_tflops"] = common.ceilings(args.cpu)
+    model = common.slice_model(dev, dtype, seed=0, narrow=args.cpu)
     with torch.no_grad():   # decode_bench: HF's zero bias spreads routing like real traffic
         for n, b in model.named_buffers():
             if n.endswith("e_score_correction_bias"):
                 b.zero_()
-    info["model_build_s"], k = db.now() - t0, model.config.index_topk
+    info["model_build_s"], k = common.now() - t0, model.config.index_topk
     budget_end = t0 + args.budget
     if args.prefill:
         res["prefill"] = []
@@ -650,7 +647,7 @@ def main():
             res["prefill"] += run_prefill(model, kv, args.prefill, args.chunk, dev, dtype, info, budget_end,
                                           args.profile, [t for t in args.indexer_tiles.split(",") if t])
             save()
-        info["total_s"] = db.now() - t0
+        info["total_s"] = common.now() - t0
         save()
         print(f"device {info['device']}  bf16 matmul {info['mm_tflops']:.0f} TFLOP/s  total {info['total_s']:.0f} s")
         print(prefill_table(res["prefill"]))
@@ -679,7 +676,7 @@ def main():
             res["topk"] = topk_micro(args.topk_lengths, sorted({args.batches[0], args.batches[-1]}), k, dev, budget_end)
         if "hf" not in args.skip:
             res["hf"] = run_hf(model, args.contexts, args.batches, dev, budget_end, args.hf_point_s, save)
-    info["total_s"] = db.now() - t0
+    info["total_s"] = common.now() - t0
     save()
     print(f"device {info['device']}  copy {info['copy_gbps']:.0f} GB/s  total {info['total_s']:.0f} s")
     print(step_table(res))

@@ -1,9 +1,9 @@
 """What a rank's GPU runner allocates against what `glmc explain` says it will (issue 10 item 5, issue 15 item 4).
 
-    bash bench/with_wheels.sh python3 bench/memory_check.py --out-dir $OUT   # the H200: GLM-5.3-width slice
-    python bench/memory_check.py --cpu --out-dir /tmp  # CPU smoke: narrow widths, no graphs (TRITON_INTERPRET=1)
+    bash bench/with_wheels.sh python -m bench.memory_check --out-dir $OUT   # the H200: GLM-5.3-width slice
+    python -m bench.memory_check --cpu --out-dir /tmp  # CPU smoke: narrow widths, no graphs (TRITON_INTERPRET=1)
 
-The slice is bench/gpu_plan_check.py's (2 layers at GLM-5.3 width: a dense layer, a 256-expert MoE layer,
+The slice is bench/common.py's (2 layers at GLM-5.3 width: a dense layer, a 256-expert MoE layer,
 both full DSA indexers), its bf16 random weights quantised to block FP8 on load, the KV and indexer caches
 FP8 (656- and 132-byte rows). Fields, each measured and as explain (`glmc.explain.explain_plan`) has it:
 
@@ -34,13 +34,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import gpu_plan_check as pc  # noqa: E402
+from bench import common
 
 TOLERANCE = 0.05
 
@@ -77,8 +75,8 @@ def runner_bytes(ex) -> dict:
     """{field: bytes} the runner `ex` (a PlanExecutor or GpuRunner) holds, each storage counted once,
     in field order (a copy that is a view of a weight counts as the weight)."""
     seen: set = set()
-    experts = {k: v for k, v in ex._stacks.items() if not isinstance(k, tuple)}
-    joined = {k: v for k, v in ex._stacks.items() if isinstance(k, tuple)}   # executor.weight's A-proj cat
+    experts = {k: v for k, v in ex.stacks.items() if not isinstance(k, tuple)}
+    joined = {k: v for k, v in ex.stacks.items() if isinstance(k, tuple)}   # executor.weight's A-proj cat
     out = {"weights": unique_bytes([ex.weights, experts], seen),
            "weight_copies": unique_bytes([joined, getattr(ex, "_derived", {})], seen),
            "kv": unique_bytes(ex.pool.kv, seen), "index": unique_bytes(ex.pool.index_k, seen),
@@ -115,10 +113,10 @@ def build(cpu: bool, max_reqs: int, ctx: int):
     import torch
     dev, dtype = ("cpu", torch.float32) if cpu else ("cuda", torch.bfloat16)
     before = None if cpu else torch.cuda.memory_allocated()
-    model = pc.slice_model(dev, dtype, seed=0, narrow=cpu)
-    plan = pc.glmc_plan(model, max_reqs, "float32" if cpu else "bfloat16", fp8=True, kv_dtype="fp8")
-    weights, stacks = pc.glmc_weights(model)
-    runner = pc.gpu_runner(plan, weights, dev, max_reqs, ctx, stacks=stacks)
+    model = common.slice_model(dev, dtype, seed=0, narrow=cpu)
+    plan = common.glmc_plan(model, max_reqs, "float32" if cpu else "bfloat16", fp8=True, kv_dtype="fp8")
+    weights, stacks = common.glmc_weights(model)
+    runner = common.gpu_runner(plan, weights, dev, max_reqs, ctx, stacks=stacks)
     del model, weights, stacks          # what stays allocated now is the runner's alone
     gc.collect()
     if cpu:
@@ -132,7 +130,7 @@ def prompts_and_table(runner, max_reqs: int, ctx: int):
     """max_reqs random prompts of ctx // 2 tokens and their req_to_token table; the forward group
     (requests per prefill forward: 8192 tokens, the plan's largest chunk)."""
     import torch
-    table = pc.req_table(max_reqs, -(-ctx // 64))
+    table = common.req_table(max_reqs, -(-ctx // 64))
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, runner.config.vocab_size, (ctx // 2,), generator=g).tolist() for _ in range(max_reqs)]
     return prompts, table, max(1, 8192 // (ctx // 2))
@@ -142,8 +140,8 @@ def first_steps(runner, max_reqs: int, ctx: int):
     """Prefill max_reqs prompts of ctx // 2 tokens, then one eager decode step of all of them (the
     op table makes its re-laid-out copies on first use)."""
     prompts, table, group = prompts_and_table(runner, max_reqs, ctx)
-    pc.prefill(runner, prompts, table, group=group)
-    runner.forward("decode", pc.decode_batch([p + [1] for p in prompts], table))
+    common.prefill(runner, prompts, table, group=group)
+    runner.forward("decode", common.decode_batch([p + [1] for p in prompts], table))
 
 
 def _field(measured, explained, note, judged=True) -> dict:
@@ -184,7 +182,7 @@ def pool_segments() -> dict:
 
 def model_step(plan, phase: str, tokens: int, requests: int, max_len: int, mode: str, cpu: bool):
     """The plan-memory model's step (`passes/step_memory.py`) at a point; on the CPU unrounded, with
-    the interpreter's stand-in SM count (triton_render._num_sms)."""
+    the interpreter's stand-in SM count (triton_render.sm_count)."""
     from glmc.passes.plan_memory import BLOCK_BYTES, target_of
     from glmc.passes.step_memory import step_memory
     target = target_of(plan.dtypes, tokens, requests, max_len, **({"num_sms": 2} if cpu else {}))
@@ -199,7 +197,7 @@ def attribute(plan, runner, max_reqs: int, ctx: int, cpu: bool) -> dict:
     prompts, table, group = prompts_and_table(runner, max_reqs, ctx)
     batches = {"prefill": ForwardBatch.build("extend", prompts[:group], list(range(len(prompts[:group]))),
                                              [0] * len(prompts[:group]), table),
-               "decode": pc.decode_batch([p + [1] for p in prompts], table)}
+               "decode": common.decode_batch([p + [1] for p in prompts], table)}
     out = {}
     for phase, batch in batches.items():
         mem = measure(runner, lambda: runner.forward(phase, batch))
@@ -281,7 +279,6 @@ def main():
     if args.cpu:
         os.environ["TRITON_INTERPRET"] = "1"
         args.max_running, args.ctx = 2, 64
-    pc.import_glmc()
     import torch
     res = {"device": "cpu-interpreter" if args.cpu else torch.cuda.get_device_name(), "torch": torch.__version__,
            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "max_running": args.max_running, "ctx": args.ctx,

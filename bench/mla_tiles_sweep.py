@@ -2,19 +2,19 @@
 --heads: a tp8 rank's 8; latent 512, rope 64, top-k 2048), per token count: which (key_major,
 block_h, block_n, warps, stages) is fastest, against the plan's default (`SparseMlaDecodeCtx.make`).
 
-    python bench/mla_tiles_sweep.py --out-dir $OUT [--tokens 1,8,32,128]
-    python bench/mla_tiles_sweep.py --out-dir $OUT --focus     # FP8 rows: the two best tiles of the full
+    python -m bench.mla_tiles_sweep --out-dir $OUT [--tokens 1,8,32,128]
+    python -m bench.mla_tiles_sweep --out-dir $OUT --focus     # FP8 rows: the two best tiles of the full
         sweep x fp16 dot operands (dot16) x split counts (1x / 2x / 4x mla_num_splits')
-    python bench/mla_tiles_sweep.py --out-dir $OUT --dequant --tokens 1,8,32,128 --contexts 1024,2048
+    python -m bench.mla_tiles_sweep --out-dir $OUT --dequant --tokens 1,8,32,128 --contexts 1024,2048
         # FP8 rows scaled once per gathered tile (one dot over the latent dim) against the per-group
         # kernel, head- and key-major, 16-64 heads, 1-2 stages; contexts below k select fewer keys
-    python bench/mla_tiles_sweep.py --out-dir $OUT --splits --tokens 32,128 --contexts 1024,2048
+    python -m bench.mla_tiles_sweep --out-dir $OUT --splits --tokens 32,128 --contexts 1024,2048
         # the default tiles at split counts 1 .. 64 against mla_num_splits' (the split partials are
         # [T, H, S, 512] fp32, written by the kernel and read back by mla_combine)
-    python bench/mla_tiles_sweep.py --out-dir $OUT --parts --tokens 1,128 --contexts 1024,2048
+    python -m bench.mla_tiles_sweep --out-dir $OUT --parts --tokens 1,128 --contexts 1024,2048
         # the latent output in v_parts 1/2/4 column parts per head block (a smaller accumulator, fewer
         # spills) x head-major tiles x stages, FP8 rows scaled per tile and bf16; at T < 32 also split counts
-    python bench/mla_tiles_sweep.py --out-dir $OUT --tokens 128,8192 --tiles 0:32:64:8:2,1:32:64:8:2:1:1
+    python -m bench.mla_tiles_sweep --out-dir $OUT --tokens 128,8192 --tiles 0:32:64:8:2,1:32:64:8:2:1:1
         # the given tiles (key_major:block_h:block_n:warps:stages[:v_parts[:dot16]]), FP8 rows scaled
         # per tile and bf16 (dot16 applies to FP8 rows only)
 
@@ -25,12 +25,8 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import sys
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import gpu_plan_check as pc  # noqa: E402
 
 
 def main():
@@ -47,7 +43,6 @@ def main():
                     "[:v_parts[:dot16]] to measure")
     ap.add_argument("--heads", type=int, default=64, help="query heads (a tp8 rank of GLM-5.3 holds 8)")
     a = ap.parse_args()
-    pc.import_glmc()
     import torch
     import triton.testing as tb
     from glmc.codegen import fp8_ref

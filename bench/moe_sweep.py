@@ -2,8 +2,8 @@
 GLM-5.3's expert shapes, per token count: how far from the byte floor the defaults are, and which
 (block_n, block_k, num_warps, num_stages, splits) per stage is fastest (glmc issues 15 item 3 and 10).
 
-    bash bench/with_wheels.sh python3 bench/moe_sweep.py --out-dir $OUT --budget 300    # the H200
-    python bench/moe_sweep.py --tiny --out-dir /tmp/moe_sweep                              # CPU smoke
+    bash bench/with_wheels.sh python -m bench.moe_sweep --out-dir $OUT --budget 300    # the H200
+    python -m bench.moe_sweep --tiny --out-dir /tmp/moe_sweep                              # CPU smoke
 
 Shapes: 256 experts, hidden 6144, intermediate 2048, top-8; every expert's weights are allocated
 (bf16: 19.3 GB, FP8: 9.7 GB + scales) so the ones a step touches are never in L2; random weights and
@@ -210,8 +210,8 @@ def search(case: Case, grid: dict, deadline: float) -> tuple[dict, dict]:
 
 def _sms(dev) -> int:
     import torch
-    from glmc.codegen.triton_render import _num_sms
-    return _num_sms(torch.device(dev))
+    from glmc.codegen.triton_render import sm_count
+    return sm_count(torch.device(dev))
 
 
 def align_us(case: Case) -> dict:
@@ -287,9 +287,6 @@ def main():
     a = parse_args()
     if a.tiny:
         os.environ["TRITON_INTERPRET"] = "1"       # before triton is imported
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from _glmc_import import import_glmc
-    import_glmc("glmc.codegen.triton_moe")
     import torch
     t_end = time.perf_counter() + a.budget
     shape = TINY if a.tiny else FULL

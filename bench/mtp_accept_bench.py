@@ -1,6 +1,6 @@
 """MTP acceptance on the small trained model (models/small) and held-out text, CPU, torch target.
 
-    python bench/mtp_accept_bench.py [--steps 1,2,3] [--temperatures 0,1] [--rules standard,matching]
+    python -m bench.mtp_accept_bench [--steps 1,2,3] [--temperatures 0,1] [--rules standard,matching]
                                      [--prompts 8 --prompt-len 96 --max-tokens 48] [--out FILE]
                                      [--weights DIR]   (another checkpoint of the small model's shape)
 

@@ -39,13 +39,10 @@ import argparse
 import gc
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import decode_bench as db  # noqa: E402  (op_calls)
-import gpu_plan_check as pc  # noqa: E402  (slice config, model, weights, request tables)
+from bench import common
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ROOT / "models" / "small"
@@ -125,8 +122,7 @@ def check_serve(out_dir: Path, cpu: bool):
     """One server per draft count, serve_bench at each concurrency against it; -> summaries."""
     import subprocess
 
-    import serve_bench as sb
-    here = Path(__file__).resolve().parent
+    from bench import serve_bench as sb
     runs = {}
     cwd = os.getcwd()
     os.chdir("/tmp")   # `python -m glmc.cli` must find the installed glmc, not the repo's glmc/ folder
@@ -139,10 +135,11 @@ def check_serve(out_dir: Path, cpu: bool):
                 for c in ((1,) if cpu else (1, 16)):
                     path = out_dir / f"serve_N{n}_c{c}.json"
                     tokens = 8 if cpu else 64
-                    cmd = [sys.executable, str(here / "serve_bench.py"), "--url", url, "--num-requests",
-                           str(max(8, 4 * c) if not cpu else 2), "--concurrency", str(c), "--min-tokens",
-                           str(tokens), "--max-tokens", str(tokens), "--seed", "1", "--out", str(path)]
-                    subprocess.run(cmd, check=True, timeout=300)
+                    cmd = common.command("serve_bench", "--url", url, "--num-requests",
+                                         str(max(8, 4 * c) if not cpu else 2), "--concurrency", str(c),
+                                         "--min-tokens", str(tokens), "--max-tokens", str(tokens), "--seed", "1",
+                                         "--out", str(path))
+                    subprocess.run(cmd, check=True, timeout=300, cwd=ROOT)
                     got = json.loads(path.read_text())
                     runs[f"N={n} c{c}"] = got["summary"]   # with "speculative": the accept length
                     print(f"serve N={n} c={c}: " + json.dumps({k: v for k, v in got["summary"].items()
@@ -167,9 +164,9 @@ def slice_with_mtp(dev, dtype, narrow, fp8=False, parallel="tp1"):
     from glmc.config import Options
     from glmc.parallel import parse_parallel
     from glmc.spec import load_spec
-    model = pc.slice_model(dev, dtype, seed=0, narrow=narrow, num_hidden_layers=4,
+    model = common.slice_model(dev, dtype, seed=0, narrow=narrow, num_hidden_layers=4,
                            indexer_types=["full", "full", "shared", "full"])
-    weights, stacks = pc.glmc_weights(model)
+    weights, stacks = common.glmc_weights(model)
     h = model.config.hidden_size
     g = torch.Generator(device=dev).manual_seed(5)
     p = "model.layers.3."
@@ -181,7 +178,7 @@ def slice_with_mtp(dev, dtype, narrow, fp8=False, parallel="tp1"):
     raw.update(model_type="glm_moe_dsa", dtype="bfloat16", num_hidden_layers=3, num_nextn_predict_layers=1,
                indexer_types=["full", "full", "shared"], mlp_layer_types=raw["mlp_layer_types"][:3])
     if fp8:
-        raw["quantization_config"] = pc.FP8_CONFIG
+        raw["quantization_config"] = common.FP8_CONFIG
     d = Path(tempfile.mkdtemp(prefix="glmc_mtp_slice_"))
     (d / "config.json").write_text(json.dumps(raw))
     spec = load_spec(d)
@@ -198,8 +195,8 @@ def segment_calls(runner, phase, batch, hidden, size=None):
     rest ("head": the final norm, lm_head, sampling; the MTP prologue)."""
     from collections import OrderedDict
     size = size or batch.num_tokens
-    calls = db.op_calls(runner, lambda: runner._body(
-        phase, runner._host_vectors(batch, size).to(runner.r2t.device), hidden))
+    calls = common.op_calls(runner, lambda: runner.run_tokens(
+        phase, runner.host_vectors(batch, size).to(runner.r2t.device), hidden))
     groups = OrderedDict()
     for op, args, rt, fn in calls:
         if op.kind in ("io.input",):
@@ -211,7 +208,7 @@ def segment_calls(runner, phase, batch, hidden, size=None):
 
 def segment_bench(dev):
     """ms of one call of a segment: CUDA-graph replays on the GPU, wall time of one eager call on the CPU."""
-    from decode_bench import bench_ms
+    from bench.common import bench_ms
     return (lambda fn: bench_ms(fn)) if dev == "cuda" else (lambda fn: bench_ms(fn, graph=False))
 
 
@@ -232,12 +229,12 @@ def width_steps(dev, plan, weights, stacks, ctx, batches, budget_end, out, comm=
     from glmc.runtime.worker.forward_batch import ForwardBatch
     t0 = now()
     B_max = max(batches)
-    runner = pc.gpu_runner(plan, weights, dev, B_max, ctx + 64, stacks=stacks, comm=comm)
-    table = pc.req_table(B_max, (ctx + 64) // 64)
+    runner = common.gpu_runner(plan, weights, dev, B_max, ctx + 64, stacks=stacks, comm=comm)
+    table = common.req_table(B_max, (ctx + 64) // 64)
     g = torch.Generator().manual_seed(0)
     vocab = plan.config.vocab_size
     prompts = [torch.randint(0, vocab, (ctx,), generator=g).tolist() for _ in range(B_max)]
-    pc.prefill(runner, prompts, table, group=max(1, 8192 // ctx))
+    common.prefill(runner, prompts, table, group=max(1, 8192 // ctx))
     out["setup_s"] = now() - t0
     for B in batches:
         for T in sorted({B * (n + 1) for n in (0, *STEPS)}):
@@ -335,17 +332,17 @@ def ep_rank_ms(groups, ep, experts, bench):
 
 def experts_touched(groups, ep, experts):
     """{segment: [distinct experts its step's real tokens route to, per EP rank]} of the segments
-    with a moe.experts op (padding tokens, which run no expert, left out as `cuda_target._padding`
+    with a moe.experts op (padding tokens, which run no expert, left out as `cuda_target.padding_rows`
     finds them)."""
     import torch
-    from glmc.codegen.cuda_target import _padding
+    from glmc.codegen.cuda_target import padding_rows
     out = {}
     for k, calls in groups.items():
         for op, args, rt, _ in calls:
             if op.kind != "moe.experts":
                 continue
             ids = next(a for a in args if torch.is_tensor(a) and not a.is_floating_point())
-            pad = _padding(op, ids, rt)
+            pad = padding_rows(op, ids, rt)
             real = ids if pad is None else ids[pad[0] != pad[1]]
             used = real.reshape(-1).unique().tolist()
             out[k] = [sum(r * experts // ep <= e < (r + 1) * experts // ep for e in used) for r in range(ep)]
@@ -507,7 +504,6 @@ def main():
     a = ap.parse_args()
     if a.cpu:
         os.environ.setdefault("TRITON_INTERPRET", "1")
-    pc.import_glmc()
     import torch
     dev = "cpu" if a.cpu else "cuda"
     t0 = now()

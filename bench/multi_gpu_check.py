@@ -1,7 +1,7 @@
 """Plans over several GPUs (NCCL) against tp1 on one: greedy tokens, logits and the collective bill.
 
-    python bench/multi_gpu_check.py --out results.json          # N GPUs (default: all visible)
-    python bench/multi_gpu_check.py --cpu                       # gloo dry run, Triton interpreted
+    python -m bench.multi_gpu_check --out results.json          # N GPUs (default: all visible)
+    python -m bench.multi_gpu_check --cpu                       # gloo dry run, Triton interpreted
 
 For each spec (tp2, tp2ep2, dp2ep2 with the gather and the all-to-all MoE lowering; N for 2 GPUs),
 one process per GPU loads the CUDA-target plan through the one loader (`runtime/worker/loader.py`),
@@ -20,15 +20,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import gpu_plan_check as pc  # noqa: E402  (shared helpers: slice model, weights, tables)
+from bench import common
 
-pc.import_glmc()
 SPECS = [("tp2", None), ("tp2ep2", False), ("dp2ep2", False), ("dp2ep2", True)]
 STEPS = 6
 
@@ -44,10 +41,10 @@ FP8_ALIGNED = dict(v_head_dim=64, intermediate_size=256, moe_intermediate_size=2
 def tiny_ckpt(root: Path, fp8: bool = False) -> Path:
     """The tiny checkpoint (every dim >= 16); `fp8`: its linear weights block-FP8 as GLM-5 ships them,
     at FP8_ALIGNED's widths."""
-    from tiny_hf import save_tiny, save_tiny_fp8
+    tiny_hf = common.tests_module("tiny_hf")
     path = root / ("tiny16_fp8" if fp8 else "tiny16")
     if not (path / "config.json").exists():
-        (save_tiny_fp8 if fp8 else save_tiny)(path, "wide", seed=5, index_n_heads=16, qk_rope_head_dim=16,
+        (tiny_hf.save_tiny_fp8 if fp8 else tiny_hf.save_tiny)(path, "wide", seed=5, index_n_heads=16, qk_rope_head_dim=16,
                                               index_head_dim=32, n_routed_experts=8, num_experts_per_tok=2,
                                               **(FP8_ALIGNED if fp8 else {}))
     return path
@@ -69,8 +66,8 @@ def run_rank(rank: int, world: int, job: dict, out_dir: str) -> None:
     plan, dev = job["plan"], job["device"]
     comm = Comm(plan.mesh, plan.groups)
     if job["kind"] == "width":
-        model = pc.slice_model(dev, torch.bfloat16, seed=0, narrow=job["narrow"])
-        weights, stacks = pc.glmc_weights(model)
+        model = common.slice_model(dev, torch.bfloat16, seed=0, narrow=job["narrow"])
+        weights, stacks = common.glmc_weights(model)
         del model
     else:
         weights, stacks = job["ckpt"], None
@@ -80,7 +77,7 @@ def run_rank(rank: int, world: int, job: dict, out_dir: str) -> None:
     dp, dp_rank = plan.mesh["attn_dp"], comm.coords.of("attn_dp")
     share = [list(range(r, B, dp)) for r in range(dp)]
     mine = share[dp_rank]
-    table = pc.req_table(B, max_ctx // 64)
+    table = common.req_table(B, max_ctx // 64)
     seqs = [list(job["prompts"][i]) for i in mine]
     dp_prefill = [sum(len(job["prompts"][i]) for i in s) for s in share] if dp > 1 else None
     dp_decode = [len(s) for s in share] if dp > 1 else None
@@ -100,7 +97,7 @@ def run_rank(rank: int, world: int, job: dict, out_dir: str) -> None:
         counts.append(comm.reset())
     cap = gpu.captured.get(gpu.last_bucket) if gpu.last_bucket and job["time_replay"] else None
     torch.save({"index": mine, "tokens": tokens, "logits": logits, "counts": counts,
-                "bucket": gpu.last_bucket, "replay_ms": pc.replay_ms(cap.graph) if cap else None},
+                "bucket": gpu.last_bucket, "replay_ms": common.replay_ms(cap.graph) if cap else None},
                f"{out_dir}/rank{rank}.pt")
 
 
@@ -120,7 +117,7 @@ def compile_for(kind, source, parallel, a2a, max_running, dtype_name, p2p=True, 
     from glmc.parallel import parse_parallel
     from glmc.spec import load_spec
     if kind == "width":
-        return pc.glmc_plan(source, max_running, dtype_name, parallel, moe_a2a=a2a, p2p_collectives=p2p,
+        return common.glmc_plan(source, max_running, dtype_name, parallel, moe_a2a=a2a, p2p_collectives=p2p,
                             moe_routing=routing)
     spec = load_spec(source)
     return compile_plan(spec, parse_parallel(parallel, spec.config),
@@ -145,8 +142,8 @@ def check(kind, args, root, backend, dev) -> list[dict]:
         from types import SimpleNamespace
 
         from transformers import GlmMoeDsaConfig
-        source = SimpleNamespace(config=GlmMoeDsaConfig(**{**pc.GLM53, **pc.SLICE,
-                                                          **(pc.NARROW if narrow else {})}))
+        source = SimpleNamespace(config=GlmMoeDsaConfig(**{**common.GLM53, **common.SLICE,
+                                                          **(common.NARROW if narrow else {})}))
         vocab = source.config.vocab_size
         lengths, tol, dtype_name = ((40, 21, 33, 9) if narrow else (2100, 300, 700, 64)), 2e-2, "bfloat16"
     prompts = prompts_for(vocab, lengths)
@@ -180,7 +177,7 @@ def check(kind, args, root, backend, dev) -> list[dict]:
 
 def predicted_row(kind, plan, res, context, args) -> dict:
     """The predicted replay of `plan` at the bucket its ranks replayed, next to the slowest rank's."""
-    import predicted
+    from bench import predicted
 
     from glmc.calibration import load
     bucket, times = res[0]["bucket"], [r["replay_ms"] for r in res]

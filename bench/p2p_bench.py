@@ -1,8 +1,8 @@
 """glmc's one-shot peer-memory reductions against NCCL and torch's one-shot all-reduce (issue 16).
 
-    python bench/p2p_bench.py --out p2p_bench.json              # every visible GPU, NCCL
-    python bench/p2p_bench.py --cpu --world 2                   # gloo + /dev/shm, Triton interpreted
-    python bench/p2p_bench.py --one-gpu 2 --out one_gpu.json    # one GPU: ranks as streams of one process
+    python -m bench.p2p_bench --out p2p_bench.json              # every visible GPU, NCCL
+    python -m bench.p2p_bench --cpu --world 2                   # gloo + /dev/shm, Triton interpreted
+    python -m bench.p2p_bench --one-gpu 2 --out one_gpu.json    # one GPU: ranks as streams of one process
 
 One process per GPU. At each message size (rows x 6144 bf16, 12 KiB to 6 MiB), inside CUDA graphs
 (CALLS calls per graph, replayed; microseconds per call, the slowest rank's median):
@@ -38,11 +38,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _glmc_import import import_glmc  # noqa: E402
-
-import_glmc()
 
 H = 6144
 ROWS = (1, 4, 8, 16, 32, 64, 128, 256, 512)        # x 6144 bf16: 12 KiB .. 6 MiB
@@ -139,7 +134,7 @@ def _stability(ch, weight, dev, dtype, replays: int, world: int, cpu: bool) -> d
     res = torch.zeros(rows, H, device=dev, dtype=dtype)
     step = (lambda: p2p_allreduce(x, ch, res, weight, 1e-5))
     if not cpu:
-        from decode_bench import capture_graph
+        from bench.common import capture_graph
         graph, outs = capture_graph(step)
         run = (lambda: (graph.replay(), outs)[1])
     else:

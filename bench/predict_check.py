@@ -1,11 +1,11 @@
 """Predicted next to measured for every row of the 2-GPU benchmark files, on the CPU; and the /2
 calibration fields that today's per-kernel profiles give.
 
-    python bench/predict_check.py                       # the table: calibration as /1 (before) and as it is
-    python bench/predict_check.py --derive-into FILE    # write the derived /2 fields into FILE (a /1 file)
+    python -m bench.predict_check                       # the table: calibration as /1 (before) and as it is
+    python -m bench.predict_check --derive-into FILE    # write the derived /2 fields into FILE (a /1 file)
 
-The plans are rebuilt without a GPU by the benchmarks' own builders (`spec_bench.py`: pc.GLM53 +
-pc.SLICE + its LAYERS, max_batch 2 x the largest batch; `multi_gpu_check.py`: `compile_for` over its
+The plans are rebuilt without a GPU by the benchmarks' own builders (`spec_bench.py`: common.GLM53 +
+common.SLICE + its LAYERS, max_batch 2 x the largest batch; `multi_gpu_check.py`: `compile_for` over its
 tiny checkpoint and width slice) and predicted at each row's bucket and context with
 `bench/predicted.py`, as the benchmarks do. "before" reads the calibration as its /1 fields only
 (the predictor's /1 fallback is the model before the /2 terms).
@@ -28,15 +28,12 @@ import argparse
 import json
 import re
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import gpu_plan_check as pc  # noqa: E402  (slice config, plan builder)
+from bench import common
 
-pc.import_glmc()
-RESULTS = pc.ROOT / "bench" / "results"
+RESULTS = common.ROOT / "bench" / "results"
 SPEC_BENCH = RESULTS / "spec_bench_2026-11-30.json"
 MULTI = RESULTS / "multi_gpu_check_2026-11-30_predicted.json"
 CALIBRATION = RESULTS / "calibration_nvidia-h200-x2_2026-11-30.json"
@@ -61,9 +58,9 @@ def spec_plans(data: dict) -> dict:
     """spec_bench's plans by spec name, as its main() compiles them."""
     from types import SimpleNamespace
 
-    import spec_bench
+    from bench import spec_bench
     from transformers import GlmMoeDsaConfig
-    cfg = SimpleNamespace(config=GlmMoeDsaConfig(**{**pc.GLM53, **pc.SLICE, **spec_bench.LAYERS}))
+    cfg = SimpleNamespace(config=GlmMoeDsaConfig(**{**common.GLM53, **common.SLICE, **spec_bench.LAYERS}))
     rows = [r for r in data["rows"] if "error" not in r]
     max_batch = 2 * max(r["B_per_rank"] for r in rows)
     plans = {}
@@ -72,7 +69,7 @@ def spec_plans(data: dict) -> dict:
             parallel, a2a = _spec_args(r["spec"])
             # measured before glmc had peer-memory collectives (every reduction through NCCL) and
             # before the gather form recomputed its routing (moe_routing: the file's, else gather)
-            plans[r["spec"]] = pc.glmc_plan(cfg, max_batch, "bfloat16", parallel, moe_a2a=a2a,
+            plans[r["spec"]] = common.glmc_plan(cfg, max_batch, "bfloat16", parallel, moe_a2a=a2a,
                                             p2p_collectives=data.get("p2p_collectives", False),
                                             moe_routing=data.get("moe_routing", "gather"))
     return plans
@@ -80,7 +77,7 @@ def spec_plans(data: dict) -> dict:
 
 def spec_rows(data: dict, cal: dict, plans: dict | None = None) -> list[dict]:
     """[{name, bucket, context, measured_ms, predicted_ms, ratio}] for every timed spec_bench row."""
-    import predicted
+    from bench import predicted
     plans = plans or spec_plans(data)
     ctx = data["info"]["ctx"]
     return [_row(f"{r['spec']} B={r['B_per_rank']}", r["bucket"], ctx, r["replay_ms"],
@@ -101,12 +98,12 @@ def multi_plans(root: Path) -> dict:
     """multi_gpu_check's plans by (check, parallel, moe), built by its compile_for."""
     from types import SimpleNamespace
 
-    import multi_gpu_check as mg
+    from bench import multi_gpu_check as mg
     from transformers import GlmMoeDsaConfig
     plans = {}
     for kind, (lengths, dtype) in MULTI_CHECKS.items():
         source = mg.tiny_ckpt(root) if kind == "tiny" else \
-            SimpleNamespace(config=GlmMoeDsaConfig(**{**pc.GLM53, **pc.SLICE}))
+            SimpleNamespace(config=GlmMoeDsaConfig(**{**common.GLM53, **common.SLICE}))
         for parallel, a2a in [("tp1", None), *mg.SPECS]:
             moe = {None: "-", False: "gather", True: "a2a"}[a2a]
             # measured (2026-11-30) before peer-memory collectives (every collective through NCCL)
@@ -119,8 +116,8 @@ def multi_plans(root: Path) -> dict:
 def multi_rows(data: dict, cal: dict, plans: dict) -> list[dict]:
     """The rows of a multi_gpu_check --calibration file, predicted again. tp1 replays all 4 requests
     (bucket 4); the file keeps the other specs' buckets."""
-    import multi_gpu_check as mg
-    import predicted
+    from bench import multi_gpu_check as mg
+    from bench import predicted
     out = []
     for r in data["rows"]:
         if not (r.get("predicted") or {}).get("measured_ms"):
@@ -136,8 +133,8 @@ def multi_rows(data: dict, cal: dict, plans: dict) -> list[dict]:
 
 def as_v1(cal: dict) -> dict:
     """The calibration without its /2 fields: what the predictor made of it before them."""
-    from glmc.calibration import _NEW_IN_V2, SCHEMA_V1
-    return {**{k: v for k, v in cal.items() if k not in _NEW_IN_V2}, "schema": SCHEMA_V1}
+    from glmc.calibration import NEW_IN_V2, SCHEMA_V1
+    return {**{k: v for k, v in cal.items() if k not in NEW_IN_V2}, "schema": SCHEMA_V1}
 
 
 # ----------------------------------------------------------------------------- derived fields
@@ -152,7 +149,7 @@ def _profile(row: dict) -> dict:
 
 def _gemm_calls(plan) -> tuple[int, float]:
     """(cuBLAS GEMM calls, their bytes) of the plan's decode step at one token (runner dtypes)."""
-    import predicted
+    from bench import predicted
 
     from glmc.codegen.cuda_kernels import launches
     from glmc.passes.costs import op_cost, params_of, weight_bytes_for
@@ -225,7 +222,7 @@ def derive_into(path: Path, spec_bench: Path = SPEC_BENCH) -> dict:
     fields, notes = derive(data, spec_plans(data), raw)
     raw.update({"schema": SCHEMA, **fields})
     raw["derived"] = {"fields": sorted(fields), "from": f"bench/results/{spec_bench.name}",
-                      "by": "bench/predict_check.py --derive-into", "notes": notes,
+                      "by": "python -m bench.predict_check --derive-into", "notes": notes,
                       "remeasure": ("bench/calibrate.py measures these directly (torch sequences, a GEMM "
                                     "sweep, the top-k select kernel); re-run it on the device")}
     validate(raw, str(path))

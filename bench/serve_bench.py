@@ -1,7 +1,7 @@
 """Serving benchmark: replay a mixed, seeded chat workload against an OpenAI-compatible server.
 
-    python bench/serve_bench.py --url http://127.0.0.1:8000/v1   # a running server
-    python bench/serve_bench.py --launch "--parallel dp2ep2"      # start `glmc run` here
+    python -m bench.serve_bench --url http://127.0.0.1:8000/v1   # a running server
+    python -m bench.serve_bench --launch "--parallel dp2ep2"      # start `glmc run` here
 
 Workload (same for a given --seed): --num-requests chat requests, all streamed; prompt lengths
 drawn from short / medium / long buckets (or one --prompt-words LO,HI range), output lengths

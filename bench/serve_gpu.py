@@ -3,11 +3,11 @@
 warm server, a profile of served steps, then bench/decode_bench.py's graph-replay step at the same
 batches, and every serving run's TPOT next to that step. bench/serve_gpu.sh wraps it for the device:
 
-    python3 bench/serve_gpu.py --out-dir $OUT --budget 540     # CUDA (the H200)
-    python bench/serve_gpu.py --cpu --out-dir /tmp/sg           # CPU dry run: narrow widths, fp32, the
+    python -m bench.serve_gpu --out-dir $OUT --budget 540     # CUDA (the H200)
+    python -m bench.serve_gpu --cpu --out-dir /tmp/sg           # CPU dry run: narrow widths, fp32, the
                                                                 # same runner uncaptured, interpreted Triton
 
-1. Checkpoint: config.json of the 2-layer slice (bench/gpu_plan_check.py's GLM53 + SLICE: hidden 6144,
+1. Checkpoint: config.json of the 2-layer slice (bench/common.py's GLM53 + SLICE: hidden 6144,
    64 heads, q_lora 2048, kv_lora 512, nope/rope/v 192/64/256, 256 experts top-8 + shared, moe_inter
    2048, layer 0 dense, layer 1 MoE, both full DSA indexers 32 x 128, index_topk 2048, vocab 154880),
    random bf16 weights drawn on the GPU and streamed to one safetensors file, and models/tiny's
@@ -53,9 +53,9 @@ import threading
 import time
 from pathlib import Path
 
+from bench import common
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
-import gpu_plan_check as pc  # noqa: E402
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 # bf16 KV: the cache decode_bench's step (the ratios' denominator) runs (FP8 KV: bench/long_context_bench.py)
@@ -110,7 +110,7 @@ def now():
 # ----------------------------------------------------------------------------- checkpoint
 def slice_config(narrow: bool, dtype_name: str) -> dict:
     # narrow: vocab 512, the tokenizer's (the engine refuses a tokenizer larger than the model)
-    cfg = {**pc.GLM53, **pc.SLICE, **(dict(pc.NARROW, vocab_size=512) if narrow else {})}
+    cfg = {**common.GLM53, **common.SLICE, **(dict(common.NARROW, vocab_size=512) if narrow else {})}
     for k in ("eos_token_id", "bos_token_id", "pad_token_id"):
         cfg.pop(k)
     cfg.update(architectures=["GlmMoeDsaForCausalLM"], model_type="glm_moe_dsa", dtype=dtype_name,
@@ -120,7 +120,7 @@ def slice_config(narrow: bool, dtype_name: str) -> dict:
 
 
 def _init(name, shape, dtype, device, gen, printable):
-    """bench/gpu_plan_check.randomize_on_device_'s scales; zero router bias; lm_head rows past the
+    """bench/common.randomize_on_device_'s scales; zero router bias; lm_head rows past the
     tokenizer's vocab zero."""
     import torch
     if name.endswith("bias"):
@@ -173,7 +173,7 @@ def write_checkpoint(d: Path, narrow: bool, device: str) -> dict:
 def start_server(ckpt: Path, out: Path, cpu: bool, deadline: float) -> tuple[subprocess.Popen, str]:
     args = ["--weights", str(ckpt), "--port", "0", "--log-level", "warning",
             *SERVER_FLAGS["cpu" if cpu else "gpu"].split(), "--profile-dir", str(out / "profile")]
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--serve-cpu", *args] if cpu else \
+    cmd = common.command("serve_gpu", "--serve-cpu", *args) if cpu else \
         [sys.executable, "-m", "glmc.cli", "run", "--device", "cuda", *args]
     log = out / "server.log"
     # cwd outside the repo: there `glmc` is the installed package, not the repo's glmc/ folder
@@ -287,13 +287,13 @@ class Profiler(threading.Thread):
 def run_bench(name, args, url, work, cpu, timeout, profiler=None) -> dict:
     path = work / f"serve_{name}.json"
     path.unlink(missing_ok=True)
-    cmd = [sys.executable, str(ROOT / "bench" / "serve_bench.py"), "--url", url, "--out", str(path),
-           "--note", f"bench/serve_gpu.py run {name}", *args.split()]
+    cmd = common.command("serve_bench", "--url", url, "--out", str(path), "--note", f"bench.serve_gpu run {name}",
+                         *args.split())
     if cpu:
         cmd += ["--device", "cpu dry run (GpuRunner uncaptured, narrow slice)"]
     t = now()
     try:
-        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
         if profiler is not None:
             profiler.begin(t, p)
         stdout, stderr = p.communicate(timeout=max(1, timeout))
@@ -326,7 +326,7 @@ def workload_stats(rows) -> dict:
 
 def itl_outside(rows, t0, t1) -> dict:
     """ITL p99 of the gaps that do not overlap [t0, t1] (the profiled steps), and how many did."""
-    import serve_bench
+    from bench import serve_bench
     inside, outside = 0, []
     for r in rows:
         if r.get("error") or r.get("ttft_s") is None:
@@ -363,13 +363,13 @@ def decode_step(batches, ctx, work, out, cpu, timeout, commit) -> dict:
     """bench/decode_bench.py, glmc only: {batch: {replay_ms, step_ms}} + its info."""
     d = work / "decode_bench"
     shutil.rmtree(d, ignore_errors=True)
-    cmd = [sys.executable, str(ROOT / "bench" / "decode_bench.py"), "--out-dir", str(d), "--commit", commit,
-           "--batches", ",".join(map(str, batches)), "--skip", "eager,compile", "--ctx", str(ctx),
-           # its --budget only bounds the per-op tables (to 45% of it): keep them short
-           "--budget", str(int(min(timeout, 300 if cpu else 120)))] + (["--cpu"] if cpu else [])
+    cmd = common.command("decode_bench", "--out-dir", str(d), "--commit", commit,
+                         "--batches", ",".join(map(str, batches)), "--skip", "eager,compile", "--ctx", str(ctx),
+                         # its --budget only bounds the per-op tables (to 45% of it): keep them short
+                         "--budget", str(int(min(timeout, 300 if cpu else 120)))) + (["--cpu"] if cpu else [])
     t = now()
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=max(1, timeout), cwd="/tmp")
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=max(1, timeout), cwd=ROOT)
         res = {"rc": p.returncode, "tail": (p.stdout + p.stderr)[-3000:]}
     except subprocess.TimeoutExpired as e:
         res = {"rc": None, "error": f"stopped after {timeout:.0f} s (budget)",
@@ -525,7 +525,6 @@ def main():
     work.mkdir(parents=True, exist_ok=True)
     if a.cpu:
         os.environ["TRITON_INTERPRET"] = "1"
-    pc.import_glmc()
     import torch
     dev = "cpu" if a.cpu else "cuda"
     commit = os.environ.get("GLMC_COMMIT", "unknown")
@@ -617,9 +616,9 @@ def main():
     if a.prefill_check and check.exists() and not a.cpu and left > 30:
         t = now()
         try:
-            p = subprocess.run([sys.executable, str(check), "--out", str(work / "prefill_check.json"),
-                                "--budget", str(max(20, int(left - 45)))],
-                               capture_output=True, text=True, timeout=left)
+            p = subprocess.run(common.command("gpu_prefill_check", "--out", str(work / "prefill_check.json"),
+                                              "--budget", str(max(20, int(left - 45)))),
+                               capture_output=True, text=True, timeout=left, cwd=ROOT)
             info["prefill_check"] = {"rc": p.returncode, "tail": (p.stdout + p.stderr)[-3000:]}
         except subprocess.TimeoutExpired:
             info["prefill_check"] = {"rc": None, "error": f"stopped after {left:.0f} s (budget)"}

@@ -10,5 +10,5 @@
 set -u
 OUT=${OUT:-/tmp/serve_gpu_out}
 mkdir -p "$OUT"
-bash "$(dirname "$0")/with_wheels.sh" python3 "$PWD/bench/serve_gpu.py" --out-dir "$OUT" --budget "${BUDGET:-540}" 2>&1 \
+bash "$(dirname "$0")/with_wheels.sh" python3 -m bench.serve_gpu --out-dir "$OUT" --budget "${BUDGET:-540}" 2>&1 \
     | tee "$OUT/serve_gpu.log"

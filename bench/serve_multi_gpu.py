@@ -1,6 +1,6 @@
 """`glmc run --device cuda` over one and two GPUs gives the same greedy text (openai client).
 
-    python bench/serve_multi_gpu.py --out results.json      # on a machine with >= 2 GPUs
+    python -m bench.serve_multi_gpu --out results.json      # on a machine with >= 2 GPUs
 
 A tiny checkpoint with every dim >= 16 (Triton's dot minimum on a GPU) and the tiny tokenizer is
 served as tp1 on one GPU, then tp2 and dp2ep2 (both MoE lowerings) on two, started by glmc's own
@@ -20,9 +20,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-from test_run_cli import GlmcRun  # noqa: E402  (start, wait for the URL, stop, check the exit)
+from bench import ROOT, common
+
+# tests/test_run_cli.py's `glmc run` in a session of its own: start, wait for the URL, stop, check the exit
+GlmcRun = common.tests_module("test_run_cli").GlmcRun
 
 QUESTIONS = ["What is 2+2?", "Name a colour.", "Tell me a joke about compilers.", "Hello!",
              "Why is the sky blue? Answer at length, please."]
@@ -51,9 +52,8 @@ class TorchrunGlmc(GlmcRun):
 
 
 def make_ckpt(root: Path) -> Path:
-    from tiny_hf import save_tiny
     path = root / "tiny16"
-    save_tiny(path, "wide", seed=5, vocab_size=512, index_n_heads=16, qk_rope_head_dim=16,
+    common.tests_module("tiny_hf").save_tiny(path, "wide", seed=5, vocab_size=512, index_n_heads=16, qk_rope_head_dim=16,
               index_head_dim=32)
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copyfile(ROOT / "models" / "tiny" / f, path / f)

@@ -1,7 +1,7 @@
 """Decode step per parallel spec: tp1 on one GPU; tp2, tp2ep2, dp2ep2 (gather and a2a) on two.
 
-    python bench/spec_bench.py --out-dir bench/results [--calibration FILE] [--batches 1,32,128]
-    python bench/spec_bench.py --cpu --batches 1,2      # dry run: gloo, Triton interpreted, narrow dims
+    python -m bench.spec_bench --out-dir bench/results [--calibration FILE] [--batches 1,32,128]
+    python -m bench.spec_bench --cpu --batches 1,2      # dry run: gloo, Triton interpreted, narrow dims
 
 Model: a GLM-5.3-width slice, 1 dense + 3 MoE layers (256 experts split over the EP ranks), full
 indexers on layers 0 and 2 (1 and 3 share their top-k), random bf16 weights from one seed (the same
@@ -25,16 +25,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import gpu_plan_check as pc  # noqa: E402  (slice model, weights, tables)
-from decode_bench import ceilings  # noqa: E402  (copy bandwidth, measured as the decode bench does)
+from bench import common
+from bench.common import ceilings  # copy bandwidth, measured as the decode bench does
 
-pc.import_glmc()
 LAYERS = dict(num_hidden_layers=4, first_k_dense_replace=1, indexer_types=["full", "shared", "full", "shared"])
 TWO_GPU = [("tp2", None), ("tp2ep2", False), ("dp2ep2", False), ("dp2ep2", True)]
 NCCL_KINDS = {"AllReduce": "all_reduce", "AllGather": "all_gather", "ReduceScatter": "reduce_scatter",
@@ -69,7 +66,7 @@ def must_bytes(plan, tokens, ctx, touched):
     """HBM bytes this rank must move in one decode step of `tokens` requests (runner dtypes: bf16):
     the cost model's, with its expected routed-expert reads replaced by the experts the step's
     routing really touched on this rank (`touched`: per MoE layer)."""
-    import predicted
+    from bench import predicted
     from glmc.passes.costs import op_cost, touched_experts, weight_bytes_for
     env = {"T": tokens, "B": tokens, "S": ctx, "K": plan.config.index_topk}
     graph, wb = plan.graphs["decode"], weight_bytes_for(predicted.runner_dtypes(plan))
@@ -122,7 +119,7 @@ def one_spec(plan, weights, stacks, job, comm):
     dp = plan.mesh["attn_dp"]
     need = {B: gpu.padded_tokens(B, [B] * dp if dp > 1 else None) for B in batches}
     buckets = sorted({next(b for b in gpu.buckets if b >= n) for n in need.values()})
-    table = pc.req_table(max_b, max_ctx // 64)
+    table = common.req_table(max_b, max_ctx // 64)
     touched = {B: routed_experts(gpu, plan, batch_of(plan, B, ctx, table), [B] * dp if dp > 1 else None)
                for B in batches}   # one eager step per batch: the experts its routing really picks
     if cuda:
@@ -144,7 +141,7 @@ def one_spec(plan, weights, stacks, job, comm):
         row["bucket"] = gpu.last_bucket
         cap = gpu.captured.get(gpu.last_bucket) if cuda else None
         if cap is not None:
-            row["replay_ms"] = pc.replay_ms(cap.graph, reps)
+            row["replay_ms"] = common.replay_ms(cap.graph, reps)
             row["nccl_ms"], row["kernels_ms"], row["profile"] = nccl_ms(cap.graph, 5)
             row["counts"] = cap.counts
         out.append(row)
@@ -160,12 +157,12 @@ def run_rank(rank, world, job, out_dir):
     from glmc.runtime.worker.comm import Comm
     dev = job["device"]
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // (2 * world)))   # ranks share the host's cores
-    model = pc.slice_model(dev, torch.bfloat16, seed=0, narrow=job["narrow"], **LAYERS)
+    model = common.slice_model(dev, torch.bfloat16, seed=0, narrow=job["narrow"], **LAYERS)
     with torch.no_grad():   # HF's init value: routing spreads over experts (a random bias herds tokens onto a few)
         for n, t in list(model.named_parameters()) + list(model.named_buffers()):
             if n.endswith("e_score_correction_bias"):
                 t.zero_()
-    weights, stacks = pc.glmc_weights(model)
+    weights, stacks = common.glmc_weights(model)
     del model
     res = {}
     for name, plan in job["plans"].items():
@@ -179,7 +176,7 @@ def run_rank(rank, world, job, out_dir):
 
 def summarise(name, plan, ranks, gbps, cal, ctx) -> list[dict]:
     """Slowest rank per batch; roofline, tokens/s, predicted."""
-    import predicted
+    from bench import predicted
     rows = []
     for i, first in enumerate(ranks[0]):
         per = [r[i] for r in ranks]
@@ -228,12 +225,12 @@ def main():
     from types import SimpleNamespace
 
     from transformers import GlmMoeDsaConfig
-    model_cfg = SimpleNamespace(config=GlmMoeDsaConfig(**{**pc.GLM53, **pc.SLICE, **(pc.NARROW if args.cpu else {}),
+    model_cfg = SimpleNamespace(config=GlmMoeDsaConfig(**{**common.GLM53, **common.SLICE, **(common.NARROW if args.cpu else {}),
                                                           **LAYERS}))
-    plans = {"tp1": pc.glmc_plan(model_cfg, max(args.batches) * 2, "bfloat16", "tp1")}
+    plans = {"tp1": common.glmc_plan(model_cfg, max(args.batches) * 2, "bfloat16", "tp1")}
     for parallel, a2a in TWO_GPU:
         name = parallel + {None: "", False: "/gather", True: "/a2a"}[a2a]
-        plans[name] = pc.glmc_plan(model_cfg, max(args.batches) * 2, "bfloat16", parallel, moe_a2a=a2a)
+        plans[name] = common.glmc_plan(model_cfg, max(args.batches) * 2, "bfloat16", parallel, moe_a2a=a2a)
     job = dict(device=dev, narrow=args.cpu, batches=args.batches, ctx=args.ctx, reps=args.reps)
     gbps, t0, rows = ceilings(args.cpu)[0], time.perf_counter(), []
     for world, names in ((1, ["tp1"]), (2, [n for n in plans if n != "tp1"])):

@@ -1,7 +1,7 @@
 """Where one decode step's time goes: every kernel of the captured graph, attributed to its op.
 
-    python bench/step_trace.py --out-dir $OUT --commit <sha> [--kv fp8|bf16] [--batches 1,32,128]
-    python bench/step_trace.py --out-dir $OUT --parallel tp8ep8 --batches 1,16   # one rank, alone
+    python -m bench.step_trace --out-dir $OUT --commit <sha> [--kv fp8|bf16] [--batches 1,32,128]
+    python -m bench.step_trace --out-dir $OUT --parallel tp8ep8 --batches 1,16   # one rank, alone
 
 The GLM-5.3-width slice of bench/decode_bench.py (2 layers, random weights, context --ctx), FP8 weights
 and KV by default (`--kv bf16`: bf16 weights and KV). Per batch:
@@ -23,13 +23,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import decode_bench as db  # noqa: E402
-import gpu_plan_check as pc  # noqa: E402
+from bench import common
 
 
 def cuda_kernels(prof):
@@ -41,8 +38,8 @@ def cuda_kernels(prof):
 
 def decode_calls(runner, batch) -> list:
     """[(op, args, step, implementation)] of one decode body, recorded as it runs once."""
-    vectors = runner._host_vectors(batch, batch.batch_size).to(runner.r2t.device)
-    return db.op_calls(runner, lambda: runner._body("decode", vectors))
+    vectors = runner.host_vectors(batch, batch.batch_size).to(runner.r2t.device)
+    return common.op_calls(runner, lambda: runner.run_tokens("decode", vectors))
 
 
 def op_kernels(calls) -> list:
@@ -136,52 +133,51 @@ def main():
     ap.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 32, 128])
     ap.add_argument("--parallel", default="tp1", help="not tp1: rank 0 of this mesh alone (LoneComm), collectives left out")
     args = ap.parse_args()
-    pc.import_glmc()
     import torch
     fp8 = args.kv == "fp8"
     lone = args.parallel != "tp1"
     info = {"device": torch.cuda.get_device_name(), "commit": args.commit, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
             "torch": torch.__version__, "ctx": args.ctx, "kv": args.kv, "weights": args.kv, "parallel": args.parallel,
             "rank": "rank 0 alone (LoneComm), collectives left out of the graph" if lone else "the whole step"}
-    model = pc.slice_model("cuda", torch.bfloat16, seed=0)
+    model = common.slice_model("cuda", torch.bfloat16, seed=0)
     with torch.no_grad():
         for n, b in model.named_buffers():
             if n.endswith("e_score_correction_bias"):
                 b.zero_()
-    weights, stacks = pc.glmc_weights(model)
+    weights, stacks = common.glmc_weights(model)
     B_max, ctx = max(args.batches), args.ctx
     # a lone rank cannot run an all-to-all: the MoE's gather form (as mtp_gpu_check's rank part)
-    plan = pc.glmc_plan(model, B_max, "bfloat16", fp8=fp8, kv_dtype=args.kv, parallel=args.parallel,
+    plan = common.glmc_plan(model, B_max, "bfloat16", fp8=fp8, kv_dtype=args.kv, parallel=args.parallel,
                         **({"moe_a2a": False} if lone else {}))
     comm = None
     if lone:
         from glmc.runtime.worker.comm import LoneComm
         comm = LoneComm(plan.mesh, rank=0)
-    runner = pc.gpu_runner(plan, weights, "cuda", B_max, ctx + 64, stacks=stacks, comm=comm)
+    runner = common.gpu_runner(plan, weights, "cuda", B_max, ctx + 64, stacks=stacks, comm=comm)
     del model
-    table = pc.req_table(B_max, (ctx + 64) // 64)
+    table = common.req_table(B_max, (ctx + 64) // 64)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, plan.config.vocab_size, (ctx,), generator=g).tolist() for _ in range(B_max)]
     # a lone rank prefills 8192 tokens a forward, as mtp_gpu_check's rank part (16384 under tp8ep8 ended
     # in an illegal memory access on 2026-12-05, not yet reproduced elsewhere: bench/NOTES.md, session 24)
-    pc.prefill(runner, prompts, table, group=max(1, (8192 if lone else 16384) // ctx))
+    common.prefill(runner, prompts, table, group=max(1, (8192 if lone else 16384) // ctx))
     if not lone:
         runner.capture(args.batches)
     res = {}
     for B in args.batches:
         nxt = torch.randint(0, plan.config.vocab_size, (B,), generator=g).tolist()
-        batch = pc.decode_batch([p + [t] for p, t in zip(prompts[:B], nxt)], table)
+        batch = common.decode_batch([p + [t] for p, t in zip(prompts[:B], nxt)], table)
         if lone:
-            from mtp_gpu_check import COMM_KINDS, peer_tokens
+            from bench.mtp_gpu_check import COMM_KINDS, peer_tokens
             comm.peer = peer_tokens(B * plan.mesh["attn_dp"], plan.config.n_routed_experts)
             calls = [c for c in decode_calls(runner, batch) if not c[0].kind.startswith(COMM_KINDS)]
             comm.peer = None
-            graph, _ = db.capture_graph(lambda: [fn(op, args, rt) for op, args, rt, fn in calls])
+            graph, _ = common.capture_graph(lambda: [fn(op, args, rt) for op, args, rt, fn in calls])
         else:
             runner.forward("decode", batch)
             calls, graph = decode_calls(runner, batch), runner.captured[B].graph
         r = summarise(op_kernels(calls), graph_trace(graph, args.replays))
-        r["replay_ms"] = db.bench_ms(graph.replay, graph=False)
+        r["replay_ms"] = common.bench_ms(graph.replay, graph=False)
         r["host_step_ms"] = None if lone else host_step_ms(runner, batch)
         res[B] = r
         host = "" if lone else f", host step {r['host_step_ms']:.3f} ms"

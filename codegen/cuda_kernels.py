@@ -55,8 +55,8 @@ def topk_select_passes(row_len: int, k: int, chunk: int = TOPK_CHUNK) -> int:
     return 34 if row_len > k else 2
 
 
-_ADD_RMS_TORCH = 8          # torch_ref.add_rms_norm: add, cast, pow, mean, add, rsqrt, mul, mul
-_ALIGN_ROWS = 36            # triton_moe.align_rows (aten ops, scalar wrappers excluded)
+ADD_RMS_TORCH_OPS = 8    # torch_ref.add_rms_norm: add, cast, pow, mean, add, rsqrt, mul, mul
+ALIGN_ROWS_OPS = 36       # triton_moe.align_rows (aten ops, scalar wrappers excluded)
 # triton_moe's (copied; tests/test_predict.py checks them): up to ALIGN_ROWS routed rows over up to
 # ALIGN_MAX_EXPERTS local experts at the decode row block (< ALIGN_ROWS_PER_EXPERT rows per expert),
 # one moe_align kernel sorts them instead of align_rows' torch ops
@@ -82,7 +82,7 @@ LAUNCHES: dict[str, Launches] = {
     "moe.topk": Launches(1),                                        # the router kernel
     # align_rows' torch ops (decode sizes: the moe_align kernel, `launches`); gate/up, down and combine
     # kernels (the combine stores in the activations' dtype)
-    "moe.experts": Launches(3, _ALIGN_ROWS),
+    "moe.experts": Launches(3, ALIGN_ROWS_OPS),
     "elt.add": Launches(torch_ops=1), "tensor.concat": Launches(torch_ops=1),
     "tensor.select_last": Launches(torch_ops=1),
     "sample.tokens": Launches(1, 1),                                # the done-counters memset, the split argmax
@@ -153,7 +153,7 @@ def launches(kind: str, attrs: dict, p2p: bool = False, routed_rows: float | Non
         experts = int(attrs.get("experts", 0)) // int(attrs.get("ep", 1))
         if routed_rows <= ALIGN_ROWS and experts <= ALIGN_MAX_EXPERTS \
                 and routed_rows < ALIGN_ROWS_PER_EXPERT * max(1, experts):
-            return Launches(base.kernels + 1, base.torch_ops - _ALIGN_ROWS, base.collectives, base.gemms)
+            return Launches(base.kernels + 1, base.torch_ops - ALIGN_ROWS_OPS, base.collectives, base.gemms)
     if p2p and kind in ("moe.dispatch", "moe.combine"):    # its torch ops stay; the exchange is the kernel
         return Launches(base.kernels, base.torch_ops, (), base.gemms)
     if p2p and kind in P2P_KINDS:

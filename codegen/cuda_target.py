@@ -332,13 +332,13 @@ def _experts(op, args, ctx: CudaStepContext):
         if xs is None:     # the tokens' own rows (gather lowering): quantised once with the shared expert's
             x, xs = quantized(x, op.operands[0], ctx)
         return tm.moe_experts_fp8(x, ids, w, gate, up, down, expert_offset=ctx.expert_offset(op),
-                                  lib=ctx.kernels, x_scales=xs, act_dtype=act, pad=_padding(op, ids, ctx),
+                                  lib=ctx.kernels, x_scales=xs, act_dtype=act, pad=padding_rows(op, ids, ctx),
                                   out_dtype=act)
     return tm.moe_experts(x, ids, w, gate, up, down, expert_offset=ctx.expert_offset(op),
-                          tiles=ctx.moe_tiles, lib=ctx.kernels, pad=_padding(op, ids, ctx), out_dtype=x.dtype)
+                          tiles=ctx.moe_tiles, lib=ctx.kernels, pad=padding_rows(op, ids, ctx), out_dtype=x.dtype)
 
 
-def _padding(op, ids, ctx: CudaStepContext):
+def padding_rows(op, ids, ctx: CudaStepContext):
     """(a loc of the experts' rows, the padding slot) where the rows are tokens in order: the step's
     own (one rank's, or all-gathered over attention TP: `loc`) or every DP rank's, all-gathered over
     attention DP (`dp_loc`); padding tokens then run no expert. None for a dispatch's rows."""

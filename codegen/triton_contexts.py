@@ -330,7 +330,7 @@ def mla_num_splits(num_tokens: int, num_heads: int, block_h: int, num_keys: int,
     power of two whose programs' warps fit MLA_WARPS_PER_SM per SM (one wave: 2 programs of 4 warps
     or 1 of 8 per SM), >= 2 key blocks per split, at most MAX_SPLITS. Powers of two cut a top-k of
     2048 (or a 1K context) into equal whole key blocks. Sweep of 2026-12-03 on an H200 (kernel +
-    combine, 64 heads, `bench/mla_tiles_sweep.py --splits`): this rule picks the fastest count at
+    combine, 64 heads, `python -m bench.mla_tiles_sweep --splits`): this rule picks the fastest count at
     every point, 1-128 tokens x contexts 1K / 2K x FP8 / bf16 rows; the 2-wave rule before it (not a
     power of two) was up to 1.5x slower (FP8 rows, 1K: 8 tokens 52.5 vs 38.5 us, 32 tokens 75.1 vs
     55.8, 128 tokens 215.9 vs 173.5; bf16 128 tokens 135.7 vs 121.8): the split partials [T, H, S,

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-from glmc.codegen.triton_render import _DOT, JIT, KernelLibrary, _num_sms, next_pow2
+from glmc.codegen.triton_render import _DOT, JIT, KernelLibrary, next_pow2, sm_count
 
 _ACT = {torch.float32: "tl.float32", torch.bfloat16: "tl.bfloat16", torch.float16: "tl.float16"}
 
@@ -313,7 +313,7 @@ def moe_experts(x, ids, weights, w_gate, w_up, w_down, expert_offset=0, tiles=No
     out = torch.empty(T, hidden, dtype=out_dtype, device=x.device)
     if not T:
         return out
-    launch = moe_launch(n, E, hidden, inter, _num_sms(x.device), block_m=tiles.get("block_m"))
+    launch = moe_launch(n, E, hidden, inter, sm_count(x.device), block_m=tiles.get("block_m"))
     bm = launch["block_m"]
     sorted_rows, block_expert = align_rows(ids, E, bm, expert_offset, lib, pad)
     nb = block_expert.shape[0]
@@ -408,7 +408,7 @@ def moe_experts_fp8(x, ids, weights, w_gate, w_up, w_down, expert_offset=0, tile
     out = torch.empty(T, hidden, dtype=out_dtype, device=x.device)
     if not T:
         return out
-    launch = moe_launch(n, E, hidden, inter, _num_sms(x.device), fp8=True, block_m=tiles.get("block_m"))
+    launch = moe_launch(n, E, hidden, inter, sm_count(x.device), fp8=True, block_m=tiles.get("block_m"))
     bm = launch["block_m"]
     sorted_rows, block_expert = align_rows(ids, E, bm, expert_offset, lib, pad)
     nb = block_expert.shape[0]

@@ -50,11 +50,14 @@ def _warps(elements: int, per_warp: int = 512, cap: int = 8) -> int:
     return max(1, min(cap, next_pow2(max(1, elements // per_warp))))
 
 
-def _num_sms(device: torch.device) -> int:
+def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors to fill; a small stand-in on CPU (the interpreter is serial)."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 2
+
+
+_num_sms = sm_count   # the name codegen/triton_fp8.py imports
 
 
 # ----------------------------------------------------------------------------- render / load / libraries

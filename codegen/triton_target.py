@@ -44,11 +44,11 @@ from glmc.codegen.triton_render import (  # noqa: F401  (re-exported)
     JIT,
     TEMPLATE_DIR,
     KernelLibrary,
-    _num_sms,
     _warps,
     load_kernel,
     next_pow2,
     render,
+    sm_count,
 )
 
 
@@ -155,7 +155,7 @@ def narrow_gemm(x, w, out=None, out_dtype=None, lib: KernelLibrary = JIT, splits
     if not m:
         return y
     ctx = ctx or NarrowGemmCtx.make(n, k, w.dtype)
-    splits = even_splits(ctx.k_blocks, splits or narrow_splits(m, n, k, _num_sms(x.device)))
+    splits = even_splits(ctx.k_blocks, splits or narrow_splits(m, n, k, sm_count(x.device)))
     width = -(-ctx.k_blocks // splits)
     part = torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if splits > 1 else y
     lib(ctx)[(-(-m // ctx.block_m) * ctx.n_tiles, splits)](x, x.stride(0), w, y, y.stride(0), part, m, splits, width,
@@ -380,7 +380,7 @@ def sparse_mla_latent(q_lat, q_pe, kv_cache, req_to_token, rows, pos, topk, scal
     fp8 = kv_cache.dtype == torch.uint8
     ctx = SparseMlaDecodeCtx.make(H, R, q_pe.shape[-1], None if topk is None else topk.shape[1], scale,
                                   q_lat.dtype if fp8 else kv_cache.dtype, T, kv_fp8=fp8, **tiles)
-    S = num_splits or mla_num_splits(T, H, ctx.block_h, num_keys, ctx.block_n, _num_sms(dev), ctx.v_parts,
+    S = num_splits or mla_num_splits(T, H, ctx.block_h, num_keys, ctx.block_n, sm_count(dev), ctx.v_parts,
                                      ctx.num_warps)
     # one split: the kernel's normalised rows are the output, stored in its dtype (the combine of one
     # split rescales by exp2(0) = 1: the same bits), so no fp32 partials and no combine launch
@@ -467,7 +467,7 @@ def sample_greedy(logits, lib: KernelLibrary = JIT, num_splits=None):
     out = torch.empty(B, dtype=torch.int64, device=dev)
     if not B:
         return out
-    S = num_splits or argmax_splits(B, V, ctx.chunk, _num_sms(dev))
+    S = num_splits or argmax_splits(B, V, ctx.chunk, sm_count(dev))
     part_max = torch.empty(B, ctx.splits_block, dtype=torch.float32, device=dev)
     part_idx = torch.empty(B, ctx.splits_block, dtype=torch.int32, device=dev)
     count = torch.zeros(B, dtype=torch.int32, device=dev)

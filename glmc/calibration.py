@@ -69,8 +69,8 @@ COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", 
 _REQUIRED_V1 = {"schema": str, "device": str, "gpus": int, "date": str, "commit": str,
                 "hbm_bytes_per_s": float, "gemm_flops_per_s": dict, "kernel_overhead_s": float,
                 "collectives": dict}
-_NEW_IN_V2 = {"torch_op_s": float, "gemm_launch_s": float, "topk_select": dict}
-_REQUIRED = {SCHEMA_V1: _REQUIRED_V1, SCHEMA: {**_REQUIRED_V1, **_NEW_IN_V2}}
+NEW_IN_V2 = {"torch_op_s": float, "gemm_launch_s": float, "topk_select": dict}
+_REQUIRED = {SCHEMA_V1: _REQUIRED_V1, SCHEMA: {**_REQUIRED_V1, **NEW_IN_V2}}
 _OPTIONAL = {"attention_flops_per_s": float, "torch_op_overhead_s": float, "measured": bool}
 
 
@@ -101,9 +101,9 @@ def validate(data: dict, source: str = "<dict>") -> dict:
     for key, want in required.items():
         if key not in data:
             fail(f"missing '{key}'" + (f" (required by {SCHEMA!r}; re-run bench/calibrate.py)"
-                                       if key in _NEW_IN_V2 else ""))
+                                       if key in NEW_IN_V2 else ""))
         _check_type(data[key], want, key, fail)
-    for key, want in {**_OPTIONAL, **_NEW_IN_V2}.items():
+    for key, want in {**_OPTIONAL, **NEW_IN_V2}.items():
         if key in data and key not in required:
             _check_type(data[key], want, key, fail)
     if "topk_select" in data:

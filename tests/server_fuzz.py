@@ -276,7 +276,6 @@ def settled(url: str, timeout: float = 60.0) -> str | None:
 
 def _serve_tiny():
     """A tiny-model server on a free loopback port, in this process (for the long run)."""
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
     from glmc.api import build_engine
     from glmc.runtime.serving.server import create_app
     from glmc.tiny import default_cache_dir, make_tiny_checkpoint

@@ -8,8 +8,7 @@ import pytest
 from glmc.calibration import load, validate
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
-calibrate = pytest.importorskip("calibrate")
+calibrate = pytest.importorskip("bench.calibrate")
 
 
 def test_sizes_groups_and_shapes():
@@ -39,8 +38,8 @@ def test_assemble_writes_the_schema():
 
 def test_smoke_run(tmp_path):
     """Two gloo processes measure every field at 4-16 KiB and write a file glmc explain reads."""
-    run = subprocess.run([sys.executable, str(ROOT / "bench" / "calibrate.py"), "--smoke", "--out-dir",
-                          str(tmp_path)], capture_output=True, text=True, timeout=120, check=False)
+    run = subprocess.run([sys.executable, "-m", "bench.calibrate", "--smoke", "--out-dir",
+                          str(tmp_path)], capture_output=True, text=True, cwd=ROOT, timeout=120, check=False)
     assert run.returncode == 0, run.stderr[-3000:]
     (path,) = tmp_path.glob("calibration_cpu-smoke-x2_*.json")
     cal = load(path)

@@ -1,9 +1,7 @@
 """Padding rows on the CUDA target (CPU, Triton interpreted): a decode step run past its batch, as a
 graph bucket runs it (padding rows: token 0 at the scratch KV slot), gives the real rows the logits
 of the unpadded step, and its MoE runs no expert for the padding rows: their routed output is 0
-(`cuda_target._padding` -> `triton_moe.align_rows(pad=)`)."""
-import sys
-from pathlib import Path
+(`cuda_target.padding_rows` -> `triton_moe.align_rows(pad=)`)."""
 
 import pytest
 import torch
@@ -12,8 +10,7 @@ from glmc.runtime.worker.loader import load_runner
 
 from glmc.api import plan_for
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-import decode_bench as db  # noqa: E402  (op_calls: every op call of a step)
+from bench import common  # op_calls: every op call of a step
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -28,8 +25,8 @@ def test_padding_rows_run_no_expert(tiny_ckpt):
     step = ForwardBatch.build("decode", [[5], [6], [7]], [0, 1, 2], [len(p) for p in prompts], table)
 
     def run(size):
-        vectors = runner._host_vectors(step, size).to(runner.r2t.device)
-        calls = db.op_calls(runner, lambda: out.update(runner._body("decode", vectors)))
+        vectors = runner.host_vectors(step, size).to(runner.r2t.device)
+        calls = common.op_calls(runner, lambda: out.update(runner.run_tokens("decode", vectors)))
         return out.pop("logits"), calls
     out = {}
     want, _ = run(3)
@@ -65,7 +62,7 @@ def test_attention_dp_padding_rows_run_no_expert(tiny_ckpt):
 
     def routed(dp_tokens):
         """[(the MoE's dp_loc, its routed output)] of every MoE layer of one decode step."""
-        calls = db.op_calls(runner, lambda: runner.forward("decode", step, dp_tokens=dp_tokens))
+        calls = common.op_calls(runner, lambda: runner.forward("decode", step, dp_tokens=dp_tokens))
         return [(rt.dp_loc.tolist(), fn(op, args, rt)) for op, args, rt, fn in calls if op.kind == "moe.experts"]
     full, padded = routed([2, 2]), routed([2, 1])
     assert len(full) == len(padded) >= 2

@@ -1,5 +1,5 @@
 """The CUDA target over two gloo processes on the CPU (Triton interpreted, the plan's kernel library
-strict): `bench/multi_gpu_check.py --cpu` for the specs whose kernels differ from tp1's (tokens split
+strict): `python -m bench.multi_gpu_check --cpu` for the specs whose kernels differ from tp1's (tokens split
 over attention TP; one dispatched row per route under a2a). Greedy tokens equal tp1's and logits are
 within tolerance (the per-step bill is checked on the GPUs, where steps replay captured buckets); a
 kernel the plan's kernel set misses fails here, not first on the GPUs. The plans' small all-reduces
@@ -15,9 +15,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_tp2ep2_and_dp2ep2_a2a_on_the_cuda_target(tmp_path):
     out = tmp_path / "check.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "multi_gpu_check.py"), "--cpu", "--skip-width",
+    proc = subprocess.run([sys.executable, "-m", "bench.multi_gpu_check", "--cpu", "--skip-width",
                            "--only", "tp2ep2/gather,dp2ep2/a2a", "--out", str(out)],
-                          capture_output=True, text=True, timeout=900)
+                          capture_output=True, text=True, cwd=ROOT, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     assert [(r["parallel"], r["moe"]) for r in rows] == [("tp2ep2", "gather"), ("dp2ep2", "a2a")]
@@ -39,9 +39,9 @@ def test_fp8_weights_under_tp2_and_dp2ep2_a2a(tmp_path):
     equal tp1's and logits within fp32 summation order. The widths give every rank whole 128-column
     activation groups (`multi_gpu_check.FP8_ALIGNED`), so no rank quantises differently from tp1."""
     out = tmp_path / "check.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "multi_gpu_check.py"), "--cpu", "--skip-width",
+    proc = subprocess.run([sys.executable, "-m", "bench.multi_gpu_check", "--cpu", "--skip-width",
                            "--fp8", "--only", "tp2/-,dp2ep2/a2a", "--out", str(out)],
-                          capture_output=True, text=True, timeout=1200)
+                          capture_output=True, text=True, cwd=ROOT, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     assert [(r["parallel"], r["moe"]) for r in rows] == [("tp2", "-"), ("dp2ep2", "a2a")]

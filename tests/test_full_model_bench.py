@@ -10,9 +10,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_full_model_script_dry_run(tmp_path):
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "full_model.py"), "--cpu", "--specs", "dp-a2a,tp",
+    proc = subprocess.run([sys.executable, "-m", "bench.full_model", "--cpu", "--specs", "dp-a2a,tp",
                            "--mtp", "1", "--accept", "1.8", "--concurrency", "3", "--out-dir", str(tmp_path)],
-                          capture_output=True, text=True, timeout=900)
+                          capture_output=True, text=True, cwd=ROOT, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     res = json.loads(next(tmp_path.glob("full_model_2gpu_*.json")).read_text())
     assert [(s["parallel"], s["moe"]) for s in res["specs"]] == [("dp2ep2", "a2a"), ("tp2ep2", "-")]

@@ -1,5 +1,5 @@
 """`LoneComm`: one rank of a multi-GPU plan run by itself (its shard, its work, collectives that keep
-shapes and move nothing), the basis of `bench/mtp_gpu_check.py --parts rank`."""
+shapes and move nothing), the basis of `python -m bench.mtp_gpu_check --parts rank`."""
 import pytest
 import torch
 from glmc.compiler import compile_plan
@@ -90,10 +90,7 @@ def test_a_lone_fp8_rank_runs_its_fused_reductions_through_the_nccl_path(tmp_pat
     messages above the one-shot threshold do on GPUs: a reduction fused with add + RMS norm then runs
     the add + RMS norm kernel, which the plan's kernel set holds (FP8: its quantising form too), and
     its rows keep the activations' dtype (the torch target's norm returned fp32 there)."""
-    import sys
-    from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-    import decode_bench as db
+    from bench import common
     from tiny_hf import save_tiny_fp8
     save_tiny_fp8(tmp_path, "grouped", seed=3, v_head_dim=64, intermediate_size=256, moe_intermediate_size=256)
     spec = load_spec(tmp_path)
@@ -106,7 +103,7 @@ def test_a_lone_fp8_rank_runs_its_fused_reductions_through_the_nccl_path(tmp_pat
     ex.forward("prefill", ForwardBatch.build("extend", prompts, [0, 1], [0, 0], table))
     step = ForwardBatch.build("decode", [[1], [2]], [0, 1], [5, 3], table)
     out = {}
-    calls = db.op_calls(ex, lambda: out.update(ex.forward("decode", step)))
+    calls = common.op_calls(ex, lambda: out.update(ex.forward("decode", step)))
     assert out["logits"].isfinite().all()
     fused = [(op, args, rt, fn) for op, args, rt, fn in calls if op.kind == "fused.reduce_scatter_add_rms"]
     assert fused

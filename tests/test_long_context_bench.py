@@ -11,10 +11,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_chunked_prefill_table(tmp_path):
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "long_context_bench.py"), "--cpu", "--prefill", "200",
+    proc = subprocess.run([sys.executable, "-m", "bench.long_context_bench", "--cpu", "--prefill", "200",
                            "--chunk", "96", "--kv-dtypes", "bf16", "--profile", "--indexer-tiles", "16:32:4:1",
                            "--out-dir", str(tmp_path)],
-                          capture_output=True, text=True, timeout=900)
+                          capture_output=True, text=True, cwd=ROOT, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     rows = json.loads(next(tmp_path.glob("long_context_bench_*.json")).read_text())["prefill"]
     assert [(r["prefix"], r["chunk"]) for r in rows] == [(0, 96), (96, 96), (192, 8)]
@@ -40,9 +40,9 @@ def test_chunked_prefill_table(tmp_path):
 def test_decode_points_over_a_model_written_cache(tmp_path):
     """Decode points (the default `--fill model`): each request's context prefilled through the plan,
     then the decode step, its roofline and the per-kernel rows."""
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "long_context_bench.py"), "--cpu", "--skip", "hf,topk",
+    proc = subprocess.run([sys.executable, "-m", "bench.long_context_bench", "--cpu", "--skip", "hf,topk",
                            "--kv-dtypes", "bf16", "--contexts", "200", "--out-dir", str(tmp_path)],
-                          capture_output=True, text=True, timeout=900)
+                          capture_output=True, text=True, cwd=ROOT, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     point = json.loads(next(tmp_path.glob("long_context_bench_*.json")).read_text())["glmc"]["bf16"]["200"]
     assert point["setup"]["fill"] == "model"
@@ -56,25 +56,23 @@ def test_plan_check_counts_route_differences_at_compared_tokens():
     """gpu_plan_check --routes: a prefill's logits are its prompts' last tokens, so its route count
     looks only at those rows (a flip elsewhere does not excuse a logit error); decode counts all."""
     import torch
-    sys.path.insert(0, str(ROOT / "bench"))
-    import gpu_plan_check as pc
+    from bench import common
     a = torch.tensor([[0, 1], [2, 3], [4, 5], [6, 7]])
     b = torch.tensor([[0, 9], [2, 3], [4, 5], [6, 8]])   # rows 0 and 3 routed elsewhere
-    assert pc.route_diffs([a, a], [b, a]) == 2
+    assert common.route_diffs([a, a], [b, a]) == 2
     last = torch.tensor([1, 3]).cumsum(0) - 1               # prompts of 1 and 3 tokens: rows 0, 3
-    assert pc.route_diffs([a, b], [b, b], last) == 2 and pc.route_diffs([a], [b], torch.tensor([1, 2])) == 0
+    assert common.route_diffs([a, b], [b, b], last) == 2 and common.route_diffs([a], [b], torch.tensor([1, 2])) == 0
 
 
 def test_whole_step_is_wall_time_of_back_to_back_calls():
     """The decode benchmarks' whole-step time: the median wall time of back-to-back calls, host work
     included (a call that sleeps 4 ms costs >= 4 ms), at least 5 calls after the warm-up ones."""
     import time
-    sys.path.insert(0, str(ROOT / "bench"))
-    import decode_bench as db
+    from bench import common
     calls = []
 
     def step():
         calls.append(1)
         time.sleep(0.004)
-    ms = db.step_wall_ms(step, seconds=0.01, warmup=2)
+    ms = common.step_wall_ms(step, seconds=0.01, warmup=2)
     assert 4.0 <= ms < 40.0 and len(calls) >= 7, (ms, len(calls))

@@ -18,8 +18,6 @@
   out of an op's model fails the per-op comparison naming the op (checked by leaving one out).
 """
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -41,9 +39,8 @@ from glmc.runtime.worker.loader import load_runner, stack_experts
 from glmc.runtime.worker.shards import cut_rank_weights
 from glmc.spec import kv_dtyped, load_spec
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from gpu_plan_check import decode_batch, req_table  # noqa: E402
-from memory_check import compare, explain_bytes, first_steps, model_step, runner_bytes  # noqa: E402
+from bench.common import decode_batch, req_table
+from bench.memory_check import compare, explain_bytes, first_steps, model_step, runner_bytes
 
 
 @pytest.fixture(scope="module")
@@ -62,8 +59,8 @@ def _experts_once(ex, plan):
     assert not [n for n in ex.weights if ".experts." in n]
     moe = {op.attr("weight"): int(op.attr("experts")) for g in plan.graphs.values() for op in g.ops
            if op.kind == "moe.experts"}
-    assert moe and {k for k in ex._stacks if not isinstance(k, tuple)} == set(moe)
-    for key, parts in ex._stacks.items():
+    assert moe and {k for k in ex.stacks if not isinstance(k, tuple)} == set(moe)
+    for key, parts in ex.stacks.items():
         if not isinstance(key, tuple):
             assert [p.shape[0] for p in parts] == [moe[key]] * 3
 
@@ -75,7 +72,7 @@ def test_each_expert_is_held_once(ckpts, fmt, target):
     assert plan.dtypes.weight == fmt
     ex = runner(plan, ckpts[fmt], target=target)
     _experts_once(ex, plan)
-    stacked = [p for k, parts in ex._stacks.items() if not isinstance(k, tuple) for p in parts]
+    stacked = [p for k, parts in ex.stacks.items() if not isinstance(k, tuple) for p in parts]
     want = Fp8Weight if fmt == "fp8" and target == "cuda" else torch.Tensor
     assert all(isinstance(p, want) for p in stacked)
     held = runner_bytes(ex)["weights"]
@@ -148,7 +145,7 @@ class Measured:
                 packed = torch.zeros(4, b, dtype=torch.int64)     # made outside the pool, kept
                 packed[2].fill_(ex.scratch), packed[3].fill_(ex.pad_row)
                 with mem.region(b) as r:
-                    kept.append((packed, ex._body("decode", packed)))
+                    kept.append((packed, ex.run_tokens("decode", packed)))
                 self.points[f"graph{b}"] = (("decode", b, b, 128, "graph"), r.peak - r.start)
             return mem.live
 

@@ -1,6 +1,6 @@
 """MTP speculative decoding on the CUDA target (issue 17 item 3), run on the CPU: the plan's Triton
 kernels interpreted, no graph capture (the H200 check, `bench/mtp_gpu_check.py`, replays the
-captured verify and draft graphs through the same `GpuRunner._body`).
+captured verify and draft graphs through the same `GpuRunner.run_tokens`).
 
 The verify phase is a decode step over several tokens per row and the draft phase one over the
 MTP layer with a hidden row per token; the greedy output with drafts equals the output without,

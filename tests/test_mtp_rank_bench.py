@@ -9,9 +9,9 @@ from pathlib import Path
 
 import torch
 
+from bench import mtp_gpu_check as mg
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
-import mtp_gpu_check as mg  # noqa: E402
 
 
 def test_peer_tokens_are_other_tokens_and_padding_one_token():
@@ -47,9 +47,9 @@ def test_as_ep_rank_rotates_only_the_experts_ids():
 
 
 def test_a_lone_rank_is_measured_and_predicted(tmp_path):
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "mtp_gpu_check.py"), "--cpu", "--parts", "rank",
+    proc = subprocess.run([sys.executable, "-m", "bench.mtp_gpu_check", "--cpu", "--parts", "rank",
                            "--weights", "bf16", "--accept", "1=1.8,2=2.4,3=3.0", "--out-dir", str(tmp_path)],
-                          capture_output=True, text=True, timeout=900)
+                          capture_output=True, text=True, cwd=ROOT, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     res = json.loads(next(tmp_path.glob("mtp_gpu_check_*.json")).read_text())
     rank = res["rank_bf16"]

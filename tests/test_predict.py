@@ -3,7 +3,6 @@ CUDA target's launch facts (codegen/cuda_kernels.py) it reads."""
 import itertools
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
@@ -172,11 +171,10 @@ def test_the_slice_lands_near_its_measured_steps():
     bench/long_context_bench.py measured its replay at batch 1 / 8 / 32 on an H200 (2026-12-04,
     01e59fd: 1.083 / 1.931 / 3.733 ms); the example calibration, assembled from other runs, predicts
     each within 20%."""
-    sys.path.insert(0, str(ROOT / "bench"))
     from types import SimpleNamespace
 
-    import gpu_plan_check as pc
-    import predicted
+    from bench import common as pc
+    from bench import predicted
     from transformers import GlmMoeDsaConfig
     slice_plan = pc.glmc_plan(SimpleNamespace(config=GlmMoeDsaConfig(**{**pc.GLM53, **pc.SLICE})), 128, "bfloat16")
     assert slice_plan.dtypes.kv_cache == "fp8"
@@ -202,7 +200,7 @@ def launches_as_measured(monkeypatch):
                                            ("attn.mla_absorbed", "attn.sparse_mla", "attn.mla_mha")})
     table["idx.topk"] = Launches(2, 2)
     table["sample.tokens"] = Launches(1, 10)
-    table["moe.experts"] = Launches(2, cuda_kernels._ALIGN_ROWS + 7)     # torch sort and combine, any rows
+    table["moe.experts"] = Launches(2, cuda_kernels.ALIGN_ROWS_OPS + 7)     # torch sort and combine, any rows
     monkeypatch.setattr(cuda_kernels, "LAUNCHES", table)
     monkeypatch.setattr(cuda_kernels, "ALIGN_ROWS", 0)
 
@@ -211,8 +209,7 @@ def test_every_spec_bench_row_within_20_percent(launches_as_measured):
     """bench/results/spec_bench_2026-11-30.json (2x H200: tp1, tp2, tp2ep2/gather, dp2ep2/gather and
     /a2a at 1, 32 and 128 per rank, context 4096): the plans rebuilt on the CPU predict the measured
     replay within 20% with the measured calibration, and give what the benchmark printed with it."""
-    sys.path.insert(0, str(ROOT / "bench"))
-    import predict_check
+    from bench import predict_check
     data = json.loads(SPEC_BENCH.read_text())
     plans = predict_check.spec_plans(data)
     cal = load(MEASURED)
@@ -271,7 +268,7 @@ def test_the_launch_counts_follow_the_torch_code():
     ids = torch.randint(0, 256, (4, 8))
     with Count() as align:
         triton_moe.align_rows(ids, 32, 16, 0)
-    assert len(align.ops) == cuda_kernels._ALIGN_ROWS
+    assert len(align.ops) == cuda_kernels.ALIGN_ROWS_OPS
     # absorbed MLA with the select's slots: its two projections are cuBLAS GEMMs (`bmm`), no other
     # torch op beside its kernels
     H, dn, dv, R, dr, T = 2, 8, 8, 16, 8, 3
@@ -299,8 +296,7 @@ def test_every_multi_gpu_check_row_within_20_percent(tmp_path, launches_as_measu
     """bench/results/multi_gpu_check_2026-11-30_predicted.json (2x H200: the tiny checkpoint and the
     GLM-width slice, tp1 to dp2ep2 at buckets 2-4): the measured calibration predicts each replay
     within 20%."""
-    sys.path.insert(0, str(ROOT / "bench"))
-    import predict_check
+    from bench import predict_check
     data = json.loads(predict_check.MULTI.read_text())
     rows = predict_check.multi_rows(data, load(MEASURED), predict_check.multi_plans(tmp_path))
     assert len(rows) == 10

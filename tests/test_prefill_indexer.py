@@ -2,8 +2,6 @@
 prefill whose requests average >= TOKEN_RUN tokens scores keys with the token-block kernel, and its
 logits are the per-token kernel's (the same top-k: the scores differ only in the order of the sum
 over heads); a block that straddles two requests is scored right."""
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,8 +14,7 @@ from glmc.runtime.worker.forward_batch import ForwardBatch
 from glmc.runtime.worker.loader import load_runner
 from glmc.spec import load_spec
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from gpu_plan_check import req_table  # noqa: E402
+from bench.common import req_table
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -252,7 +252,7 @@ def test_variants_list_every_context_the_launches_pick(monkeypatch, fp8):
     """The plan renders `variants()` and the server compiles exactly those: every context a launch
     without overrides makes, at decode (split) and prefill row counts, is listed."""
     from glmc.codegen import fp8_ref
-    monkeypatch.setattr(tm, "_num_sms", lambda device: 132)     # the H200's count and K runs of 64
+    monkeypatch.setattr(tm, "sm_count", lambda device: 132)    # the H200's count and K runs of 64
     monkeypatch.setattr(tm, "SPLIT_MIN_K", 64)                   # columns: decode splits at these widths
     E, k, hidden, inter = 4, 2, 256, 128
     stacks = [torch.randn(E, *shape) * 0.1 for shape in ((inter, hidden), (inter, hidden), (hidden, inter))]
@@ -302,15 +302,15 @@ def test_fp8_experts_take_rows_an_fp8_dispatch_quantised():
 
 
 def test_padding_ab_bench_runs(tmp_path):
-    """bench/moe_sweep.py --padding (the H200 A/B of dropping padding tokens), tiny shapes on the CPU:
+    """`python -m bench.moe_sweep --padding` (the H200 A/B of dropping padding tokens), tiny shapes on the CPU:
     every PADDED step measured both ways, the dropped run touching only the real tokens' experts."""
     import json
     import subprocess
     import sys
     from pathlib import Path
     root = Path(__file__).resolve().parents[1]
-    proc = subprocess.run([sys.executable, str(root / "bench" / "moe_sweep.py"), "--tiny", "--padding",
-                           "--out-dir", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-m", "bench.moe_sweep", "--tiny", "--padding",
+                           "--out-dir", str(tmp_path)], capture_output=True, text=True, cwd=root, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads((tmp_path / "moe_sweep_padding.json").read_text())["rows"]
     assert [(r["dtype"], r["real"], r["T"]) for r in rows] == [(d, *p) for d in ("bf16", "fp8")

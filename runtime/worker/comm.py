@@ -175,7 +175,7 @@ class Comm:
 
 class LoneComm(Comm):
     """Rank `rank` of `mesh` run by itself, in one process with no peers: one rank's share of a
-    multi-GPU plan, its weights and its work, on one GPU (`bench/mtp_gpu_check.py --parts rank`).
+    multi-GPU plan, its weights and its work, on one GPU (`python -m bench.mtp_gpu_check --parts rank`).
 
     Every collective returns the shape the real one returns and moves nothing: an all-reduce
     returns x (this rank's own contribution), a reduce-scatter this rank's slice of x, a broadcast

@@ -23,7 +23,7 @@ per-token ops plus the gather of each request's last token (static [L] `last` in
 to max_reqs requests), with attention and indexer sized for PREFILL_GRAPH_MAX_LEN positions; a
 step with more tokens or requests, or a longer sequence, runs the same ops eagerly.
 
-The MTP phases run through the same per-token body (`_body`): every op of the CUDA target is
+The MTP phases run through the same per-token body (`run_tokens`): every op of the CUDA target is
 per token (attention reads the paged KV through r2t up to the token's own position, after the
 layer's KV write of every token of the step), so a verify step of B requests x (N+1) tokens, or a
 draft-extend over the kept positions, is a decode step over more tokens, several per row.
@@ -94,14 +94,14 @@ class GpuStep(Step):
         return self.ex.derived(key, make)
 
 
-GRAPH_PHASES = ("decode", "mtp_verify", "mtp_draft")   # the phases run per token (`_body`)
+GRAPH_PHASES = ("decode", "mtp_verify", "mtp_draft")   # the phases run per token (`run_tokens`)
 MTP_PHASES = ("mtp_verify", "mtp_draft")
 
 
 @dataclass
 class Captured:
     graph: object          # torch.cuda.CUDAGraph
-    packed: torch.Tensor   # [4 (+ dp_rows), b] int64 device: `GpuRunner._host_vectors`
+    packed: torch.Tensor   # [4 (+ dp_rows), b] int64 device: `GpuRunner.host_vectors`
     host: torch.Tensor     # the same shape, pinned: its staging buffer
     out: dict              # static outputs: logits, next_ids, hidden
     copied: object = None  # torch.cuda.Event: the last host->device copy of `host` is done
@@ -117,7 +117,7 @@ class GpuRunner(PlanExecutor):
         super().__init__(plan, weights, pool, comm, impls=CUDA_IMPLS, device=pool.device,
                          stacks=stacks)
         self.max_context, self.pad_row, self.scratch = max_context, max_reqs, pool.num_slots - 1
-        # attention DP with the MoE's rows gathered over it: every DP rank's padding, as slots (`_host_vectors`)
+        # attention DP with the MoE's rows gathered over it: every DP rank's padding, as slots (`host_vectors`)
         mesh = plan.mesh
         self.dp_rows = mesh["attn_dp"] if mesh["attn_dp"] > 1 and mesh["attn_tp"] == 1 and mesh["ep"] > 1 else 0
         self.r2t = torch.full((max_reqs + 1, max_context), self.scratch, dtype=torch.int64, device=pool.device)
@@ -152,7 +152,7 @@ class GpuRunner(PlanExecutor):
 
     # ------------------------------------------------------------------ one step over device tensors
     def _step(self, graph, ids, vectors, lens, max_len, last_rows=None, token_runs=False) -> GpuStep:
-        """The step over `_host_vectors` on the device, its token ids `ids` (FUTURE_TOKEN filled in)."""
+        """The step over `host_vectors` on the device, its token ids `ids` (FUTURE_TOKEN filled in)."""
         _, pos, loc, rows = vectors[:4]
         return GpuStep(self, graph, None, {"input_ids": ids, "positions": pos}, loc, rows=rows,
                        pad_slot=self.scratch, dp_loc=vectors[4:].reshape(-1) if self.dp_rows else None, pos=pos,
@@ -168,8 +168,8 @@ class GpuRunner(PlanExecutor):
         self.last_token.index_copy_(0, to_device(torch.tensor(rows, dtype=torch.int64), self.last_token.device),
                                     tokens.to(self.last_token.device, torch.int64))
 
-    def _body(self, phase, vectors, hidden=None, max_len=None) -> dict:
-        """The captured region of a per-token phase over `_host_vectors` on the device: fill in
+    def run_tokens(self, phase, vectors, hidden=None, max_len=None) -> dict:
+        """The captured region of a per-token phase over `host_vectors` on the device: fill in
         FUTURE_TOKEN ids, each token's own slot into the device table, then every op of the phase
         (`hidden`: mtp_draft's input rows)."""
         ids, pos, loc, rows = vectors[:4]
@@ -180,11 +180,11 @@ class GpuRunner(PlanExecutor):
             step.feeds["hidden"] = hidden
         return self._outputs(graph, self.run_ops(graph, step, phase))
 
-    def _host_vectors(self, batch: ForwardBatch, size: int, dp_tokens=None) -> torch.Tensor:
+    def host_vectors(self, batch: ForwardBatch, size: int, dp_tokens=None) -> torch.Tensor:
         """[4 + dp_rows, size] int64: ids, positions, slots, rows per token, padded with the spare
         row; then (attention DP, the MoE's rows gathered over it) one row per DP rank, its tokens as
         slot 0 and its padding as the scratch slot (`dp_tokens`: every rank's count; default this
-        batch's), which the MoE reads as the gathered rows' `loc` (`cuda_target._padding`)."""
+        batch's), which the MoE reads as the gathered rows' `loc` (`cuda_target.padding_rows`)."""
         t = batch.num_tokens
         v = torch.empty(4 + self.dp_rows, size, dtype=torch.int64)
         v[0].zero_(), v[1].zero_(), v[2].fill_(self.scratch), v[3].fill_(self.pad_row)
@@ -223,8 +223,8 @@ class GpuRunner(PlanExecutor):
             if bucket is not None:
                 return self._replay(bucket, batch, dp_tokens=dp_tokens)
             self._load_rows(batch)
-            vectors = to_device(self._host_vectors(batch, need, dp_tokens), self.r2t.device)
-            return {k: v[:B] for k, v in self._body("decode", vectors).items()}
+            vectors = to_device(self.host_vectors(batch, need, dp_tokens), self.r2t.device)
+            return {k: v[:B] for k, v in self.run_tokens("decode", vectors).items()}
         if phase in MTP_PHASES:
             return self._mtp(phase, batch, hidden, dp_tokens, longest)
         self._load_rows(batch)
@@ -234,12 +234,12 @@ class GpuRunner(PlanExecutor):
                 and B <= self.prefill_captured[bucket].last.numel():
             self.num_prefill_replays += 1
             return self._replay(bucket, batch, self.prefill_captured[bucket])
-        vectors = to_device(self._host_vectors(batch, size, dp_tokens), self.r2t.device)
+        vectors = to_device(self.host_vectors(batch, size, dp_tokens), self.r2t.device)
         last = to_device(self._last_tokens(batch, B), self.r2t.device)
         return self._prefill_body(vectors, last, longest, token_runs=batch.num_tokens >= TOKEN_RUN * B)
 
     def _prefill_body(self, vectors, last, max_len, token_runs=False) -> dict:
-        """A prefill (or mixed) step's ops over `_host_vectors` on the device: outputs of each
+        """A prefill (or mixed) step's ops over `host_vectors` on the device: outputs of each
         request's last token (`last`: its index among the step's tokens). The device table already
         holds the rows. `token_runs`: the requests average >= TOKEN_RUN tokens (GpuStep.token_runs)."""
         ids, pos, loc, rows = vectors[:4]
@@ -268,18 +268,18 @@ class GpuRunner(PlanExecutor):
         bucket = next((b for b in sorted(caps) if b >= need), None)
         if bucket is not None:
             return self._replay(bucket, batch, caps[bucket], hidden, dp_tokens)
-        vectors = to_device(self._host_vectors(batch, need, dp_tokens), self.r2t.device)
+        vectors = to_device(self.host_vectors(batch, need, dp_tokens), self.r2t.device)
         if hidden is not None:
             hidden = torch.cat([hidden.to(self.dtype), hidden.new_zeros(need - T, hidden.shape[1],
                                                                        dtype=self.dtype)])
-        out = self._body(phase, vectors, hidden, max_len=longest)
+        out = self.run_tokens(phase, vectors, hidden, max_len=longest)
         return {k: v[:T] for k, v in out.items()}
 
     def _replay(self, bucket: int, batch: ForwardBatch, cap: Captured | None = None, hidden=None,
                 dp_tokens=None) -> dict:
         cap = cap or self.captured[bucket]
         cap.copied.synchronize()             # the previous step's copy has read the staging buffer
-        cap.host.copy_(self._host_vectors(batch, bucket, dp_tokens))
+        cap.host.copy_(self.host_vectors(batch, bucket, dp_tokens))
         cap.packed.copy_(cap.host, non_blocking=True)
         if cap.last is not None:   # a prefill graph: outputs per request
             cap.last_host.copy_(self._last_tokens(batch, cap.last.numel()))
@@ -344,7 +344,7 @@ class GpuRunner(PlanExecutor):
         def body():
             if phase == "prefill":
                 return self._prefill_body(packed, last, self.prefill_max_len)
-            return self._body(phase, packed, hidden)
+            return self.run_tokens(phase, packed, hidden)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):        # compile kernels, create handles, fill caches
             for _ in range(warmup):

@@ -106,6 +106,12 @@ class PlanExecutor:
         self.comm = comm or Comm(self.mesh, plan.groups)
         self._stacks: dict = dict(stacks or {})  # fused A-projections, expert stacks
 
+    @property
+    def stacks(self) -> dict:
+        """The weights held stacked: fused A-projections ({(name, ...): rows of those weights}) and
+        each MoE layer's experts ({weight prefix: (gate, up, down)}), as made so far."""
+        return self._stacks
+
     def weight(self, name: str) -> torch.Tensor:
         if isinstance(name, tuple):          # fused A-projection: rows of several weights
             if name not in self._stacks:
