@@ -158,8 +158,8 @@ def main():
     table = common.req_table(B_max, (ctx + 64) // 64)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, plan.config.vocab_size, (ctx,), generator=g).tolist() for _ in range(B_max)]
-    # a lone rank prefills 8192 tokens a forward, as mtp_gpu_check's rank part (16384 under tp8ep8 ended
-    # in an illegal memory access on 2026-12-05, not yet reproduced elsewhere: bench/NOTES.md, session 24)
+    # a lone rank prefills 8192 tokens a forward, as mtp_gpu_check's rank part: 16384 under tp8ep8
+    # ended in an illegal memory access (README, "Limits")
     common.prefill(runner, prompts, table, group=max(1, (8192 if lone else 16384) // ctx))
     if not lone:
         runner.capture(args.batches)

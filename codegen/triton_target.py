@@ -407,8 +407,8 @@ def mla_absorbed(q_nope, q_pe, w_uk, w_uv, kv_cache, req_to_token, rows, pos, to
     """Absorbed MLA -> o [T, H, dv]: q_lat = q_nope W_UK (w_uk [H, dn, R]) and o = out_lat W_UV (w_uv
     [H, R, dv]) as cuBLAS batched GEMMs around the sparse latent kernel (`sparse_mla_latent`'s
     arguments) and its combine; both weights contiguous in the compute dtype. (Per-head Triton
-    GEMVs at <= 4 tokens, the second merging the splits, lost to this on an H200: bench/NOTES.md,
-    session 23.)"""
+    GEMVs at <= 4 tokens, the second merging the splits, lost to this on an H200: 32.1 against 24.5 us
+    at 64 heads and one token.)"""
     T = q_nope.shape[0]
     q_lat = torch.bmm(q_nope.transpose(0, 1).to(w_uk.dtype), w_uk).transpose(0, 1)   # [T, H, R] view
     out_lat = sparse_mla_latent(q_lat, q_pe.to(q_lat.dtype), kv_cache, req_to_token, rows, pos, topk, scale,

@@ -48,7 +48,7 @@ fp32 on CPU), per step:
   SGLang and vLLM recycle it); loss 0.3 x the mean over depths (DeepSeek-V3's lambda / D). On the
   H200 (2026-12-04) D = 3 ran at half D = 1's speed: `--minutes 6` trained 7.1 epochs, held-out LM
   perplexity 7.90 (D = 1: 8 epochs in 3.5 min, 6.90), and the accept lengths stayed those of D = 1
-  (bench/NOTES.md, session 20), so the shipped checkpoint keeps D = 1.
+  (1.838 / 2.496 / 3.056 at N = 1 / 2 / 3), so the shipped checkpoint keeps D = 1.
 - Indexer KL: transformers runs the DSA indexer under `torch.no_grad` (top-k is not differentiable),
   so the LM loss never trains it. As DeepSeek-V3.2 does, each full layer's indexer is trained with
   KL(p || softmax(I)), where I are its index scores (recomputed here with gradients, on detached
