@@ -176,8 +176,10 @@ def start_server(ckpt: Path, out: Path, cpu: bool, deadline: float) -> tuple[sub
     cmd = common.command("serve_gpu", "--serve-cpu", *args) if cpu else \
         [sys.executable, "-m", "glmc.cli", "run", "--device", "cuda", *args]
     log = out / "server.log"
-    # cwd outside the repo: there `glmc` is the installed package, not the repo's glmc/ folder
-    proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True, cwd="/tmp",
+    # `glmc run`'s cwd is outside the repo: there `glmc` is the installed package, not the repo's
+    # glmc/ folder (the CPU server is this module, found from the repo root)
+    proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True,
+                            cwd=ROOT if cpu else "/tmp",
                             env={**os.environ, "TQDM_DISABLE": "1", "PYTHONUNBUFFERED": "1"})
     while not (m := re.search(r"serving \S+ at (http://\S+/v1)", log.read_text())):
         if proc.poll() is not None:
