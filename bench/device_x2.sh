@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# One device call on nvidia-h200-x2 (2 H200s): the multi-GPU checks, then the one-GPU plan check.
-#   run(command="bash bench/device_x2.sh", carry=[".whl"], kind="nvidia-h200-x2", timeout_s=590)
-# .whl holds the wheels the image lacks, for Python 3.12 manylinux (see device/README.md):
+# The two-GPU jobs on a host with two H200s, from the repository root: the multi-GPU checks, then
+# the one-GPU plan check, within ~10 minutes:  bash bench/device_x2.sh
+# .whl holds the wheels the GPU image lacks, for Python 3.12 manylinux:
 # pydantic, pydantic-core, annotated-types, typing-inspection, fastapi, starlette, uvicorn,
 # annotated-doc, opentelemetry-api, and for the serving check's openai client openai, jiter,
 # httpx2, httpcore2, truststore, sniffio, anyio, idna. glmc itself is installed from this tree.
 # JOBS picks what runs: calibrate (bench/calibrate.py), multi (bench/multi_gpu_check.py), multi_fp8
-# (its tiny check on a block-FP8 checkpoint: issue 10 item 6 on two GPUs), spec
+# (its tiny check on a block-FP8 checkpoint, kept FP8 on both GPUs), spec
 # (spec_bench.py: decode per spec at batch 1/32/128 per rank), plan
 # (gpu_plan_check.py), serve (serve_multi_gpu.py, SERVE_ARGS="--only tp2"), decode (decode_bench.py),
 # p2p (p2p_bench.py: the one-shot peer-memory kernels against NCCL, and replay stability),

@@ -1,8 +1,8 @@
 """FP8 decode of the GLM-5.3-width slice against glmc bf16 and the FP8 roofline, and the FP8 kernels
-alone (issue 10, item 4). One command, one run (~4-6 min on an H200; --budget bounds it):
+alone. One command, one run (~4-6 min on an H200; --budget bounds it):
 
-    python bench/fp8_decode_bench.py --out-dir $OUT --commit <git sha>    # CUDA (the H200)
-    python bench/fp8_decode_bench.py --cpu                                # CPU dry run: narrow, tiny M, no graphs
+    python -m bench.fp8_decode_bench --out-dir $OUT --commit <git sha>    # CUDA (the H200)
+    python -m bench.fp8_decode_bench --cpu                                # CPU dry run: narrow, tiny M, no graphs
 
 Slice and traffic as bench/decode_bench.py (2 layers at GLM-5.3 width, random bf16 weights, router bias
 zero, fresh random tokens every step, context --ctx for every request), run twice with the plan's kernel
@@ -36,7 +36,7 @@ from pathlib import Path
 from bench import common
 from bench import decode_bench as db
 
-PREFILL_SHAPES = [(4096, 6144, 16384, "issue"), (8192, 8192, 8192, "anchor")]
+PREFILL_SHAPES = [(4096, 6144, 16384, "a GLM-5.3 prefill GEMM"), (8192, 8192, 8192, "square")]
 TARGET = {1: 1.4}   # x FP8 roofline; other batches 1.25
 
 

@@ -1,5 +1,5 @@
 """Tile and split-K sweep of the block-FP8 w8a8 GEMM (`codegen/triton_fp8.fp8_block_gemm`) at GLM-5.3's
-shapes, against its defaults (`triton_fp8.default_config`) and torch._scaled_mm (glmc issue 10, item 4):
+shapes, against its defaults (`triton_fp8.default_config`) and torch._scaled_mm:
 
     bash bench/with_wheels.sh python -m bench.fp8_gemm_sweep --out-dir $OUT --budget 400   # the H200
     python -m bench.fp8_gemm_sweep --out-dir /tmp/sweep --tiny        # CPU smoke test, TRITON_INTERPRET=1

@@ -1,4 +1,4 @@
-"""GLM-5.3 at full size on the GPUs of one host (issue 14): decode TPOT per concurrency, MTP off and on.
+"""GLM-5.3 at full size on the GPUs of one host: decode TPOT per concurrency, MTP off and on.
 
     python -m bench.full_model --out-dir $OUT                   # every visible GPU (full size: 8 H200s)
     python -m bench.full_model --layers 8 --out-dir $OUT        # fewer layers (default on < 8 GPUs: what fits)
@@ -20,9 +20,9 @@ per DP rank; all c on every rank of a TP group):
 - output tok/s per GPU (c / TPOT / n), memory per GPU (allocated, reserved, in use; the largest rank's)
   and device time in collectives per step (rank 0, torch.profiler: NCCL and peer-memory kernels);
 - next to `glmc explain`'s calibrated prediction of the same plan, batch and context (--calibration).
-It also prints the prediction for the whole GLM-5.3 on 8 GPUs at every concurrency (issue 14's table
-to compare with SGLang's recipe), whatever ran. Concurrencies that do not fit are reported with the
-bytes they need.
+It also prints the prediction for the whole GLM-5.3 on 8 GPUs at every concurrency (the table to
+compare with SGLang's recipe, docs/performance.md), whatever ran. Concurrencies that do not fit are
+reported with the bytes they need.
 """
 from __future__ import annotations
 

@@ -11,7 +11,7 @@
    layer 0 dense, layer 1 MoE, both full indexers), random weights in bf16: glmc (bf16, graphs) logits
    vs the torch target (codegen/torch_target.py, fp32 compute on the same bf16-rounded weights, on the
    GPU) for a prefill of requests of 2100 (DSA active past 2048) and 300 tokens, then decode steps
-   (`--lengths`: e.g. 8300,300 runs the split top-k select of rows past 8192 scores, issue 15 item 6;
+   (`--lengths`: e.g. 8300,300 runs the split top-k select of rows past 8192 scores;
    `--routes`: eagerly, with each step's MoE routes compared with the oracle's: a step where a token's
    expert set differs, a near-tie of the random router, is reported as such instead of failing).
 With --fp8 the plans store their linear weights block-FP8 (codegen/weight_formats.py): tiny is an FP8

@@ -1,9 +1,9 @@
-"""Decode at long context (issue 15, item 1): the 2-layer GLM-5.3-width slice at contexts 1K-128K,
+"""Decode at long context: the 2-layer GLM-5.3-width slice at contexts 1K-128K,
 batches 1/8/32, glmc (CUDA graphs) next to transformers and the roofline. One command, one run:
 
-    python bench/long_context_bench.py --out-dir $OUT --budget 480        # CUDA (the H200)
-    python bench/long_context_bench.py --cpu                              # CPU smoke: narrow, interpreted
-    python bench/long_context_bench.py --prefill 8192,32768 --chunk 8192  # chunked prefill instead (item 4)
+    python -m bench.long_context_bench --out-dir $OUT --budget 480        # CUDA (the H200)
+    python -m bench.long_context_bench --cpu                              # CPU smoke: narrow, interpreted
+    python -m bench.long_context_bench --prefill 8192,32768 --chunk 8192  # chunked prefill instead
 
 The context (`--fill`): `model` (the default) prefills each request's ctx random tokens through the
 plan in chunks of `--chunk` tokens, so the KV and indexer caches hold what the model writes there
@@ -237,7 +237,7 @@ def run_glmc(model, kv_dtype, contexts, batches, dev, dtype, info, deadline, sav
 
 # ----------------------------------------------------------------------------- chunked prefill
 def run_prefill(model, kv_dtype, lengths, chunk, dev, dtype, info, deadline, profile=False, indexer_tiles=()):
-    """Chunked prefill (issue 15, item 4): one prompt of each length in chunks of `chunk` tokens, each
+    """Chunked prefill: one prompt of each length in chunks of `chunk` tokens, each
     an eager `prefill` forward over the cache its predecessors wrote. Per chunk: the time (run twice,
     the second timed: the first compiles the kernels of a new shape; it rewrites the same KV), the
     FLOPs the plan's cost model counts (`estimate_cost.bill` at T = chunk, S = prefix + chunk: the

@@ -1,4 +1,4 @@
-"""What a rank's GPU runner allocates against what `glmc explain` says it will (issue 10 item 5, issue 15 item 4).
+"""What a rank's GPU runner allocates against what `glmc explain` says it will.
 
     bash bench/with_wheels.sh python -m bench.memory_check --out-dir $OUT   # the H200: GLM-5.3-width slice
     python -m bench.memory_check --cpu --out-dir /tmp  # CPU smoke: narrow widths, no graphs (TRITON_INTERPRET=1)

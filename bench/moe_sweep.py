@@ -1,6 +1,6 @@
 """Tile and split-K sweep of the routed-expert kernels (`triton_moe.moe_experts`, `moe_experts_fp8`) at
 GLM-5.3's expert shapes, per token count: how far from the byte floor the defaults are, and which
-(block_n, block_k, num_warps, num_stages, splits) per stage is fastest (glmc issues 15 item 3 and 10).
+(block_n, block_k, num_warps, num_stages, splits) per stage is fastest.
 
     bash bench/with_wheels.sh python -m bench.moe_sweep --out-dir $OUT --budget 300    # the H200
     python -m bench.moe_sweep --tiny --out-dir /tmp/moe_sweep                              # CPU smoke

@@ -1,7 +1,7 @@
-"""MTP speculative decoding on the GPU (issue 17 items 3, 4 and 6), one command:
+"""MTP speculative decoding on the GPU, one command:
 
-    bash bench/with_wheels.sh python3 bench/mtp_gpu_check.py --out-dir $OUT     # the H200 (carry .whl)
-    python bench/mtp_gpu_check.py --cpu                                         # dry run, Triton interpreted
+    bash bench/with_wheels.sh python -m bench.mtp_gpu_check --out-dir $OUT     # the H200
+    python -m bench.mtp_gpu_check --cpu                                         # dry run, Triton interpreted
 
 1. small: glmc-small (models/small, the trained checkpoint) in an in-process engine on the GPU, plain
    and with N = 1, 2, 3 drafts (verify and draft replayed from their CUDA graphs): greedy output on

@@ -1,4 +1,4 @@
-"""glmc's one-shot peer-memory reductions against NCCL and torch's one-shot all-reduce (issue 16).
+"""glmc's one-shot peer-memory reductions against NCCL and torch's one-shot all-reduce.
 
     python -m bench.p2p_bench --out p2p_bench.json              # every visible GPU, NCCL
     python -m bench.p2p_bench --cpu --world 2                   # gloo + /dev/shm, Triton interpreted
@@ -17,7 +17,7 @@ static buffer before each replay; every result compared with NCCL's sum of the s
 residual bitwise for 2 ranks, where one rounding of a + b is NCCL's too; normed output within bf16
 tolerance); a stale peer read shows as a mismatch. `--cpu` runs the stability part only, briefly.
 
-`--one-gpu WORLDS` checks the kernels on the GPU where only one is lent: each "rank" is a stream of
+`--one-gpu WORLDS` checks the kernels on a host with one GPU: each "rank" is a stream of
 one process, its buffer plain device memory of the same GPU (the flag protocol, the sys-scope
 atomics and the compiled kernel are the real ones; the peers' memory is local HBM, not NVLink).
 Per world: every mode (all-reduce, + add + RMSNorm, reduce-scatter, + add + RMSNorm, all-gather,

@@ -7,7 +7,7 @@ replace the plan's storage dtypes here.
 """
 from __future__ import annotations
 
-TOLERANCE = 0.20     # issue 9: the prediction within 20% of the measured step for every spec
+TOLERANCE = 0.20     # the target: the prediction within 20% of the measured step for every spec
 
 
 def runner_dtypes(plan):

@@ -1,6 +1,6 @@
-"""Prefill steps replayed from CUDA graphs (issue 11 item 3) against the same steps run eagerly, one command:
+"""Prefill steps replayed from CUDA graphs against the same steps run eagerly, one command:
 
-    bash bench/with_wheels.sh python3 bench/prefill_graph_check.py --out-dir $OUT     # the H200 (carry .whl)
+    bash bench/with_wheels.sh python -m bench.prefill_graph_check --out-dir $OUT     # the H200
 
 glmc-small (models/small) in an in-process engine on the GPU, twice: with prefill graphs (captured per
 token count up to --max-batch-tokens, `cuda_executor.prefill_buckets`) and without (`prefill_graphs=False`,

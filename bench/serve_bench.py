@@ -176,7 +176,7 @@ def device_name() -> str:
 
 def git_commit() -> str:
     def git(*args):
-        try:  # a device machine may have no git (nor .git): then $GLMC_COMMIT, else "unknown"
+        try:  # a copy of the tree on a GPU host may have no git (nor .git): then $GLMC_COMMIT, else "unknown"
             return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout
         except OSError:
             return ""

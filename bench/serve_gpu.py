@@ -1,4 +1,4 @@
-"""Issue 11's serving benchmark on one GPU, one command: a GLM-5.3-width slice checkpoint, `glmc run
+"""The serving benchmark on one GPU, one command: a GLM-5.3-width slice checkpoint, `glmc run
 --device cuda` at concurrency up to 128, bench/serve_bench.py at concurrency 1, 8, 32 and 128 against the
 warm server, a profile of served steps, then bench/decode_bench.py's graph-replay step at the same
 batches, and every serving run's TPOT next to that step. bench/serve_gpu.sh wraps it for the device:
@@ -93,7 +93,7 @@ def all_runs(kind: str) -> list[tuple[str, int, str]]:
     return [*RUNS[kind], *((pr["name"], c, re.sub(r"--seed \d+", f"--seed {pr['seed']}", a))
                            for n, c, a in RUNS[kind] if n == pr["base"])]
 DECODE_RESERVE_S, STOP_RESERVE_S = {"gpu": 110, "cpu": 300}, 40
-# issue 11's targets: (run, what, op, bound, text); the step is decode_bench's graph replay at the batch
+# the serving targets: (run, what, op, bound, text); the step is decode_bench's graph replay at the batch
 TODAY_TOK_S = 578.0
 TARGETS = (("c1", "tpot_p50_over_replay", "<=", 1.15, "single-stream TPOT p50 within 1.15x of the B=1 replay"),
            ("c1", "ttft_p99_ms", "<", 100.0, "TTFT p99 at concurrency 1 under 100 ms, prompts up to 2K"),

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Issue 11's serving benchmark on the H200 in one device call (bench/serve_gpu.py says what runs):
-#   run(command="bash bench/serve_gpu.sh", carry=[".whl"], timeout_s=600)
+# The serving benchmark on one H200, from the repository root, within ~10 minutes
+# (bench/serve_gpu.py says what runs):  bash bench/serve_gpu.sh
 # .whl holds the wheels the image lacks (pydantic, pydantic-core, annotated-types, typing-inspection,
 # typing-extensions, fastapi, starlette, uvicorn, annotated-doc, opentelemetry-api) and glmc's own,
 # built here just before from the tree being measured: `pip wheel --no-deps --no-build-isolation -w .whl .`.

@@ -17,7 +17,7 @@ B (each attention-DP rank runs B requests; TP ranks share theirs):
   the routed experts one eager step really touched) / measured copy bandwidth, plus the
   collectives' measured in-graph time;
 - predicted (with --calibration): `glmc/predict.py`'s step for the bucket replayed.
-Targets (issue 9): replay within 1.3x of the roofline at B = 32 and 128; dp2ep2 at 128 per rank
+Targets: replay within 1.3x of the roofline at B = 32 and 128; dp2ep2 at 128 per rank
 >= 1.7x tp1's tokens/s at 128.
 """
 from __future__ import annotations

@@ -373,7 +373,7 @@ class SparseMlaDecodeCtx:
              num_warps=None, num_stages=None, key_major=None, kv_fp8=False, dot16=None, dequant=None, v_parts=None):
         if kv_lora != next_pow2(kv_lora) or rope_dim != next_pow2(rope_dim):
             raise ValueError(f"sparse_mla_decode needs power-of-two kv_lora/rope dims, got {kv_lora}/{rope_dim}")
-        # Sweeps on an H200 (64 heads, k 2048, contexts 1K and 2K), in order:
+        # Why these defaults: sweeps on an H200 (64 heads, k 2048, contexts 1K and 2K):
         # - 2026-12-02 (bench/results/mla_tiles_sweep_h200_2026-12-02_dequant.json): head-major everywhere;
         #   FP8 rows scaled once per gathered tile (dequant: 32 tokens 89.7 us at 2K against 163.8 for the
         #   per-group key-major kernel, 128 tokens 265.5 against 474.1).

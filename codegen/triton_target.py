@@ -322,7 +322,7 @@ def topk_segment(rows: int, width: int) -> int:
     32K / 64K / 128K is fastest at 1024 / 2048 / 4096 scores a program (20.0 / 24.9 / 30.1; 64
     programs: 21.6 / 28.9 / 31.2), 32 rows of 32K / 64K / 128K at 4096 / 8192 / 8192 (47.5 / 71.3 /
     104.2): more programs each re-read more of their row's histograms than they save, fewer leave
-    the GPU idle. (2026-12-02, every round by tl.histogram: one row best at 64 programs.)"""
+    the GPU idle."""
     lo, hi = TOPK_SEGMENTS
     least, per_row, most = TOPK_PROGRAMS
     segs = max(1, max(least, min(most, per_row * rows)) // max(rows, 1))

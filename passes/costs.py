@@ -163,7 +163,7 @@ def comm_of(op: Op, graph: Graph, env: dict) -> tuple[str, int, float] | None:
 
 
 # One-shot peer-memory collectives against NCCL inside CUDA graphs, measured on two H200s
-# (2026-11-30, issue 16): torch's one-shot all-reduce over P2P 6.6 / 7.0 / 9.0 / 15.4 us at
+# (2026-11-30): torch's one-shot all-reduce over P2P 6.6 / 7.0 / 9.0 / 15.4 us at
 # 12 / 96 / 384 / 1536 KiB, NCCL 13.0 / 12.7 / 14.2 / 22.2 us. Fitted: one-shot = latency + the
 # (n - 1) peer messages it reads / P2P_READ_BPS; NCCL = latency + its ring wire bytes / NCCL_BUS_BPS.
 P2P_LATENCY_S, P2P_READ_BPS = 6.5e-6, 177e9

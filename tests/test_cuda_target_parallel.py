@@ -34,8 +34,8 @@ def test_tp2ep2_and_dp2ep2_a2a_on_the_cuda_target(tmp_path):
 
 
 def test_fp8_weights_under_tp2_and_dp2ep2_a2a(tmp_path):
-    """Issue 10 item 6 on the CPU: a block-FP8 checkpoint, kept FP8 on every rank (weight shards cut
-    along 128-blocks, each rank's FP8 GEMMs on its slice, the a2a dispatch sending e4m3 rows): tokens
+    """FP8 weights over several ranks, on the CPU: a block-FP8 checkpoint, kept FP8 on every rank
+    (weight shards cut along 128-blocks, each rank's FP8 GEMMs on its slice, the a2a dispatch sending e4m3 rows): tokens
     equal tp1's and logits within fp32 summation order. The widths give every rank whole 128-column
     activation groups (`multi_gpu_check.FP8_ALIGNED`), so no rank quantises differently from tp1."""
     out = tmp_path / "check.json"

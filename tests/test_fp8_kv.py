@@ -1,4 +1,4 @@
-"""FP8 KV cache on the CUDA target (issue 10, item 2), on the CPU (Triton interpreted).
+"""FP8 KV cache on the CUDA target, on the CPU (Triton interpreted).
 
 - Layouts (`codegen.fp8_ref`, `KVPool` format "fp8"): the latent cache is FlashMLA's 656-byte row
   (512 e4m3 + 4 fp32 scales + 64 bf16 k_pe), the indexer key cache 132 bytes per token in 64-slot

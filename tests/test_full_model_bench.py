@@ -1,4 +1,4 @@
-"""`bench/full_model.py --cpu` (issue 14's full-size script) end to end over two gloo processes on
+"""`python -m bench.full_model --cpu` (the full-size script) end to end over two gloo processes on
 the tiny config's random checkpoint: each rank makes its random shard, decodes at every concurrency
 with MTP on and off, and the calibrated prediction of the whole GLM-5.3 on 8 GPUs is printed."""
 import json

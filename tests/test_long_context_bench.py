@@ -1,4 +1,4 @@
-"""`bench/long_context_bench.py --cpu --prefill` (issue 15 item 4's chunked prefill) end to end on the
+"""`python -m bench.long_context_bench --cpu --prefill` (chunked prefill at long context) end to end on the
 narrow slice, Triton interpreted: a prompt longer than one chunk runs as chunks over the cache the
 earlier ones wrote, each with its time, the cost model's FLOPs and the roofline at the run's rate,
 and (--profile) each op kind's time and FLOPs."""

@@ -1,4 +1,4 @@
-"""The bytes a runner holds against the plan's sizer (issue 10, items 1 and 5), on the CPU.
+"""The bytes a runner holds against the plan's sizer, on the CPU.
 
 - Every expert weight is held once: the loader stacks each rank's experts into [E, ...] stacks and
   drops the per-expert entries (bf16 and FP8, the CUDA and the torch target, an EP shard's experts).

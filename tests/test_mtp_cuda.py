@@ -1,4 +1,4 @@
-"""MTP speculative decoding on the CUDA target (issue 17 item 3), run on the CPU: the plan's Triton
+"""MTP speculative decoding on the CUDA target, run on the CPU: the plan's Triton
 kernels interpreted, no graph capture (the H200 check, `bench/mtp_gpu_check.py`, replays the
 captured verify and draft graphs through the same `GpuRunner.run_tokens`).
 

@@ -1,4 +1,4 @@
-"""`bench/mtp_gpu_check.py --parts rank` (issue 17 item 6 on a mesh's rank): one rank of tp2ep2 alone
+"""`python -m bench.mtp_gpu_check --parts rank` (MTP on a mesh's rank): one rank of tp2ep2 alone
 (`LoneComm`) on the narrow slice, Triton interpreted: every segment of the decode / verify / draft
 steps timed without its collectives once per EP rank's experts, the slowest rank's compute plus the
 calibrated collectives, and the prediction from them. And the helpers it stands on."""
