@@ -1,10 +1,19 @@
-"""Cross-check of `glmc explain` against the GLM-5.3 request-path article (shared/reference).
+"""Cross-check of `glmc explain` against the figures of one published walk-through of GLM-5.3's
+request path in SGLang.
 
-`cross_check(d)` returns markdown rows: the article's figure, glmc's, and a note where they differ
-(the article's arithmetic errors and unit slips included). Only for the GLM-5.3 shape, at the
-default explain point (decode batch 32).
+The source (`SOURCE`) is a Chinese-language article, part one of a series: which operators and which
+collectives a GLM-5.3 request goes through in SGLang, with each weight's size, the KV cache per
+token and the communication bill per step of a tp8, tp8ep8 or dp8ep8 deployment. The repository
+holds the figures it compares, quoted below as the article prints them (its units included), not
+the article. `cross_check(d)` returns markdown rows: the article's figure, glmc's, and a note where
+they differ (the article's arithmetic errors and unit slips included). Only for the GLM-5.3 shape,
+at the default explain point (decode batch 32).
 """
 from __future__ import annotations
+
+# the article's title, and in English
+SOURCE = ("GLM-5.3 推理全链路(一):一个请求在 SGLang 里经过哪些算子、哪些通信 (GLM-5.3 inference end to end, "
+          "part 1: the operators and the collectives a request goes through in SGLang)")
 
 
 def applies(d: dict) -> bool:
@@ -68,6 +77,6 @@ def cross_check(d: dict) -> list[str]:
         ("replicated A-projection per layer (fp8)", "~25MB", "16.1M params = 16.1 MB",
          "25 MB only with the indexer's 9.4M weights, which 57 shared layers do not have"),
     ]
-    out = ["| item | article | glmc | note |", "|---|---|---|---|"]
+    out = [f"Article: {SOURCE}", "", "| item | article | glmc | note |", "|---|---|---|---|"]
     out += [f"| {a} | {b} | {c} | {n} |" for a, b, c, n in rows]
     return out

@@ -179,6 +179,7 @@ def test_cli_errors(argv, msg, capsys, tmp_path):
 def test_report_cross_checks_the_article(bills):
     from glmc.report import render
     text = render(bills["dp8ep8"])
+    assert "Article: GLM-5.3 推理全链路(一)" in text          # the source the figures come from
     assert "| DP all-gather per layer (batch 32) | 393KB | 393,216 B |" in text
     assert "| EP dispatch per token (fp8) | 48KB | 49,152 B |" in text
     assert "83.3 GFLOP | 103.5 GFLOP" in text
