@@ -9,7 +9,7 @@ process per GPU over NCCL (the environment's NCCL settings as they are); rank 0 
 one-GPU ceilings while the others wait:
 - hbm_bytes_per_s: copies of a 1 GiB buffer, 2 x bytes / time (read + written);
 - gemm_flops_per_s: 8192^3 bf16 and 4096^3 fp32 matmuls (torch's default: no TF32), 2 n^3 / time;
-- attention_flops_per_s: glmc's sparse-MLA decode kernel (`triton_target.sparse_mla_latent`), 128
+- attention_flops_per_s: glmc's sparse-MLA decode kernel (`triton_launch.sparse_mla_latent`), 128
   tokens x 64 heads x 2048 top-k slots of 4096-token contexts (kv_lora 512, rope 64, bf16), FLOPs
   over the walked slots; left out, with a note, if Triton or the kernel fails;
 - kernel_overhead_s: per launch in a CUDA graph of 128 tiny cuBLAS GEMMs and 128 one-row
@@ -17,7 +17,7 @@ one-GPU ceilings while the others wait:
   (a one-element add: the floor);
 - torch_op_s (schema /2): the CUDA target's own torch code at one token in a graph: the MoE row
   alignment (`triton_moe.align_rows`, top-8 of 256 experts) and the torch add + RMS norm ([1, 6144]
-  bf16), replay time over their aten ops (`codegen/cuda_kernels.py`'s counts);
+  bf16), replay time over their aten ops (`codegen/launch_model.py`'s counts);
 - gemm_launch_s (/2): the cuBLAS calls of one GLM-5.3 decode layer at one token row (A-projection,
   indexer Q, Q, W_UK / W_UV bmm, O, the fp32 router, shared and dense SwiGLU, lm_head), each weight
   its own tensor (2.8 GB: none stays in L2), in one graph: (replay - their bytes / hbm_bytes_per_s)
@@ -179,7 +179,7 @@ def launch_overheads(dev: str, cuda: bool) -> dict:
     kernels, detail = gemm, {"gemm_s": gemm}
     if cuda:
         try:
-            from glmc.codegen import triton_target as tt
+            from glmc.codegen import triton_launch as tt
             x, r, g = (torch.randn(1, 6144, device=dev, dtype=torch.bfloat16) for _ in range(3))
             norm = seconds_per_call(lambda: tt.add_rms_norm(x, r, g, 1e-5), 128, 5, cuda)
             kernels, detail["triton_s"] = (gemm + norm) / 2, norm
@@ -193,7 +193,7 @@ def launch_overheads(dev: str, cuda: bool) -> dict:
 def target_torch_ops(dev: str, cuda: bool) -> tuple[float, dict]:
     """Seconds per aten op of the CUDA target's torch sequences at one token, replayed in a graph."""
     import torch
-    from glmc.codegen import cuda_kernels, torch_ref, triton_moe
+    from glmc.codegen import launch_model, torch_ref, triton_moe
     g = torch.Generator(device=dev).manual_seed(0)
     ids = torch.randint(0, 256, (1, 8), device=dev, generator=g)
     x, r = (torch.randn(1, 6144, device=dev, dtype=torch.bfloat16, generator=g) for _ in range(2))
@@ -202,7 +202,7 @@ def target_torch_ops(dev: str, cuda: bool) -> tuple[float, dict]:
     def sequences():
         triton_moe.align_rows(ids, 256, 16, 0)
         torch_ref.add_rms_norm(x, r, w, 1e-5)
-    ops = cuda_kernels.ALIGN_ROWS_OPS + cuda_kernels.ADD_RMS_TORCH_OPS
+    ops = launch_model.ALIGN_ROWS_OPS + launch_model.ADD_RMS_TORCH_OPS
     sec = seconds_per_call(sequences, 8, 5, cuda)
     return sec / ops, {"sequences_s": sec, "aten_ops": ops}
 
@@ -246,14 +246,14 @@ def topk_select_table(dev: str, cuda: bool) -> dict:
     """The top-k select kernel's seconds per launch in a graph by rows (on the CPU: a torch sort
     stand-in at 40 scores, k 16: the plumbing only)."""
     import torch
-    from glmc.codegen.cuda_kernels import TOPK_CHUNK
+    from glmc.codegen.launch_model import TOPK_CHUNK
     k, row_len, rows = (2048, 4097, (1, 32, 128, 256, 512)) if cuda else (16, 40, (1, 2))
     points = []
     for n in rows:
         scores = torch.randn(n, row_len, device=dev)
         lens = torch.full((n,), row_len, device=dev)
         if cuda:
-            from glmc.codegen import triton_target as tt
+            from glmc.codegen import triton_launch as tt
             fn = functools.partial(tt.topk_select, scores, lens, k, TOPK_CHUNK)
         else:
             from glmc.codegen import torch_ref
@@ -265,7 +265,7 @@ def topk_select_table(dev: str, cuda: bool) -> dict:
 def attention_rate(tokens: int = 128, heads: int = 64, slots: int = 2048, context: int = 4096) -> float:
     """FLOPs per second of the sparse-MLA decode kernel over the top-k slots it walks."""
     import torch
-    from glmc.codegen import triton_target as tt
+    from glmc.codegen import triton_launch as tt
     dev, R, dr = "cuda", 512, 64
     kv = torch.randn(tokens * context, R + dr, device=dev, dtype=torch.bfloat16)
     r2t = torch.randperm(tokens * context, device=dev).view(tokens, context)

@@ -89,7 +89,7 @@ def glmc_plan(model, max_reqs, dtype_name, parallel="tp1", fp8=False, kv_dtype=N
 
 
 def gpu_runner(plan, weights, dev, max_reqs, max_ctx, capture=False, **kw):
-    """The plan's `GpuRunner` from the one loader (`runtime/worker/loader.py`): rows 0..max_reqs-1
+    """The plan's `CudaExecutor` from the one loader (`runtime/worker/loader.py`): rows 0..max_reqs-1
     on pages 1.. of `req_table`, plus the loader's scratch page."""
     from glmc.runtime.worker.loader import load_runner
     pages = max_reqs * -(-max_ctx // 64) + 1

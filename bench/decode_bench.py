@@ -200,7 +200,7 @@ def moe_sweep(runner, B, dev, dtype):
     """Time the MoE experts op at batch B over a few tile choices; -> (best tiles, rows)."""
     import torch
     from glmc.codegen import triton_moe as tm
-    from glmc.codegen import triton_target as tt
+    from glmc.codegen import triton_launch as tt
     key = next(k for k in runner.stacks if "experts" in str(k))
     gate, up, down = runner.stacks[key]
     gw = runner.weights[key.replace("experts", "gate.weight")].float()

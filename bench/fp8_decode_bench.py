@@ -101,7 +101,7 @@ def decode_kernel_rows(runner, Ms, deadline) -> list:
     import torch
     from glmc.codegen import triton_fp8 as tf
     from glmc.codegen import triton_moe as tm
-    from glmc.codegen import triton_target as tt
+    from glmc.codegen import triton_launch as tt
     dev, rows = runner.pool.device, []
     for label, w in fp8_matrices(runner).items():
         n, k = w.shape

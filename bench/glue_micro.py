@@ -5,9 +5,9 @@
 - MoE row alignment (`triton_moe.align_rows`): the moe_align kernel at each rows-per-program x warps,
   launched directly, against the torch ops, top-8 of 256 experts, 8 .. 1024 routed rows (2048: the
   torch ops only, past ALIGN_ROWS);
-- the decode GEMVs (`triton_target.gemv`): the router's fp32 [256, 6144] and weights_proj's bf16
+- the decode GEMVs (`triton_launch.gemv`): the router's fp32 [256, 6144] and weights_proj's bf16
   [32, 6144] at 1, 4, 16, 32 rows, each tile (columns per program x K step x warps) against cuBLAS;
-- past the gemv's rows (`triton_target.narrow_gemm`, into a column slice): the same two weights at
+- past the gemv's rows (`triton_launch.narrow_gemm`, into a column slice): the same two weights at
   32, 128, 4096 rows (tiles x stages x split floors swept) against what cuBLAS took there (the router's cast + fp32 GEMM; weights_proj's
   bf16 GEMM + copy into the A-projection's columns), with its relative error to an fp64 product;
 - the greedy sampler of `sample.tokens`: the split argmax (`sample_greedy`) against the one-program
@@ -47,9 +47,9 @@ def main():
     parts = set(args.parts.split(","))
     import torch
     from glmc.codegen import triton_moe as tm
-    from glmc.codegen import triton_target as tt
+    from glmc.codegen import triton_launch as tt
     from glmc.codegen.triton_fp8 import even_splits
-    from glmc.codegen.cuda_kernels import TOPK_CHUNK
+    from glmc.codegen.launch_model import TOPK_CHUNK
     from glmc.codegen.triton_render import JIT
     dev = "cuda"
     res = {"info": {"device": torch.cuda.get_device_name(), "commit": args.commit,

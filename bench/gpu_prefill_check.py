@@ -223,7 +223,7 @@ def main():
     import triton
     from glmc.codegen import torch_ref as ref
     from glmc.codegen import triton_prefill as tp
-    from glmc.codegen import triton_target as tt
+    from glmc.codegen import triton_launch as tt
     from glmc.runtime.worker.forward_batch import ForwardBatch
     from glmc.runtime.worker.kv_cache import PAGE_SIZE, KVPool
     if not args.cpu:

@@ -128,8 +128,8 @@ def decode_batch_at(runner, B, ctx, table, seed=0):
 def kernel_rows(runner, batch, ctx, bw):
     """Indexer scores, top-k select, sparse MLA decode of the first full layer, each alone."""
     import torch
-    from glmc.codegen import triton_target as tt
-    from glmc.codegen.cuda_kernels import TOPK_CHUNK
+    from glmc.codegen import triton_launch as tt
+    from glmc.codegen.launch_model import TOPK_CHUNK
     calls = common.op_calls(runner, lambda: runner.run_tokens(
         "decode", runner.host_vectors(batch, batch.batch_size).to(runner.r2t.device)))
     op, args, rt, _ = next(c for c in calls if c[0].kind == "idx.topk")
@@ -294,7 +294,7 @@ def indexer_tiles_micro(runner, batch, tiles) -> list:
     wrote it), per-token kernel and the token-block kernel at each of `tiles` ("block_m:block_n:warps:
     stages"): time (graph replays) and the largest difference from the per-token scores."""
     import torch
-    from glmc.codegen import triton_target as tt
+    from glmc.codegen import triton_launch as tt
     calls = common.op_calls(runner, lambda: runner.forward("prefill", batch))
     op, (q, w, layer), rt, _ = next(c for c in calls if c[0].kind == "idx.topk")
     heads = int(op.attr("heads"))
@@ -319,7 +319,7 @@ def indexer_tiles_micro(runner, batch, tiles) -> list:
         out.append(r)
     # the top-k select of the same rows: the plan's (split radix select past TOPK_CHUNK) against one
     # program per row holding the whole row in registers (chunk = the row's width) at several warps
-    from glmc.codegen.cuda_kernels import TOPK_CHUNK
+    from glmc.codegen.launch_model import TOPK_CHUNK
     k, lens = int(op.attr("k")), rt.pos + 1
     base = tt.topk_select(want, lens, k, TOPK_CHUNK)
     sel = [{"select": f"chunk {TOPK_CHUNK}", "us": common.bench_ms(lambda: tt.topk_select(want, lens, k, TOPK_CHUNK)) * 1e3}]
@@ -431,8 +431,8 @@ def launch_times(fn, calls: int = 20) -> list:
 def topk_micro(lengths, batches, k, dev, deadline):
     """glmc's top-k select vs torch.topk: k of n random fp32 scores per row (graph replays)."""
     import torch
-    from glmc.codegen import triton_target as tt
-    from glmc.codegen.cuda_kernels import TOPK_CHUNK
+    from glmc.codegen import triton_launch as tt
+    from glmc.codegen.launch_model import TOPK_CHUNK
     rows = []
     for n in lengths:
         for B in batches:

@@ -72,7 +72,7 @@ def unique_bytes(obj, seen: set) -> int:
 
 
 def runner_bytes(ex) -> dict:
-    """{field: bytes} the runner `ex` (a PlanExecutor or GpuRunner) holds, each storage counted once,
+    """{field: bytes} the runner `ex` (a PlanExecutor or CudaExecutor) holds, each storage counted once,
     in field order (a copy that is a view of a weight counts as the weight)."""
     seen: set = set()
     experts = {k: v for k, v in ex.stacks.items() if not isinstance(k, tuple)}
@@ -88,7 +88,7 @@ def explain_bytes(plan, ex) -> dict:
     """{field: bytes} explain's per-rank memory says for the runner's pool and tables."""
     from glmc.explain import explain_plan
     mem = explain_plan(plan, batch=1, context=1)["memory"]
-    slots, rows = ex.pool.num_slots, getattr(ex, "pad_row", -1) + 1   # GpuRunner: max_running + a spare row
+    slots, rows = ex.pool.num_slots, getattr(ex, "pad_row", -1) + 1   # CudaExecutor: max_running + a spare row
     return {"weights": mem["weights_bytes_per_rank"], "weight_copies": mem["weight_copies_bytes_per_rank"],
             "kv": mem["kv_bytes_per_token"] * slots, "index": mem["index_bytes_per_token"] * slots,
             "tables": rows * (getattr(ex, "max_context", 0) + 1) * 8,   # int64 r2t + last_token (not in explain)

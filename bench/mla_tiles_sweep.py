@@ -46,7 +46,7 @@ def main():
     import torch
     import triton.testing as tb
     from glmc.codegen import fp8_ref
-    from glmc.codegen import triton_target as tt
+    from glmc.codegen import triton_launch as tt
     t_end = time.perf_counter() + a.budget
     H, R, DR, K = a.heads, 512, 64, 2048
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -185,7 +185,7 @@ def _binary_stats(T, kv, tiles, q_lat, cache, K):
     """Registers and spills of the sparse_mla_decode binary these tiles compiled to (Triton's
     CompiledKernel fields), {} where this Triton does not expose them."""
     import torch
-    from glmc.codegen import triton_target as tt
+    from glmc.codegen import triton_launch as tt
     from glmc.codegen.triton_contexts import SparseMlaDecodeCtx
     fp8 = cache.dtype == torch.uint8
     ctx = SparseMlaDecodeCtx.make(q_lat.shape[1], q_lat.shape[2], 64, K, 0.07,

@@ -17,7 +17,7 @@ launches, device microseconds; torch.profiler over 5 replays of the captured dec
   replay figure like the calibration's launch overheads;
 - topk_select: `topk_select_kernel` per launch on tp1 at 1, 32 and 128 rows of 4097 scores;
 - torch_op_s: the device time of every kernel that is neither a cuBLAS GEMM, a glmc Triton kernel
-  nor NCCL, over the aten ops `codegen/cuda_kernels.py` counts for the plan, at B=1 (mean of the
+  nor NCCL, over the aten ops `codegen/launch_model.py` counts for the plan, at B=1 (mean of the
   specs);
 - gemm_launch_s: cuBLAS kernels (nvjet, split-K reduce, gemv) at B=1, less the bytes of the plan's
   GEMM calls at the measured copy bandwidth, per GEMM call the plan makes (mean of the specs).
@@ -151,7 +151,7 @@ def _gemm_calls(plan) -> tuple[int, float]:
     """(cuBLAS GEMM calls, their bytes) of the plan's decode step at one token (runner dtypes)."""
     from bench import predicted
 
-    from glmc.codegen.cuda_kernels import launches
+    from glmc.codegen.launch_model import launches
     from glmc.passes.costs import op_cost, params_of, weight_bytes_for
     graph, wb = plan.graphs["decode"], weight_bytes_for(predicted.runner_dtypes(plan))
     env = {"T": 1, "B": 1, "S": 1, "K": plan.config.index_topk}
@@ -167,7 +167,7 @@ def _gemm_calls(plan) -> tuple[int, float]:
 
 def derive(data: dict, plans: dict, cal: dict) -> tuple[dict, dict]:
     """(the /2 fields, a note per field with its numbers) from spec_bench's profiles (module docstring)."""
-    from glmc.codegen.cuda_kernels import STEP_TORCH_OPS, TOPK_CHUNK, launches
+    from glmc.codegen.launch_model import STEP_TORCH_OPS, TOPK_CHUNK, launches
     rows = [r for r in data["rows"] if "profile_rank0" in r]
     one_gpu = [r for r in rows if r["spec"] == "tp1"]
     gaps = [(r["replay_ms"] * 1e3 - sum(c[1] for c in _profile(r).values())) /
@@ -202,7 +202,7 @@ def derive(data: dict, plans: dict, cal: dict) -> tuple[dict, dict]:
         "topk_select": (f"topk_select_kernel device time per launch on tp1 + gap ({src}); row_len = context "
                         f"{ctx} + 1 (lens = pos + 1), chunk = TOPK_CHUNK"),
         "torch_op_s": (f"device time of the non-GEMM, non-Triton, non-NCCL kernels + gap per launch, over the aten "
-                       f"ops codegen/cuda_kernels.py counts, at B=1, us per op: {us(torch_ops)}; mean ({src}). "
+                       f"ops codegen/launch_model.py counts, at B=1, us per op: {us(torch_ops)}; mean ({src}). "
                        "Cross-check: decode_bench_2026-11-30 replays one moe.experts op alone at T=1 in 228.3 us; "
                        "its two Triton kernels take 143.6 us per layer in this tp1 B=1 profile: (228.3 - 143.6) / "
                        "43 aten ops = 1.97 us"),

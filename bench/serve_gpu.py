@@ -204,7 +204,7 @@ def stop_server(proc: subprocess.Popen) -> int | None:
 
 
 def serve_cpu(argv) -> None:
-    """The dry run's server: `glmc run --device cuda`'s engine, with the GpuRunner on the host."""
+    """The dry run's server: `glmc run --device cuda`'s engine, with the CudaExecutor on the host."""
     os.environ.setdefault("TRITON_INTERPRET", "1")
     from glmc.runtime.engine.engine import Engine
     from glmc.runtime.engine.startup import warm_up
@@ -292,7 +292,7 @@ def run_bench(name, args, url, work, cpu, timeout, profiler=None) -> dict:
     cmd = common.command("serve_bench", "--url", url, "--out", str(path), "--note", f"bench.serve_gpu run {name}",
                          *args.split())
     if cpu:
-        cmd += ["--device", "cpu dry run (GpuRunner uncaptured, narrow slice)"]
+        cmd += ["--device", "cpu dry run (CudaExecutor uncaptured, narrow slice)"]
     t = now()
     try:
         p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)

@@ -29,7 +29,7 @@ from pathlib import Path
 from bench import common
 
 
-def cuda_kernels(prof):
+def launch_model(prof):
     """The device kernels (and memsets/copies) a profile recorded, by start; not range annotations."""
     import torch
     return sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
@@ -54,7 +54,7 @@ def op_kernels(calls) -> list:
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             fn(op, args, rt)
             torch.cuda.synchronize()
-        out += [(f"{op.kind} {op.results[0]}", k.name) for k in cuda_kernels(prof)]
+        out += [(f"{op.kind} {op.results[0]}", k.name) for k in launch_model(prof)]
     return out
 
 
@@ -69,7 +69,7 @@ def graph_trace(graph, replays: int) -> list:
         for _ in range(replays):
             graph.replay()
             torch.cuda.synchronize()
-    ks = cuda_kernels(prof)
+    ks = launch_model(prof)
     per = len(ks) // replays
     if not per or len(ks) % replays:
         raise RuntimeError(f"{len(ks)} kernels over {replays} replays")

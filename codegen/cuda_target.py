@@ -30,7 +30,7 @@ from glmc.codegen import torch_target
 from glmc.codegen import triton_fp8 as tf
 from glmc.codegen import triton_moe as tm
 from glmc.codegen import triton_p2p as tp2p
-from glmc.codegen import triton_target as tt
+from glmc.codegen import triton_launch as tt
 from glmc.codegen.context import CudaStepContext
 from glmc.codegen.fp8_ref import Fp8Weight, fp8_group_gap, fp8_row_groups
 from glmc.codegen.weight_formats import FP8_KINDS, op_weight_names
@@ -286,7 +286,7 @@ def _absorbed_weights(ctx: CudaStepContext, name, heads, dn, dv):
 
 @impl("attn.mla_absorbed", "attn.sparse_mla", "attn.mla_mha")
 def _attn(op, args, ctx: CudaStepContext):
-    """Absorbed MLA for every phase (`triton_target.mla_absorbed`): q_lat = q_nope W_UK (batched GEMM),
+    """Absorbed MLA for every phase (`triton_launch.mla_absorbed`): q_lat = q_nope W_UK (batched GEMM),
     the sparse latent kernel over top-k (or causal) keys, o = out_lat W_UV. The MHA form of prefill
     is the same function."""
     q_nope, q_pe, layer, topk = args

@@ -1,7 +1,7 @@
 """The kernels of a CUDA-target plan: every Triton kernel context its ops can ask for, rendered.
 
 `plan_kernels(plan)` walks each phase's ops and lists, per op kind (`KERNELS_OF`), the contexts the
-CUDA target's launch wrappers (`cuda_target` -> `triton_target`, `triton_moe`) build for any step
+CUDA target's launch wrappers (`cuda_target` -> `triton_launch`, `triton_moe`) build for any step
 the runtime can run. That set is small and known at compile time because a kernel's source depends
 only on the model's shapes, the compute dtype and a few tile classes; the batch, the context length
 and the GPU choose grids and split counts at launch:

@@ -10,7 +10,7 @@ from typing import ClassVar
 
 import torch
 
-from glmc.codegen.cuda_kernels import (GEMV_NARROW, NARROW_BLOCK_K, NARROW_BLOCK_M, TOPK_CHUNK,  # noqa: F401
+from glmc.codegen.launch_model import (GEMV_NARROW, NARROW_BLOCK_K, NARROW_BLOCK_M, TOPK_CHUNK,  # noqa: F401
                                        gemv_takes, narrow_block_n, narrow_splits)  # (re-exported)
 from glmc.codegen.fp8_ref import BLOCK as FP8_GROUP
 from glmc.codegen.fp8_ref import KV_PAGE
@@ -48,7 +48,7 @@ class RmsNormCtx:
         return cls(hidden, float(eps), bool(has_residual), block, _warps(block, 1024), bool(quant), bool(has_addend))
 
 
-GEMV_ROWS = (1, 4, 16)   # GemvCtx's row classes (the last is cuda_kernels.GEMV_ROWS; `gemv_takes` says when)
+GEMV_ROWS = (1, 4, 16)   # GemvCtx's row classes (the last is launch_model.GEMV_ROWS; `gemv_takes` says when)
 GEMV_PRODUCTS = 8192     # fp32 products a program holds per K step (block_m x block_n x block_k)
 
 

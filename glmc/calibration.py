@@ -31,7 +31,7 @@ that a launch floor plus bytes / bandwidth misses at small batch:
 - `torch_op_s`: seconds per aten op of the CUDA target's torch code (the MoE row alignment, the
   top-k slot gather, the torch add + RMS norm: index gathers, scans, a sort, scatters, small
   element-wise ops) replayed in a graph at one token: replay time / aten ops
-  (`codegen/cuda_kernels.py` counts them). A one-element add (`torch_op_overhead_s`) is the floor.
+  (`codegen/launch_model.py` counts them). A one-element add (`torch_op_overhead_s`) is the floor.
 - `gemm_launch_s`: seconds per cuBLAS GEMM call in a graph beyond its bytes / `hbm_bytes_per_s`,
   at one token row with the weights out of L2 (GLM-5.3's decode GEMM shapes): a skinny GEMM's
   pipeline fill and epilogue, and split-K's second (reduce) kernel where cuBLAS picks split-K.
@@ -183,7 +183,7 @@ def gemm_launch_seconds(cal: dict) -> float:
 
 def topk_select_seconds(cal: dict, rows: int, passes_ratio: float) -> float:
     """One launch of the top-k select over `rows` rows, `passes_ratio` x the calibration's row
-    walks per row (`cuda_kernels.topk_select_passes`); 0 without a `topk_select` (a /1 file).
+    walks per row (`launch_model.topk_select_passes`); 0 without a `topk_select` (a /1 file).
     Rows: log-log between measured points, the first point's time below, linear in rows above the
     last (programs beyond the measured ones run in further waves)."""
     t = cal.get("topk_select")

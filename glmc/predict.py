@@ -9,7 +9,7 @@ Every op of the decode graph at a point (T tokens per DP rank, S context, K inde
 
 and a step is the sum (plus the step's own slot write): the CUDA target replays one graph on one
 stream, so nothing overlaps. Launch counts and implementation workspaces are the CUDA target's
-(`codegen/cuda_kernels.py`); HBM bytes and FLOPs are `glmc.passes.costs`' (weights read, the
+(`codegen/launch_model.py`); HBM bytes and FLOPs are `glmc.passes.costs`' (weights read, the
 experts some token picks, KV and indexer rows read, activations). compute_s = FLOPs / the GEMM rate
 of the weights' dtype (the router: fp32); attention splits into its W_UK/W_UV projections (GEMM
 rate) and the latent part over every top-k slot its kernel walks (K, pads included) at
@@ -27,7 +27,7 @@ measured ceiling of the calibration (schema /2; a /1 file falls back as `glmc.ca
   a replay, not a one-element add;
 - latency_s: the top-k select runs one program per token row, walking the row of S + 1 scores
   (a decode token at position S scores every key up to itself) 34 times: its measured launch at
-  T rows, scaled by `cuda_kernels.topk_select_passes` to this row length, less the launch already
+  T rows, scaled by `launch_model.topk_select_passes` to this row length, less the launch already
   counted in `kernel_overhead_s`. It does not shrink with the batch: ~60 us per full indexer layer
   at context 4096 on an H200 at any T up to the SM count.
 """
@@ -44,7 +44,7 @@ from glmc.calibration import (
     topk_select_seconds,
     torch_op_seconds,
 )
-from glmc.codegen.cuda_kernels import (
+from glmc.codegen.launch_model import (
     STEP_TORCH_OPS,
     TOPK_CHUNK,
     collective_bytes,

@@ -1,7 +1,7 @@
 """What each op of the CUDA target allocates, in the order its implementation allocates and frees.
 
 One function per op kind replays `codegen/cuda_target.py` (and the launch wrappers it calls:
-`triton_target`, `triton_fp8`; the MoE ops are in `moe_memory.py`, the collectives in
+`triton_launch`, `triton_fp8`; the MoE ops are in `moe_memory.py`, the collectives in
 `comm_memory.py`) as tensor allocations on a `step_arena.Arena`: every `torch.empty` / op output
 that gets new storage is an `alloc`, every temporary that dies (a Python reference dropped) a
 `free`, views allocate nothing. Results stay
@@ -288,7 +288,7 @@ def _topk(op, args, s):
     scores = s.tmp(T * width, 4)
     out = Val(s.arena.alloc(T * k * 4), 4, cols=k)
     if T and width > TOPK_CHUNK:
-        (lo, hi), (least, per_row, most) = TOPK_SEGMENTS, TOPK_PROGRAMS   # triton_target.topk_segment
+        (lo, hi), (least, per_row, most) = TOPK_SEGMENTS, TOPK_PROGRAMS   # triton_launch.topk_segment
         share = -(-width // max(1, max(least, min(most, per_row * T)) // T))
         segment = max(lo, min(hi, 1 << (share.bit_length() - 1)))
         n = -(-width // segment)
@@ -314,7 +314,7 @@ def mla_splits(T: int, H: int, R: int, topk: int | None, s: Step) -> int:
 
 
 def topk_slots(s: Step, T: int, K: int) -> int:
-    """triton_target.topk_slots: masks, the clamped positions, the gathered int64 slots and the
+    """triton_launch.topk_slots: masks, the clamped positions, the gathered int64 slots and the
     masked copy, -> int32 slots [T, K]."""
     ge, le = s.tmp(T * K, 1), s.tmp(T * K, 1)
     valid = s.tmp(T * K, 1)
@@ -355,7 +355,7 @@ def _attn(op, args, s):
 # ----------------------------------------------------------------------------- sampling
 @model("sample.tokens")
 def _sample(op, args, s):
-    """triton_target.sample_greedy: ids [B] int64, then the split argmax's partials (fp32 and int32
+    """triton_launch.sample_greedy: ids [B] int64, then the split argmax's partials (fp32 and int32
     [B, ARGMAX_SPLITS]) and done-counters (int32 [B])."""
     B = s.rows(op)
     out = s.arena.new(B, 8)

@@ -8,7 +8,7 @@ left), except the step's outputs (`Graph.step_outputs`). -> `StepMemory`: the pe
 at the end, per op (live at its start, its peak, live at its end) and the kinds counted without a
 model.
 
-Modes, as `runtime/worker/cuda_executor.GpuRunner` runs a phase:
+Modes, as `runtime/worker/cuda_executor.CudaExecutor` runs a phase:
 - "eager": `forward("decode")` without a graph: the batch's req_to_token rows copied into the device
   table (transient), the four [T] int64 vectors, then the body;
 - "graph": the captured body of one bucket: the static [4, b] buffer is the runner's, so only the
@@ -108,7 +108,7 @@ def _free(dead, vals, users, arena) -> None:
 
 
 def graph_pool(steps: dict, targets: dict, rounding: int = 512, workspace: int = CUBLAS_WORKSPACE_SM90) -> dict:
-    """What capturing every decode bucket (`GpuRunner.capture`: largest first, one private pool
+    """What capturing every decode bucket (`CudaExecutor.capture`: largest first, one private pool
     shared by all) adds to the device's allocated bytes, from each bucket's step (`steps`
     {bucket: StepMemory}, any mode) and `targets` {bucket: Target}:
 

@@ -207,11 +207,11 @@ def test_every_op_has_a_cost():
 
 def test_every_op_has_a_launch_count():
     """The step-time predictor knows what the CUDA target launches for every op kind."""
-    from glmc.codegen import cuda_kernels
+    from glmc.codegen import launch_model
     from glmc.ir import REGISTRY
-    missing = set(REGISTRY) - set(cuda_kernels.LAUNCHES)
-    assert not missing, f"op kinds codegen/cuda_kernels.py does not count: {sorted(missing)}"
-    assert not set(cuda_kernels.LAUNCHES) - set(REGISTRY), "counts for op kinds that do not exist"
+    missing = set(REGISTRY) - set(launch_model.LAUNCHES)
+    assert not missing, f"op kinds codegen/launch_model.py does not count: {sorted(missing)}"
+    assert not set(launch_model.LAUNCHES) - set(REGISTRY), "counts for op kinds that do not exist"
 
 
 def test_every_executed_op_has_torch_and_cuda_implementations(final_kinds):

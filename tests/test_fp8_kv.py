@@ -21,7 +21,7 @@ import pytest
 import torch
 from glmc.codegen import fp8_ref
 from glmc.codegen import torch_ref as ref
-from glmc.codegen import triton_target as tt
+from glmc.codegen import triton_launch as tt
 from glmc.codegen.kernel_set import plan_kernels
 from glmc.runtime.worker.kv_cache import PAGE_SIZE, KVPool
 from test_fp8_plan import assert_greedy_agrees, cuda_plan, runner

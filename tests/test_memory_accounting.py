@@ -11,7 +11,7 @@
   allocates on the CPU, measured by `runtime/worker/live_bytes.LiveBytes` (every tensor storage a
   step creates, views once, until it dies): op by op (live bytes at the op's start, its peak, at its
   end) for a prefill at the plan's largest chunk, eager decodes at buckets 1 and 4 and capture-like
-  runs of the decode body (what `GpuRunner.capture` records) at every bucket, bf16 and FP8 plans.
+  runs of the decode body (what `CudaExecutor.capture` records) at every bucket, bf16 and FP8 plans.
   Tolerance: 8 bytes per op, for one 0-d tensor torch.where makes of a Python scalar on the CPU
   (host memory on a GPU, where the model does not count it). Allocator rounding (512-byte blocks) is
   the model's `rounding`, checked separately; the 2 MB segments are not modelled. A workspace left
@@ -137,7 +137,7 @@ class Measured:
         self.graphs_keep = self._capture_like()
 
     def _capture_like(self) -> int:
-        """`GpuRunner.capture`'s recorded region per bucket (largest first), each bucket's static
+        """`CudaExecutor.capture`'s recorded region per bucket (largest first), each bucket's static
         inputs made and its outputs kept, as the graphs keep them; -> the bytes kept after the last."""
         ex, kept = self.runner, []
         with LiveBytes() as mem:
@@ -220,18 +220,18 @@ def test_rounding_books_each_allocation_as_a_512_byte_block(measured):
 
 def test_mirrored_constants_match_codegen():
     """passes/step_arena.py mirrors codegen's constants (passes may not import codegen)."""
-    from glmc.codegen import cuda_kernels, cuda_target, fp8_ref, triton_contexts, triton_moe, triton_target
+    from glmc.codegen import launch_model, cuda_target, fp8_ref, triton_contexts, triton_moe, triton_launch
     from glmc.codegen import weight_formats
     from glmc.passes import moe_memory, step_arena
     assert step_arena.FP8_BLOCK == fp8_ref.BLOCK == FP8_SCALE_GROUP
     assert step_arena.FP8_KINDS == weight_formats.FP8_KINDS and step_arena.UNQUANTISED == weight_formats.UNQUANTISED
-    assert step_arena.TOPK_CHUNK == cuda_kernels.TOPK_CHUNK == cuda_target.TOPK_CHUNK
-    assert step_arena.GEMV_ROWS == cuda_kernels.GEMV_ROWS == triton_contexts.GEMV_ROWS[-1]
-    assert step_arena.GEMV_NARROW == cuda_kernels.GEMV_NARROW
-    assert all(step_arena.gemv_takes(r, n) == cuda_kernels.gemv_takes(r, n) for r in range(1, 40) for n in (8, 32, 64, 256))
+    assert step_arena.TOPK_CHUNK == launch_model.TOPK_CHUNK == cuda_target.TOPK_CHUNK
+    assert step_arena.GEMV_ROWS == launch_model.GEMV_ROWS == triton_contexts.GEMV_ROWS[-1]
+    assert step_arena.GEMV_NARROW == launch_model.GEMV_NARROW
+    assert all(step_arena.gemv_takes(r, n) == launch_model.gemv_takes(r, n) for r in range(1, 40) for n in (8, 32, 64, 256))
     assert step_arena.NORM_QUANT_ROWS == cuda_target.NORM_QUANT_ROWS
-    assert step_arena.TOPK_SEGMENTS == triton_target.TOPK_SEGMENTS
-    assert step_arena.TOPK_PROGRAMS == triton_target.TOPK_PROGRAMS
+    assert step_arena.TOPK_SEGMENTS == triton_launch.TOPK_SEGMENTS
+    assert step_arena.TOPK_PROGRAMS == triton_launch.TOPK_PROGRAMS
     assert step_arena.INDEXER_BLOCK_N == triton_contexts.IndexerScoresCtx.make(32, 128, torch.bfloat16).block_n
     assert step_arena.ARGMAX_SPLITS == triton_contexts.ARGMAX_SPLITS
     assert step_arena.MAX_SPLITS == triton_contexts.MAX_SPLITS and step_arena.BLOCK_MS == triton_moe.BLOCK_MS
@@ -251,7 +251,7 @@ def test_mirrored_constants_match_codegen():
 def test_mirrored_launch_rules_match_codegen():
     """The model's copies of the FP8 GEMM split rule and the MoE launch (splits, the one-program sort's
     bounds) give what codegen launches, across decode and prefill sizes, bf16 and FP8, H200 and CPU."""
-    from glmc.codegen import cuda_kernels, fp8_ref, triton_fp8, triton_moe
+    from glmc.codegen import launch_model, fp8_ref, triton_fp8, triton_moe
     from glmc.passes import moe_memory, step_arena
     for sms in (132, 2):
         for rows in (1, 5, 16, 17, 128, 255, 256, 4096):
@@ -259,7 +259,7 @@ def test_mirrored_launch_rules_match_codegen():
                 assert op_memory.fp8_gemm_splits(rows, n, k, sms) == \
                     triton_fp8.default_config(rows, n, k, sms)["splits"], (rows, n, k, sms)
             for n, k in [(256, 6144), (32, 6144), (16, 160), (48, 300), (4, 100)]:   # narrow_gemm's
-                assert step_arena.narrow_splits(rows, n, k, sms) == cuda_kernels.narrow_splits(rows, n, k, sms)
+                assert step_arena.narrow_splits(rows, n, k, sms) == launch_model.narrow_splits(rows, n, k, sms)
         for n in (1, 8, 16, 24, 64, 65, 1024, 65536):
             for E, hidden, inter in [(256, 6144, 2048), (32, 6144, 256), (4, 160, 96), (3, 128, 256)]:
                 for fp8 in (False, True):

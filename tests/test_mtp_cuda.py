@@ -1,6 +1,6 @@
 """MTP speculative decoding on the CUDA target, run on the CPU: the plan's Triton
 kernels interpreted, no graph capture (the H200 check, `bench/mtp_gpu_check.py`, replays the
-captured verify and draft graphs through the same `GpuRunner.run_tokens`).
+captured verify and draft graphs through the same `CudaExecutor.run_tokens`).
 
 The verify phase is a decode step over several tokens per row and the draft phase one over the
 MTP layer with a hidden row per token; the greedy output with drafts equals the output without,
@@ -9,7 +9,7 @@ token for token, with a prefix-cache hit, and every page comes back.
 import pytest
 from glmc.runtime.engine.sampling import SamplingParams
 from glmc.runtime.engine.startup import build_engine
-from glmc.runtime.worker.cuda_executor import GpuRunner
+from glmc.runtime.worker.cuda_executor import CudaExecutor
 
 from glmc.api import plan_for
 
@@ -41,7 +41,7 @@ def test_greedy_with_mtp_on_the_cuda_target_equals_without(tiny_ckpt):
     specs = [[(first, greedy), ([11, 12, 13], greedy)], [(first[:64] + [5], greedy)]]  # a prefix hit
     want = run(engine(tiny_ckpt), specs)
     e = engine(tiny_ckpt, 2)
-    assert isinstance(e.runner.executor, GpuRunner) and e.runner.supports_speculative
+    assert isinstance(e.runner.executor, CudaExecutor) and e.runner.supports_speculative
     assert e.runner.executor.phase_buckets["mtp_verify"] == [3, 6, 12]   # decode buckets x (N + 1)
     assert run(e, specs) == want
     c = e.metrics.counters

@@ -1,5 +1,5 @@
 """The step-time predictor (glmc/predict.py), its calibration files (glmc/calibration.py) and the
-CUDA target's launch facts (codegen/cuda_kernels.py) it reads."""
+CUDA target's launch facts (codegen/launch_model.py) it reads."""
 import itertools
 import json
 import math
@@ -11,7 +11,7 @@ from glmc.ir.types import TensorType
 from glmc.passes.costs import hbm_bytes_of, touched_experts, weight_bytes_for
 
 from glmc.calibration import CalibrationError, collective_seconds, load, table_seconds
-from glmc.codegen.cuda_kernels import TOPK_CHUNK, topk_select_passes
+from glmc.codegen.launch_model import TOPK_CHUNK, topk_select_passes
 from glmc.cli import main
 from glmc.config import DTypes
 from glmc.predict import TABLE_BATCHES, predict_plan, predict_step
@@ -194,15 +194,15 @@ def launches_as_measured(monkeypatch):
     their rows and summed their slots in torch ops at any row count (the moe_align kernel took <= 64
     rows from 2026-12-01 and <= 1024 from 2026-12-02; moe_combine summed from 2026-12-01).
     Predictions of those runs are checked with that code's counts."""
-    from glmc.codegen import cuda_kernels
-    from glmc.codegen.cuda_kernels import Launches
-    table = dict(cuda_kernels.LAUNCHES, **{k: Launches(4, 8, gemms=2) for k in
+    from glmc.codegen import launch_model
+    from glmc.codegen.launch_model import Launches
+    table = dict(launch_model.LAUNCHES, **{k: Launches(4, 8, gemms=2) for k in
                                            ("attn.mla_absorbed", "attn.sparse_mla", "attn.mla_mha")})
     table["idx.topk"] = Launches(2, 2)
     table["sample.tokens"] = Launches(1, 10)
-    table["moe.experts"] = Launches(2, cuda_kernels.ALIGN_ROWS_OPS + 7)     # torch sort and combine, any rows
-    monkeypatch.setattr(cuda_kernels, "LAUNCHES", table)
-    monkeypatch.setattr(cuda_kernels, "ALIGN_ROWS", 0)
+    table["moe.experts"] = Launches(2, launch_model.ALIGN_ROWS_OPS + 7)     # torch sort and combine, any rows
+    monkeypatch.setattr(launch_model, "LAUNCHES", table)
+    monkeypatch.setattr(launch_model, "ALIGN_ROWS", 0)
 
 
 def test_every_spec_bench_row_within_20_percent(launches_as_measured):
@@ -242,7 +242,7 @@ def test_the_launch_counts_follow_the_torch_code():
     """LAUNCHES counts one kernel per aten op of the torch code around the MoE and attention
     kernels: count them on the CPU (views and wrapped scalars launch nothing)."""
     import torch
-    from glmc.codegen import cuda_kernels, triton_moe, triton_target
+    from glmc.codegen import launch_model, triton_moe, triton_launch
     from torch.utils._python_dispatch import TorchDispatchMode
     free = {"view", "_unsafe_view", "slice", "select", "expand", "t", "transpose", "alias", "detach",
             "reshape", "unsqueeze", "squeeze", "as_strided", "empty", "empty_strided", "scalar_tensor"}
@@ -268,7 +268,7 @@ def test_the_launch_counts_follow_the_torch_code():
     ids = torch.randint(0, 256, (4, 8))
     with Count() as align:
         triton_moe.align_rows(ids, 32, 16, 0)
-    assert len(align.ops) == cuda_kernels.ALIGN_ROWS_OPS
+    assert len(align.ops) == launch_model.ALIGN_ROWS_OPS
     # absorbed MLA with the select's slots: its two projections are cuBLAS GEMMs (`bmm`), no other
     # torch op beside its kernels
     H, dn, dv, R, dr, T = 2, 8, 8, 16, 8, 3
@@ -277,8 +277,8 @@ def test_the_launch_counts_follow_the_torch_code():
     args = (q[:, :, :dn], q[:, :, dn:], torch.randn(H, dn, R), torch.randn(H, R, dv), torch.randn(64, R + dr),
             torch.zeros(1, 1, dtype=torch.int64), torch.arange(T), torch.full((T,), 40), slots, 0.1)
     with Count() as attn:        # kernels not launched: the interpreter runs torch ops of its own
-        triton_target.mla_absorbed(*args, slots=slots, lib=NoLaunch())
-    want = cuda_kernels.launches("attn.mla_absorbed", {})
+        triton_launch.mla_absorbed(*args, slots=slots, lib=NoLaunch())
+    want = launch_model.launches("attn.mla_absorbed", {})
     assert len(attn.ops) == want.torch_ops + want.gemms and attn.ops.count("aten::bmm") == want.gemms
     # the routed experts at decode sizes (the moe_align kernel's rows), in the activations' dtype: no
     # torch op beside the kernels (the combine stores bf16 itself; a cast was one more launch)
@@ -289,7 +289,7 @@ def test_the_launch_counts_follow_the_torch_code():
     with Count() as experts:
         out = triton_moe.moe_experts(x, ids, weights, *stacks, lib=NoLaunch(), out_dtype=torch.bfloat16)
     assert out.dtype == torch.bfloat16
-    assert len(experts.ops) == cuda_kernels.launches("moe.experts", {"experts": E}, routed_rows=6).torch_ops == 0
+    assert len(experts.ops) == launch_model.launches("moe.experts", {"experts": E}, routed_rows=6).torch_ops == 0
 
 
 def test_every_multi_gpu_check_row_within_20_percent(tmp_path, launches_as_measured):
@@ -305,9 +305,9 @@ def test_every_multi_gpu_check_row_within_20_percent(tmp_path, launches_as_measu
 
 
 def test_the_cost_model_knows_where_the_moe_align_kernel_runs():
-    """cuda_kernels copies triton_moe's moe_align limits; below them a MoE step is the kernel's
+    """launch_model copies triton_moe's moe_align limits; below them a MoE step is the kernel's
     launch, above (or without a row count) align_rows' 36 torch ops."""
-    from glmc.codegen import cuda_kernels as ck
+    from glmc.codegen import launch_model as ck
     from glmc.codegen import triton_moe
     assert (ck.ALIGN_ROWS, ck.ALIGN_MAX_EXPERTS) == (triton_moe.ALIGN_ROWS, triton_moe.ALIGN_MAX_EXPERTS)
     assert triton_moe.block_m_for(ck.ALIGN_ROWS_PER_EXPERT * 8 - 1, 8) == triton_moe.SPLIT_BLOCK_M

@@ -5,7 +5,7 @@ over heads); a block that straddles two requests is scored right."""
 
 import pytest
 import torch
-from glmc.codegen import triton_target as tt
+from glmc.codegen import triton_launch as tt
 from glmc.compiler import compile_plan
 from glmc.config import Options
 from glmc.parallel import parse_parallel

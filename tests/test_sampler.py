@@ -1,12 +1,12 @@
 """The one sampler (semantics: runtime/engine/sampling.py) across its implementations: `torch_ref.sample` and
-the Triton kernel (`triton_target.sample`, run in the interpreter) keep the same tokens and draw the
+the Triton kernel (`triton_launch.sample`, run in the interpreter) keep the same tokens and draw the
 same ones for the same logits, parameters and seeds; seeds do not depend on the batch; draws follow
 the kept distribution; ties go to the lowest id; the IR's `sample.tokens` is the greedy case."""
 import pytest
 import torch
 from glmc.codegen import torch_ref as ref
 from glmc.codegen import torch_target
-from glmc.codegen import triton_target as tt
+from glmc.codegen import triton_launch as tt
 from glmc.runtime.engine.request import Request
 from glmc.runtime.engine.sampling import SamplingBatch, SamplingParams, sample_batch
 
@@ -14,7 +14,7 @@ IMPLS = {"torch": ref.sample, "triton": tt.sample}
 
 
 def params(n, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, step=0):
-    """Per-row parameter tensors, as torch_ref.sample / triton_target.sample take them."""
+    """Per-row parameter tensors, as torch_ref.sample / triton_launch.sample take them."""
     def col(v, dtype):
         return torch.as_tensor(v, dtype=dtype).expand(n).clone()
     return (col(temperature, torch.float32), col(top_k, torch.int64), col(top_p, torch.float32),

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from glmc.codegen import torch_ref as ref
-from glmc.codegen import triton_target as tt
+from glmc.codegen import triton_launch as tt
 
 
 def want_row(scores_row, n, k):

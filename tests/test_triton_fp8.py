@@ -264,7 +264,7 @@ def test_norms_quantise_their_output_as_quantize_tokens_does(hidden, dtype):
     """rms_norm / add_rms_norm with quant: the same outputs as without, and the quantisation of the
     stored output equal to quantize_tokens' to the bit (a zero row, a ragged last group, a width
     below one group)."""
-    from glmc.codegen import triton_target as tt
+    from glmc.codegen import triton_launch as tt
     g = torch.Generator().manual_seed(hidden)
     x, r = ((torch.randn(5, hidden, generator=g) * 3).to(dtype) for _ in range(2))
     w = torch.randn(hidden, generator=g).to(dtype)

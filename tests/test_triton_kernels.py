@@ -1,4 +1,4 @@
-"""Triton kernels (codegen/triton_target.py) against the torch target (codegen/torch_ref.py).
+"""Triton kernels (codegen/triton_launch.py) against the torch target (codegen/torch_ref.py).
 
 Runs on CPU under the Triton interpreter, so shapes are tiny and ragged (non-power-of-two widths,
 uneven request lengths, scattered KV slots). Every kernel output is allocated poisoned (NaN / a
@@ -13,7 +13,7 @@ import pytest
 import torch
 from filecheck import check
 from glmc.codegen import torch_ref as ref
-from glmc.codegen import triton_target as tt
+from glmc.codegen import triton_launch as tt
 from glmc.runtime.worker.forward_batch import ForwardBatch
 from glmc.runtime.worker.kv_cache import KVPool
 

@@ -156,7 +156,7 @@ def test_padding_tokens_run_no_expert_and_combine_to_zero(offset):
 
 
 def test_generated_source_is_specialised():
-    from glmc.codegen.triton_target import render
+    from glmc.codegen.triton_launch import render
     ctx = tm.MoeExpertsCtx.make(True, 2048, 6144, 8, torch.bfloat16, 16)
     src = render("moe_experts", ctx)
     assert "for k0 in range(0, 2048, 128)" in src and "n < 6144" in src and "row // 8" not in src
@@ -272,7 +272,7 @@ def test_variants_list_every_context_the_launches_pick(monkeypatch, fp8):
 
 
 def test_split_sources_defer_swiglu_to_the_reduction():
-    from glmc.codegen.triton_target import render
+    from glmc.codegen.triton_launch import render
     up = render("moe_experts", tm.MoeExpertsCtx.make(False, 6144, 2048, 8, torch.bfloat16, 16, split=True))
     assert "for k0 in range(k_lo, k_hi, 128)" in up and "tl.cdiv(48, num_splits)" in up and "tl.exp" not in up
     assert 'do_not_specialize=["num_rows", "num_splits"]' in up

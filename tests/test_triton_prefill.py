@@ -11,7 +11,7 @@ import torch
 from filecheck import check
 from glmc.codegen import torch_ref as ref
 from glmc.codegen import triton_prefill as tp
-from glmc.codegen.triton_target import render
+from glmc.codegen.triton_launch import render
 from glmc.runtime.worker.forward_batch import ForwardBatch
 from glmc.runtime.worker.kv_cache import KVPool
 

@@ -36,7 +36,7 @@ after a retraction, and in both implementations.
 
 Implementations: `sample_batch(logits, SamplingBatch)` runs steps 1-4 as a torch pre-pass on the
 logits' device (scatter of bias entries, token counts), then steps 5-10 with `torch_ref.sample`
-on CPU or the Triton kernel `triton_target.sample` on CUDA; both compute the same integer hash and
+on CPU or the Triton kernel `triton_launch.sample` on CUDA; both compute the same integer hash and
 the same float steps, so they keep the same sets and draw the same token (the Triton interpreter
 matches torch exactly; a GPU's fast exp/log can differ only where two candidates are within float
 rounding). Only token ids and the asked-for logprobs leave the device. The IR's `sample.tokens` is
@@ -278,8 +278,8 @@ def sample_batch(logits: torch.Tensor, batch: SamplingBatch, use_triton: bool | 
     if use_triton is None:
         use_triton = logits.is_cuda
     if use_triton:
-        from glmc.codegen import triton_target
-        draw = partial(triton_target.sample, lib=kernels or triton_target.JIT)
+        from glmc.codegen import triton_launch
+        draw = partial(triton_launch.sample, lib=kernels or triton_launch.JIT)
     else:
         draw = torch_ref.sample
     tokens = draw(x, batch.temperature, batch.top_k, batch.top_p, batch.min_p, batch.seed, batch.step)

@@ -1,7 +1,7 @@
 """Run a compiled plan on one GPU: prefill, decode (and MTP verify / draft) captured as one CUDA
 graph per bucket.
 
-`GpuRunner(plan, weights, pool, comm, max_reqs=, max_context=)` is a `PlanExecutor` whose op table
+`CudaExecutor(plan, weights, pool, comm, max_reqs=, max_context=)` is a `PlanExecutor` whose op table
 is `codegen.cuda_target.IMPLS` and whose step state (`GpuStep`) holds device index tensors. The
 runner owns a device copy of req_to_token (`r2t`, one spare row for padding): prefill copies its
 requests' rows in; every decode step (eager or replayed) first writes r2t[row, pos] = out_cache_loc
@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from glmc.codegen import triton_target as tt
+from glmc.codegen import triton_launch as tt
 from glmc.codegen.cuda_target import IMPLS as CUDA_IMPLS
 from glmc.codegen.fp8_ref import Fp8Weight
 from glmc.codegen.kernel_set import compute_dtype
@@ -101,7 +101,7 @@ MTP_PHASES = ("mtp_verify", "mtp_draft")
 @dataclass
 class Captured:
     graph: object          # torch.cuda.CUDAGraph
-    packed: torch.Tensor   # [4 (+ dp_rows), b] int64 device: `GpuRunner.host_vectors`
+    packed: torch.Tensor   # [4 (+ dp_rows), b] int64 device: `CudaExecutor.host_vectors`
     host: torch.Tensor     # the same shape, pinned: its staging buffer
     out: dict              # static outputs: logits, next_ids, hidden
     copied: object = None  # torch.cuda.Event: the last host->device copy of `host` is done
@@ -111,7 +111,7 @@ class Captured:
     last_host: torch.Tensor | None = None   # prefill: its pinned staging buffer
 
 
-class GpuRunner(PlanExecutor):
+class CudaExecutor(PlanExecutor):
     def __init__(self, plan: Plan, weights, pool: KVPool, comm: Comm | None, max_reqs: int,
                  max_context: int, stacks: dict | None = None, max_batch_tokens: int = 0):
         super().__init__(plan, weights, pool, comm, impls=CUDA_IMPLS, device=pool.device,
@@ -209,12 +209,12 @@ class GpuRunner(PlanExecutor):
     @torch.no_grad()
     def forward(self, phase: str, batch: ForwardBatch, hidden=None, dp_tokens=None) -> dict:
         if phase not in ("prefill", *GRAPH_PHASES):
-            raise ValueError(f"GpuRunner: no phase {phase!r} (prefill, {', '.join(GRAPH_PHASES)})")
+            raise ValueError(f"CudaExecutor: no phase {phase!r} (prefill, {', '.join(GRAPH_PHASES)})")
         if phase in MTP_PHASES and phase not in self.graphs:
-            raise ValueError(f"GpuRunner: the plan has no {phase} phase (no MTP layer)")
+            raise ValueError(f"CudaExecutor: the plan has no {phase} phase (no MTP layer)")
         longest = int(batch.seq_lens.max()) if batch.batch_size else 1   # idle: padding only
         if longest > self.max_context:
-            raise ValueError(f"GpuRunner: seq_len {longest} > max_context {self.max_context}")
+            raise ValueError(f"CudaExecutor: seq_len {longest} > max_context {self.max_context}")
         B = batch.batch_size
         if phase == "decode":   # every rank of a DP/TP group runs the same bucket (collectives)
             need = self.padded_tokens(B, dp_tokens)

@@ -137,7 +137,7 @@ def _collect_after_interpreted_launches():
 
 @contextmanager
 def traced_ops(runner, tracker: LiveBytes):
-    """Evaluate `runner`'s ops (a PlanExecutor or GpuRunner: its `impls` table) each inside a
+    """Evaluate `runner`'s ops (a PlanExecutor or CudaExecutor: its `impls` table) each inside a
     `tracker.region(op)`; the table is restored on exit."""
     table = runner.impls
 

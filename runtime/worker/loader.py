@@ -18,7 +18,7 @@ API (`glmc.api`), the multi-rank server's ranks and the bench scripts. It
    computes everything in fp32; `kv_fp8="emulate"` rounds their values through FP8 instead, the
    oracle of the CUDA target's FP8 KV),
 4. builds the executor of the plan's target: the torch target in fp32 (`executor.PlanExecutor`)
-   or the CUDA target (`cuda_executor.GpuRunner`: fp32 for an fp32 checkpoint, else bf16, the
+   or the CUDA target (`cuda_executor.CudaExecutor`: fp32 for an fp32 checkpoint, else bf16, the
    router in fp32, running the plan's rendered kernels/*.py and nothing else) and, on a GPU,
    captures the decode graph of every bucket.
 
@@ -107,7 +107,7 @@ def load_runner(plan: Plan, weights: Weights, *, device: str | torch.device | No
         pool = KVPool.for_plan(plan, num_pages + 1, torch.float32, device, kv_fp8 or "none")
         executor = PlanExecutor(plan, local, pool, comm, device=device, stacks=stacks)
         return PlanRunner(executor, max_context)
-    from glmc.runtime.worker.cuda_executor import MTP_PHASES, GpuRunner, to_device_weight, to_device_weights
+    from glmc.runtime.worker.cuda_executor import MTP_PHASES, CudaExecutor, to_device_weight, to_device_weights
 
     dtype = compute_dtype(plan.dtypes)
     max_ctx = context_limit(plan.config.max_position_embeddings, num_pages, max_context)
@@ -116,8 +116,8 @@ def load_runner(plan: Plan, weights: Weights, *, device: str | torch.device | No
                     lambda w: to_device_weight(w, device, dtype))
     local = to_device_weights(local, device, dtype)
     pool = KVPool.for_plan(plan, num_pages + 1, dtype, device, kv_fp8 or "store")
-    gpu = GpuRunner(plan, local, pool, comm, max_reqs=max_running, max_context=max_ctx,
-                    stacks=stacks, max_batch_tokens=max_batch_tokens)
+    gpu = CudaExecutor(plan, local, pool, comm, max_reqs=max_running, max_context=max_ctx,
+                       stacks=stacks, max_batch_tokens=max_batch_tokens)
     loaded, captured = time.perf_counter() - t0, {}
     phases = ("decode", *MTP_PHASES) if speculative and plan.has_mtp else ("decode",)
     phases += ("prefill",) if gpu.phase_buckets["prefill"] else ()

@@ -2,7 +2,7 @@
 
 `ModelRunner` is the contract; `ReferenceRunner` runs the fp32 torch `ReferenceModel` (the
 numerical oracle); `PlanRunner` runs a compiled plan's executor on the host, `DevicePlanRunner`
-one on an accelerator (`cuda_executor.GpuRunner`). Plan runners are made by
+one on an accelerator (`cuda_executor.CudaExecutor`). Plan runners are made by
 `runtime/worker/loader.py::load_runner`, the one loader.
 """
 from __future__ import annotations
@@ -116,11 +116,11 @@ class ReferenceRunner(ModelRunner):
 class PlanRunner(ModelRunner):
     """`ModelRunner` over a compiled plan's executor for one rank of the plan's mesh: the torch
     target's `PlanExecutor` (or any executor with its `forward(phase, batch, dp_tokens=)` and
-    `pool`, e.g. `gpu_runner.GpuRunner`). The executor writes padding tokens to the pool's last
+    `pool`, e.g. `cuda_executor.CudaExecutor`). The executor writes padding tokens to the pool's last
     slot, so the runner reports one page fewer than the pool has: the scheduler never hands out
     the scratch page.
 
-    `run(phase, batch, dp_tokens)` is the per-rank step that `dist_engine` drives; `forward` picks
+    `run(phase, batch, dp_tokens)` is the per-rank step that `distributed.DistRunner` drives; `forward` picks
     the phase from the batch (decode batches run the decode graph, all else the prefill graph).
     """
 
@@ -175,7 +175,7 @@ class PlanRunner(ModelRunner):
 
 
 class DevicePlanRunner(PlanRunner):
-    """`PlanRunner` over an executor whose tensors live on an accelerator (`gpu_runner.GpuRunner`).
+    """`PlanRunner` over an executor whose tensors live on an accelerator (`cuda_executor.CudaExecutor`).
     The scheduler hands batches of any size: the executor pads a decode batch to its smallest
     CUDA-graph bucket (eager above the largest) and slices the padding off again. Its logits stay
     on the device in the compute dtype (for a replayed graph, views of a static buffer that the next

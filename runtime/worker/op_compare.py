@@ -4,7 +4,7 @@ A plan-level comparison (logits after every layer) cannot tell a kernel bug from
 random model amplifies. Here every op of one step is checked alone:
 
 1. the oracle (a torch-target `PlanExecutor`, fp32) runs the step and every value it makes is kept;
-2. the target (`GpuRunner`, or the torch target itself) runs the step with each op's operands
+2. the target (`CudaExecutor`, or the torch target itself) runs the step with each op's operands
    replaced by the oracle's values, rounded to the dtype the target holds them in (its own
    operand's dtype), so no error compounds from op to op;
 3. a second oracle executor (its own KV pool) runs the step on those same rounded operands in fp32:

@@ -13,7 +13,7 @@ The indexer's top-k select (`topk_select.py.j2`) runs a row of n <= TOPK_CHUNK s
 program, held in registers: 33 counting passes and a compaction when n > k, else one count and the
 compaction (`topk_select_passes`); latency-bound, so the predictor times it from the calibration's
 measured launches, scaled by these passes. A workspace wider than TOPK_CHUNK splits its long rows
-over programs of 1024-8192 scores (`triton_target.topk_segment`) and selects them by bytes in five
+over programs of 1024-8192 scores (`triton_launch.topk_segment`) and selects them by bytes in five
 launches (the last also runs the short rows): each costs about TOPK_SPLIT_STAGE_PASSES register
 passes (an estimate until bench/long_context_bench.py's top-k table is folded into the calibration),
 independent of n while the segments fit on the GPU. The select writes the KV slots of what it
