@@ -24,7 +24,7 @@ from typing import ClassVar
 
 import torch
 from glmc.codegen.fp8_ref import BLOCK
-from glmc.codegen.triton_render import JIT, KernelLibrary, _num_sms, next_pow2
+from glmc.codegen.triton_render import JIT, KernelLibrary, sm_count, next_pow2
 
 # ----------------------------------------------------------------------------- defaults (set from the sweep)
 # Row classes: (largest row count of the class, its tiles (block_m, block_n, num_warps, num_stages), the
@@ -219,7 +219,7 @@ def fp8_block_gemm(xq, xs, wq, ws, out_dtype=torch.bfloat16, lib: KernelLibrary 
     splits = tiles.pop("splits", None)
     ctx = Fp8BlockGemmCtx.make(n, k, m, gapped=gap_w > 0, **tiles)
     if splits is None:
-        splits = split_count(m, n, k, ctx.block_m, ctx.block_n, _num_sms(xq.device))
+        splits = split_count(m, n, k, ctx.block_m, ctx.block_n, sm_count(xq.device))
     splits = even_splits(ctx.k_blocks, splits)
     width = n - gap_w
     y = torch.empty(m, width, dtype=out_dtype, device=xq.device) if out is None else out
@@ -246,7 +246,7 @@ def _gemm_partials(xq, xs, wq, ws, lib: KernelLibrary, splits=None):
     m, k = xq.shape
     n = wq.shape[0]
     ctx = Fp8BlockGemmCtx.make(n, k, m)
-    splits = even_splits(ctx.k_blocks, splits or split_count(m, n, k, ctx.block_m, ctx.block_n, _num_sms(xq.device)))
+    splits = even_splits(ctx.k_blocks, splits or split_count(m, n, k, ctx.block_m, ctx.block_n, sm_count(xq.device)))
     part = torch.empty(splits, m, n, dtype=torch.float32, device=xq.device)
     if m:
         lib(ctx)[(-(-m // ctx.block_m) * ctx.n_tiles, splits)](

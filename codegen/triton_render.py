@@ -57,7 +57,6 @@ def sm_count(device: torch.device) -> int:
     return 2
 
 
-_num_sms = sm_count   # the name codegen/triton_fp8.py imports
 
 
 # ----------------------------------------------------------------------------- render / load / libraries

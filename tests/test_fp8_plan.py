@@ -1,4 +1,4 @@
-"""FP8 weights on the CUDA target (issue 10, item 1), run on the CPU (Triton interpreted, the plan's
+"""FP8 weights on the CUDA target, run on the CPU (Triton interpreted, the plan's
 kernel library strict): a tiny block-FP8 checkpoint, made as GLM-5 FP8 checkpoints are (e4m3 linear
 weights with `weight_scale_inv` per 128 x 128 block; embed, lm_head, norms, router and the indexer's
 weights_proj unquantised).
@@ -61,7 +61,7 @@ def test_plan_explain_and_loaded_weights_agree(fp8_ckpt, tmp_path):
     fp8 = fp8_weights(plan)
     ex = runner(plan, fp8_ckpt)
     held = ex.weights     # experts live in their [E, ...] stacks only (the loader stacks them)
-    stacked = [part for parts in ex._stacks.values() for part in parts]
+    stacked = [part for parts in ex.stacks.values() for part in parts]
     assert all(isinstance(w, Fp8Weight) for w in stacked)
     assert saved["fp8_tensors"] == len(fp8) == sum(isinstance(w, Fp8Weight) for w in held.values()) + \
         sum(w.shape[0] for w in stacked)

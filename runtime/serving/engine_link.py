@@ -3,7 +3,7 @@
 Why two processes: the event loop's work per streamed token (SSE formatting, writes, the loop
 itself) and the engine thread's host work share one GIL in one process; at concurrency 32 on the
 H200 the loop's ~55 us of CPU per token stretched each decode step from ~1.2x to ~1.8x its graph
-replay (bench/NOTES.md). SGLang splits the same way (tokenizer manager / scheduler).
+replay. SGLang splits the same way (tokenizer manager / scheduler).
 
 - `EngineHost` (the engine's process) takes submissions, aborts and calls off the pipe on its own
   thread, and after every engine step sends the step's events as one message (`Engine.after_step`),
