@@ -268,3 +268,14 @@ def op_calls(runner, run) -> list:
     calls = []
     with_impls(runner, lambda fn: lambda op, args, rt: calls.append((op, args, rt, fn)) or fn(op, args, rt), run)
     return calls
+
+
+def w8a8_twin(plan, runner, num_pages):
+    """A torch-target executor sharing `runner`'s weights (its own KV pool) that runs the FP8 plan's
+    activation quantisation (codegen/fp8_torch_target.py)."""
+    from glmc.codegen import fp8_torch_target
+    from glmc.runtime.worker.executor import PlanExecutor
+    from glmc.runtime.worker.kv_cache import KVPool
+    pool = KVPool.for_plan(plan, num_pages, runner.pool.dtype, runner.pool.device, fp8="emulate")
+    return PlanExecutor(plan, runner.weights, pool, runner.comm, impls=fp8_torch_target.IMPLS,
+                        device=runner.device, stacks=runner.stacks)

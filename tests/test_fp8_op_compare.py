@@ -101,3 +101,22 @@ def test_a_wrong_kernel_result_is_caught_at_its_op(plan_and_ckpt, one_torch_thre
     rows = compare_step(target, oracle, again, "prefill", batches()[0])
     bad = {r.result for r in rows if not r.ok()}
     assert bad == {"L2.iq", "L2.q_pe"}, bad
+
+
+def test_the_spread_moves_each_value_at_most_one_ulp():
+    """bench.fp8_op_check's perturbed oracle: a 16-bit value rounds to one of its two neighbours,
+    an fp32 value moves to a neighbour or stays; never further, and both ways occur."""
+    from bench.fp8_op_check import perturbed
+    from glmc.ir import Op
+    x = torch.randn(4096) * 3
+    for dt in (torch.bfloat16, torch.float32):
+        op = Op.make("embed.lookup", "h", ("ids",))
+        impls = perturbed({"embed.lookup": lambda op, args, ctx: x.clone()}, {"h": dt}, seed=0)
+        y = impls["embed.lookup"](op, [], None)
+        d = (y - x).abs()
+        assert torch.all(d <= ulp(x, dt)), dt
+        if dt == torch.bfloat16:
+            assert torch.all(y.to(dt).float() == y)          # a bf16 value
+        else:
+            assert 0 < int((y == x).sum()) < x.numel()
+        assert (y > x).sum() > 100 and (y < x).sum() > 100
