@@ -245,8 +245,9 @@ def qkv_norm_rope_write(q_a, kv_a, positions, out_cache_loc, kv_cache, q_norm_w,
                                    index_eps, index_interleaved, ref.rope_attention_factor(scaling), kv_fp8,
                                    index_fp8)
     c_q = torch.empty(q_a.shape, dtype=q_a.dtype, device=q_a.device)
+    num_slots = min(kv_cache.shape[0], _index_slots(index_cache) if has_ik else kv_cache.shape[0])
     args = [q_a, q_a.stride(0), q_norm_w, c_q, c_q.stride(0), kv_a, kv_a.stride(0), kv_norm_w, positions,
-            out_cache_loc, _inv_freq(theta, dr, q_a.device, scaling)]
+            out_cache_loc, num_slots, _inv_freq(theta, dr, q_a.device, scaling)]
     args += _kv_args(kv_cache, R)
     if has_ik:
         args += [index_k, index_k.stride(0), k_norm_w, k_norm_b]
@@ -262,6 +263,17 @@ def _kv_args(kv_cache, kv_lora) -> list:
     if kv_cache.dtype != torch.uint8:
         return [kv_cache, kv_cache.stride(0)]
     return [a for v in fp8_ref.kv_fp8_views(kv_cache, kv_lora) for a in (v, v.stride(0))]
+
+
+def _table_args(req_to_token) -> list:
+    """Kernel arguments of the req_to_token table: the rows, their stride and the table's shape, which
+    bounds the rows and positions a kernel reads through it (request data never reaches past it)."""
+    return [req_to_token, req_to_token.stride(0), *req_to_token.shape]
+
+
+def _index_slots(index_cache) -> int:
+    """KV slots of one layer's indexer cache: its rows, or its FP8 pages x fp8_ref.KV_PAGE."""
+    return index_cache.shape[0] * (fp8_ref.KV_PAGE if index_cache.dtype == torch.uint8 else 1)
 
 
 def _index_args(index_cache, dim) -> list:
@@ -300,7 +312,7 @@ def indexer_scores(q_idx, weights, k_cache, req_to_token, rows, pos, max_len, bl
     width = -(-max_len // ctx.block_n) * ctx.block_n
     scores = torch.empty(T, width, dtype=torch.float32, device=q_idx.device)
     args = (q_idx, q_idx.stride(0), q_idx.stride(1), weights, weights.stride(0), *_index_args(k_cache, Di),
-            req_to_token, req_to_token.stride(0), rows, pos, scores, scores.stride(0))
+            _index_slots(k_cache), *_table_args(req_to_token), rows, pos, scores, scores.stride(0))
     if T and tiled:   # True, or make_tiled's tile overrides (benchmarks)
         ctx = IndexerScoresCtx.make_tiled(Hi, Di, dtype, fp8, w_scale, **(tiled if isinstance(tiled, dict) else {}))
         lib(ctx)[(-(-T // ctx.block_m), -(-width // ctx.block_n))](*args, T, width, num_warps=ctx.num_warps,
@@ -356,8 +368,8 @@ def topk_select(scores, lens, k, chunk=None, lib: KernelLibrary = JIT, segment=N
     kernel = lib(ctx)
     launches = [(stage, stage == 4) for stage in range(5)] if long_rows else [(-1, True)]
     for stage, short in launches:
-        kernel[(T, num_segs)](scores, scores.stride(0), lens, out, out.stride(0), hist, state, gt, num_segs,
-                              r2t, r2t.stride(0), rows, STAGE=stage, SHORT=short, SEG=segment,
+        kernel[(T, num_segs)](scores, scores.stride(0), width, lens, out, out.stride(0), hist, state, gt, num_segs,
+                              *_table_args(r2t), rows, STAGE=stage, SHORT=short, SEG=segment,
                               SEG_TILE=TOPK_SEG_TILE, SLOTS=slots_of is not None, num_warps=ctx.num_warps)
     return out
 
@@ -390,7 +402,7 @@ def sparse_mla_latent(q_lat, q_pe, kv_cache, req_to_token, rows, pos, topk, scal
     if not T:
         return out
     args = [q_lat, q_lat.stride(0), q_lat.stride(1), q_pe, q_pe.stride(0), q_pe.stride(1),
-            *_kv_args(kv_cache, R), req_to_token, req_to_token.stride(0), rows, pos]
+            *_kv_args(kv_cache, R), kv_cache.shape[0], *_table_args(req_to_token), rows, pos]
     if topk is not None:
         slots = topk_slots(topk, req_to_token, rows, pos) if slots is None else slots
         args += [slots, slots.stride(0)]
@@ -485,6 +497,7 @@ def step_inputs(ids, last_token, rows, pos, loc, r2t, lib: KernelLibrary = JIT):
     if T:
         if r2t.stride(1) != 1:
             raise ValueError(f"step_inputs: req_to_token strides {r2t.stride()} are not row-major")
-        lib(ctx)[(-(-T // ctx.block),)](ids, last_token, rows, pos, loc, r2t, r2t.stride(0), out, lens, T,
+        lib(ctx)[(-(-T // ctx.block),)](ids, last_token, rows, pos, loc, r2t, r2t.stride(0),
+                                         min(last_token.shape[0], r2t.shape[0]), r2t.shape[1], out, lens, T,
                                          num_warps=ctx.num_warps)
     return out, lens
