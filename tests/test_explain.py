@@ -39,11 +39,12 @@ def test_parameters_and_memory(bills):
 
 def test_step_workspaces(bills):
     """What a step allocates above the held bytes (passes/step_memory.py), per DP rank of dp8ep8 at
-    context 4096: a decode step per bucket, the graphs of all buckets, the largest prefill chunk and
+    context 4096: a decode step per bucket (up to max_batch, 128 requests, on every DP rank: it is
+    per DP rank, as `glmc run --max-running` is), the graphs of all buckets, the largest prefill chunk and
     the indexer's workspace in it: fp32 scores [8192, 4096] and the top-k as int32 KV slots [8192,
     2048] (the positions + 1 come from the step prologue)."""
     m = bills["dp8ep8"]["memory"]
-    assert list(m["decode_workspace_bytes"]) == ["1", "2", "4", "8", "12", "16"]
+    assert list(m["decode_workspace_bytes"]) == ["1", "2", "4", "8", "12", "16", "24", "32", "48", "64", "96", "128"]
     assert m["graph_bytes"] == m["decode_workspace_bytes"]      # the old name
     pool = m["graph_pool"]
     assert pool["workspaces"] == 2 * 32 * 2**20                 # the warm-up stream + the capture stream

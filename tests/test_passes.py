@@ -135,8 +135,9 @@ def test_mla_form_and_backend_per_phase():
 
 
 def test_buckets_and_memory_plan():
-    d = graph(FULL, "dp8ep8", "decode").meta
-    assert d["cuda_graph_buckets"] == [1, 2, 4, 8, 12, 16]
+    d = graph(FULL, "dp8ep8", "decode").meta    # max_batch is per DP rank: the same buckets as tp1's
+    assert d["cuda_graph_buckets"] == [1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128]
+    assert graph(FULL, "dp8ep8", "decode", max_batch=32).meta["cuda_graph_buckets"][-1] == 32
     v = graph(FULL, "tp8", "mtp_verify").meta["cuda_graph_buckets"]
     assert v[:3] == [6, 12, 24] and v[-1] == 128 * 6
     assert graph(FULL, "tp8", "prefill").meta["cuda_graph_buckets"] == []
