@@ -14,6 +14,37 @@ from glmc.ir import Op
 from glmc.ir.types import TensorType
 
 
+class PagedCache(Protocol):
+    """The paged KV pool as ops read and write it (`runtime/worker/kv_cache.py::KVPool`)."""
+
+    def write_kv(self, layer: int, loc: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor) -> None:
+        """Store each token's latent row and RoPE'd key at its slot."""
+
+    def write_index_k(self, layer: int, loc: torch.Tensor, k: torch.Tensor) -> None:
+        """Store each token's indexer key at its slot."""
+
+    def c_kv(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        """The latent rows [L, kv_lora] at `slots`."""
+
+    def k_pe(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        """The RoPE'd shared keys [L, rope_dim] at `slots`."""
+
+    def index_keys(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        """The indexer keys [L, index_dim] at `slots`."""
+
+
+class StepBatch(Protocol):
+    """One step's requests as ops read them (`runtime/worker/forward_batch.py::ForwardBatch`)."""
+
+    positions: torch.Tensor          # [T] position of each token
+    seq_lens: torch.Tensor           # [B] keys each request has after the step
+    req_pool_indices: torch.Tensor   # [B] each request's row of req_to_token
+    req_to_token: torch.Tensor       # [rows, max_context] KV slot of every position
+
+    def token_ranges(self) -> list[tuple[int, int, int]]:
+        """(request, first token, end token) of each request's tokens in the step."""
+
+
 class StepContext(Protocol):
     """One forward of one rank, as the torch target sees it (host or device tensors)."""
 

@@ -12,14 +12,9 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
-
-if TYPE_CHECKING:  # annotations only: codegen never imports the runtime (tests/test_architecture.py)
-    from glmc.runtime.worker.forward_batch import ForwardBatch
-    from glmc.runtime.worker.kv_cache import KVPool
+from glmc.codegen.context import PagedCache, StepBatch
 
 
 def rms_norm(x, weight, eps):
@@ -106,18 +101,18 @@ def rope(x, positions, theta, interleaved=True, scaling=None):
     return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
 
 
-def kv_write(pool: KVPool, layer, loc, c_kv, k_pe):
+def kv_write(pool: PagedCache, layer, loc, c_kv, k_pe):
     """pool.kv[layer][loc] = [c_kv | k_pe] (normalised latent, then RoPE'd shared key; `KVPool.write_kv`
     quantises where the pool is FP8 or emulates it)."""
     pool.write_kv(layer, loc, c_kv, k_pe)
 
 
-def index_k_write(pool: KVPool, layer, loc, k):
+def index_k_write(pool: PagedCache, layer, loc, k):
     """pool.index_k[layer][loc] = k (the RoPE'd, LayerNorm'd indexer key; full layers only)."""
     pool.write_index_k(layer, loc, k)
 
 
-def _requests(batch: ForwardBatch):
+def _requests(batch: StepBatch):
     """Yield (token slice, key positions' slots [L], query positions [n]) per request."""
     for b, start, end in batch.token_ranges():
         row, seq_len = int(batch.req_pool_indices[b]), int(batch.seq_lens[b])
@@ -145,7 +140,7 @@ def index_head_scale(op) -> float:
     return int(op.attr("heads")) ** -0.5
 
 
-def indexer_topk(q_idx, weights, pool: KVPool, layer, batch: ForwardBatch, topk):
+def indexer_topk(q_idx, weights, pool: PagedCache, layer, batch: StepBatch, topk):
     """I(t,s) = sum_h w_h(t) relu(q_h(t).k(s) Di^-0.5) over s <= pos(t); top-k POSITIONS, -1 padded.
 
     `weights` is weights_proj(x) * Hi^-0.5 (the caller applies HF's head scaling). Like HF, a row holds
@@ -185,7 +180,7 @@ def _softmax_masked(scores, allowed):
     return torch.softmax(scores.masked_fill(~allowed[None], float("-inf")), dim=-1)
 
 
-def mla_attention_mha(q_nope, q_pe, pool: KVPool, layer, w_kv_b, topk, batch: ForwardBatch, scale, dn, dv):
+def mla_attention_mha(q_nope, q_pe, pool: PagedCache, layer, w_kv_b, topk, batch: StepBatch, scale, dn, dv):
     """o_h = softmax(s (q_nope.k_nope + q_pe.k_pe) | causal & top-k) v, with [k_nope|v] = kv_b(c_kv).
 
     Prefill form: every request's latent KV is gathered through req_to_token and expanded per head.
@@ -205,7 +200,7 @@ def mla_attention_mha(q_nope, q_pe, pool: KVPool, layer, w_kv_b, topk, batch: Fo
     return out.reshape(T, H * dv)
 
 
-def mla_attention_absorbed(q_nope, q_pe, pool: KVPool, layer, w_kv_b, topk, batch: ForwardBatch, scale, dn, dv):
+def mla_attention_absorbed(q_nope, q_pe, pool: PagedCache, layer, w_kv_b, topk, batch: StepBatch, scale, dn, dv):
     """Same result as mla_attention_mha, in latent space: q_lat = q_nope W_UK; o = softmax(...) c_kv W_UV.
 
     Decode form: scores against the cached 576-wide rows directly, no per-head K/V expansion.

@@ -34,15 +34,19 @@ prints as when its layers cannot fold (a layer's ops not contiguous). The parser
 from __future__ import annotations
 
 from itertools import groupby
-from typing import TYPE_CHECKING
+from typing import Protocol, Sequence
 
 from .fold import fold as fold_layers
 from .ops import Op
 from .text_values import WIDTH, format_layers, format_lines, format_value
 from .types import Placement, TensorType
 
-if TYPE_CHECKING:  # the graph imports the printer for its repr
-    from .graph import Graph
+
+class Printable(Protocol):
+    """What the printer reads of a graph (`ir.graph.Graph`, which imports the printer for its repr)."""
+    ops: Sequence[Op]
+    meta: dict
+
 
 VERSION = 2
 HEADER = f"# glmc ir v{VERSION}"
@@ -71,7 +75,7 @@ def print_meta(meta: dict) -> list[str]:
             for line in format_lines(meta[key], f"{key} = ", WIDTH - len(META))]
 
 
-def print_graph(graph: Graph, fold: bool = True) -> str:
+def print_graph(graph: Printable, fold: bool = True) -> str:
     """The graph as text; `fold` prints identical decoder layers once (see the module docstring)."""
     lines = [HEADER, *print_meta(graph.meta)]
     for layered, run in groupby(graph.ops, key=lambda op: op.layer is not None):

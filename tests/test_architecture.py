@@ -5,9 +5,10 @@
     glmc.cli, glmc.api, glmc.tiny: the front door, may import anything (they compile on demand)
 
 The import graph is read with `ast` from every module of the package, imports inside functions
-included (a lazy import is still a dependency); only `if TYPE_CHECKING:` blocks are skipped
-(annotations, not dependencies). `glmc.config` and `glmc.plan` are the shared vocabulary every
-stage may read.
+included (a lazy import is still a dependency), and so are `if TYPE_CHECKING:` blocks: a
+type-only import is still an arrow between modules (a module that needs another's type for its
+annotations states what it reads as a Protocol instead). `glmc.config` and `glmc.plan` are the
+shared vocabulary every stage may read.
 """
 from __future__ import annotations
 
@@ -55,18 +56,12 @@ def modules() -> dict[str, Path]:
     return out
 
 
-def _type_checking(node) -> bool:
-    return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-
-
 def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
     """glmc modules `name` imports (resolving relative imports and `from pkg import module`)."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: set[str] = set()
 
     def visit(node):
-        if _type_checking(node):
-            return
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -146,6 +141,11 @@ def test_the_checker_sees_a_violation(tmp_path):
     fake.write_text("def f():\n    from glmc.compiler import compile_plan\n")
     found = imports_of("glmc.runtime.worker.bad", fake, {"glmc.compiler"})
     assert found == {"glmc.compiler"}
+    typed = tmp_path / "codegen" / "typed.py"       # a type-only import is an arrow too
+    typed.parent.mkdir(parents=True)
+    typed.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                     "    from glmc.runtime.worker.kv_cache import KVPool\n")
+    assert "glmc.runtime.worker.kv_cache" in imports_of("glmc.codegen.typed", typed, {"glmc.runtime.worker.kv_cache"})
 
 
 # -- every op kind is accounted for at every stage ------------------------------------------------

@@ -115,7 +115,7 @@ class Engine:
         self._inflight: list | None = None   # the queued step whose tokens are not read yet
         self._profile: _StepProfile | None = None
         self._serving_kernels: dict | None = None   # binaries per kernel since warm-up (reset_metrics)
-        self._update_gauges()
+        self.update_gauges()
 
     # -- submission (any thread) -----------------------------------------------------------------
 
@@ -217,7 +217,7 @@ class Engine:
         self._inflight = launched if self.overlap else None
         if launched is not None and not self.overlap:
             self._read(launched)
-        self._update_gauges()
+        self.update_gauges()
         return batches is not None or self._inflight is not None
 
     def _launch(self, batches) -> list:
@@ -256,7 +256,7 @@ class Engine:
                 if req.finished:   # stopped or aborted while this token was computed
                     continue
                 req.num_inflight -= 1
-                self._append_token(req, token, lp)
+                self.append_token(req, token, lp)
 
     @staticmethod
     def _forward_batch(s: Scheduler, batch: ScheduledBatch | None) -> ForwardBatch:
@@ -272,13 +272,13 @@ class Engine:
         self.metrics = Metrics()
         if self.runner.kernels is not None:
             self._serving_kernels = self.runner.kernels.compiled_by_kernel()
-        self._update_gauges()
+        self.update_gauges()
 
     def flush_cache(self, timeout: float = 10.0) -> None:
         """Drop the prefix cache; with the engine thread running, it does it between steps."""
         if not self.alive:
             self._reset_caches()
-            self._update_gauges()
+            self.update_gauges()
             return
         done = threading.Event()
         self._inbox.append(("flush", done, None))
@@ -343,7 +343,7 @@ class Engine:
             elif (req := self._live.get(item)) is not None:
                 self._finish(req, "abort")
 
-    def _append_token(self, req: Request, token: int, lp: TokenLogprobs | None) -> None:
+    def append_token(self, req: Request, token: int, lp: TokenLogprobs | None) -> None:
         req.output_ids.append(token)
         if lp is not None:
             req.output_logprobs.append(lp)
@@ -384,7 +384,7 @@ class Engine:
         for s in self.scheduler.ranks:
             s.cache.reset()
 
-    def _update_gauges(self) -> None:
+    def update_gauges(self) -> None:
         ss = self.scheduler.ranks
         total, held = sum(s.allocator.num_pages for s in ss), self.scheduler.num_pages_held
         self.metrics.set_gauges(

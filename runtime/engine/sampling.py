@@ -49,14 +49,11 @@ import math
 import secrets
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from glmc.codegen import torch_ref
 from glmc.runtime.worker.forward_batch import to_device
-
-if TYPE_CHECKING:
-    from glmc.runtime.engine.request import Request
 
 
 class SamplingError(ValueError):
@@ -153,6 +150,19 @@ def _ids(rows_ids: list[tuple[int, list[int]]], device) -> tuple[torch.Tensor, t
             to_device(torch.tensor([t for _, ids in rows_ids for t in ids], dtype=torch.int64), device))
 
 
+class Sampled(Protocol):
+    """What the sampler reads of a request (`request.Request`, which imports this module for its
+    parameter types: requests are seen through this contract, not imported)."""
+    params: SamplingParams
+    prompt_ids: list[int]
+    output_ids: list[int]
+    seed: int
+
+    @property
+    def num_generated(self) -> int:
+        """Tokens sampled so far (the RNG counter of the next draw)."""
+
+
 @dataclass(frozen=True)
 class SamplingBatch:
     """The sampling inputs of one step's requests: [B] tensors on the logits' device, plus the
@@ -171,7 +181,7 @@ class SamplingBatch:
     top_logprobs: tuple[int | None, ...]  # per request: None (no logprobs) or alternatives wanted
 
     @classmethod
-    def from_requests(cls, reqs: list[Request], device) -> SamplingBatch:
+    def from_requests(cls, reqs: list[Sampled], device) -> SamplingBatch:
         ps = [r.params for r in reqs]
 
         def col(values, dtype):
@@ -293,7 +303,7 @@ def sample_batch(logits: torch.Tensor, batch: SamplingBatch, use_triton: bool | 
                          torch.topk(raw, num_top) if num_top else None)
 
 
-def sample_requests(logits: torch.Tensor, reqs: list[Request], kernels=None
+def sample_requests(logits: torch.Tensor, reqs: list[Sampled], kernels=None
                     ) -> list[tuple[int, TokenLogprobs | None]]:
     """One step's token (and logprobs, if asked) for each request, row i of logits [B, V] being
     reqs[i]'s: the batch is built once, sampled on the logits' device (CUDA: with `kernels`, the

@@ -28,14 +28,9 @@ discarded draft influenced nothing emitted. Probabilities are fp32 whatever the 
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from glmc.codegen.torch_ref import sample_uniform
-from glmc.runtime.engine.sampling import SamplingBatch, TokenLogprobs, probabilities
-
-if TYPE_CHECKING:
-    from glmc.runtime.engine.request import Request
+from glmc.runtime.engine.sampling import Sampled, SamplingBatch, TokenLogprobs, probabilities
 
 
 def _int64(x: int) -> int:
@@ -55,7 +50,7 @@ def race(probs: torch.Tensor, seed: torch.Tensor, step: torch.Tensor, stream: in
     return torch.where(probs > 0, torch.log(probs) - noise, float("-inf")).argmax(-1)
 
 
-def draw_drafts(logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[torch.Tensor | None]]:
+def draw_drafts(logits: torch.Tensor, reqs: list[Sampled]) -> tuple[list[int], list[torch.Tensor | None]]:
     """Draft tokens from the MTP layer's logits [B, V], row i for reqs[i] as the sampler would see
     it at that draft's counter (`as_if_accepted`): greedy requests the argmax, as before; sampled
     ones a draw from q, whose row ([V] fp32) comes back with it (None for greedy rows)."""
@@ -72,7 +67,7 @@ def draw_drafts(logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], l
     return tokens.tolist(), q_rows
 
 
-def verify_drafts(logits: torch.Tensor, reqs: list[Request], drafts: list[int], q: torch.Tensor
+def verify_drafts(logits: torch.Tensor, reqs: list[Sampled], drafts: list[int], q: torch.Tensor
                   ) -> tuple[list[bool], list[int], list[float], list[float]]:
     """The rejection rule at M draft positions: target logits [M, V], the request as the sampler
     sees it there, the draft token and its q row [M, V]. -> per position: accepted?, the residual

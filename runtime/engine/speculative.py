@@ -55,17 +55,28 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 from glmc.runtime.engine.request import Request
-from glmc.runtime.engine.sampling import SamplingBatch, sample_batch
+from glmc.runtime.engine.sampling import SamplingBatch, TokenLogprobs, sample_batch
 from glmc.runtime.engine.spec_sampling import draw_drafts, verify_drafts, with_logprob
 from glmc.runtime.engine.scheduler import ScheduledBatch, Scheduler
 from glmc.runtime.worker.forward_batch import ForwardBatch
 
-if TYPE_CHECKING:
-    from glmc.runtime.engine.engine import Engine
+
+class EngineView(Protocol):
+    """What the speculative step uses of the engine that owns it (`engine.Engine`, which imports
+    this module: the engine is seen through this contract, not imported)."""
+    scheduler: Scheduler
+    runner: Any       # the engine's runner: verify_dp, draft_dp, kernels
+    metrics: Any      # the engine's metrics: step, verify
+
+    def append_token(self, req: Request, token: int, lp: TokenLogprobs | None) -> None:
+        """Detokenize, stream and check stops for one accepted token, as a plain step does."""
+
+    def update_gauges(self) -> None:
+        """Refresh the engine's gauges after a step."""
 
 
 def as_if_accepted(req: Request, draft: list[int]) -> Request:
@@ -100,10 +111,10 @@ class MtpSpeculator:
     """The engine's step in speculative mode (module docstring); owns no state of its own but the
     q rows of sampled requests' drafts (`draft_q`): drafts ride on `Request.draft_ids`, pages and
     rows on the engine's schedulers (one per attention-DP rank: every rank steps every forward,
-    idle ones with an empty batch), and tokens reach clients through the engine's `_append_token`
+    idle ones with an empty batch), and tokens reach clients through the engine's `append_token`
     (detokenize, stream, stop), as in plain steps."""
 
-    def __init__(self, engine: Engine, num_steps: int):
+    def __init__(self, engine: EngineView, num_steps: int):
         self.engine, self.num_steps = engine, num_steps
         self.draft_q: dict[Request, list[torch.Tensor]] = {}
 
@@ -119,7 +130,7 @@ class MtpSpeculator:
                 self._run(work)
         # drafts a release dropped (retraction, abort) take their q rows with them
         self.draft_q = {r: q for r, q in self.draft_q.items() if r.draft_ids}
-        e._update_gauges()
+        e.update_gauges()
         return batches is not None
 
     def _idle(self) -> list[ForwardBatch]:
@@ -207,7 +218,7 @@ class MtpSpeculator:
         if num_draft:
             self.engine.metrics.verify(num_draft, accepted)
         for token, logprobs in emitted:
-            self.engine._append_token(req, token, logprobs)
+            self.engine.append_token(req, token, logprobs)
             if req.finished:
                 break
         if not req.finished:
