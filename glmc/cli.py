@@ -86,6 +86,33 @@ def cmd_export_onnx(a) -> int:
     return 0
 
 
+def cmd_plan(a) -> int:
+    """Search parallel specs, MoE lowerings, MTP drafts and KV dtypes for a workload on N GPUs."""
+    from glmc.calibration import load
+    from glmc.plan_search import (DEFAULT_GPU_MEMORY_GB, parse_numbers, parse_slo, parse_workload, render_svg,
+                                  render_table, search)
+    from glmc.spec import load_spec
+    workload, slo = parse_workload(a.workload), parse_slo(a.slo)
+    concurrency = parse_numbers(a.concurrency, "--concurrency")
+    cal = load(a.calibration)
+    if a.gpu_memory_gb is not None:
+        memory = (int(a.gpu_memory_gb * 1e9), "--gpu-memory-gb")
+    elif cal.get("gpu_memory_bytes"):
+        memory = (int(cal["gpu_memory_bytes"]), f"from {a.calibration}")
+    else:
+        memory = (DEFAULT_GPU_MEMORY_GB * 10**9, "the default of --gpu-memory-gb: an H200; the calibration has none")
+    result = search(load_spec(_model_path(a.model or CARD_MODEL)), cal, a.gpus, workload, concurrency, slo,
+                    memory, a.accept, tuple(a.kv_dtype.split(",")),
+                    only=a.specs.split(",") if a.specs else None)
+    out = Path(a.output or "build/plan")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "plan_search.json").write_text(json.dumps(result, indent=1) + "\n")
+    (out / "pareto.svg").write_text(render_svg(result))
+    print(render_table(result), end="")
+    print(f"wrote {out}/plan_search.json (every priced row, the dropped ones with their reason), {out}/pareto.svg")
+    return 0
+
+
 def cmd_run(a) -> int:
     """Serve a model over the OpenAI API: the tiny default, a checkpoint, or a compiled plan."""
     from glmc.api import plan_for
@@ -174,6 +201,23 @@ def main(argv: list[str] | None = None) -> int:
     x.add_argument("plan")
     x.add_argument("-o", "--output", help="directory (default: the plan directory)")
     x.set_defaults(fn=cmd_export_onnx)
+    pl = sub.add_parser("plan", help="the best parallel spec, MoE lowering, MTP drafts and KV dtype for a "
+                        "workload on N GPUs, from the calibrated cost model (Pareto table, JSON, SVG)")
+    pl.add_argument("--model", help=f"model YAML, HF checkpoint dir, or packaged name (default {CARD_MODEL}, GLM-5.3)")
+    pl.add_argument("--gpus", type=int, required=True, help="GPUs of one host")
+    pl.add_argument("--calibration", default="bench/results/calibration_nvidia-h200-x2_2026-11-30.json",
+                    help="calibration JSON (bench/calibrate.py)")
+    pl.add_argument("--workload", required=True, help="in=<prompt tokens>,out=<output tokens>, e.g. in=8192,out=1024")
+    pl.add_argument("--concurrency", default="1,4,16,64,256", help="requests in flight over all GPUs, comma-separated")
+    pl.add_argument("--slo", help="tpot_ms=<ms>,ttft_ms=<ms>: the best plan is the most tok/s per GPU within it")
+    pl.add_argument("--accept", type=float, help="MTP: per-draft acceptance rate in [0, 1] (default: glmc-small's "
+                    "measured accept lengths, said as an assumption)")
+    pl.add_argument("--kv-dtype", default="fp8,bf16", help="KV dtypes to price, comma-separated")
+    pl.add_argument("--specs", help="only these parallel specs, comma-separated (default: every valid one)")
+    pl.add_argument("--gpu-memory-gb", type=float, help="memory per GPU in GB (default: the calibration's, "
+                    "else 141, an H200)")
+    pl.add_argument("-o", "--output", help="directory for plan_search.json and pareto.svg (default build/plan)")
+    pl.set_defaults(fn=cmd_plan)
     r = sub.add_parser("run", help="serve a model over an OpenAI-compatible HTTP API "
                        "(default: glmc-small, the trained small model, compiled for tp1)")
     r.add_argument("plan", nargs="?", help="plan directory from `glmc compile` (default: compile "

@@ -1,0 +1,328 @@
+"""`glmc plan`: the parallel spec, MoE lowering and serving settings for a workload on N GPUs.
+
+Compile once, price many: every (parallel spec, MoE lowering, KV dtype) is compiled once (its
+decode and MTP-draft graphs); MTP drafts, concurrency and the prompt's chunks are numbers fed to
+`glmc.predict.predict_step` on those graphs, never a recompile. Per candidate and concurrency C
+(requests per DP rank r = ceil(C / attn_dp)), with d MTP drafts and an accept length E (tokens a
+request gains per step, 1 without MTP):
+
+    step   = decode graph at T = r x (d + 1) tokens per rank (the verify forward) + d x draft graph at T = r
+    TPOT   = step / E;  tok/s per user = E / step;  tok/s per GPU = C x E / step / N
+    TTFT   = ceil(in / chunk) decode-graph steps of `chunk` tokens at context `in`
+    memory = weights + re-laid-out copies + r x (in + out) x KV bytes per token
+             + the decode workspace at its CUDA-graph bucket + the graph pool  <=  0.9 x GPU memory
+
+A candidate that does not fit, or whose spec is invalid for the model, is dropped with the reason.
+`assumptions` says in words what each number takes for granted.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import re
+from dataclasses import dataclass
+
+from glmc.compiler import compile_phase
+from glmc.config import Options
+from glmc.parallel import ParallelError, parse_parallel
+from glmc.predict import predict_step
+
+MEM_FRACTION = 0.9            # as `glmc explain`: what the runner may use of a GPU's memory
+DEFAULT_GPU_MEMORY_GB = 141   # an H200
+DEFAULT_CONCURRENCY = (1, 4, 16, 64, 256)
+KV_DTYPES = ("fp8", "bf16")
+# bench/results/mtp_accept_2026-12-01_specsampling.json: glmc-small, standard speculative sampling
+# at temperature 1.0, accept length (tokens per verify step) by drafts
+SMALL_ACCEPT_LENGTH = {0: 1.0, 1: 1.718, 2: 2.054, 3: 2.274}
+SMALL_ACCEPT_SOURCE = "bench/results/mtp_accept_2026-12-01_specsampling.json"
+
+
+class PlanSearchError(ValueError):
+    """A bad argument of `glmc plan`; the message names it and shows the accepted form."""
+
+
+@dataclass(frozen=True)
+class Workload:
+    input_tokens: int
+    output_tokens: int
+
+    @property
+    def context(self) -> int:
+        return self.input_tokens + self.output_tokens
+
+
+def parse_workload(text: str) -> Workload:
+    """`in=8192,out=1024` -> Workload; anything else is a PlanSearchError that shows the form."""
+    fields = dict(kv.split("=", 1) for kv in text.split(",") if "=" in kv)
+    ok = set(fields) == {"in", "out"} and len(text.split(",")) == 2 and \
+        all(re.fullmatch(r"[1-9]\d*", v.strip()) for v in fields.values())
+    if not ok:
+        raise PlanSearchError(f"--workload {text!r}: expected in=<prompt tokens>,out=<output tokens>, "
+                              "both positive integers (e.g. in=8192,out=1024)")
+    return Workload(int(fields["in"]), int(fields["out"]))
+
+
+def parse_numbers(text: str, flag: str) -> tuple[int, ...]:
+    """`1,4,16` -> (1, 4, 16): positive integers, else a PlanSearchError naming the flag."""
+    parts = [p.strip() for p in text.split(",")]
+    if not all(re.fullmatch(r"[1-9]\d*", p) for p in parts):
+        raise PlanSearchError(f"{flag} {text!r}: expected comma-separated positive integers (e.g. 1,4,16)")
+    return tuple(int(p) for p in parts)
+
+
+def parse_slo(text: str | None) -> dict:
+    """`tpot_ms=20,ttft_ms=2000` -> {"tpot_ms": 20.0, "ttft_ms": 2000.0}; None -> {}."""
+    if not text:
+        return {}
+    out = {}
+    for kv in text.split(","):
+        key, _, value = kv.partition("=")
+        try:
+            out[key.strip()] = float(value)
+        except ValueError:
+            key = "?"
+        if key.strip() not in ("tpot_ms", "ttft_ms") or out.get(key.strip(), 0) <= 0:
+            raise PlanSearchError(f"--slo {text!r}: expected tpot_ms=<ms> and/or ttft_ms=<ms>, positive numbers")
+    return out
+
+
+def specs_for(gpus: int, config) -> tuple[list[str], list[dict]]:
+    """Every spec over `gpus` GPUs (tpN, tpNepM, dpNepM, dpAtpBepC) valid for `config`, and the
+    invalid ones with their reason."""
+    divisors = [d for d in range(1, gpus + 1) if gpus % d == 0]
+    names = [f"tp{gpus}"] + [f"tp{gpus}ep{e}" for e in divisors if e > 1] + \
+        [f"dp{gpus}ep{e}" for e in divisors if e > 1] + \
+        [f"dp{a}tp{gpus // a}ep{e}" for a in divisors if 1 < a < gpus for e in divisors if e > 1]
+    valid, dropped = [], []
+    for name in names:
+        try:
+            parse_parallel(name, config)
+            valid.append(name)
+        except ParallelError as e:
+            dropped.append({"candidate": name, "reason": str(e)})
+    return valid, dropped
+
+
+def lowerings_for(par) -> list[tuple[str, bool | None]]:
+    """The MoE lowerings worth pricing: both a2a and gather (routing by cost) where experts are
+    split over ranks that each hold whole experts; otherwise the compiler's own choice."""
+    if par.ep > 1 and par.moe_tp == 1:
+        return [("a2a", True), ("gather", False)]
+    return [("auto", None)]
+
+
+def accept_lengths(accept: float | None) -> tuple[dict, str]:
+    """Accept length by drafts 0-3: from a per-draft acceptance rate a (1 + a + ... + a^d), else
+    glmc-small's measured lengths; and the assumption in words."""
+    if accept is None:
+        return dict(SMALL_ACCEPT_LENGTH), ("MTP accept lengths (tokens per verify step, drafts 1/2/3: "
+                                           f"{SMALL_ACCEPT_LENGTH[1]}/{SMALL_ACCEPT_LENGTH[2]}/"
+                                           f"{SMALL_ACCEPT_LENGTH[3]}) are glmc-small's measured ones "
+                                           f"({SMALL_ACCEPT_SOURCE}), not GLM-5.3's; set --accept")
+    if not 0 <= accept <= 1:
+        raise PlanSearchError(f"--accept {accept}: a per-draft acceptance rate in [0, 1]")
+    lengths = {d: sum(accept ** i for i in range(d + 1)) for d in range(4)}
+    return lengths, f"MTP: each draft accepted with probability {accept} given the one before (--accept)"
+
+
+@dataclass(frozen=True)
+class Compiled:
+    """One compiled candidate: the graphs that price every number of it."""
+    name: str
+    par: object
+    moe: str
+    kv_dtype: str
+    spec: object
+    decode: object
+    draft: object | None
+
+
+def compile_candidates(spec, gpus: int, kv_dtypes=KV_DTYPES, only: list[str] | None = None):
+    """(compiled candidates, dropped [{candidate, reason}]): each (spec, lowering, KV dtype) once."""
+    from glmc.spec import kv_dtyped
+    bad = [kv for kv in kv_dtypes if kv not in KV_DTYPES]
+    if bad:
+        raise PlanSearchError(f"--kv-dtype {','.join(kv_dtypes)}: unknown {', '.join(bad)}; known: {', '.join(KV_DTYPES)}")
+    names, dropped = specs_for(gpus, spec.config)
+    if only:
+        unknown = [s for s in only if s not in names]
+        dropped += [{"candidate": s, "reason": f"not a valid spec over {gpus} GPUs for this model"} for s in unknown]
+        names = [s for s in names if s in only]
+    out = []
+    for name, kv in itertools.product(names, kv_dtypes):
+        par, s = parse_parallel(name, spec.config), kv_dtyped(spec, kv)
+        for moe, forced in lowerings_for(par):
+            opts = Options(moe_a2a=forced)
+            draft = compile_phase(s, par, "mtp_draft", opts) if s.config.num_nextn_predict_layers else None
+            out.append(Compiled(name, par, moe, kv, s, compile_phase(s, par, "decode", opts), draft))
+    return out, dropped
+
+
+def _bucket_bytes(workspaces: dict, tokens: int) -> tuple[int, bool]:
+    """The decode workspace at `tokens` per rank (its CUDA-graph bucket) and whether one exists."""
+    sizes = sorted((int(k), v) for k, v in workspaces.items())
+    fit = [v for k, v in sizes if k >= tokens]
+    if fit:
+        return fit[0], True
+    top, top_bytes = sizes[-1]
+    return int(top_bytes * tokens / top), False
+
+
+def memory_check(c: Compiled, requests: int, tokens: int, w: Workload, gpu_bytes: int) -> dict:
+    """The bytes one rank needs (module docstring) and whether they fit."""
+    m = c.decode.meta["memory"]
+    kv = requests * w.context * (m["kv_bytes_per_token"] + m["index_bytes_per_token"])
+    workspace, graphed = _bucket_bytes(m["workspace_bytes"], tokens)
+    parts = {"weights": m["weights_bytes"] + m.get("weight_copies_bytes", 0), "kv": kv,
+             "workspace": workspace, "graph_pool": m.get("graph_pool_bytes", 0)}
+    need, limit = sum(parts.values()), int(gpu_bytes * MEM_FRACTION)
+    return {"bytes": parts, "need": need, "limit": limit, "fits": need <= limit, "graphed": graphed}
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def _step(c: Compiled, phase: str, tokens: int, requests: int, context: int, cal: dict, gpus: int,
+          memo: dict) -> float:
+    """`predict_step`'s seconds for one of `c`'s graphs at a point, each point priced once."""
+    key = (c.name, c.moe, c.kv_dtype, phase, tokens, requests, context)
+    if key not in memo:
+        env = {"T": tokens, "B": requests, "S": context, "K": c.spec.config.index_topk}
+        graph = c.decode if phase == "decode" else c.draft
+        memo[key] = predict_step(graph, env, c.spec.dtypes, cal, gpus)["step_s"]
+    return memo[key]
+
+
+def price(c: Compiled, cal: dict, w: Workload, gpus: int, concurrency: int, drafts: int,
+          accept: dict, chunk: int, memo: dict) -> dict:
+    """One row: step, TPOT, TTFT, tok/s per GPU and per user for `concurrency` requests."""
+    dp = c.par.attn_dp
+    r = -(-concurrency // dp)
+    t = r * (drafts + 1)
+    step = _step(c, "decode", t, t, w.context, cal, gpus, memo)
+    if drafts:
+        step += drafts * _step(c, "draft", r, r, w.context, cal, gpus, memo)
+    tokens = min(chunk, w.input_tokens)
+    ttft = math.ceil(w.input_tokens / tokens) * _step(c, "decode", tokens, 1, w.input_tokens, cal, gpus, memo)
+    e = accept[drafts]
+    return {"requests_per_rank": r, "tokens_per_rank": t, "step_ms": step * 1e3, "tpot_ms": step / e * 1e3,
+            "ttft_ms": ttft * 1e3, "tok_s_per_gpu": concurrency * e / step / gpus,
+            "tok_s_per_user": e / step, "accept_length": e}
+
+
+def pareto(rows: list[dict]) -> list[dict]:
+    """The rows no other row beats on both tok/s per GPU and tok/s per user, by tok/s per user."""
+    front = [a for a in rows if not any(
+        b["tok_s_per_gpu"] >= a["tok_s_per_gpu"] and b["tok_s_per_user"] >= a["tok_s_per_user"] and
+        (b["tok_s_per_gpu"], b["tok_s_per_user"]) != (a["tok_s_per_gpu"], a["tok_s_per_user"]) for b in rows)]
+    return sorted(front, key=lambda r: (-r["tok_s_per_user"], -r["tok_s_per_gpu"], r["candidate"]))
+
+
+def best_for_slo(rows: list[dict], slo: dict) -> dict | None:
+    """The row of most tok/s per GPU within the SLO (every row without one); None if none meets it."""
+    ok = [r for r in rows if r["tpot_ms"] <= slo.get("tpot_ms", math.inf) and r["ttft_ms"] <= slo.get("ttft_ms", math.inf)]
+    return max(ok, key=lambda r: (r["tok_s_per_gpu"], r["tok_s_per_user"]), default=None)
+
+
+def search(spec, cal: dict, gpus: int, w: Workload, concurrency=DEFAULT_CONCURRENCY, slo: dict | None = None,
+           gpu_memory: tuple[int, str] = (DEFAULT_GPU_MEMORY_GB * 10**9, "default"), accept: float | None = None,
+           kv_dtypes=KV_DTYPES, drafts=(0, 1, 2, 3), only: list[str] | None = None) -> dict:
+    """`glmc plan`'s result: rows (every feasible candidate x concurrency), dropped ones with their
+    reason, the Pareto front, the best row for the SLO, and the assumptions."""
+    compiled, dropped = compile_candidates(spec, gpus, kv_dtypes, only)
+    lengths, accept_note = accept_lengths(accept)
+    if not spec.config.num_nextn_predict_layers:
+        drafts = (0,)
+    chunk, rows, ttft = Options().chunked_prefill, [], {}
+    for c, d, conc in itertools.product(compiled, drafts, concurrency):
+        name = f"{c.name} moe={c.moe} kv={c.kv_dtype} mtp={d}"
+        r = -(-conc // c.par.attn_dp)
+        mem = memory_check(c, r, r * (d + 1), w, gpu_memory[0])
+        if not mem["fits"]:
+            b = mem["bytes"]
+            dropped.append({"candidate": f"{name} c={conc}", "reason": (
+                f"needs {_gib(mem['need'])} per GPU > {_gib(mem['limit'])} ({MEM_FRACTION} x {gpu_memory[0] / 1e9:g} GB): "
+                f"weights {_gib(b['weights'])} + KV {_gib(b['kv'])} ({r} requests x {w.context} tokens) + "
+                f"workspace {_gib(b['workspace'])} + graph pool {_gib(b['graph_pool'])}")})
+            continue
+        row = {"candidate": name, "parallel": c.name, "moe": c.moe, "kv_dtype": c.kv_dtype, "mtp_drafts": d,
+               "concurrency": conc, "memory_gib": round(mem["need"] / 2**30, 2), "graphed": mem["graphed"]}
+        rows.append({**row, **price(c, cal, w, gpus, conc, d, lengths, chunk, ttft)})
+    front = pareto(rows)
+    return {"gpus": gpus, "model": spec.name, "workload": {"in": w.input_tokens, "out": w.output_tokens},
+            "concurrency": list(concurrency), "slo": slo or {}, "rows": rows, "pareto": front,
+            "best": best_for_slo(rows, slo or {}), "dropped": dropped,
+            "assumptions": _assumptions(cal, w, gpu_memory, accept_note, chunk)}
+
+
+def _assumptions(cal: dict, w: Workload, gpu_memory: tuple, accept_note: str, chunk: int) -> list[str]:
+    return [
+        f"calibration {cal.get('path', '<dict>')}: {cal['device']}, {cal['gpus']} GPUs, {cal['date']}; "
+        "collectives over group sizes it did not measure are extrapolated (glmc.calibration)",
+        f"GPU memory {gpu_memory[0] / 1e9:g} GB ({gpu_memory[1]}); a plan may use {MEM_FRACTION} of it",
+        f"memory per rank: weights and their re-laid-out copies, KV + indexer cache for requests per rank x "
+        f"{w.context} tokens (in + out), the decode workspace at its CUDA-graph bucket and the graph pool; "
+        "not counted: the MTP layer's own KV, the prefill workspace, NCCL buffers",
+        "step: the decode predictor (glmc.predict) at every request's context = in + out (the longest it "
+        "gets), the MTP verify forward priced as a decode step of requests x (drafts + 1) tokens, plus one "
+        "draft-graph step per draft; host work (scheduling, sampling, HTTP) not included",
+        accept_note,
+        f"TTFT: no prefill prediction exists; the prompt is priced as ceil(in / {chunk}) decode-graph steps "
+        f"of min(in, {chunk}) tokens at context {w.input_tokens} (every token scoring the whole prompt in "
+        "the full indexer layers: high), with no queueing and no decode steps interleaved",
+        "requests per DP rank = ceil(concurrency / attn_dp), routing uniform and balanced",
+        "MoE a2a and gather are priced where the spec allows both (routing by the compiler's cost); "
+        "auto: the compiler's choice",
+    ]
+
+
+def render_table(result: dict) -> str:
+    """The Pareto front as text, then the best row for the SLO, the dropped count and the assumptions."""
+    head = f"{'candidate':<40} {'conc':>5} {'tok/s/GPU':>10} {'tok/s/user':>10} {'TPOT ms':>8} {'TTFT ms':>8} {'GiB':>6}"
+    lines = [f"glmc plan: {result['model']} on {result['gpus']} GPUs, in={result['workload']['in']} "
+             f"out={result['workload']['out']}: {len(result['rows'])} priced, {len(result['dropped'])} dropped",
+             "", "Pareto front (tok/s per GPU against tok/s per user):", head]
+    for r in result["pareto"]:
+        lines.append(f"{r['candidate']:<40} {r['concurrency']:>5} {r['tok_s_per_gpu']:>10.1f} "
+                     f"{r['tok_s_per_user']:>10.1f} {r['tpot_ms']:>8.2f} {r['ttft_ms']:>8.0f} {r['memory_gib']:>6.1f}")
+    best = result["best"]
+    slo = ", ".join(f"{k}<={v:g}" for k, v in result["slo"].items()) or "no SLO"
+    lines += ["", f"best for {slo}: " + (f"{best['candidate']} at concurrency {best['concurrency']} "
+                                          f"({best['tok_s_per_gpu']:.1f} tok/s per GPU, {best['tok_s_per_user']:.1f} "
+                                          "per user)" if best else "none meets it")]
+    lines += ["", "assumptions:"] + [f"- {a}" for a in result["assumptions"]]
+    return "\n".join(lines) + "\n"
+
+
+def render_svg(result: dict, width: int = 720, height: int = 480) -> str:
+    """Every priced row as a grey dot, the Pareto front as a line of labelled dots (log-log axes)."""
+    rows, front, m = result["rows"], result["pareto"], 60
+    if not rows:
+        return f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}"><text x="20" ' \
+               f'y="40">no candidate fits</text></svg>\n'
+    xs = [math.log10(r["tok_s_per_user"]) for r in rows]
+    ys = [math.log10(r["tok_s_per_gpu"]) for r in rows]
+    x0, x1, y0, y1 = min(xs), max(xs) + 1e-9, min(ys), max(ys) + 1e-9
+
+    def at(r):
+        x = m + (math.log10(r["tok_s_per_user"]) - x0) / (x1 - x0) * (width - 2 * m)
+        return x, height - m - (math.log10(r["tok_s_per_gpu"]) - y0) / (y1 - y0) * (height - 2 * m)
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" '
+           'font-size="10">', f'<rect width="{width}" height="{height}" fill="white"/>',
+           f'<line x1="{m}" y1="{height - m}" x2="{width - m}" y2="{height - m}" stroke="black"/>',
+           f'<line x1="{m}" y1="{m}" x2="{m}" y2="{height - m}" stroke="black"/>',
+           f'<text x="{width / 2}" y="{height - 20}" text-anchor="middle">output tok/s per user (log, '
+           f'{10 ** x0:.1f} to {10 ** x1:.1f})</text>',
+           f'<text x="15" y="{height / 2}" transform="rotate(-90 15 {height / 2})" text-anchor="middle">output '
+           f'tok/s per GPU (log, {10 ** y0:.1f} to {10 ** y1:.1f})</text>',
+           f'<text x="{m}" y="25" font-size="13">glmc plan: {result["model"]}, {result["gpus"]} GPUs, '
+           f'in={result["workload"]["in"]} out={result["workload"]["out"]}</text>']
+    out += [f'<circle cx="{x:.1f}" cy="{y:.1f}" r="2" fill="#bbb"/>' for x, y in map(at, rows)]
+    points = " ".join(f"{x:.1f},{y:.1f}" for x, y in map(at, front))
+    out.append(f'<polyline points="{points}" fill="none" stroke="#c33" stroke-width="1.5"/>')
+    for r in front:
+        x, y = at(r)
+        out += [f'<circle cx="{x:.1f}" cy="{y:.1f}" r="3.5" fill="#c33"/>',
+                f'<text x="{x + 5:.1f}" y="{y - 5:.1f}">{r["candidate"]} c={r["concurrency"]}</text>']
+    return "\n".join(out + ["</svg>"]) + "\n"

@@ -1,0 +1,85 @@
+"""`glmc plan`: a fixed calibration gives a fixed ranking, dropped candidates carry their reason,
+bad arguments get a clear error, and the chart is SVG with one dot per priced row."""
+import xml.etree.ElementTree as ET
+
+import pytest
+
+from glmc.calibration import load
+from glmc.cli import main
+from glmc.plan_search import (PlanSearchError, parse_slo, parse_workload, render_svg, render_table, search,
+                              specs_for)
+from glmc.spec import load_spec, model_path
+
+CALIBRATION = "bench/results/calibration_nvidia-h200-x2_2026-11-30.json"
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_spec(model_path("glm_moe_dsa_tiny"))
+
+
+@pytest.fixture(scope="module")
+def result(tiny):
+    # 0.1 GB per GPU: the tiny model's weights fit, 64 requests of 640 tokens do not on every spec
+    return search(tiny, load(CALIBRATION), 2, parse_workload("in=512,out=128"), concurrency=(1, 8, 64),
+                  slo={"tpot_ms": 0.3}, gpu_memory=(10**8, "test"))
+
+
+def test_fixed_calibration_gives_fixed_ranking(result):
+    front = [(r["candidate"], r["concurrency"]) for r in result["pareto"]]
+    assert front == GOLDEN_FRONT
+    assert (result["best"]["candidate"], result["best"]["concurrency"]) == GOLDEN_BEST
+    assert result["best"]["tpot_ms"] <= 0.3
+
+
+def test_pareto_rows_are_not_dominated(result):
+    for a in result["pareto"]:
+        assert not any(b["tok_s_per_gpu"] > a["tok_s_per_gpu"] and b["tok_s_per_user"] > a["tok_s_per_user"]
+                       for b in result["rows"])
+
+
+def test_infeasible_candidates_carry_their_reason(result):
+    dropped = [d for d in result["dropped"] if d["candidate"].endswith("c=64")]
+    assert dropped, "0.1 GB per GPU must drop some 64-request candidates"
+    assert all("per GPU >" in d["reason"] and "KV" in d["reason"] and "64 requests x 640 tokens" in d["reason"]
+               for d in dropped)
+    priced = {(r["candidate"], r["concurrency"]) for r in result["rows"]}
+    assert not any((d["candidate"].rsplit(" c=", 1)[0], 64) in priced for d in dropped)
+
+
+def test_invalid_specs_carry_their_reason():
+    valid, dropped = specs_for(6, load_spec(model_path("glm_moe_dsa")).config)
+    assert "tp6" not in valid
+    assert {"candidate": "tp6", "reason": "parallel spec 'tp6': num_attention_heads = 64 is not divisible by "
+            "attn_tp = 6"} in dropped
+
+
+@pytest.mark.parametrize("text", ["in=8k,out=1", "in=1", "out=1,in=0", "in=1,out=2,x=3", "8192/1024"])
+def test_bad_workload_gets_a_clear_error(text):
+    with pytest.raises(PlanSearchError, match=r"--workload .*expected in=<prompt tokens>,out=<output tokens>"):
+        parse_workload(text)
+
+
+def test_bad_workload_on_the_command_line(capsys):
+    assert main(["plan", "--gpus", "2", "--workload", "in=8k,out=1"]) == 2
+    assert "glmc plan: error: --workload 'in=8k,out=1': expected in=" in capsys.readouterr().err
+
+
+def test_bad_slo():
+    assert parse_slo("tpot_ms=20,ttft_ms=2000") == {"tpot_ms": 20.0, "ttft_ms": 2000.0}
+    with pytest.raises(PlanSearchError, match="--slo 'tpot=20'"):
+        parse_slo("tpot=20")
+
+
+def test_outputs_say_their_assumptions(result):
+    text = render_table(result)
+    assert "Pareto front" in text and "TTFT: no prefill prediction exists" in text
+    assert "GPU memory 0.1 GB (test)" in text and "glmc-small's measured" in text
+    svg = ET.fromstring(render_svg(result))
+    dots = svg.findall("{http://www.w3.org/2000/svg}circle")
+    assert len(dots) == len(result["rows"]) + len(result["pareto"])
+
+
+GOLDEN_FRONT = [("dp2ep2 moe=gather kv=fp8 mtp=1", 1), ("dp2ep2 moe=gather kv=fp8 mtp=1", 8),
+                ("tp2 moe=auto kv=fp8 mtp=0", 64)]
+GOLDEN_BEST = ("dp2ep2 moe=gather kv=fp8 mtp=1", 8)
