@@ -25,7 +25,10 @@ from dataclasses import dataclass
 from glmc.compiler import compile_phase
 from glmc.config import Options
 from glmc.parallel import ParallelError, parse_parallel
-from glmc.predict import predict_step
+from glmc.calibration import torch_op_seconds
+from glmc.codegen.launch_model import STEP_TORCH_OPS
+from glmc.passes.costs import weight_bytes_for
+from glmc.predict import op_seconds
 
 MEM_FRACTION = 0.9            # as `glmc explain`: what the runner may use of a GPU's memory
 DEFAULT_GPU_MEMORY_GB = 141   # an H200
@@ -125,6 +128,39 @@ def accept_lengths(accept: float | None) -> tuple[dict, str]:
     return lengths, f"MTP: each draft accepted with probability {accept} given the one before (--accept)"
 
 
+_LAYER = re.compile(r"^model\.layers\.\d+\.")
+
+
+def _layerless(value):
+    """An attribute value with its weight names' layer index dropped (tuples recursively)."""
+    if isinstance(value, tuple):
+        return tuple(_layerless(v) for v in value)
+    return _LAYER.sub("model.layers.*.", value) if isinstance(value, str) else value
+
+
+class StepPricer:
+    """`glmc.predict.predict_step`'s `step_s` for one graph at many points, fast: ops that differ
+    only in their layer's weight names (same kind, attributes, operand and result types) cost the
+    same, so each such group is priced once per point and counted (a test holds it equal to
+    predict_step)."""
+
+    def __init__(self, graph, dtypes, cal: dict, ranks: int):
+        self.graph, self.dtypes, self.cal = graph, dtypes, cal
+        self.weight_bytes = weight_bytes_for(dtypes)
+        groups: dict = {}
+        for op in graph.ops:
+            if int(op.attr("size", 1)) > ranks:
+                raise ValueError(f"{op.kind} {op.results[0]}: a group of {op.attr('size')} on {ranks} GPUs")
+            key = (op.kind, _layerless(op.attrs), tuple(graph.type_of(v) for v in op.operands), op.types)
+            groups.setdefault(key, [op, 0])[1] += 1
+        self.groups = list(groups.values())
+
+    def step_seconds(self, env: dict) -> float:
+        ops = sum(n * op_seconds(op, self.graph, env, self.dtypes, self.cal, self.weight_bytes)["seconds"]
+                  for op, n in self.groups)
+        return ops + STEP_TORCH_OPS * torch_op_seconds(self.cal)
+
+
 @dataclass(frozen=True)
 class Compiled:
     """One compiled candidate: the graphs that price every number of it."""
@@ -189,8 +225,10 @@ def _step(c: Compiled, phase: str, tokens: int, requests: int, context: int, cal
     key = (c.name, c.moe, c.kv_dtype, phase, tokens, requests, context)
     if key not in memo:
         env = {"T": tokens, "B": requests, "S": context, "K": c.spec.config.index_topk}
-        graph = c.decode if phase == "decode" else c.draft
-        memo[key] = predict_step(graph, env, c.spec.dtypes, cal, gpus)["step_s"]
+        pricer = (c.name, c.moe, c.kv_dtype, phase)
+        if pricer not in memo:
+            memo[pricer] = StepPricer(c.decode if phase == "decode" else c.draft, c.spec.dtypes, cal, gpus)
+        memo[key] = memo[pricer].step_seconds(env)
     return memo[key]
 
 

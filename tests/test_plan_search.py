@@ -6,8 +6,12 @@ import pytest
 
 from glmc.calibration import load
 from glmc.cli import main
-from glmc.plan_search import (PlanSearchError, parse_slo, parse_workload, render_svg, render_table, search,
+from glmc.compiler import compile_phase
+from glmc.config import Options
+from glmc.parallel import parse_parallel
+from glmc.plan_search import (PlanSearchError, StepPricer, parse_slo, parse_workload, render_svg, render_table, search,
                               specs_for)
+from glmc.predict import predict_step
 from glmc.spec import load_spec, model_path
 
 CALIBRATION = "bench/results/calibration_nvidia-h200-x2_2026-11-30.json"
@@ -30,6 +34,19 @@ def test_fixed_calibration_gives_fixed_ranking(result):
     assert front == GOLDEN_FRONT
     assert (result["best"]["candidate"], result["best"]["concurrency"]) == GOLDEN_BEST
     assert result["best"]["tpot_ms"] <= 0.3
+
+
+@pytest.mark.parametrize("parallel,phase", [("dp2ep2", "decode"), ("tp2", "decode"), ("tp2ep2", "mtp_draft")])
+def test_step_pricer_equals_the_predictor(tiny, parallel, phase):
+    graph = compile_phase(tiny, parse_parallel(parallel, tiny.config), phase, Options())
+    cal = load(CALIBRATION)
+    pricer = StepPricer(graph, tiny.dtypes, cal, 2)
+    if phase == "decode":
+        assert len(pricer.groups) < len(graph.ops) / 2   # layers priced once
+    for t, s in ((1, 640), (24, 640), (512, 512)):
+        env = {"T": t, "B": t, "S": s, "K": tiny.config.index_topk}
+        assert pricer.step_seconds(env) == pytest.approx(predict_step(graph, env, tiny.dtypes, cal, 2)["step_s"],
+                                                         rel=1e-12)
 
 
 def test_pareto_rows_are_not_dominated(result):
