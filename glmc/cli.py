@@ -89,7 +89,7 @@ def cmd_export_onnx(a) -> int:
 def cmd_plan(a) -> int:
     """Search parallel specs, MoE lowerings, MTP drafts and KV dtypes for a workload on N GPUs."""
     from glmc.calibration import load
-    from glmc.plan_search import (DEFAULT_GPU_MEMORY_GB, parse_numbers, parse_slo, parse_workload, render_svg,
+    from glmc.plan_search import (DEFAULT_GPU_MEMORY_GB, compile_choice, parse_numbers, parse_slo, parse_workload, render_svg,
                                   render_table, search)
     from glmc.spec import load_spec
     workload, slo = parse_workload(a.workload), parse_slo(a.slo)
@@ -110,6 +110,9 @@ def cmd_plan(a) -> int:
     (out / "pareto.svg").write_text(render_svg(result))
     print(render_table(result), end="")
     print(f"wrote {out}/plan_search.json (every priced row, the dropped ones with their reason), {out}/pareto.svg")
+    if result["best"] and not a.no_compile:
+        plan_dir, serve = compile_choice(load_spec(_model_path(a.model or CARD_MODEL)), result["best"], out / "plan")
+        print(f"wrote {plan_dir}/ (the best plan, compiled); serve it with: {serve}")
     return 0
 
 
@@ -216,7 +219,9 @@ def main(argv: list[str] | None = None) -> int:
     pl.add_argument("--specs", help="only these parallel specs, comma-separated (default: every valid one)")
     pl.add_argument("--gpu-memory-gb", type=float, help="memory per GPU in GB (default: the calibration's, "
                     "else 141, an H200)")
-    pl.add_argument("-o", "--output", help="directory for plan_search.json and pareto.svg (default build/plan)")
+    pl.add_argument("-o", "--output", help="directory for plan_search.json, pareto.svg and plan/, the best "
+                    "plan compiled (default build/plan)")
+    pl.add_argument("--no-compile", action="store_true", help="only search: do not compile the best plan")
     pl.set_defaults(fn=cmd_plan)
     r = sub.add_parser("run", help="serve a model over an OpenAI-compatible HTTP API "
                        "(default: glmc-small, the trained small model, compiled for tp1)")

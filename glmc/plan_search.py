@@ -315,6 +315,27 @@ def _assumptions(cal: dict, w: Workload, gpu_memory: tuple, accept_note: str, ch
     ]
 
 
+MOE_OPTION = {"a2a": True, "gather": False, "auto": None}
+
+
+def compile_choice(spec, row: dict, out_dir) -> tuple[str, str]:
+    """Compile `row`'s plan (its spec, MoE lowering and KV dtype; every phase, the CUDA target) into
+    `out_dir`; returns the directory and the `glmc run` command that serves it with the row's settings."""
+    from pathlib import Path
+
+    from glmc.compiler import compile_plan
+    from glmc.explain import explain_plan
+    from glmc.report import render
+    from glmc.spec import kv_dtyped
+    s = kv_dtyped(spec, row["kv_dtype"])
+    plan = compile_plan(s, parse_parallel(row["parallel"], s.config), Options(moe_a2a=MOE_OPTION[row["moe"]]))
+    out = Path(out_dir)
+    plan.save(out, {"report.md": render(explain_plan(plan))})
+    mtp = f" --speculative-num-steps {row['mtp_drafts']}" if row["mtp_drafts"] else ""
+    return str(out), (f"glmc run {out} --device cuda --weights HF_DIR "
+                      f"--max-running {row['requests_per_rank']}{mtp}")
+
+
 def render_table(result: dict) -> str:
     """The Pareto front as text, then the best row for the SLO, the dropped count and the assumptions."""
     head = f"{'candidate':<40} {'conc':>5} {'tok/s/GPU':>10} {'tok/s/user':>10} {'TPOT ms':>8} {'TTFT ms':>8} {'GiB':>6}"

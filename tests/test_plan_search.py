@@ -1,5 +1,6 @@
 """`glmc plan`: a fixed calibration gives a fixed ranking, dropped candidates carry their reason,
 bad arguments get a clear error, and the chart is SVG with one dot per priced row."""
+import json
 import xml.etree.ElementTree as ET
 
 import pytest
@@ -100,3 +101,17 @@ def test_outputs_say_their_assumptions(result):
 GOLDEN_FRONT = [("dp2ep2 moe=gather kv=fp8 mtp=1", 1), ("dp2ep2 moe=gather kv=fp8 mtp=1", 8),
                 ("tp2 moe=auto kv=fp8 mtp=0", 64)]
 GOLDEN_BEST = ("dp2ep2 moe=gather kv=fp8 mtp=1", 8)
+
+
+def test_plan_command_writes_the_search_and_compiles_the_best(tmp_path, capsys):
+    args = ["plan", "--model", "glm_moe_dsa_tiny", "--gpus", "2", "--workload", "in=512,out=128",
+            "--concurrency", "1,8", "--kv-dtype", "fp8", "--gpu-memory-gb", "0.1", "-o", str(tmp_path)]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    result = json.loads((tmp_path / "plan_search.json").read_text())
+    assert result["best"]["parallel"] == "dp2ep2" and result["best"]["kv_dtype"] == "fp8"
+    assert "GPU memory 0.1 GB (--gpu-memory-gb)" in out
+    ET.parse(tmp_path / "pareto.svg")
+    plan = json.loads((tmp_path / "plan" / "plan.json").read_text())
+    assert plan["parallel"]["spec"] == "dp2ep2"
+    assert f"glmc run {tmp_path / 'plan'} --device cuda" in out
