@@ -19,7 +19,10 @@ from __future__ import annotations
 
 import itertools
 import math
+import multiprocessing
+import os
 import re
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
 from glmc.compiler import compile_phase
@@ -34,6 +37,7 @@ MEM_FRACTION = 0.9            # as `glmc explain`: what the runner may use of a 
 DEFAULT_GPU_MEMORY_GB = 141   # an H200
 DEFAULT_CONCURRENCY = (1, 4, 16, 64, 256)
 KV_DTYPES = ("fp8", "bf16")
+JOBS = min(2, os.cpu_count() or 1)   # compile processes
 # bench/results/mtp_accept_2026-12-01_specsampling.json: glmc-small, standard speculative sampling
 # at temperature 1.0, accept length (tokens per verify step) by drafts
 SMALL_ACCEPT_LENGTH = {0: 1.0, 1: 1.718, 2: 2.054, 3: 2.274}
@@ -173,8 +177,9 @@ class Compiled:
     draft: object | None
 
 
-def compile_candidates(spec, gpus: int, kv_dtypes=KV_DTYPES, only: list[str] | None = None):
-    """(compiled candidates, dropped [{candidate, reason}]): each (spec, lowering, KV dtype) once."""
+def compile_candidates(spec, gpus: int, kv_dtypes=KV_DTYPES, only: list[str] | None = None, jobs: int = JOBS):
+    """(compiled candidates, dropped [{candidate, reason}]): each (spec, lowering, KV dtype) once,
+    over `jobs` worker processes (compiling is pure Python: one core each)."""
     from glmc.spec import kv_dtyped
     bad = [kv for kv in kv_dtypes if kv not in KV_DTYPES]
     if bad:
@@ -184,14 +189,20 @@ def compile_candidates(spec, gpus: int, kv_dtypes=KV_DTYPES, only: list[str] | N
         unknown = [s for s in only if s not in names]
         dropped += [{"candidate": s, "reason": f"not a valid spec over {gpus} GPUs for this model"} for s in unknown]
         names = [s for s in names if s in only]
-    out = []
-    for name, kv in itertools.product(names, kv_dtypes):
-        par, s = parse_parallel(name, spec.config), kv_dtyped(spec, kv)
-        for moe, forced in lowerings_for(par):
-            opts = Options(moe_a2a=forced)
-            draft = compile_phase(s, par, "mtp_draft", opts) if s.config.num_nextn_predict_layers else None
-            out.append(Compiled(name, par, moe, kv, s, compile_phase(s, par, "decode", opts), draft))
-    return out, dropped
+    tasks = [(kv_dtyped(spec, kv), name, kv, moe, forced) for name, kv in itertools.product(names, kv_dtypes)
+             for moe, forced in lowerings_for(parse_parallel(name, spec.config))]
+    if jobs > 1 and len(tasks) > 1:
+        with ProcessPoolExecutor(min(jobs, len(tasks)), mp_context=multiprocessing.get_context("fork")) as pool:
+            return list(pool.map(_compile_one, tasks)), dropped
+    return [_compile_one(t) for t in tasks], dropped
+
+
+def _compile_one(task) -> Compiled:
+    """The decode (and MTP-draft) graph of one candidate; a module-level function, so a worker process can run it."""
+    s, name, kv, moe, forced = task
+    par, opts = parse_parallel(name, s.config), Options(moe_a2a=forced)
+    draft = compile_phase(s, par, "mtp_draft", opts) if s.config.num_nextn_predict_layers else None
+    return Compiled(name, par, moe, kv, s, compile_phase(s, par, "decode", opts), draft)
 
 
 def _bucket_bytes(workspaces: dict, tokens: int) -> tuple[int, bool]:
