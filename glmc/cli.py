@@ -89,8 +89,9 @@ def cmd_export_onnx(a) -> int:
 def cmd_plan(a) -> int:
     """Search parallel specs, MoE lowerings, MTP drafts and KV dtypes for a workload on N GPUs."""
     from glmc.calibration import load
-    from glmc.plan_search import (DEFAULT_GPU_MEMORY_GB, compile_choice, parse_numbers, parse_slo, parse_workload, render_svg,
-                                  render_table, search)
+    from glmc.plan_report import render_svg, render_table
+    from glmc.plan_search import (DEFAULT_GPU_MEMORY_GB, compile_choice, parse_numbers, parse_slo, parse_workload,
+                                  search)
     from glmc.spec import load_spec
     workload, slo = parse_workload(a.workload), parse_slo(a.slo)
     concurrency = parse_numbers(a.concurrency, "--concurrency")

@@ -10,8 +10,8 @@ from glmc.cli import main
 from glmc.compiler import compile_phase
 from glmc.config import Options
 from glmc.parallel import parse_parallel
-from glmc.plan_search import (PlanSearchError, StepPricer, parse_slo, parse_workload, render_svg, render_table, search,
-                              specs_for)
+from glmc.plan_report import render_svg, render_table
+from glmc.plan_search import PlanSearchError, StepPricer, parse_slo, parse_workload, search, specs_for
 from glmc.predict import predict_step
 from glmc.spec import load_spec, model_path
 
