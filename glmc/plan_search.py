@@ -11,6 +11,7 @@ request gains per step, 1 without MTP):
     TTFT   = ceil(in / chunk) decode-graph steps of `chunk` tokens at context `in`
     memory = weights + re-laid-out copies + r x (in + out) x KV bytes per token
              + the decode workspace at its CUDA-graph bucket + the graph pool  <=  0.9 x GPU memory
+             (with d > 0 also the MTP layer's own weights and its KV)
 
 A candidate that does not fit, or whose spec is invalid for the model, is dropped with the reason.
 `assumptions` says in words what each number takes for granted.
@@ -31,6 +32,7 @@ from glmc.parallel import ParallelError, parse_parallel
 from glmc.calibration import torch_op_seconds
 from glmc.codegen.launch_model import STEP_TORCH_OPS
 from glmc.passes.costs import weight_bytes_for
+from glmc.passes.plan_memory import op_weight_bytes
 from glmc.predict import op_seconds
 
 MEM_FRACTION = 0.9            # as `glmc explain`: what the runner may use of a GPU's memory
@@ -216,12 +218,30 @@ def _bucket_bytes(workspaces: dict, tokens: int) -> tuple[int, bool]:
     return int(top_bytes * tokens / top), False
 
 
-def memory_check(c: Compiled, requests: int, tokens: int, w: Workload, gpu_bytes: int) -> dict:
-    """The bytes one rank needs (module docstring) and whether they fit."""
+def mtp_extra_bytes(c: Compiled) -> tuple[int, int]:
+    """(weight bytes, KV + indexer bytes per token) the MTP layer adds to a rank: the draft graph's
+    weights that the decode graph does not hold (not the shared embedding and lm_head) and its cache."""
+    if c.draft is None:
+        return 0, 0
+    held = {(op.kind, op.attr("weight")) for op in c.decode.ops if op.attr("weight") is not None}
+    cuda, extra, seen = Options().device == "cuda", 0, set(held)
+    for op in c.draft.ops:
+        key = (op.kind, op.attr("weight"))
+        if op.attr("weight") is not None and key not in seen:
+            seen.add(key)
+            extra += sum(op_weight_bytes(op, c.spec.config, c.spec.dtypes, cuda))
+    m = c.draft.meta["memory"]
+    return extra, m["kv_bytes_per_token"] + m["index_bytes_per_token"]
+
+
+def memory_check(c: Compiled, requests: int, tokens: int, w: Workload, gpu_bytes: int, drafts: int = 0) -> dict:
+    """The bytes one rank needs (module docstring) and whether they fit; with MTP drafts, the MTP
+    layer's own weights and cache too."""
     m = c.decode.meta["memory"]
-    kv = requests * w.context * (m["kv_bytes_per_token"] + m["index_bytes_per_token"])
+    mtp_weights, mtp_kv = mtp_extra_bytes(c) if drafts else (0, 0)
+    kv = requests * w.context * (m["kv_bytes_per_token"] + m["index_bytes_per_token"] + mtp_kv)
     workspace, graphed = _bucket_bytes(m["workspace_bytes"], tokens)
-    parts = {"weights": m["weights_bytes"] + m.get("weight_copies_bytes", 0), "kv": kv,
+    parts = {"weights": m["weights_bytes"] + m.get("weight_copies_bytes", 0) + mtp_weights, "kv": kv,
              "workspace": workspace, "graph_pool": m.get("graph_pool_bytes", 0)}
     need, limit = sum(parts.values()), int(gpu_bytes * MEM_FRACTION)
     return {"bytes": parts, "need": need, "limit": limit, "fits": need <= limit, "graphed": graphed}
@@ -289,7 +309,7 @@ def search(spec, cal: dict, gpus: int, w: Workload, concurrency=DEFAULT_CONCURRE
     for c, d, conc in itertools.product(compiled, drafts, concurrency):
         name = f"{c.name} moe={c.moe} kv={c.kv_dtype} mtp={d}"
         r = -(-conc // c.par.attn_dp)
-        mem = memory_check(c, r, r * (d + 1), w, gpu_memory[0])
+        mem = memory_check(c, r, r * (d + 1), w, gpu_memory[0], d)
         if not mem["fits"]:
             b = mem["bytes"]
             dropped.append({"candidate": f"{name} c={conc}", "reason": (
@@ -315,7 +335,8 @@ def _assumptions(cal: dict, w: Workload, gpu_memory: tuple, accept_note: str, ch
         f"GPU memory {gpu_memory[0] / 1e9:g} GB ({gpu_memory[1]}); a plan may use {MEM_FRACTION} of it",
         f"memory per rank: weights and their re-laid-out copies, KV + indexer cache for requests per rank x "
         f"{w.context} tokens (in + out), the decode workspace at its CUDA-graph bucket and the graph pool; "
-        "not counted: the MTP layer's own KV, the prefill workspace, NCCL buffers",
+        "with MTP also the MTP layer's own weights (its embedding and lm_head are the model's) and cache; "
+        "not counted: the prefill workspace, NCCL buffers",
         "step: the decode predictor (glmc.predict) at every request's context = in + out (the longest it "
         "gets), the MTP verify forward priced as a decode step of requests x (drafts + 1) tokens, plus one "
         "draft-graph step per draft; host work (scheduling, sampling, HTTP) not included",

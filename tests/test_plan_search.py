@@ -59,9 +59,11 @@ def test_pareto_rows_are_not_dominated(result):
 def test_infeasible_candidates_carry_their_reason(result):
     dropped = [d for d in result["dropped"] if d["candidate"].endswith("c=64")]
     assert dropped, "0.1 GB per GPU must drop some 64-request candidates"
-    assert all("per GPU >" in d["reason"] and "KV" in d["reason"] and "64 requests x 640 tokens" in d["reason"]
+    assert all("per GPU >" in d["reason"] and "KV" in d["reason"] and " requests x 640 tokens)" in d["reason"]
                for d in dropped)
+    assert "tp2 moe=auto kv=fp8 mtp=3 c=64" in [d["candidate"] for d in dropped]   # the MTP layer's bytes
     priced = {(r["candidate"], r["concurrency"]) for r in result["rows"]}
+    assert ("tp2 moe=auto kv=fp8 mtp=0", 64) in priced
     assert not any((d["candidate"].rsplit(" c=", 1)[0], 64) in priced for d in dropped)
 
 
