@@ -24,7 +24,7 @@ import multiprocessing
 import os
 import re
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from glmc.compiler import compile_phase
 from glmc.config import Options
@@ -144,17 +144,22 @@ def _layerless(value):
     return _LAYER.sub("model.layers.*.", value) if isinstance(value, str) else value
 
 
+def without_p2p(op):
+    """`op` as a `--no-p2p` plan has it: select-collective-backend's threshold is its only trace."""
+    return replace(op, attrs=tuple(kv for kv in op.attrs if kv[0] != "p2p_max_bytes"))
+
+
 class StepPricer:
     """`glmc.predict.predict_step`'s `step_s` for one graph at many points, fast: ops that differ
     only in their layer's weight names (same kind, attributes, operand and result types) cost the
     same, so each such group is priced once per point and counted (a test holds it equal to
     predict_step)."""
 
-    def __init__(self, graph, dtypes, cal: dict, ranks: int):
+    def __init__(self, graph, dtypes, cal: dict, ranks: int, p2p: bool = True):
         self.graph, self.dtypes, self.cal = graph, dtypes, cal
         self.weight_bytes = weight_bytes_for(dtypes)
         groups: dict = {}
-        for op in graph.ops:
+        for op in graph.ops if p2p else map(without_p2p, graph.ops):
             if int(op.attr("size", 1)) > ranks:
                 raise ValueError(f"{op.kind} {op.results[0]}: a group of {op.attr('size')} on {ranks} GPUs")
             key = (op.kind, _layerless(op.attrs), tuple(graph.type_of(v) for v in op.operands), op.types)
@@ -252,29 +257,30 @@ def _gib(n: float) -> str:
 
 
 def _step(c: Compiled, phase: str, tokens: int, requests: int, context: int, cal: dict, gpus: int,
-          memo: dict) -> float:
+          memo: dict, p2p: bool = True) -> float:
     """`predict_step`'s seconds for one of `c`'s graphs at a point, each point priced once."""
-    key = (c.name, c.moe, c.kv_dtype, phase, tokens, requests, context)
+    key = (c.name, c.moe, c.kv_dtype, p2p, phase, tokens, requests, context)
     if key not in memo:
         env = {"T": tokens, "B": requests, "S": context, "K": c.spec.config.index_topk}
-        pricer = (c.name, c.moe, c.kv_dtype, phase)
+        pricer = (c.name, c.moe, c.kv_dtype, p2p, phase)
         if pricer not in memo:
-            memo[pricer] = StepPricer(c.decode if phase == "decode" else c.draft, c.spec.dtypes, cal, gpus)
+            memo[pricer] = StepPricer(c.decode if phase == "decode" else c.draft, c.spec.dtypes, cal, gpus, p2p)
         memo[key] = memo[pricer].step_seconds(env)
     return memo[key]
 
 
 def price(c: Compiled, cal: dict, w: Workload, gpus: int, concurrency: int, drafts: int,
-          accept: dict, chunk: int, memo: dict) -> dict:
+          accept: dict, chunk: int, memo: dict, p2p: bool = True) -> dict:
     """One row: step, TPOT, TTFT, tok/s per GPU and per user for `concurrency` requests."""
     dp = c.par.attn_dp
     r = -(-concurrency // dp)
     t = r * (drafts + 1)
-    step = _step(c, "decode", t, t, w.context, cal, gpus, memo)
+    step = _step(c, "decode", t, t, w.context, cal, gpus, memo, p2p)
     if drafts:
-        step += drafts * _step(c, "draft", r, r, w.context, cal, gpus, memo)
+        step += drafts * _step(c, "draft", r, r, w.context, cal, gpus, memo, p2p)
     tokens = min(chunk, w.input_tokens)
-    ttft = math.ceil(w.input_tokens / tokens) * _step(c, "decode", tokens, 1, w.input_tokens, cal, gpus, memo)
+    chunks = math.ceil(w.input_tokens / tokens)
+    ttft = chunks * _step(c, "decode", tokens, 1, w.input_tokens, cal, gpus, memo, p2p)
     e = accept[drafts]
     return {"requests_per_rank": r, "tokens_per_rank": t, "step_ms": step * 1e3, "tpot_ms": step / e * 1e3,
             "ttft_ms": ttft * 1e3, "tok_s_per_gpu": concurrency * e / step / gpus,
@@ -306,8 +312,8 @@ def search(spec, cal: dict, gpus: int, w: Workload, concurrency=DEFAULT_CONCURRE
     if not spec.config.num_nextn_predict_layers:
         drafts = (0,)
     chunk, rows, ttft = Options().chunked_prefill, [], {}
-    for c, d, conc in itertools.product(compiled, drafts, concurrency):
-        name = f"{c.name} moe={c.moe} kv={c.kv_dtype} mtp={d}"
+    for c, p2p, d, conc in itertools.product(compiled, (True, False), drafts, concurrency):
+        name = f"{c.name} moe={c.moe} kv={c.kv_dtype} mtp={d}" + ("" if p2p else " nccl")
         r = -(-conc // c.par.attn_dp)
         mem = memory_check(c, r, r * (d + 1), w, gpu_memory[0], d)
         if not mem["fits"]:
@@ -318,9 +324,10 @@ def search(spec, cal: dict, gpus: int, w: Workload, concurrency=DEFAULT_CONCURRE
                 f"weights {_gib(b['weights'])} + KV {_gib(b['kv'])} ({r} requests x {w.context} tokens) + "
                 f"workspace {_gib(b['workspace'])} + graph pool {_gib(b['graph_pool'])}")})
             continue
-        row = {"candidate": name, "parallel": c.name, "moe": c.moe, "kv_dtype": c.kv_dtype, "mtp_drafts": d,
+        row = {"candidate": name, "parallel": c.name, "moe": c.moe, "kv_dtype": c.kv_dtype, "p2p": p2p,
+               "mtp_drafts": d,
                "concurrency": conc, "memory_gib": round(mem["need"] / 2**30, 2), "graphed": mem["graphed"]}
-        rows.append({**row, **price(c, cal, w, gpus, conc, d, lengths, chunk, ttft)})
+        rows.append({**row, **price(c, cal, w, gpus, conc, d, lengths, chunk, ttft, p2p)})
     front = pareto(rows)
     return {"gpus": gpus, "model": spec.name, "workload": {"in": w.input_tokens, "out": w.output_tokens},
             "concurrency": list(concurrency), "slo": slo or {}, "rows": rows, "pareto": front,
@@ -347,6 +354,8 @@ def _assumptions(cal: dict, w: Workload, gpu_memory: tuple, accept_note: str, ch
         "requests per DP rank = ceil(concurrency / attn_dp), routing uniform and balanced",
         "MoE a2a and gather are priced where the spec allows both (routing by the compiler's cost); "
         "auto: the compiler's choice",
+        "collective backend: each candidate with the plan's peer-memory thresholds (small collectives "
+        "skip NCCL) and, marked nccl, with every collective on NCCL (--no-p2p)",
     ]
 
 
@@ -363,7 +372,8 @@ def compile_choice(spec, row: dict, out_dir) -> tuple[str, str]:
     from glmc.report import render
     from glmc.spec import kv_dtyped
     s = kv_dtyped(spec, row["kv_dtype"])
-    plan = compile_plan(s, parse_parallel(row["parallel"], s.config), Options(moe_a2a=MOE_OPTION[row["moe"]]))
+    opts = Options(moe_a2a=MOE_OPTION[row["moe"]], p2p_collectives=row["p2p"])
+    plan = compile_plan(s, parse_parallel(row["parallel"], s.config), opts)
     out = Path(out_dir)
     plan.save(out, {"report.md": render(explain_plan(plan))})
     mtp = f" --speculative-num-steps {row['mtp_drafts']}" if row["mtp_drafts"] else ""

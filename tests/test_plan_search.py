@@ -37,11 +37,16 @@ def test_fixed_calibration_gives_fixed_ranking(result):
     assert result["best"]["tpot_ms"] <= 0.3
 
 
-@pytest.mark.parametrize("parallel,phase", [("dp2ep2", "decode"), ("tp2", "decode"), ("tp2ep2", "mtp_draft")])
-def test_step_pricer_equals_the_predictor(tiny, parallel, phase):
-    graph = compile_phase(tiny, parse_parallel(parallel, tiny.config), phase, Options())
+@pytest.mark.parametrize("parallel,phase,p2p", [("dp2ep2", "decode", True), ("tp2", "decode", True),
+                                                ("tp2ep2", "mtp_draft", True), ("tp2", "decode", False),
+                                                ("dp2ep2", "decode", False)])
+def test_step_pricer_equals_the_predictor(tiny, parallel, phase, p2p):
+    """Priced once per layer, and --no-p2p priced on the p2p plan's graph: both as the predictor
+    prices the graph compiled for them."""
+    par = parse_parallel(parallel, tiny.config)
+    graph = compile_phase(tiny, par, phase, Options(p2p_collectives=p2p))
     cal = load(CALIBRATION)
-    pricer = StepPricer(graph, tiny.dtypes, cal, 2)
+    pricer = StepPricer(compile_phase(tiny, par, phase, Options()), tiny.dtypes, cal, 2, p2p)
     if phase == "decode":
         assert len(pricer.groups) < len(graph.ops) / 2   # layers priced once
     for t, s in ((1, 640), (24, 640), (512, 512)):
