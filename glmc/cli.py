@@ -104,7 +104,7 @@ def cmd_plan(a) -> int:
         memory = (DEFAULT_GPU_MEMORY_GB * 10**9, "the default of --gpu-memory-gb: an H200; the calibration has none")
     result = search(load_spec(_model_path(a.model or CARD_MODEL)), cal, a.gpus, workload, concurrency, slo,
                     memory, a.accept, tuple(a.kv_dtype.split(",")),
-                    only=a.specs.split(",") if a.specs else None)
+                    only=a.specs.split(",") if a.specs else None, prefill_chunk=a.prefill_chunk)
     out = Path(a.output or "build/plan")
     out.mkdir(parents=True, exist_ok=True)
     (out / "plan_search.json").write_text(json.dumps(result, indent=1) + "\n")
@@ -112,7 +112,8 @@ def cmd_plan(a) -> int:
     print(render_table(result), end="")
     print(f"wrote {out}/plan_search.json (every priced row, the dropped ones with their reason), {out}/pareto.svg")
     if result["best"] and not a.no_compile:
-        plan_dir, serve = compile_choice(load_spec(_model_path(a.model or CARD_MODEL)), result["best"], out / "plan")
+        plan_dir, serve = compile_choice(load_spec(_model_path(a.model or CARD_MODEL)), result["best"], out / "plan",
+                                         result["prefill_chunk"])
         print(f"wrote {plan_dir}/ (the best plan, compiled); serve it with: {serve}")
     return 0
 
@@ -222,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
                     "else 141, an H200)")
     pl.add_argument("-o", "--output", help="directory for plan_search.json, pareto.svg and plan/, the best "
                     "plan compiled (default build/plan)")
+    pl.add_argument("--prefill-chunk", type=int, help="prompt tokens per prefill step, as glmc run "
+                    "--max-batch-tokens (default: the plan's chunk, 8192)")
     pl.add_argument("--no-compile", action="store_true", help="only search: do not compile the best plan")
     pl.set_defaults(fn=cmd_plan)
     r = sub.add_parser("run", help="serve a model over an OpenAI-compatible HTTP API "

@@ -304,16 +304,18 @@ def best_for_slo(rows: list[dict], slo: dict) -> dict | None:
 
 def search(spec, cal: dict, gpus: int, w: Workload, concurrency=DEFAULT_CONCURRENCY, slo: dict | None = None,
            gpu_memory: tuple[int, str] = (DEFAULT_GPU_MEMORY_GB * 10**9, "default"), accept: float | None = None,
-           kv_dtypes=KV_DTYPES, drafts=(0, 1, 2, 3), only: list[str] | None = None) -> dict:
+           kv_dtypes=KV_DTYPES, drafts=(0, 1, 2, 3), only: list[str] | None = None,
+           prefill_chunk: int | None = None) -> dict:
     """`glmc plan`'s result: rows (every feasible candidate x concurrency), dropped ones with their
-    reason, the Pareto front, the best row for the SLO, and the assumptions."""
+    reason, the Pareto front, the best row for the SLO, and the assumptions. `prefill_chunk`: the
+    prompt tokens per prefill step (`glmc run --max-batch-tokens`; default the plan's chunk)."""
     compiled, dropped = compile_candidates(spec, gpus, kv_dtypes, only)
     lengths, accept_note = accept_lengths(accept)
     if not spec.config.num_nextn_predict_layers:
         drafts = (0,)
-    chunk, rows, ttft = Options().chunked_prefill, [], {}
+    chunk, rows, ttft = prefill_chunk or Options().chunked_prefill, [], {}
     for c, p2p, d, conc in itertools.product(compiled, (True, False), drafts, concurrency):
-        name = f"{c.name} moe={c.moe} kv={c.kv_dtype} mtp={d}" + ("" if p2p else " nccl")
+        name = f"{c.name} moe={c.moe} kv={c.kv_dtype} mtp={d}{'' if p2p else ' nccl'}"
         r = -(-conc // c.par.attn_dp)
         mem = memory_check(c, r, r * (d + 1), w, gpu_memory[0], d)
         if not mem["fits"]:
@@ -329,7 +331,8 @@ def search(spec, cal: dict, gpus: int, w: Workload, concurrency=DEFAULT_CONCURRE
                "concurrency": conc, "memory_gib": round(mem["need"] / 2**30, 2), "graphed": mem["graphed"]}
         rows.append({**row, **price(c, cal, w, gpus, conc, d, lengths, chunk, ttft, p2p)})
     front = pareto(rows)
-    return {"gpus": gpus, "model": spec.name, "workload": {"in": w.input_tokens, "out": w.output_tokens},
+    return {"gpus": gpus, "model": spec.name, "prefill_chunk": chunk,
+            "workload": {"in": w.input_tokens, "out": w.output_tokens},
             "concurrency": list(concurrency), "slo": slo or {}, "rows": rows, "pareto": front,
             "best": best_for_slo(rows, slo or {}), "dropped": dropped,
             "assumptions": _assumptions(cal, w, gpu_memory, accept_note, chunk)}
@@ -350,7 +353,8 @@ def _assumptions(cal: dict, w: Workload, gpu_memory: tuple, accept_note: str, ch
         accept_note,
         f"TTFT: no prefill prediction exists; the prompt is priced as ceil(in / {chunk}) decode-graph steps "
         f"of min(in, {chunk}) tokens at context {w.input_tokens} (every token scoring the whole prompt in "
-        "the full indexer layers: high), with no queueing and no decode steps interleaved",
+        "the full indexer layers: high), with no queueing and no decode steps interleaved; serve with "
+        f"glmc run --max-batch-tokens {chunk} for this chunk",
         "requests per DP rank = ceil(concurrency / attn_dp), routing uniform and balanced",
         "MoE a2a and gather are priced where the spec allows both (routing by the compiler's cost); "
         "auto: the compiler's choice",
@@ -362,7 +366,7 @@ def _assumptions(cal: dict, w: Workload, gpu_memory: tuple, accept_note: str, ch
 MOE_OPTION = {"a2a": True, "gather": False, "auto": None}
 
 
-def compile_choice(spec, row: dict, out_dir) -> tuple[str, str]:
+def compile_choice(spec, row: dict, out_dir, prefill_chunk: int) -> tuple[str, str]:
     """Compile `row`'s plan (its spec, MoE lowering and KV dtype; every phase, the CUDA target) into
     `out_dir`; returns the directory and the `glmc run` command that serves it with the row's settings."""
     from pathlib import Path
@@ -378,4 +382,4 @@ def compile_choice(spec, row: dict, out_dir) -> tuple[str, str]:
     plan.save(out, {"report.md": render(explain_plan(plan))})
     mtp = f" --speculative-num-steps {row['mtp_drafts']}" if row["mtp_drafts"] else ""
     return str(out), (f"glmc run {out} --device cuda --weights HF_DIR "
-                      f"--max-running {row['requests_per_rank']}{mtp}")
+                      f"--max-running {row['requests_per_rank']} --max-batch-tokens {prefill_chunk}{mtp}")

@@ -72,6 +72,16 @@ def test_infeasible_candidates_carry_their_reason(result):
     assert not any((d["candidate"].rsplit(" c=", 1)[0], 64) in priced for d in dropped)
 
 
+def test_prefill_chunk_sets_the_ttft_steps(tiny):
+    def first(chunk):
+        r = search(tiny, load(CALIBRATION), 2, parse_workload("in=512,out=128"), concurrency=(1,), drafts=(0,),
+                   kv_dtypes=("fp8",), only=["tp2"], prefill_chunk=chunk)
+        return r["rows"][0]["ttft_ms"], r["assumptions"]
+    (whole, _), (chunked, said) = first(None), first(128)
+    assert chunked > whole   # four steps of 128 tokens pay four times the per-step floor
+    assert any("ceil(in / 128) decode-graph steps" in a and "--max-batch-tokens 128" in a for a in said)
+
+
 def test_invalid_specs_carry_their_reason():
     valid, dropped = specs_for(6, load_spec(model_path("glm_moe_dsa")).config)
     assert "tp6" not in valid
@@ -121,4 +131,4 @@ def test_plan_command_writes_the_search_and_compiles_the_best(tmp_path, capsys):
     ET.parse(tmp_path / "pareto.svg")
     plan = json.loads((tmp_path / "plan" / "plan.json").read_text())
     assert plan["parallel"]["spec"] == "dp2ep2"
-    assert f"glmc run {tmp_path / 'plan'} --device cuda" in out
+    assert f"glmc run {tmp_path / 'plan'} --device cuda" in out and "--max-batch-tokens 8192" in out
