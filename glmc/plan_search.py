@@ -18,6 +18,7 @@ A candidate that does not fit, or whose spec is invalid for the model, is droppe
 """
 from __future__ import annotations
 
+import copy
 import itertools
 import math
 import multiprocessing
@@ -166,6 +167,12 @@ class StepPricer:
             groups.setdefault(key, [op, 0])[1] += 1
         self.groups = list(groups.values())
 
+    def nccl(self) -> "StepPricer":
+        """The same graph priced as a `--no-p2p` plan (`without_p2p`), its groups kept."""
+        other = copy.copy(self)
+        other.groups = [[without_p2p(op), n] for op, n in self.groups]
+        return other
+
     def step_seconds(self, env: dict) -> float:
         ops = sum(n * op_seconds(op, self.graph, env, self.dtypes, self.cal, self.weight_bytes)["seconds"]
                   for op, n in self.groups)
@@ -239,11 +246,12 @@ def mtp_extra_bytes(c: Compiled) -> tuple[int, int]:
     return extra, m["kv_bytes_per_token"] + m["index_bytes_per_token"]
 
 
-def memory_check(c: Compiled, requests: int, tokens: int, w: Workload, gpu_bytes: int, drafts: int = 0) -> dict:
-    """The bytes one rank needs (module docstring) and whether they fit; with MTP drafts, the MTP
-    layer's own weights and cache too."""
+def memory_check(c: Compiled, requests: int, tokens: int, w: Workload, gpu_bytes: int,
+                 mtp: tuple[int, int] = (0, 0)) -> dict:
+    """The bytes one rank needs (module docstring) and whether they fit; `mtp`: the MTP layer's
+    (weight bytes, cache bytes per token) where drafts run (`mtp_extra_bytes`)."""
     m = c.decode.meta["memory"]
-    mtp_weights, mtp_kv = mtp_extra_bytes(c) if drafts else (0, 0)
+    mtp_weights, mtp_kv = mtp
     kv = requests * w.context * (m["kv_bytes_per_token"] + m["index_bytes_per_token"] + mtp_kv)
     workspace, graphed = _bucket_bytes(m["workspace_bytes"], tokens)
     parts = {"weights": m["weights_bytes"] + m.get("weight_copies_bytes", 0) + mtp_weights, "kv": kv,
@@ -256,16 +264,22 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
+def _pricer(c: Compiled, phase: str, cal: dict, gpus: int, memo: dict, p2p: bool) -> StepPricer:
+    """One StepPricer per graph and backend; the NCCL one reuses the p2p one's groups."""
+    key = (c.name, c.moe, c.kv_dtype, p2p, phase)
+    if key not in memo:
+        memo[key] = _pricer(c, phase, cal, gpus, memo, True).nccl() if not p2p else \
+            StepPricer(c.decode if phase == "decode" else c.draft, c.spec.dtypes, cal, gpus)
+    return memo[key]
+
+
 def _step(c: Compiled, phase: str, tokens: int, requests: int, context: int, cal: dict, gpus: int,
           memo: dict, p2p: bool = True) -> float:
     """`predict_step`'s seconds for one of `c`'s graphs at a point, each point priced once."""
     key = (c.name, c.moe, c.kv_dtype, p2p, phase, tokens, requests, context)
     if key not in memo:
         env = {"T": tokens, "B": requests, "S": context, "K": c.spec.config.index_topk}
-        pricer = (c.name, c.moe, c.kv_dtype, p2p, phase)
-        if pricer not in memo:
-            memo[pricer] = StepPricer(c.decode if phase == "decode" else c.draft, c.spec.dtypes, cal, gpus, p2p)
-        memo[key] = memo[pricer].step_seconds(env)
+        memo[key] = _pricer(c, phase, cal, gpus, memo, p2p).step_seconds(env)
     return memo[key]
 
 
@@ -314,10 +328,11 @@ def search(spec, cal: dict, gpus: int, w: Workload, concurrency=DEFAULT_CONCURRE
     if not spec.config.num_nextn_predict_layers:
         drafts = (0,)
     chunk, rows, ttft = prefill_chunk or Options().chunked_prefill, [], {}
+    mtp = {id(c): mtp_extra_bytes(c) for c in compiled} if drafts != (0,) else {}
     for c, p2p, d, conc in itertools.product(compiled, (True, False), drafts, concurrency):
         name = f"{c.name} moe={c.moe} kv={c.kv_dtype} mtp={d}{'' if p2p else ' nccl'}"
         r = -(-conc // c.par.attn_dp)
-        mem = memory_check(c, r, r * (d + 1), w, gpu_memory[0], d)
+        mem = memory_check(c, r, r * (d + 1), w, gpu_memory[0], mtp[id(c)] if d else (0, 0))
         if not mem["fits"]:
             b = mem["bytes"]
             dropped.append({"candidate": f"{name} c={conc}", "reason": (
