@@ -371,6 +371,9 @@ def _assumptions(cal: dict, w: Workload, gpu_memory: tuple, accept_note: str, ch
         "the full indexer layers: high), with no queueing and no decode steps interleaved; serve with "
         f"glmc run --max-batch-tokens {chunk} for this chunk",
         "requests per DP rank = ceil(concurrency / attn_dp), routing uniform and balanced",
+        f"rows with graphed: false run more tokens per rank than the largest CUDA-graph bucket "
+        f"({Options().max_batch}): priced as a graph replay, they would run eagerly; their workspace is "
+        "the largest bucket's scaled by tokens",
         "MoE a2a and gather are priced where the spec allows both (routing by the compiler's cost); "
         "auto: the compiler's choice",
         "collective backend: each candidate with the plan's peer-memory thresholds (small collectives "
