@@ -90,16 +90,16 @@ def cmd_plan(a) -> int:
     """Search parallel specs, MoE lowerings, MTP drafts and KV dtypes for a workload on N GPUs."""
     from glmc.calibration import load
     from glmc.plan_report import render_svg, render_table
-    from glmc.plan_search import (DEFAULT_GPU_MEMORY_GB, compile_choice, parse_numbers, parse_slo, parse_workload,
-                                  search)
+    from glmc.plan_search import (DEFAULT_CALIBRATION, DEFAULT_GPU_MEMORY_GB, compile_choice, parse_numbers,
+                                  parse_slo, parse_workload, search)
     from glmc.spec import load_spec
     workload, slo = parse_workload(a.workload), parse_slo(a.slo)
     concurrency = parse_numbers(a.concurrency, "--concurrency")
-    cal = load(a.calibration)
+    cal = load(a.calibration or DEFAULT_CALIBRATION)
     if a.gpu_memory_gb is not None:
         memory = (int(a.gpu_memory_gb * 1e9), "--gpu-memory-gb")
     elif cal.get("gpu_memory_bytes"):
-        memory = (int(cal["gpu_memory_bytes"]), f"from {a.calibration}")
+        memory = (int(cal["gpu_memory_bytes"]), f"from {cal['path']}")
     else:
         memory = (DEFAULT_GPU_MEMORY_GB * 10**9, "the default of --gpu-memory-gb: an H200; the calibration has none")
     result = search(load_spec(_model_path(a.model or CARD_MODEL)), cal, a.gpus, workload, concurrency, slo,
@@ -210,8 +210,8 @@ def main(argv: list[str] | None = None) -> int:
                         "workload on N GPUs, from the calibrated cost model (Pareto table, JSON, SVG)")
     pl.add_argument("--model", help=f"model YAML, HF checkpoint dir, or packaged name (default {CARD_MODEL}, GLM-5.3)")
     pl.add_argument("--gpus", type=int, required=True, help="GPUs of one host")
-    pl.add_argument("--calibration", default="bench/results/calibration_nvidia-h200-x2_2026-11-30.json",
-                    help="calibration JSON (bench/calibrate.py)")
+    pl.add_argument("--calibration", help="calibration JSON (bench/calibrate.py; default: the checkout's "
+                    "bench/results/calibration_nvidia-h200-x2_2026-11-30.json)")
     pl.add_argument("--workload", required=True, help="in=<prompt tokens>,out=<output tokens>, e.g. in=8192,out=1024")
     pl.add_argument("--concurrency", default="1,4,16,64,256", help="requests in flight over all GPUs, comma-separated")
     pl.add_argument("--slo", help="tpot_ms=<ms>,ttft_ms=<ms>: the best plan is the most tok/s per GPU within it")

@@ -26,6 +26,7 @@ import os
 import re
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from glmc.compiler import compile_phase
 from glmc.config import Options
@@ -36,6 +37,8 @@ from glmc.passes.costs import weight_bytes_for
 from glmc.passes.plan_memory import op_weight_bytes
 from glmc.predict import op_seconds
 
+# a checkout's calibration measured on two H200s (bench/calibrate.py)
+DEFAULT_CALIBRATION = Path(__file__).resolve().parents[1] / "bench/results/calibration_nvidia-h200-x2_2026-11-30.json"
 MEM_FRACTION = 0.9            # as `glmc explain`: what the runner may use of a GPU's memory
 DEFAULT_GPU_MEMORY_GB = 141   # an H200
 DEFAULT_CONCURRENCY = (1, 4, 16, 64, 256)
@@ -387,8 +390,6 @@ MOE_OPTION = {"a2a": True, "gather": False, "auto": None}
 def compile_choice(spec, row: dict, out_dir, prefill_chunk: int) -> tuple[str, str]:
     """Compile `row`'s plan (its spec, MoE lowering and KV dtype; every phase, the CUDA target) into
     `out_dir`; returns the directory and the `glmc run` command that serves it with the row's settings."""
-    from pathlib import Path
-
     from glmc.compiler import compile_plan
     from glmc.explain import explain_plan
     from glmc.report import render
