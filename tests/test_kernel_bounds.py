@@ -12,9 +12,10 @@ KV slots in it and in a top-k, a token's out_cache_loc, expert ids) mask or clam
 | sparse_mla_decode (+ mla_combine) | top-k slots; rows, pos, table slots | no key read; a token without keys gets 0 |
 | moe_align, moe_combine | expert ids | compared in 64 bits: the route is not this rank's |
 
-The others index only with what a kernel or its wrapper computed from shapes (sparse_mla_prefill's
-compact key lists, the expert stages' sorted rows, the sampler's vocabulary): bounded by
-construction.
+The others index only with what a kernel computed from shapes (the expert stages' sorted rows, the
+sampler's vocabulary) or, for sparse_mla_prefill, with the compact key lists its wrapper gathers in
+torch (`triton_prefill.prefill_keys`, bench and tests only: torch's indexing raises past the table
+or pool, and wraps a negative index as Python does): bounded by construction.
 
 The interpreter does not check addresses (it reads raw memory), so `Accesses` does: every lane a
 kernel loads, stores or updates atomically with its mask on must lie inside one of its launch's
