@@ -22,8 +22,14 @@ target; empty for cpu). Byte conventions are those of `glmc.passes.costs`.
 With a calibration (`glmc.calibration`), `predicted` {calibration, point: `glmc.predict.predict_step`
 at the explain point, table: [{batch_per_rank, step_ms, tpot_ms, tokens_per_s, comm_ms, overhead_ms,
 graph_bucket, kv_fits}], assumptions: [str]}.
+`quality` (`recorded_quality`; only for a plan of models/small's config, from a checkout's
+bench/results/quality_*.json) {source, target, device, date, commit, settings, formats (this
+plan's), rows: [{format, weights, kv_cache, perplexity, agreement}]}.
 """
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 from glmc.compiler import compile_phase
 from glmc.config import DTypes, Options
@@ -39,6 +45,7 @@ from glmc.spec import ModelSpec
 
 H200_HBM_BYTES = 141 * 10**9
 MEM_FRACTION = 0.9
+REPO = Path(__file__).resolve().parents[1]   # a checkout: bench/results holds the recorded runs
 
 
 def _env(phase: str, batch: int, context: int, dp: int, topk: int) -> dict:
@@ -113,6 +120,9 @@ def explain_plan(plan: Plan, batch: int = 32, context: int = 4096,
     out["fused_ops"] = {ph: _fused_where(g) for ph, g in graphs.items()}
     out["weights"] = plan.weight_formats   # block-FP8 or not, per op kind (codegen.weight_formats)
     out["kernels"] = dict(sorted(plan.kernel_contexts.items()))   # cuda target: kernels/<name>.py -> context
+    quality = recorded_quality(plan)
+    if quality:
+        out["quality"] = quality
     if calibration is not None:
         t = _env("decode", batch, context, par.attn_dp, cfg.index_topk)["T"]
         out["predicted"] = predict_plan(plan, calibration, context, t, out["memory"]["kv_tokens_per_rank"])
@@ -173,3 +183,22 @@ def _alternatives(spec, par, meta, batch, context) -> dict:
         env = _env("decode", batch, context, par.attn_dp, spec.config.index_topk)
         out[name] = bill(g, env, spec.dtypes)["comm"]
     return out
+
+
+def recorded_quality(plan: Plan) -> dict | None:
+    """`python -m bench.quality`'s recorded run for a plan of the model it measured (models/small:
+    the same config, so the numbers are those of models/small's weights), on the plan's target if
+    one was recorded there, else the latest on any; None for other models or without a checkout's
+    bench/results. `formats` names the row of the plan's own weight and cache formats."""
+    config = plan.config.model_dump(mode="json")
+    runs = [(path, json.loads(path.read_text())) for path in sorted(REPO.glob("bench/results/quality_*.json"))]
+    runs = [(path, run) for path, run in runs if run.get("config") == config]
+    if not runs:
+        return None
+    path, run = next(((p, r) for p, r in reversed(runs) if r["target"] == plan.target), runs[-1])
+    weights, kv = plan.dtypes.weight == "fp8", plan.dtypes.kv_cache == "fp8"
+    formats = "fp8_both" if weights and kv else "fp8_weights" if weights else "fp8_kv" if kv else "bf16"
+    rows = [{"format": name, "weights": r["weights"], "kv_cache": r["kv_cache"], "perplexity": r["perplexity"],
+             "agreement": r["agreement"]} for name, r in run["results"].items()]
+    return {"source": str(path.relative_to(REPO)), "formats": formats, "rows": rows,
+            **{k: run[k] for k in ("target", "device", "date", "commit", "settings")}}

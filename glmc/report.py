@@ -108,6 +108,24 @@ def _workspaces(m: dict, context: int) -> list[str]:
             f"indexer workspace {_b(m['indexer_workspace_bytes'])}"]
 
 
+def _quality(q: dict) -> list[str]:
+    """The recorded quality table (`explain.recorded_quality`), this plan's formats marked."""
+    cs, st = q["settings"]["contexts"], q["settings"]
+    head = [f"perplexity @{c}" for c in cs] + [f"agreement @{c}" for c in cs]
+    out = [f"## Quality (recorded for models/small: {q['device']}, {q['date']}, commit {q['commit']}; "
+           f"{q['source']})", "",
+           f"Held-out perplexity ({st['perplexity_tokens']} tokens of heldout.txt in windows of each context) and "
+           f"greedy agreement with the bf16 run over {st['continuation']}-token continuations of {st['prompts']} "
+           f"prompts of {' / '.join(str(v) for v in st['prompt_tokens'].values())} tokens (`python -m bench.quality`).",
+           "", "| format | weights | KV + indexer cache | " + " | ".join(head) + " |",
+           "|---|---|---|" + "---:|" * len(head)]
+    for r in q["rows"]:
+        name = r["format"] + (" (this plan)" if r["format"] == q["formats"] else "")
+        cells = [str(r["perplexity"][str(c)]) for c in cs] + [f"{r['agreement'][str(c)]:.1%}" for c in cs]
+        out.append(f"| {name} | {r['weights']} | {r['kv_cache']} | " + " | ".join(cells) + " |")
+    return out
+
+
 def render(d: dict) -> str:
     p, m, f = d["params"], d["memory"], d["flops_per_token"]
     out = [f"# glmc explain: {d['model']} on {d['parallel']['spec']} (world {d['parallel']['world']})",
@@ -150,6 +168,8 @@ def render(d: dict) -> str:
                 *(f"| `{name}.py` | `{ctx}` |" for name, ctx in d["kernels"].items())]
     if d.get("predicted"):
         out += ["", *_predicted(d["predicted"])]
+    if d.get("quality"):
+        out += ["", *_quality(d["quality"])]
     if article.applies(d):
         out += ["", "## Against the GLM-5.3 article", "", *article.cross_check(d)]
     return "\n".join(out) + "\n"
