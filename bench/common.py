@@ -155,16 +155,23 @@ def decode_batch(seqs, table):
 
 def greedy(runner, prompts, steps, table):
     """Prefill + `steps` greedy decode steps; -> tokens [B, steps] (CPU)."""
+    return greedy_logits(runner, prompts, steps, table)[0]
+
+
+def greedy_logits(runner, prompts, steps, table):
+    """Prefill + `steps` greedy decode steps; -> (tokens [B, steps] (CPU), the logits [B, V] of the
+    prefill and of every decode step, fp32 on the runner's device)."""
     import torch
     seqs = [list(p) for p in prompts]
-    nxt = prefill(runner, prompts, table).argmax(-1).tolist()
+    logits = [prefill(runner, prompts, table)]
     tokens = []
     for _ in range(steps):
+        nxt = logits[-1].argmax(-1).tolist()
         tokens.append(nxt)
         for s, t in zip(seqs, nxt):
             s.append(t)
-        nxt = runner.forward("decode", decode_batch(seqs, table))["logits"].argmax(-1).tolist()
-    return torch.tensor(tokens).T
+        logits.append(runner.forward("decode", decode_batch(seqs, table))["logits"].float())
+    return torch.tensor(tokens).T.reshape(len(prompts), steps), logits
 
 
 def route_diffs(got: list, want: list, tokens=None) -> int:

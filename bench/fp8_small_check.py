@@ -91,18 +91,9 @@ def main():
 def _greedy_logits(runner, prompts, steps):
     """Greedy tokens [B][steps] and each step's logits (fp32, host) of a runner's executor."""
     from bench import common
-    ex = runner.executor
     table = common.req_table(len(prompts), -(-(max(map(len, prompts)) + steps + 1) // 64))
-    seqs = [list(p) for p in prompts]
-    logits = [common.prefill(ex, prompts, table).cpu()]
-    tokens = []
-    for _ in range(steps):
-        nxt = logits[-1].argmax(-1).tolist()
-        tokens.append(nxt)
-        for s, t in zip(seqs, nxt):
-            s.append(t)
-        logits.append(ex.forward("decode", common.decode_batch(seqs, table))["logits"].float().cpu())
-    return [list(r) for r in zip(*tokens)], logits
+    tokens, logits = common.greedy_logits(runner.executor, prompts, steps, table)
+    return tokens.tolist(), [x.cpu() for x in logits]
 
 
 def vs_oracle(ckpt, quant, kv, prompts, steps, device="cuda") -> dict:

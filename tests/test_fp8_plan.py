@@ -17,6 +17,7 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from bench.common import greedy_logits
 from tiny_hf import fp8_quantize, save_tiny, save_tiny_fp8
 
 from glmc.codegen import fp8_torch_target
@@ -29,7 +30,6 @@ from glmc.explain import explain
 from glmc.parallel import parse_parallel
 from glmc.plan import Plan
 from glmc.runtime.worker.checkpoint import WeightError, load_checkpoint
-from glmc.runtime.worker.forward_batch import ForwardBatch
 from glmc.runtime.worker.kv_cache import PAGE_SIZE
 from glmc.runtime.worker.loader import load_runner
 from glmc.spec import load_spec, quantized
@@ -102,26 +102,6 @@ def test_fp8_shards_must_be_block_aligned(tmp_path):
         load_checkpoint(tmp_path, {"w": (384, 256)}, shard=lambda n: (0, 1, 2), keep_fp8={"w"})
 
 
-def _batches(prompts, steps, table):
-    return ForwardBatch.build("extend", prompts, list(range(len(prompts))), [0] * len(prompts), table)
-
-
-def _greedy(ex, prompts, steps, table):
-    """Prefill + greedy decode steps -> (tokens [B, steps], logits of every step)."""
-    seqs = [list(p) for p in prompts]
-    logits = [ex.forward("prefill", _batches(prompts, steps, table))["logits"].float()]
-    tokens = []
-    for _ in range(steps):
-        nxt = logits[-1].argmax(-1).tolist()
-        tokens.append(nxt)
-        for s, t in zip(seqs, nxt):
-            s.append(t)
-        batch = ForwardBatch.build("decode", [[s[-1]] for s in seqs], list(range(len(seqs))),
-                                   [len(s) - 1 for s in seqs], table)
-        logits.append(ex.forward("decode", batch)["logits"].float())
-    return torch.tensor(tokens).T, logits
-
-
 def test_cuda_target_fp8_matches_the_w8a8_torch_target(fp8_ckpt, one_torch_thread):
     """Prompts past index_topk (sparse attention active), MoE layers with group-limited routing."""
     plan = cuda_plan(load_spec(fp8_ckpt))
@@ -138,8 +118,8 @@ def assert_greedy_agrees(ex, oracle, steps):
     table = (pages[:, :, None] * PAGE_SIZE + torch.arange(PAGE_SIZE)).reshape(4, -1)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (14, 11)]
-    got, got_logits = _greedy(ex, prompts, steps, table)
-    want, want_logits = _greedy(oracle, prompts, steps, table)
+    got, got_logits = greedy_logits(ex, prompts, steps, table)
+    want, want_logits = greedy_logits(oracle, prompts, steps, table)
     assert torch.equal(got, want)
     for a, b in zip(got_logits, want_logits):
         assert float((a - b).norm() / b.norm()) < 1e-4
