@@ -79,10 +79,11 @@ def plan_dtypes(plan) -> dict:
     return out
 
 
-def oracle_spread(make_twin, plan, prompts, table, decode_batches, seeds: int) -> list[list[float]]:
+def oracle_spread(make_twin, plan, prompts, table, decode_batches, seeds: int) -> tuple[list, list]:
     """Per step (the prefill of `prompts`, then each of `decode_batches` [(name, batch)]): the
     relative change of the oracle's logits when every op output moves by at most one ulp of the
-    plan's dtype for it (`perturbed`), one entry per seed. `make_twin()` gives a fresh oracle."""
+    plan's dtype for it (`perturbed`), one entry per seed; and the unperturbed oracle's logits per
+    step. `make_twin()` gives a fresh oracle."""
     dtypes = plan_dtypes(plan)
 
     def logits_of(ex):
@@ -94,7 +95,7 @@ def oracle_spread(make_twin, plan, prompts, table, decode_batches, seeds: int) -
         ex = make_twin()
         ex.impls = perturbed(ex.impls, dtypes, seed)
         runs.append([rel(a, b) for a, b in zip(logits_of(ex), want)])
-    return [list(step) for step in zip(*runs)]
+    return [list(step) for step in zip(*runs)], want
 
 
 def rel(a, b) -> float:
@@ -159,11 +160,9 @@ def main():
     result["ops_within_bounds"] = all_ok
 
     # 2. the oracle's spread under one-ulp moves in the plan's dtypes; 3. the plan
-    spread = oracle_spread(twin, plan, prompts, table, batches[1:], args.seeds)
+    spread, want = oracle_spread(twin, plan, prompts, table, batches[1:], args.seeds)
     got = [common.prefill(target, prompts, table)] + [target.forward("decode", b)["logits"].float()
                                                       for _, b in batches[1:]]
-    want = [common.prefill(oracle, prompts, table)] + [oracle.forward("decode", b)["logits"].float()
-                                                       for _, b in batches[1:]]
     steps = []
     for i, (name, _) in enumerate(batches):
         e, tol = rel(got[i], want[i]), max(args.min_tol, args.spread_factor * max(spread[i]))

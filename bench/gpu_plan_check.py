@@ -133,7 +133,7 @@ def check_width(dev, dtype, narrow, lengths, steps=3, tol=2e-2, fp8=False, kv_dt
     # FP8: the tolerance of each step is `spread_factor` times how far the oracle itself moves when
     # every op output moves by one ulp of the target's dtype (bench/fp8_op_check.py), at least tol
     spread = oracle_spread(lambda: w8a8_twin(plan, plain, plain.pool.num_pages), plan, prompts, table,
-                           batches[1:], seeds) if fp8 else None
+                           batches[1:], seeds)[0] if fp8 else None
     got = prefill(runner, prompts, table)
     rows = [_compare("prefill", got, prefill(ref, prompts, table), plain and prefill(plain, prompts, table))]
     if routes:   # the prefill's logits are its prompts' last tokens: their routes decide
