@@ -144,7 +144,8 @@ def main():
         batches.append((f"decode {i}", common.decode_batch(seqs, table)))
 
     # 1. op by op
-    result = {"device": "cpu-interpreter" if args.cpu else torch.cuda.get_device_name(), "date": common.now(),
+    result = {"device": "cpu-interpreter" if args.cpu else torch.cuda.get_device_name(),
+              "date": time.strftime("%Y-%m-%d %H:%M:%S"), "commit": os.environ.get("GLMC_COMMIT", "unknown"),
               "torch": torch.__version__, "lengths": list(lengths), "kv_cache": plan.dtypes.kv_cache,
               "steps": []}
     all_ok = True

@@ -7,7 +7,8 @@ activations quantised per token per 128 columns) and runs as
 1. `fp8_quant_tokens.py.j2`: up to 8 (row, 128-column group)s per program: s = max|x| / 448, q = e4m3(x / s),
    rounded to nearest even in exact fp32 steps (bit-exact with `fp8_ref.quantize_token_groups`);
 2. `fp8_block_gemm.py.j2`: one output tile per program; per 128-wide K block, one FP8 tensor-core dot
-   (exact products, fp32 sums), scaled by the token's and the weight block's scales, accumulated in fp32.
+   (exact products; runs of `FP8_DOT_PROMOTE` summed in the tensor core, fp32 beyond), scaled by the
+   token's and the weight block's scales, accumulated in fp32.
    Split-K where the output tiles are too few to fill the GPU (decode: M = 1..128 rows): each program
    sums a range of K blocks into an fp32 partial, and
 3. `fp8_split_reduce.py.j2` adds the partials in split order (deterministic: no atomics).
@@ -24,7 +25,7 @@ from typing import ClassVar
 
 import torch
 from glmc.codegen.fp8_ref import BLOCK
-from glmc.codegen.triton_render import JIT, KernelLibrary, sm_count, next_pow2
+from glmc.codegen.triton_render import FP8_DOT_PROMOTE, JIT, fp8_promote, KernelLibrary, sm_count, next_pow2
 
 # ----------------------------------------------------------------------------- defaults (set from the sweep)
 # Row classes: (largest row count of the class, its tiles (block_m, block_n, num_warps, num_stages), the
@@ -125,7 +126,8 @@ class Fp8BlockGemmCtx:
     """fp8_block_gemm.py.j2: one [block_m, block_n] output tile x one K range per program; N, K fixed
     by the weight. `column_scales`: a tile wider than the 128-wide scale block loads a scale per
     column; `k_ragged`: K is not a multiple of 128 (masked K); `gapped`: the weight has zero-padding
-    rows whose columns the store skips (`fp8_block_gemm`'s gap; the others keep contiguous stores)."""
+    rows whose columns the store skips (`fp8_block_gemm`'s gap; the others keep contiguous stores);
+    `promote`: K products per tensor-core sum (`FP8_DOT_PROMOTE`)."""
     template: ClassVar[str] = "fp8_block_gemm"
     n: int
     k: int
@@ -139,9 +141,11 @@ class Fp8BlockGemmCtx:
     column_scales: bool
     k_ragged: bool
     gapped: bool = False
+    promote: int = FP8_DOT_PROMOTE
 
     @classmethod
-    def make(cls, n, k, num_rows, block_m=None, block_n=None, num_warps=None, num_stages=None, gapped=False):
+    def make(cls, n, k, num_rows, block_m=None, block_n=None, num_warps=None, num_stages=None, gapped=False,
+             promote=FP8_DOT_PROMOTE):
         """The row class's tiles (`default_config`), each one overridable."""
         default_m, default_n, default_warps, default_stages = class_tiles(num_rows)
         block_m, block_n = block_m or default_m, block_n or default_n
@@ -151,7 +155,7 @@ class Fp8BlockGemmCtx:
         n, k = int(n), int(k)
         return cls(n, k, -(-k // BLOCK), block_m, block_n, -(-n // block_n), GROUP_M,
                    num_warps or default_warps, num_stages or default_stages, block_n > BLOCK, k % BLOCK != 0,
-                   bool(gapped))
+                   bool(gapped), fp8_promote(promote))
 
     @classmethod
     def variants(cls, n, k, gapped=False) -> list:

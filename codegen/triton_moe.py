@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-from glmc.codegen.triton_render import _DOT, JIT, KernelLibrary, next_pow2, sm_count
+from glmc.codegen.triton_render import _DOT, FP8_DOT_PROMOTE, JIT, KernelLibrary, fp8_promote, next_pow2, sm_count
 
 _ACT = {torch.float32: "tl.float32", torch.bfloat16: "tl.bfloat16", torch.float16: "tl.float16"}
 
@@ -358,10 +358,11 @@ class MoeExpertsFp8Ctx:
     act_dtype: str
     num_warps: int
     num_stages: int
+    promote: int = FP8_DOT_PROMOTE   # K products per tensor-core sum (triton_render.FP8_DOT_PROMOTE)
 
     @classmethod
     def make(cls, down, n_in, n_out, top_k, dtype, block_m, split=False, block_n=None, num_warps=None,
-             num_stages=None):
+             num_stages=None, promote=FP8_DOT_PROMOTE):
         if not down and not split:   # one quantisation group of h per tile
             fixed = 128 if n_out >= 128 else max(16, next_pow2(n_out))
             if block_n not in (None, fixed):
@@ -373,7 +374,7 @@ class MoeExpertsFp8Ctx:
             raise ValueError(f"MoeExpertsFp8Ctx: block_n {block_n} must divide the 128-row scale block")
         num_warps = num_warps or (4 if block_m * block_n <= 16 * 128 else 8)
         return cls(bool(down), bool(split), int(n_in), int(n_out), int(top_k), int(block_m), int(block_n),
-                   -(-int(n_in) // 128), _ACT[dtype], num_warps, num_stages or 3)
+                   -(-int(n_in) // 128), _ACT[dtype], num_warps, num_stages or 3, fp8_promote(promote))
 
     @classmethod
     def variants(cls, hidden, inter, top_k, dtype) -> list:

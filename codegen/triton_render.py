@@ -4,7 +4,8 @@ Each kernel is one template, ``codegen/templates/<kernel>.py.j2``, holding one `
 function; ``render`` turns (kernel, ctx) into source, ``load_kernel`` imports one, and a
 ``KernelLibrary`` maps contexts to kernels: a plan's rendered files (what the runtime runs) or
 rendered on demand (``JIT``: kernel tests and benchmarks).
-Shared sizing helpers (``next_pow2``, warps, SM count, dot dtypes) live here too.
+Shared sizing helpers (``next_pow2``, warps, SM count, dot dtypes and FP8 dot accumulation) live
+here too.
 """
 from __future__ import annotations
 
@@ -43,6 +44,22 @@ _DOT = {
     torch.bfloat16: ("tl.bfloat16", "tf32"),
     torch.float16: ("tl.float16", "tf32"),
 }
+
+# FP8 x FP8 -> fp32 dots: how many K products a tensor-core accumulation may sum before its result is
+# added to an fp32 register (Triton's `max_num_imprecise_acc`). Hopper's FP8 wgmma keeps only about
+# 14 bits of its running sum, and Triton's default on sm_90 (2**30: all of K) leaves a 128-wide K
+# block's sum to it, which puts ~0.7% of a prefill GEMM's outputs outside one bf16 ulp of the exact
+# product; promoting after every 32 (one wgmma's K) keeps them in. Other GPUs and the interpreter
+# accumulate in fp32 whatever it says (`bench/fp8_accumulation.py` measures both).
+FP8_DOT_PROMOTE = 32
+
+
+def fp8_promote(promote) -> int:
+    """A valid `max_num_imprecise_acc` for a 128-wide FP8 dot: 0 (Triton then leaves wgmma for
+    mma.sync on operands converted to fp16) or 32 (one wgmma's K), 64 or 128."""
+    if int(promote) not in (0, 32, 64, 128):
+        raise ValueError(f"FP8 dot promote {promote}: one of 0, 32, 64, 128 (K products per tensor-core sum)")
+    return int(promote)
 
 
 def _warps(elements: int, per_warp: int = 512, cap: int = 8) -> int:
