@@ -12,8 +12,12 @@ streaming) runs while the device computes. The request a step samples for carrie
 `num_inflight` (a `FUTURE_TOKEN` input id the runner fills in on the device). What this costs:
 a request that stops (eos, stop string, abort) is found one step late, so one more of its tokens is
 computed and dropped; pages are freed at that point. A request whose draws depend on its history
-(repetition/presence/frequency penalties) is never sampled with a token in flight: while one runs,
-each step's tokens are read before the next step is scheduled.
+(repetition/presence/frequency penalties, a grammar) is never sampled with a token in flight: while
+one runs, each step's tokens are read before the next step is scheduled.
+
+Structured outputs (`grammar.py`): a request with a grammar gets its `GrammarState` when the
+engine takes it in; the sampler masks the tokens the grammar does not allow next, `append_token`
+advances the state, and a grammar that allows no further token ends the request ("stop").
 
 The HTTP server (asyncio) talks to the engine only through `submit_many` and `abort` (its
 `EventStream` turns sinks into an async queue), so a slow forward never blocks the event loop.
@@ -38,6 +42,7 @@ from typing import Callable
 
 import torch
 from glmc.runtime.engine.admission import Admission, InvalidRequest
+from glmc.runtime.engine.grammar import GrammarState, check, ll_tokenizer
 from glmc.runtime.engine.metrics import Metrics
 from glmc.runtime.engine.pages import PAGE_SIZE, PageAllocator, ReqToTokenPool
 from glmc.runtime.engine.prefix_cache import NoPrefixCache, RadixCache
@@ -121,7 +126,11 @@ class Engine:
 
     def make_request(self, prompt_ids: list[int], params: SamplingParams) -> Request:
         """Validate a prompt and its parameters into a `Request` (raises `InvalidRequest`)."""
-        return self.admission.make_request(prompt_ids, params)
+        req = self.admission.make_request(prompt_ids, params)
+        if params.grammar is not None and (
+                why := check(params.grammar, self.tokenizer, self.runner.vocab_size)):
+            raise InvalidRequest(f"grammar: {why}", "grammar")
+        return req
 
     def submit(self, req: Request, sink: Callable[[StreamEvent], None] | None = None) -> None:
         """Queue `req`; `sink` receives its events on the engine thread. Raises `Overloaded`."""
@@ -327,6 +336,9 @@ class Engine:
         while self._inbox:
             kind, item, sink = self._inbox.popleft()
             if kind == "add":
+                if item.params.grammar is not None and item.grammar_state is None:
+                    item.grammar_state = GrammarState(
+                        item.params.grammar, ll_tokenizer(self.tokenizer, self.runner.vocab_size))
                 self._live[item.rid], self._sinks[item.rid] = item, sink
                 self._detok[item.rid] = Detokenizer(self.tokenizer, item.params.stop)
                 self.scheduler.add(item)
@@ -349,12 +361,13 @@ class Engine:
             req.output_logprobs.append(lp)
         self.metrics.token(req)
         reason = req.check_stop_token(token)
+        ended = req.grammar_state is not None and req.grammar_state.advance(token)
         detok = self._detok[req.rid]
         if reason == "stop":  # a stop/eos token: its text is not part of the output
             text = detok.flush()
         else:
             text = detok.add(token)
-            reason = "stop" if detok.stopped else reason
+            reason = "stop" if detok.stopped or ended else reason
             text += detok.flush() if reason else ""
         req.output_text += text
         event = StreamEvent(token, text, lp, reason, len(req.prompt_ids), req.num_cached_tokens,

@@ -15,6 +15,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
+from glmc.runtime.engine.grammar import GrammarState
 from glmc.runtime.engine.sampling import SamplingParams, TokenLogprobs
 
 _ids = itertools.count()
@@ -56,6 +57,9 @@ class Request:
     # With the number of output tokens as counter, a seeded request's draws do not depend on
     # what else shares its batches.
     seed: int = 0
+    # Structured outputs: the place in `params.grammar` after `output_ids`, made by the engine when
+    # it takes the request in (None: no grammar)
+    grammar_state: GrammarState | None = None
     # Timing for metrics
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None

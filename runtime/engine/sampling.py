@@ -4,8 +4,10 @@ Per request, in this order (the order of Hugging Face `generate`'s logits proces
 with OpenAI's meaning of each field):
 
 1. logprobs, when asked for, come from the raw model distribution, log_softmax(logits), before
-   any of the steps below (as vLLM reports them by default); bias, penalties and filters change
-   which token is drawn, not the reported probabilities.
+   any of the steps below (as vLLM reports them by default); grammar, bias, penalties and filters
+   change which token is drawn, not the reported probabilities.
+   grammar (structured outputs, `grammar.py`): tokens the request's grammar does not allow next
+   get logit -inf, before every step below, so no later step can bring them back.
 2. logit_bias: bias[t] is added to logit t (OpenAI: token id -> value in [-100, 100]).
 3. repetition_penalty r (HF/CTRL) on every token of prompt + output: x > 0 -> x / r, else x * r.
 4. presence and frequency penalties (OpenAI) on output tokens:
@@ -35,13 +37,13 @@ it needs no sort and no cumulative sum over the vocabulary, and noise that is a 
 after a retraction, and in both implementations.
 
 Implementations: `sample_batch(logits, SamplingBatch)` runs steps 1-4 as a torch pre-pass on the
-logits' device (scatter of bias entries, token counts), then steps 5-10 with `torch_ref.sample`
-on CPU or the Triton kernel `triton_launch.sample` on CUDA; both compute the same integer hash and
-the same float steps, so they keep the same sets and draw the same token (the Triton interpreter
-matches torch exactly; a GPU's fast exp/log can differ only where two candidates are within float
-rounding). Only token ids and the asked-for logprobs leave the device. The IR's `sample.tokens` is
-this sampler at its defaults, greedy (`sample_greedy`); the engine samples the logits the plan
-returns with each request's parameters.
+logits' device (the grammar's bitmask unpacked, scatter of bias entries, token counts), then steps
+5-10 with `torch_ref.sample` on CPU or the Triton kernel `triton_launch.sample` on CUDA; both
+compute the same integer hash and the same float steps, so they keep the same sets and draw the
+same token (the Triton interpreter matches torch exactly; a GPU's fast exp/log can differ only
+where two candidates are within float rounding). Only token ids and the asked-for logprobs leave
+the device. The IR's `sample.tokens` is this sampler at its defaults, greedy (`sample_greedy`); the
+engine samples the logits the plan returns with each request's parameters.
 """
 from __future__ import annotations
 
@@ -53,6 +55,7 @@ from typing import Protocol
 
 import torch
 from glmc.codegen import torch_ref
+from glmc.runtime.engine.grammar import allowed_tokens, token_bitmask
 from glmc.runtime.worker.forward_batch import to_device
 
 
@@ -92,6 +95,7 @@ class SamplingParams:
     seed: int | None = None
     logprobs: bool = False
     top_logprobs: int = 0
+    grammar: str | None = None  # an llguidance grammar the output must follow (`grammar.py`)
 
     def validate(self, vocab_size: int) -> SamplingParams:
         _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens",
@@ -116,6 +120,7 @@ class SamplingParams:
         _check(self.seed is None or isinstance(self.seed, int), "seed", "must be an integer")
         _check(isinstance(self.top_logprobs, int) and 0 <= self.top_logprobs <= 20,
                "top_logprobs", f"must be in [0, 20], got {self.top_logprobs!r}")
+        _check(self.grammar is None or isinstance(self.grammar, str), "grammar", "must be a string")
         return self
 
     @property
@@ -124,9 +129,10 @@ class SamplingParams:
 
     @property
     def needs_history(self) -> bool:
-        """Whether the draw depends on the output so far (penalties): the engine must have read
-        every earlier token of the request before it samples the next."""
-        return self.repetition_penalty != 1.0 or bool(self.presence_penalty or self.frequency_penalty)
+        """Whether the draw depends on the output so far (penalties, a grammar): the engine must
+        have read every earlier token of the request before it samples the next."""
+        return (self.repetition_penalty != 1.0 or bool(self.presence_penalty or self.frequency_penalty)
+                or self.grammar is not None)
 
 
 @dataclass
@@ -166,7 +172,8 @@ class Sampled(Protocol):
 @dataclass(frozen=True)
 class SamplingBatch:
     """The sampling inputs of one step's requests: [B] tensors on the logits' device, plus the
-    sparse entries of bias and penalties (None when no request of the batch uses them)."""
+    grammar's bitmask and the sparse entries of bias and penalties (None when no request of the
+    batch uses them)."""
 
     temperature: torch.Tensor  # fp32
     top_k: torch.Tensor  # int64; <= 0: off
@@ -179,9 +186,13 @@ class SamplingBatch:
     occurrence: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None
     # ([B] presence, [B] frequency, rows, output ids): one entry per occurrence
     top_logprobs: tuple[int | None, ...]  # per request: None (no logprobs) or alternatives wanted
+    allowed: torch.Tensor | None = None  # [B, ceil(V / 32)] int32: bit t % 32 of word t // 32 set
+    # where token t may come next (`grammar.token_bitmask`; all ones for unconstrained rows)
 
     @classmethod
     def from_requests(cls, reqs: list[Sampled], device) -> SamplingBatch:
+        """The batch of `reqs` as they stand (a request's grammar mask is the one after its
+        `output_ids`, drafts included: `grammar.token_bitmask`)."""
         ps = [r.params for r in reqs]
 
         def col(values, dtype):
@@ -199,6 +210,7 @@ class SamplingBatch:
                       [p.min_p for p in ps] + pad], torch.float32)[:, :len(reqs)]
         ints = col([[p.top_k for p in ps] + pad, [r.seed for r in reqs] + pad,
                     [r.num_generated for r in reqs] + pad], torch.int64)[:, :len(reqs)]
+        allowed = token_bitmask(reqs) if any(p.grammar is not None for p in ps) else None
         return cls(
             floats[0], ints[0], floats[1], floats[2], ints[1], ints[2],
             bias=(*_ids([(i, list(b)) for i, b in bias], device),
@@ -208,12 +220,16 @@ class SamplingBatch:
             occurrence=(col([p.presence_penalty for p in ps], torch.float32),
                         col([p.frequency_penalty for p in ps], torch.float32), *_ids(occ, device))
             if occ else None,
-            top_logprobs=tuple(p.top_logprobs if p.logprobs else None for p in ps))
+            top_logprobs=tuple(p.top_logprobs if p.logprobs else None for p in ps),
+            allowed=None if allowed is None else to_device(allowed, device))
 
 
 def bias_and_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Steps 2-4 on fp32 logits [B, V] (a new tensor; `logits` is not changed)."""
+    """The grammar's mask and steps 2-4 on fp32 logits [B, V] (a new tensor; `logits` is not
+    changed)."""
     x = logits.float().clone()
+    if batch.allowed is not None:
+        x.masked_fill_(~allowed_tokens(batch.allowed, x.shape[1]), float("-inf"))
     if batch.bias is not None:
         rows, ids, values = batch.bias
         x.index_put_((rows, ids), values, accumulate=True)

@@ -17,6 +17,10 @@ of that longer prefix, so the argument repeats position by position. Exactness n
 was really drawn from the q used in the test; processing q exactly as p (penalties and bias
 included) is a choice that makes q closest to p, which is what raises acceptance.
 Greedy requests keep the MTP layer's argmax and exact matching (the rule with p a point mass).
+Structured outputs: p is masked by the request's grammar advanced through the drafts before the
+position (`grammar.token_bitmask`), so a draft the grammar forbids has p = 0 and is always rejected,
+and the residual draw only gives allowed tokens; q is masked the same way, which keeps drafts
+inside the grammar (any q keeps the output exact).
 
 Randomness: u_i = `torch_ref.sample_uniform(seed ^ stream, counter, V)`, the plain sampler's
 counter-based hash, with the request's seed XOR a constant per stream (draft draw, acceptance coin,
@@ -30,7 +34,9 @@ from __future__ import annotations
 
 import torch
 from glmc.codegen.torch_ref import sample_uniform
+from glmc.runtime.engine.grammar import allowed_tokens, token_bitmask
 from glmc.runtime.engine.sampling import Sampled, SamplingBatch, TokenLogprobs, probabilities
+from glmc.runtime.worker.forward_batch import to_device
 
 
 def _int64(x: int) -> int:
@@ -53,7 +59,13 @@ def race(probs: torch.Tensor, seed: torch.Tensor, step: torch.Tensor, stream: in
 def draw_drafts(logits: torch.Tensor, reqs: list[Sampled]) -> tuple[list[int], list[torch.Tensor | None]]:
     """Draft tokens from the MTP layer's logits [B, V], row i for reqs[i] as the sampler would see
     it at that draft's counter (`as_if_accepted`): greedy requests the argmax, as before; sampled
-    ones a draw from q, whose row ([V] fp32) comes back with it (None for greedy rows)."""
+    ones a draw from q, whose row ([V] fp32) comes back with it (None for greedy rows). A request
+    with a grammar drafts only what its grammar allows after the drafts before (its q is 0
+    elsewhere), so its drafts are not wasted on tokens the target's mask would reject."""
+    bitmask = token_bitmask(reqs)
+    if bitmask is not None:
+        allowed = allowed_tokens(to_device(bitmask, logits.device), logits.shape[1])
+        logits = logits.float().masked_fill(~allowed, float("-inf"))
     tokens = logits.argmax(-1)
     q_rows: list[torch.Tensor | None] = [None] * len(reqs)
     sampled = [i for i, r in enumerate(reqs) if not r.params.greedy]

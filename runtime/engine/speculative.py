@@ -45,6 +45,12 @@ argmax (what exact matching of argmax drafts to the plain sampler's draws, the r
 Drafts without q rows (none kept) are verified by that exact matching, which is exact for drafts
 chosen any way; tests/test_spec_sampling.py measures the old rule's acceptance so.
 
+Requests with a grammar (structured outputs) speculate too: every verified position is sampled
+with the grammar's mask after the drafts before it (`grammar.token_bitmask` reads the request as
+`as_if_accepted` leaves it), so the greedy argmax and p never give a token outside the grammar, a
+draft the grammar forbids is rejected there, and drafts themselves are drawn inside it
+(`spec_sampling.draw_drafts`). The grammar's state advances only as tokens are appended.
+
 Approximations that only cost acceptance, never correctness: a prefix-cache hit reuses the MTP
 KV of its pages as computed by the request that filled them (the last position of a page was fed
 that request's next token; a request that finished skips its last draft-extend, so its last
