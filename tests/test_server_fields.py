@@ -71,19 +71,27 @@ def test_openai_fields_glmc_does_not_implement_are_refused_with_the_reason(serve
         assert "not supported" in refused(chat(served, **{name: value}), name)
 
 
-def test_response_format_text_only(served, client):
+def test_response_format_shapes(served, client):
+    """text, json_object and json_schema are served (tests/test_structured_outputs.py checks the
+    JSON); anything else about the field is a 400 naming it."""
     r = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=2,
                                        response_format={"type": "text"})
     assert r.choices[0].finish_reason
     for fmt in ({"type": "json_object"},
                 {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}):
-        with pytest.raises(openai.BadRequestError) as e:
-            client.chat.completions.create(model=MODEL, messages=USER, max_tokens=2,
+        r = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=2,
                                            response_format=fmt)
-        assert e.value.body["param"] == "response_format"
-        assert "constrained decoding" in e.value.body["message"]
+        assert r.choices[0].message.content.startswith("{")
     assert "'yaml'" in refused(chat(served, response_format={"type": "yaml"}), "response_format.type")
     refused(chat(served, response_format={"type": "text", "strict": True}), "response_format")
+    schema = "response_format.json_schema"
+    for spec, param in (({"schema": {}}, f"{schema}.name"), ({"name": "x"}, f"{schema}.schema"),
+                        ({"name": "x", "schema": {}, "strict": "yes"}, f"{schema}.strict"),
+                        ({"name": "x", "schema": {}, "schemas": {}}, f"{schema}.schemas"),
+                        ({"name": "x", "schema": {"type": "objekt"}}, "response_format")):
+        refused(chat(served, response_format={"type": "json_schema", "json_schema": spec}), param)
+    refused(post(served, {"prompt": "hi", "response_format": {"type": "json_object"}},
+                 "/v1/completions"), "response_format")
 
 
 def test_stream_options_only_with_stream(served, client):
@@ -108,6 +116,7 @@ def test_tools_parallel_calls_and_strict(served, client):
     assert e.value.body["param"] == "parallel_tool_calls"
     strict = {"type": "function", "function": {**TOOL["function"], "strict": True}}
     assert "constrained decoding" in refused(chat(served, tools=[strict]), "tools[0].function.strict")
+    assert chat(served, tools=[strict], tool_choice="required").status_code == 200   # enforced
     lax = {"type": "function", "function": {**TOOL["function"], "strict": False}}
     assert chat(served, tools=[lax]).status_code == 200
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 THINK_START, THINK_END = "<think>", "</think>"
 CALL_START, CALL_END = "<tool_call>", "</tool_call>"
+ARG_KEY, ARG_KEY_END, ARG_VALUE, ARG_VALUE_END = "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"
 ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
 
 

@@ -191,7 +191,8 @@ class Intake:
         if not 1 <= n <= self.max_n:
             raise APIError(400, f"n must be in [1, {self.max_n}], got {n}", "n")
         if chat:
-            prompts = chat_prompts(body, engine.tokenizer, engine.max_context)
+            prompts = chat_prompts(body, engine.tokenizer, engine.max_context,
+                                   engine.admission.vocab_size)
         else:
             if body.echo:
                 raise APIError(400, "echo is not supported", "echo")
@@ -222,7 +223,7 @@ class Intake:
                     1, self.engine.max_context - len(prompt))
                 try:
                     params = sampling_params(body, limit, logprobs, top,
-                                             choice_seed(body, len(reqs)))
+                                             choice_seed(body, len(reqs)), prompts.grammar)
                     reqs.append(self.engine.make_request(prompt, _fp32_safe(params)))
                 except SamplingError as e:
                     raise APIError(400, str(e), _api_name(body, e.param)) from e

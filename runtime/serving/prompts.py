@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from glmc.runtime.engine.tokenizer import ChatPrompt, TemplateError, Tokenizer
 from glmc.runtime.serving.glm_output import CALL_START, THINK_END
 from glmc.runtime.serving.protocol import APIError, ChatRequest, CompletionRequest
+from glmc.runtime.serving.structured import chat_grammar, wants_json
 
 SERVER_SET = {"messages", "tools", "add_generation_prompt"}  # template variables the server sets
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -37,6 +38,7 @@ class Prompts:
     thinking: bool = False  # the chat prompt left <think> open: output starts with reasoning
     tools: list[dict] | None = None  # tool definitions whose calls are parsed out of the output
     forced: str = ""  # text appended to the prompt that the output is read as starting with
+    grammar: str | None = None  # what the output must follow (`structured.py`); None: free text
 
 
 def too_long(num_tokens_at_least: int, max_context: int, param: str) -> APIError:
@@ -48,9 +50,12 @@ def too_long(num_tokens_at_least: int, max_context: int, param: str) -> APIError
 # -- chat ---------------------------------------------------------------------------------------
 
 
-def chat_prompts(body: ChatRequest, tok: Tokenizer, max_context: int) -> Prompts:
+def chat_prompts(body: ChatRequest, tok: Tokenizer, max_context: int, vocab_size: int) -> Prompts:
+    """The chat prompt's ids, how its output is read and the grammar it must follow (the model's
+    `vocab_size`: the grammar's token ids)."""
     messages = chat_messages(body.messages, max_context)
     tools = _tools(body)
+    grammar = chat_grammar(body, tools, tok, vocab_size)
     kwargs = dict(body.chat_template_kwargs or {})
     bad = sorted(SERVER_SET & kwargs.keys())
     if bad:
@@ -68,15 +73,18 @@ def chat_prompts(body: ChatRequest, tok: Tokenizer, max_context: int) -> Prompts
         raise APIError(400, str(e), "messages") from e
     _check_bytes(prompt.num_bytes, tok, max_context, "messages")
     forced = _forced_call(body, tools, prompt.thinking)
+    if wants_json(body) and prompt.thinking:  # JSON is the answer: the reasoning is closed first
+        forced = THINK_END
     ids = _encode(tok.encode_chat, prompt, "messages") + (tok.encode(forced) if forced else [])
-    return Prompts([ids], prompt.thinking, tools, forced)
+    return Prompts([ids], prompt.thinking, tools, forced, grammar)
 
 
 def _forced_call(body: ChatRequest, tools: list[dict] | None, thinking: bool) -> str:
-    """tool_choice "required" or a named function, without constrained decoding: the assistant's
-    turn is begun for the model with GLM's call marker (and the function's name), closing an open
-    <think> first, so what it writes next is the call's name or arguments. The output parser reads
-    the forced text before the model's (`glm_output.ChatOutput(forced=...)`)."""
+    """tool_choice "required" or a named function: the assistant's turn is begun for the model with
+    GLM's call marker (and the function's name), closing an open <think> first, so what it writes
+    next is the call's name or arguments, which the request's grammar then constrains
+    (`structured.tool_call_grammar`). The output parser reads the forced text before the model's
+    (`glm_output.ChatOutput(forced=...)`)."""
     choice = body.tool_choice
     if choice is None or choice in ("auto", "none"):
         return ""

@@ -5,8 +5,9 @@ Pydantic models for `/v1/chat/completions` and `/v1/completions` bodies, their t
 refused with a 400 naming it: unknown fields (a typo such as `temprature`) are refused as OpenAI
 refuses them, types are strict (`"stream": "yes"` or `"n": "2"` is a 400, not a guess), and fields
 OpenAI defines that glmc does not implement are refused where a request sets them to anything but
-their no-op value (`refuse_unsupported`: `response_format` other than text, `suffix`, `best_of`
-other than `n`, `parallel_tool_calls: false`, strict tools). `messages` and `prompt` are
+their no-op value (`refuse_unsupported`: `suffix`, `best_of` other than `n`,
+`parallel_tool_calls: false`, strict tools under tool_choice "auto"; `response_format` is read by
+`runtime/serving/structured.py`). `messages` and `prompt` are
 shape-checked by `runtime/serving/prompts.py` (fail-fast, with the offending index), responses and
 SSE chunks are `runtime/serving/responses.py`. No engine, no HTTP here.
 """
@@ -144,7 +145,7 @@ class ChatRequest(_SamplingFields):
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None  # true (or unset): every call the model writes
-    response_format: dict | None = None  # {"type": "text"} only: no constrained decoding
+    response_format: dict | None = None  # text, json_object or json_schema: `structured.py`
     chat_template_kwargs: dict | None = None  # e.g. {"enable_thinking": true} (vLLM, SGLang)
 
 
@@ -169,23 +170,15 @@ def refuse_unsupported(body: _SamplingFields) -> None:
 
 
 def _refuse_chat(body: ChatRequest) -> None:
-    fmt = body.response_format
-    if fmt is not None:
-        kind = fmt.get("type")
-        if kind not in ("text", "json_object", "json_schema"):
-            raise APIError(400, "response_format.type: must be 'text', 'json_object' or "
-                           f"'json_schema', got {kind!r}", "response_format.type")
-        if fmt != {"type": "text"}:
-            raise APIError(400, f"response_format: {kind} is not supported (JSON output needs "
-                           "constrained decoding, which this server does not do); only "
-                           "{\"type\": \"text\"}", "response_format", "unsupported_value")
     if body.parallel_tool_calls is False:
         raise APIError(400, "parallel_tool_calls: false is not supported (the model may write "
                        "several calls; all are returned)", "parallel_tool_calls", "unsupported_value")
+    forced = body.tool_choice not in (None, "auto", "none")
     for k, tool in enumerate(body.tools or []):
-        if tool.function.strict:
+        if tool.function.strict and not forced:
             raise APIError(400, f"tools[{k}].function.strict: strict tools need constrained "
-                           "decoding, which this server does not do", f"tools[{k}].function.strict",
+                           "decoding, which this server applies to calls only under tool_choice "
+                           "\"required\" or a named function", f"tools[{k}].function.strict",
                            "unsupported_value")
 
 
@@ -202,8 +195,9 @@ def _refuse_completion(body: CompletionRequest) -> None:
 
 
 def sampling_params(body: _SamplingFields, max_tokens: int | None, logprobs: bool, top: int,
-                    seed: int | None) -> SamplingParams:
-    """The body's sampling fields, defaults where absent (raises `SamplingError` when validated)."""
+                    seed: int | None, grammar: str | None = None) -> SamplingParams:
+    """The body's sampling fields, defaults where absent (raises `SamplingError` when validated);
+    `grammar`: what the output must follow (`structured.py`)."""
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     d = SamplingParams()
     pick = lambda name: v if (v := getattr(body, name)) is not None else getattr(d, name)  # noqa
@@ -214,7 +208,7 @@ def sampling_params(body: _SamplingFields, max_tokens: int | None, logprobs: boo
         stop=[s for s in stop if isinstance(s, str)],
         stop_token_ids=[s for s in stop if isinstance(s, int)] + list(body.stop_token_ids or []),
         ignore_eos=body.ignore_eos, seed=seed, logprobs=logprobs, top_logprobs=top,
-        logit_bias=logit_bias(body.logit_bias))
+        logit_bias=logit_bias(body.logit_bias), grammar=grammar)
 
 
 def logit_bias(raw: dict | None) -> dict[int, float]:
