@@ -172,12 +172,16 @@ def test_bad_schemas_are_refused_by_field(client):
             client.chat.completions.create(model=SMALL_NAME, messages=ASK, max_tokens=4,
                                            response_format=fmt)
         assert e.value.status_code == 400 and e.value.body["param"] == param, e.value.body
-    bad = {"type": "function", "function": {"name": "f", "parameters": {
-        "type": "object", "properties": {"n": {"type": "integr"}}}}}
-    with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=SMALL_NAME, messages=ASK, max_tokens=4, tools=[bad],
-                                       tool_choice="required")
-    assert e.value.body["param"] == "tools[0].function.parameters"
+    for params, param in (({"type": "object", "properties": {"n": {"type": "integr"}}}, ""),
+                          ({"type": "object", "properties": {"n": {"type": "string"}}, "required": 5},
+                           ".required"),
+                          ({"properties": {"n": {"type": "string", "pattern": "^a$"}}},
+                           ".properties.n")):
+        bad = {"type": "function", "function": {"name": "f", "parameters": params}}
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=SMALL_NAME, messages=ASK, max_tokens=4, tools=[bad],
+                                           tool_choice="required")
+        assert e.value.body["param"] == "tools[0].function.parameters" + param
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=SMALL_NAME, messages=ASK, max_tokens=4, tools=[WEATHER],
                                        tool_choice="required", response_format={"type": "json_object"})

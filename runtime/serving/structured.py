@@ -136,11 +136,14 @@ def _tool_rules(k: int, params, marks: dict) -> tuple[list[str], str]:
     props = params.get("properties") or {}
     if not isinstance(props, dict):
         raise APIError(400, f"{where}.properties: must be an object", f"{where}.properties")
-    required = set(params.get("required") or [])
+    required = params.get("required") or []
+    if not (isinstance(required, list) and all(isinstance(r, str) for r in required)):
+        raise APIError(400, f"{where}.required: must be a list of property names", f"{where}.required")
     rules, seq = [], []
     for j, (key, schema) in enumerate(props.items()):
         if not isinstance(schema, dict):
-            raise APIError(400, f"{where}.properties.{key}: must be a schema object", where)
+            raise APIError(400, f"{where}.properties.{key}: must be a schema object",
+                           f"{where}.properties.{key}")
         rule = f"t{k}_a{j}"
         rules.append(f"{rule}: {marks[ARG_KEY]} {json.dumps(key)} {marks[ARG_KEY_END]} "
                      f"{marks[ARG_VALUE]} {_value(schema, params, f'{where}.properties.{key}')} "
@@ -160,7 +163,7 @@ def _value(schema: dict, params: dict, where: str) -> str:
                        "as raw text)", where)
     if "const" in schema or "enum" in schema:
         values = [schema["const"]] if "const" in schema else schema["enum"]
-        if not values or not all(isinstance(v, str) for v in values):
+        if not (isinstance(values, list) and values and all(isinstance(v, str) for v in values)):
             raise APIError(400, f"{where}: a string argument's enum or const needs strings", where)
         return "(" + " | ".join(json.dumps(v) for v in values) + ")"
     lo, hi = schema.get("minLength", 0), schema.get("maxLength")
