@@ -10,6 +10,9 @@ operands (fp64, on the device):
 - `out_of_bound`: the fraction of bf16 outputs farther from it than op_compare's bound (one bf16 ulp
   + 2^-14 of the row's RMS: what `bench.fp8_op_check` holds each FP8 GEMM to);
 - `fp32_rel_err`: the fp32 result's relative error (the accumulation alone, before bf16 rounding);
+- `acc_bits`: -log2 of the worst fp32 error in units of the sum of |terms| (|x| @ |W|^T, both
+  dequantised): the bits the accumulation kept in its worst element, what op_compare's FP8 bound
+  (`FP8_ACC_REL`) must stay below;
 - `us`: median time of the launch (do_bench, L2 flushed), and its ratio to promote 128.
 
     python -m bench.fp8_accumulation [--rows 2048,64] [--out fp8_accumulation.json]
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import time
 
@@ -51,6 +55,7 @@ def main():
             xd = xq.double() * xs.double().repeat_interleave(128, 1)
             wd = wq.double() * ws.double().repeat_interleave(128, 0).repeat_interleave(128, 1)[:n, :k]
             exact = xd @ wd.T
+            terms = xd.abs() @ wd.abs().T
             base = None
             for promote in PROMOTES:
                 got = tf.fp8_block_gemm(xq, xs, wq, ws, torch.bfloat16, promote=promote)
@@ -58,11 +63,13 @@ def main():
                 err = (got.double() - exact).abs()
                 oob = float((err > bound(exact.float(), torch.bfloat16).double()).double().mean())
                 rel32 = float((got32.double() - exact).norm() / exact.norm())
+                worst = float(((got32.double() - exact).abs() / terms.clamp_min(1e-300)).max())
                 us = 1e3 * tb.do_bench(lambda: tf.fp8_block_gemm(xq, xs, wq, ws, torch.bfloat16, promote=promote),
                                        warmup=10, rep=50, return_mode="median")
                 base = base or us
                 row = {"rows": m, "gemm": name, "n": n, "k": k, "promote": promote, "out_of_bound": oob,
-                       "fp32_rel_err": rel32, "us": round(us, 2), "vs_promote_128": round(us / base, 3),
+                       "fp32_rel_err": rel32,
+                       "acc_bits": round(-math.log2(worst), 2) if worst else None, "us": round(us, 2), "vs_promote_128": round(us / base, 3),
                        "tflops": round(2 * m * n * k / us / 1e6, 1)}
                 print(json.dumps(row), flush=True)
                 rows_out.append(row)

@@ -47,11 +47,14 @@ _DOT = {
 
 # FP8 x FP8 -> fp32 dots: how many K products a tensor-core accumulation may sum before its result is
 # added to an fp32 register (Triton's `max_num_imprecise_acc`). Hopper's FP8 wgmma keeps only about
-# 14 bits of its running sum, and Triton's default on sm_90 (2**30: all of K) leaves a 128-wide K
-# block's sum to it, which puts ~0.7% of a prefill GEMM's outputs outside one bf16 ulp of the exact
-# product; promoting after every 32 (one wgmma's K) keeps them in. Other GPUs and the interpreter
-# accumulate in fp32 whatever it says (`bench/fp8_accumulation.py` measures both).
-FP8_DOT_PROMOTE = 32
+# 14 bits of its running sum, even within one instruction; the FP8 kernels dot one 128-wide K block
+# at a time and add each block's result to an fp32 accumulator (DeepSeek-V3's promotion interval).
+# bench/fp8_accumulation.py on an H200 (2026-12-05; prefill GEMMs of GLM-5.3 at 2048 rows), outputs
+# outside one bf16 ulp of the exact product / time against 128: 128: 0.75% / 1.0; 64: 0.22% /
+# 1.04-1.22; 32: 0.022% / 1.28-1.50; 0 (mma.sync on fp16-converted operands): none / 2.3-2.6. The
+# op checks bound the accumulation instead (op_compare.FP8_ACC_REL); decode tiles under 64 rows
+# never reach wgmma. Other GPUs and the interpreter accumulate in fp32 whatever it says.
+FP8_DOT_PROMOTE = 128
 
 
 def fp8_promote(promote) -> int:

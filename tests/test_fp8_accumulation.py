@@ -1,12 +1,14 @@
-"""FP8 dots accumulate in fp32 beyond one wgmma's products, checked in the compiler's own output.
+"""FP8 dots accumulate in fp32 beyond one 128-wide K block, checked in the compiler's own output.
 
 Hopper's FP8 tensor-core MMA (wgmma) keeps only about 14 bits of its running sum, and Triton's default
-on sm_90 leaves the whole dot to it (`max_num_imprecise_acc` = 2**30): prefill-sized FP8 GEMMs then
-put ~0.7% of their outputs outside one bf16 ulp of the exact product (bench/fp8_op_check.py on an
-H100), while the interpreter, which sums in fp32, cannot show it. So every FP8 kernel GLM-5.3's CUDA
-plan holds is compiled here for sm_90 (Triton compiles for a GPU it does not have; the interpreter is
-switched off in that process) and each warp-group dot must promote to fp32 after every wgmma
-(32 products, what bench/fp8_accumulation.py measured in bound); the prefill row class must use wgmma at all (else this checks nothing).
+on sm_90 leaves a whole dot to it (`max_num_imprecise_acc` = 2**30). The op checks bound that
+accumulation over one 128-wide K block (`op_compare.FP8_ACC_REL`, measured by
+bench/fp8_accumulation.py), with every sum across blocks in fp32; a wider dot, or a promotion
+interval past 128, would put errors outside that bound that the interpreter (which sums in fp32)
+cannot show. So every FP8 kernel GLM-5.3's CUDA plan holds is compiled here for sm_90 (Triton
+compiles for a GPU it does not have; the interpreter is switched off in that process), and each
+warp-group dot must span K <= 128 and promote within it; the prefill row class must use wgmma at
+all (else this checks nothing).
 """
 import json
 import os
@@ -14,7 +16,7 @@ import re
 import subprocess
 import sys
 
-WGMMA_K = 32    # an FP8 wgmma's K: promoting after each keeps every running sum of the MMA one product long
+K_BLOCK = 128   # the FP8 scale block: the accumulation op_compare.FP8_ACC_REL bounds
 
 _INT_POINTERS = {"sorted_rows_ptr", "block_expert_ptr"}
 _FP8_POINTERS = {"xq_ptr", "wq_ptr", "aq_ptr", "w2q_ptr"}
@@ -72,7 +74,9 @@ def test_fp8_dots_promote_to_fp32_on_sm90():
             if "warp_group_dot" in dot:
                 wgmma += 1
                 acc = re.search(r"maxNumImpreciseAcc = (\d+)", dot)
-                assert acc and int(acc.group(1)) <= WGMMA_K, f"{k['ctx']}: {dot}"
+                assert acc and int(acc.group(1)) <= K_BLOCK, f"{k['ctx']}: {dot}"
+                a_k = re.search(r"memdesc<\d+x(\d+)xf8E4M3FN", dot)
+                assert a_k and int(a_k.group(1)) <= K_BLOCK, f"{k['ctx']}: a dot wider than a K block: {dot}"
             else:   # mma.sync (tiles under 64 rows): fp32 accumulation in the MMA itself
                 assert k["block_m"] < 64, f"{k['ctx']}: a 64-row tile left wgmma: {dot}"
     assert wgmma >= 3, "the prefill tiles compiled without wgmma: this test no longer checks its accumulation"

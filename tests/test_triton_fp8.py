@@ -223,7 +223,7 @@ def test_weight_quantisation_round_trips_the_checkpoint_convention():
 def test_sources_are_specialised():
     ctx = tf.Fp8BlockGemmCtx.make(6144, 2048, 1)
     check(render(ctx.template, ctx), "tl.arange(0, 16)", "tl.minimum(kb0 + split_blocks, 16)",
-          "a = tl.load(a_ptrs + kb * 128, mask=mm[:, None]", "tl.dot(a, tl.trans(b), max_num_imprecise_acc=32)", "(pid_n * 128 // 128)",
+          "a = tl.load(a_ptrs + kb * 128, mask=mm[:, None]", "tl.dot(a, tl.trans(b), max_num_imprecise_acc=128)", "(pid_n * 128 // 128)",
           "if splits == 1:", "part_ptr + rows[:, None] * 6144")
     assert [(c.block_m, c.block_n) for c in tf.Fp8BlockGemmCtx.variants(6144, 2048)[:-1]] == [(16, 128), (64, 128)]
     wide = tf.Fp8BlockGemmCtx.make(6144, 300, 4096, block_n=256)
