@@ -261,7 +261,7 @@ def test_mask_ahead_of_the_state_is_the_advanced_state(engine):
     assert (token_bitmask([bad]) == -1).all()   # a draft outside the grammar: never emitted
 
 
-# -- MTP speculation ----------------------------------------------------------------------------
+# -- the engine --------------------------------------------------------------------------------
 
 
 def run(engine, params: list[SamplingParams], prompt: list[int]) -> list:
@@ -271,6 +271,22 @@ def run(engine, params: list[SamplingParams], prompt: list[int]) -> list:
     while not all(r.finished for r in reqs):
         engine.step()
     return reqs
+
+
+def test_overlapped_steps_draw_what_plain_steps_draw():
+    """With overlap a step's grammars advance while its forward runs (the tokens in flight are read
+    between forward and draw): constrained and free requests get the same tokens as without."""
+    plain, overlapped = (build_engine(SMALL_DIR, warmup=False, overlap=o) for o in (False, True))
+    assert overlapped.overlap
+    tok = plain.tokenizer
+    prompt = tok.encode_chat(tok.render_chat(ASK))
+    grammar = json_schema_grammar(PERSON)
+    params = [SamplingParams(max_tokens=300, temperature=1.0, seed=s, grammar=grammar) for s in range(3)]
+    params += [SamplingParams(max_tokens=20, temperature=1.0, seed=7),
+               SamplingParams(max_tokens=300, temperature=0.0, grammar=grammar)]
+    want, got = (run(e, params, prompt) for e in (plain, overlapped))
+    assert [r.output_ids for r in got] == [r.output_ids for r in want]
+    assert [r.finish_reason for r in got] == ["stop"] * 3 + ["length", "stop"]
 
 
 def test_speculative_decoding_keeps_the_grammar(engine):

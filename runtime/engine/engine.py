@@ -12,12 +12,14 @@ streaming) runs while the device computes. The request a step samples for carrie
 `num_inflight` (a `FUTURE_TOKEN` input id the runner fills in on the device). What this costs:
 a request that stops (eos, stop string, abort) is found one step late, so one more of its tokens is
 computed and dropped; pages are freed at that point. A request whose draws depend on its history
-(repetition/presence/frequency penalties, a grammar) is never sampled with a token in flight: while
-one runs, each step's tokens are read before the next step is scheduled.
+(repetition/presence/frequency penalties) is never sampled with a token in flight: while one runs,
+each step's tokens are read before the next step is scheduled.
 
 Structured outputs (`grammar.py`): a request with a grammar gets its `GrammarState` when the
 engine takes it in; the sampler masks the tokens the grammar does not allow next, `append_token`
-advances the state, and a grammar that allows no further token ends the request ("stop").
+advances the state, and a grammar that allows no further token ends the request ("stop"). Its
+mask needs its last token: with overlap, a step whose batch has a grammar queues its forward, then
+reads the step before's tokens (advancing the grammars while the forward runs), then samples.
 
 The HTTP server (asyncio) talks to the engine only through `submit_many` and `abort` (its
 `EventStream` turns sinks into an async queue), so a slow forward never blocks the event loop.
@@ -235,7 +237,7 @@ class Engine:
         work = [b if b is not None and b.reqs else None for b in batches]
         if not any(work):  # only retractions happened
             return []
-        launched = []
+        launched, outs = [], []
         ranks = self.scheduler.ranks
         fbs = [self._forward_batch(s, b) for s, b in zip(ranks, work)]
         for s, batch, logits in zip(ranks, work, self.runner.forward_dp(fbs)):
@@ -244,6 +246,15 @@ class Engine:
             s.commit(batch)
             # the requests whose prompt is fully computed get a token (a chunked prefill's rows wait)
             ready = [i for i, r in enumerate(batch.reqs) if r.num_pending == 0]
+            if ready:
+                outs.append((batch, ready, logits))
+        if self._inflight is not None and any(
+                batch.reqs[i].params.grammar is not None for batch, ready, _ in outs for i in ready):
+            # a grammar's mask needs the tokens in flight: read them while this forward runs
+            self._read(self._inflight)
+            self._inflight = None
+        for batch, ready, logits in outs:
+            ready = [i for i in ready if not batch.reqs[i].finished]
             if not ready:
                 continue
             reqs = [batch.reqs[i] for i in ready]

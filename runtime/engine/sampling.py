@@ -129,10 +129,10 @@ class SamplingParams:
 
     @property
     def needs_history(self) -> bool:
-        """Whether the draw depends on the output so far (penalties, a grammar): the engine must
-        have read every earlier token of the request before it samples the next."""
-        return (self.repetition_penalty != 1.0 or bool(self.presence_penalty or self.frequency_penalty)
-                or self.grammar is not None)
+        """Whether the draw depends on the output so far through penalties: the engine must have
+        read every earlier token of the request before it schedules the next. (A grammar needs
+        them only before the draw: `Engine._launch` reads them between forward and sampling.)"""
+        return self.repetition_penalty != 1.0 or bool(self.presence_penalty or self.frequency_penalty)
 
 
 @dataclass
