@@ -109,7 +109,9 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--lengths", default="2100,300")
     ap.add_argument("--steps", type=int, default=2)
-    ap.add_argument("--seeds", type=int, default=4)
+    # the spread is heavy-tailed (a draw that flips a near-tied route moves the logits 3x as far as
+    # one that does not; 1 of 3 draws did on the GLM-5.3 slice's prefill), so take enough draws
+    ap.add_argument("--seeds", type=int, default=8)
     ap.add_argument("--spread-factor", type=float, default=2.0)
     ap.add_argument("--min-tol", type=float, default=1e-4, help="tolerance floor (fp32 summation order)")
     ap.add_argument("--kv-dtype", choices=("fp8", "bf16"), default=None)

@@ -19,7 +19,7 @@ from glmc.parallel import parse_parallel
 from glmc.runtime.worker.forward_batch import ForwardBatch
 from glmc.runtime.worker.kv_cache import PAGE_SIZE
 from glmc.runtime.worker.loader import load_runner
-from glmc.runtime.worker.op_compare import bound, compare_step, summary, ulp
+from glmc.runtime.worker.op_compare import bound, compare_step, summary, ulp, unit_roundoff
 from glmc.spec import load_spec
 
 ALIGNED = dict(v_head_dim=64, intermediate_size=256, moe_intermediate_size=256)
@@ -101,6 +101,29 @@ def test_a_wrong_kernel_result_is_caught_at_its_op(plan_and_ckpt, one_torch_thre
     rows = compare_step(target, oracle, again, "prefill", batches()[0])
     bad = {r.result for r in rows if not r.ok()}
     assert bad == {"L2.iq", "L2.q_pe"}, bad
+
+
+def test_a_wrong_attention_result_is_caught_at_its_op(plan_and_ckpt, one_torch_thread, monkeypatch):
+    """The MLA's oracle (`attention_oracle`: the kernel's input-determined roundings done alike, the
+    others bounded) holds an fp32 plan's attention to a few fp32 ulps: one part in 10^4 is caught."""
+    plan, path = plan_and_ckpt
+    target, oracle, again = executors(plan, path)
+    attn = cuda_target.IMPLS["attn.mla_mha"]
+
+    def off_by_a_little(op, args, ctx):
+        out = attn(op, args, ctx)
+        return out * (1 + 1e-4) if op.layer == 1 else out
+    target.impls = {**target.impls, "attn.mla_mha": off_by_a_little}
+    rows = compare_step(target, oracle, again, "prefill", batches()[0])
+    assert {r.result for r in rows if not r.ok()} == {"L1.attn"}
+    assert all(r.slack_rel < 1e-5 for r in rows if r.kind == "attn.mla_mha")
+
+
+def test_unit_roundoff_is_half_an_ulp_at_one():
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        u = unit_roundoff(dtype)
+        assert torch.tensor(1 + u * 1.01, dtype=torch.float32).to(dtype).item() > 1.0
+        assert torch.tensor(1 + u * 0.99, dtype=torch.float32).to(dtype).item() == 1.0
 
 
 def test_the_spread_moves_each_value_at_most_one_ulp():
