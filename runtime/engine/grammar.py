@@ -105,15 +105,17 @@ class GrammarState:
         self.num_consumed += 1
         return self.matcher.is_stopped()
 
-    def fill(self, row: torch.Tensor, ahead: list[int]) -> None:
-        """The bitmask of the tokens allowed after the accepted ones and then `ahead` into `row`
-        ([num_words] int32, contiguous, on the host); every token where `ahead` leaves the
-        grammar (see the module docstring)."""
-        n = self.matcher.try_consume_tokens(ahead) if ahead else 0
-        if n < len(ahead):
-            row.fill_(-1)
-        else:
-            self.matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * 4)
+    def fill(self, mask: torch.Tensor, i: int, ahead: list[int]) -> None:
+        """The bitmask of the tokens allowed after the accepted ones and then `ahead` into row i
+        of `mask` ([B, num_words] int32, contiguous, on the host; left as it is, all ones, where
+        `ahead` leaves the grammar: see the module docstring)."""
+        row_bytes = mask.shape[1] * 4
+        if not ahead:   # the common case, without a tensor view per row
+            self.matcher.unsafe_compute_mask_ptr(mask.data_ptr() + i * row_bytes, row_bytes)
+            return
+        n = self.matcher.try_consume_tokens(ahead)
+        if n == len(ahead):
+            self.matcher.unsafe_compute_mask_ptr(mask.data_ptr() + i * row_bytes, row_bytes)
         if n:
             self.matcher.rollback(n)
 
@@ -128,7 +130,7 @@ def token_bitmask(reqs: list) -> torch.Tensor | None:
         return None
     mask = torch.full((len(reqs), max(s.num_words for _, s in live)), -1, dtype=torch.int32)
     for i, s in live:
-        s.fill(mask[i], reqs[i].output_ids[s.num_consumed:])
+        s.fill(mask, i, reqs[i].output_ids[s.num_consumed:])
     return mask
 
 
