@@ -7,6 +7,7 @@ import json
 import multiprocessing
 from contextlib import contextmanager
 
+import httpx
 import openai
 import pytest
 import torch
@@ -186,6 +187,41 @@ def test_bad_schemas_are_refused_by_field(client):
         client.chat.completions.create(model=SMALL_NAME, messages=ASK, max_tokens=4, tools=[WEATHER],
                                        tool_choice="required", response_format={"type": "json_object"})
     assert e.value.body["param"] == "response_format"
+    assert client.chat.completions.create(model=SMALL_NAME, messages=ASK, max_tokens=2).choices
+
+
+ODD_SCHEMAS = [
+    {"type": 5}, {"type": ["string", "null"]}, {"$ref": "#"}, {"type": "string", "pattern": "("},
+    {"type": "string", "minLength": 5, "maxLength": 2}, {"enum": []}, {"anyOf": []},
+    {"type": "integer", "minimum": "a"}, {"allOf": [{"type": "string"}, {"type": "integer"}]},
+    {"type": "array", "items": [1]}, {"type": "number", "multipleOf": 0}, {"required": {"a": 1}},
+    {"properties": []}, {"oneOf": [{"type": "object"}, {"type": "object"}]},
+    {"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}, {"type": "string", "maxLength": 10**12},
+    {"const": {"a": [1, 2]}}, {"enum": ["a" * 10000]}, {"properties": {"é": {"type": "string"}}}, True]
+ODD_PARAMETERS = [
+    {"type": "object", "properties": {"a": {"type": "string"}}, "required": 5},
+    {"type": "object", "properties": {"a": 5}}, {"type": "object", "properties": 5},
+    {"properties": {"a": {"type": "string", "minLength": "x"}}},
+    {"properties": {"a": {"type": "string", "enum": "ab"}}}, {"properties": {"a": {"type": True}}},
+    {"properties": {"a": {"type": "string", "minLength": 3, "maxLength": 1}}},
+    {"properties": {"é\"<": {"type": "string", "enum": ["ü", "a\"b\\c"]}}, "required": ["é\"<"]}, {}]
+
+
+def test_odd_schemas_get_answers_or_400s_never_5xx(client):
+    """Schemas llguidance rejects, cannot satisfy or must take apart are 400s naming the field or
+    answers; the server keeps serving."""
+    url = str(client.base_url).rstrip("/") + "/chat/completions"
+    base = {"model": SMALL_NAME, "messages": ASK, "max_tokens": 3}
+    bodies = [{**base, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": s}}}
+              for s in ODD_SCHEMAS]
+    bodies += [{**base, "tool_choice": "required", "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": p}}]} for p in ODD_PARAMETERS]
+    for body in bodies:
+        r = httpx.post(url, json=body, timeout=60)
+        assert r.status_code in (200, 400), (body, r.text)
+        if r.status_code == 400:
+            param = r.json()["error"]["param"]
+            assert param.startswith("response_format" if "response_format" in body else "tools[0]"), r.text
     assert client.chat.completions.create(model=SMALL_NAME, messages=ASK, max_tokens=2).choices
 
 
