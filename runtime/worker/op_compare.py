@@ -28,7 +28,10 @@ quantisation of its input is read back (the step's `memo`, where the CUDA target
 
 Ops whose result is an integer tensor (top-k indices, routed expert ids) report the fraction of
 rows whose sets differ (`set_diff_rows`), and for `moe.topk` the smallest router margin among
-them (the gap between the k-th and (k+1)-th expert scores: a near-tie flips on rounding).
+them: the gap between the k-th and (k+1)-th largest of what the router ranks (sigmoid of the logits
+plus the correction bias; with grouped routing the ranks inside the chosen groups can be closer).
+Both sides rank the same logits, so only a gap of a few fp32 ulps may flip; the router's weights are
+held to their bound on the rows whose sets agree and count the others as `flip_rows`.
 
 The contract: the two executors run the same plan on the same weights; the target runs eagerly
 (no captured graph replays: a replay runs no Python); the step's batch is given to both.
@@ -244,6 +247,9 @@ def attention_oracle(op, args, ctx, dtype: torch.dtype) -> tuple[torch.Tensor, t
 
 def _rerun(run: _Run, again: dict, rounded: dict, slack: dict):
     def hook(fn, op, args, ctx):
+        if op.kind == "moe.topk":    # what the router ranks: sigmoid(logits) + the correction bias
+            choice = torch.sigmoid(_fp32_of(args[0], run.seen.get(op.operands[0])).float())
+            rounded[("choice", op.results[-1])] = choice + ctx.w(ctx.gate_bias(op)).float().to(choice.device)
         if op.kind in ROUNDED_KINDS:
             seen = [run.seen.get(name) for name in op.operands]
             own = [s.to(a.device) if isinstance(s, torch.Tensor) and isinstance(a, torch.Tensor) else a
@@ -289,6 +295,7 @@ def _int_row(row: OpRow, got, want, scores=None, k=None):
     a, b = got.reshape(got.shape[0], -1).sort(-1).values, want.reshape(want.shape[0], -1).sort(-1).values
     diff = (a != b).any(-1)
     row.set_diff_rows = float(diff.float().mean()) if diff.numel() else 0.0
+    row.diff_mask = diff
     if scores is not None and bool(diff.any()):
         s = scores.float().cpu()[:want.shape[0]][diff]
         top = s.topk(min(k + 1, s.shape[-1]), -1).values
@@ -427,7 +434,7 @@ def compare_step(target, oracle, again, phase: str, batch, hidden=None) -> list[
         elif not got.is_floating_point():
             scores = None
             if op.kind == "moe.topk":
-                scores = again_vals.get(op.operands[0])
+                scores = rounded.get(("choice", name))
             _int_row(row, got, want, scores, int(op.attr("top_k", 0)) or got.shape[-1])
         if name in run.fp8_in and op.kind in ("mlp.swiglu", "moe.experts"):
             xq, xs, args = run.fp8_in[name]
@@ -439,7 +446,21 @@ def compare_step(target, oracle, again, phase: str, batch, hidden=None) -> list[
             weights = [again.weight(n) for n in (names if isinstance(names, tuple) else (names,))]
             _fp8_check(row, got, xq, xs, fp8_parts, x_in, weights, run.values[op.operands[0]])
         rows.append(row)
+        if op.kind == "moe.topk" and name == op.results[-1] and getattr(row, "diff_mask", None) is not None:
+            _route_weights(next(r for r in rows if r.result == op.results[0]), run.target_out[op.results[0]],
+                           rounded.get(op.results[0], again_vals[op.results[0]]), row.diff_mask)
+    for r in rows:
+        r.__dict__.pop("diff_mask", None)
     return rows
+
+
+def _route_weights(row: OpRow, got, want, diff):
+    """A router's weights, held to their bound on the rows whose expert sets agree; rows whose sets
+    differ (reported with their margin on the ids' row) count as `flip_rows`."""
+    got, want = got.float().cpu()[:want.shape[0]], want.float().cpu()
+    same = ~diff
+    row.out_of_bound = int(((got - want).abs()[same] > bound(want, torch.float32)[same]).sum())
+    row.flip_rows = int(diff.sum())
 
 
 def summary(rows: list[OpRow]) -> dict:
