@@ -157,3 +157,30 @@ def test_mtp_checkpoint_detected_and_loaded(tiny, tmp_path):
     assert flags == {"mtp": True, "mtp_head": True, "mtp_embed": False}
     got = load_checkpoint(tmp_path, expected_tensors(glm_config(model.config), **flags))
     assert torch.equal(got["model.layers.4.eh_proj.weight"], extra["model.layers.4.eh_proj.weight"])
+
+
+def test_the_router_stays_fp32_in_a_bf16_model(tiny, tmp_path):
+    """HF keeps the router's gate weight and correction bias in fp32 whatever the model's dtype
+    (`_keep_in_fp32_modules_strict`): a bf16 runner reads them from the checkpoint in fp32, bit for
+    bit, so the expert sets are ranked as HF ranks them; the rest is in bf16."""
+    from glmc.compiler import compile_plan
+    from glmc.config import Options
+    from glmc.parallel import parse_parallel
+    from glmc.runtime.worker.loader import load_runner
+    from glmc.spec import load_spec
+    from safetensors.torch import load_file
+    path, _ = tiny
+    for f in path.iterdir():
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "dtype": "bfloat16"}))
+    saved = load_file(tmp_path / "model.safetensors")
+    bias = "model.layers.1.mlp.gate.e_score_correction_bias"
+    assert not torch.equal(saved[bias], saved[bias].bfloat16().float())   # bf16 would round it
+    spec = load_spec(tmp_path)
+    plan = compile_plan(spec, parse_parallel("tp1", spec.config), Options(device="cuda", max_batch=2))
+    weights = load_runner(plan, tmp_path, device="cpu", num_pages=4, max_context=64, max_running=2,
+                          capture=False).executor.weights
+    for name in (bias, "model.layers.1.mlp.gate.weight"):
+        assert weights[name].dtype == torch.float32 and torch.equal(weights[name], saved[name].float()), name
+    assert weights["model.layers.1.self_attn.o_proj.weight"].dtype == torch.bfloat16

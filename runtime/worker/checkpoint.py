@@ -172,6 +172,16 @@ def _read_fp8(f, scale_f, name, shape, spec) -> Fp8Weight:
     return Fp8Weight(f.get_slice(name)[index], scale_f.get_slice(name + SCALE_SUFFIX)[sidx].float())
 
 
+# Weights HF keeps in fp32 whatever the model's dtype (`_keep_in_fp32_modules_strict`: the router's
+# gate and its correction bias, which decide the expert sets): loaded in fp32 always.
+FP32_WEIGHTS = ("mlp.gate.weight", "e_score_correction_bias")
+
+
+def weight_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype a checkpoint tensor is held in for a model computing in `dtype` (`FP32_WEIGHTS`)."""
+    return torch.float32 if name.endswith(FP32_WEIGHTS) else dtype
+
+
 def load_checkpoint(ckpt_dir, expected: dict[str, tuple[int, ...]], shard: ShardFn | None = None,
                     dtype: torch.dtype = torch.float32, only=None, keep_fp8=frozenset()
                     ) -> dict[str, "torch.Tensor | Fp8Weight"]:
@@ -179,7 +189,7 @@ def load_checkpoint(ckpt_dir, expected: dict[str, tuple[int, ...]], shard: Shard
     picks the slice this rank reads; `only` (a set of names) limits what is read to what this rank
     needs (e.g. its own experts) while the whole checkpoint is still checked.
     FP8 (float8_e4m3fn + <name>_scale_inv) comes back dequantised, or as `Fp8Weight` for the
-    names in `keep_fp8`."""
+    names in `keep_fp8`; floating tensors in `dtype`, `FP32_WEIGHTS` in fp32."""
     ckpt_dir = Path(ckpt_dir)
     files = _files(ckpt_dir)
     found = _found_shapes(files)
@@ -200,8 +210,10 @@ def load_checkpoint(ckpt_dir, expected: dict[str, tuple[int, ...]], shard: Shard
         if fp8 and name in keep_fp8:
             out[name] = _read_fp8(handle(files[name]), scale_f, name, tuple(shape), spec)
             continue
-        out[name] = _read(handle(files[name]), scale_f, name, tuple(shape), found[name][1], spec).to(dtype)
+        out[name] = _read(handle(files[name]), scale_f, name, tuple(shape), found[name][1], spec).to(
+            weight_dtype(name, dtype))
     return out
 
 
-__all__ = ["WeightError", "expected_tensors", "detect_mtp", "load_checkpoint", "fp8_block_dequant"]
+__all__ = ["FP32_WEIGHTS", "WeightError", "expected_tensors", "detect_mtp", "load_checkpoint", "fp8_block_dequant",
+           "weight_dtype"]

@@ -46,6 +46,7 @@ from glmc.codegen.cuda_target import IMPLS as CUDA_IMPLS
 from glmc.codegen.fp8_ref import Fp8Weight
 from glmc.codegen.kernel_set import compute_dtype
 from glmc.codegen.triton_render import KernelLibrary
+from glmc.runtime.worker.checkpoint import weight_dtype
 from glmc.runtime.worker.comm import Comm
 from glmc.runtime.worker.executor import PlanExecutor, Step
 from glmc.runtime.worker.forward_batch import ForwardBatch, to_device
@@ -53,7 +54,6 @@ from glmc.runtime.worker.kv_cache import KVPool
 
 from glmc.plan import Plan
 
-FP32_WEIGHTS = ("mlp.gate.weight", "e_score_correction_bias")  # the router stays fp32 (HF, SGLang)
 # Prefill (and mixed prefill + decode) steps replay a graph of the smallest of these token counts
 # that holds them. Eager, such a step is host-bound: on the H200 at GLM-5.3 width a mixed step of
 # a 512-token chunk and 32 decodes took 13-19 ms of host time for ~6 ms of kernels (2026-12-01).
@@ -369,5 +369,5 @@ def to_device_weight(w, device, dtype, fp32: bool = False):
 
 
 def to_device_weights(weights: dict, device, dtype) -> dict:
-    """`to_device_weight` of every named tensor; the router's stay fp32 (FP32_WEIGHTS)."""
-    return {n: to_device_weight(w, device, dtype, n.endswith(FP32_WEIGHTS)) for n, w in weights.items()}
+    """`to_device_weight` of every named tensor; the router's stay fp32 (`checkpoint.FP32_WEIGHTS`)."""
+    return {n: to_device_weight(w, device, dtype, weight_dtype(n, dtype) == torch.float32) for n, w in weights.items()}

@@ -36,7 +36,7 @@ import torch
 from glmc.codegen.fp8_ref import Fp8Weight
 from glmc.codegen.kernel_set import compute_dtype
 from glmc.codegen.weight_formats import fp8_weights
-from glmc.runtime.worker.checkpoint import detect_mtp, expected_tensors
+from glmc.runtime.worker.checkpoint import detect_mtp, expected_tensors, weight_dtype
 from glmc.runtime.worker.comm import Comm, Coords
 from glmc.runtime.worker.executor import PlanExecutor, pop_expert_stacks, rank_expert_names
 from glmc.runtime.worker.kv_cache import KVPool
@@ -171,7 +171,7 @@ def _as_planned(name: str, w, dtype: torch.dtype, fp8: frozenset, keep_fp8: bool
     if name in fp8:
         q = w if isinstance(w, Fp8Weight) else Fp8Weight.quantize(w)
         return q if keep_fp8 else q.dequant(dtype)
-    return w.to(dtype) if w.is_floating_point() else w
+    return w.to(weight_dtype(name, dtype)) if w.is_floating_point() else w
 
 
 def _check_fits(plan: Plan, comm: Comm, shards: dict, shapes: dict, fp8: frozenset, dtype: torch.dtype,
