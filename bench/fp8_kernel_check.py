@@ -1,6 +1,11 @@
 """Each FP8 kernel on the GPU against codegen/fp8_ref.py (the torch reference, on the host), at the
 CI test shapes and at GLM-5.3 shapes; prints one JSON line per case and a verdict.
 
+The block GEMM's fp32 result is held per element to its tensor core's accumulation bound
+(`op_compare.FP8_ACC_REL` of the sum of |terms|: Hopper's FP8 MMA keeps ~14 bits of a 128-wide K
+block's sum) plus fp32 summation order; the FP8 experts to op_compare's SwiGLU bound (an FP8 code
+of h next to a rounding boundary may land one step either way). `out_of_bound` counts the rest.
+
     python -m bench.fp8_kernel_check [--out fp8_kernels.json]
 """
 from __future__ import annotations
@@ -14,6 +19,35 @@ import torch
 
 def rel(got, want) -> float:
     return float((got.float().cpu() - want.float()).norm() / want.float().norm().clamp_min(1e-30))
+
+
+def gemm_row(case, got, xq, xs, wq, ws) -> dict:
+    """The GEMM's fp32 result against the exact product of its FP8 operands, per element."""
+    from glmc.runtime.worker.op_compare import FP8_ACC_REL
+    def deq(q, s, rows):
+        q, s = q.to(got.device).double(), s.to(got.device).double()
+        return q * s.repeat_interleave(128, 1)[:, :q.shape[1]].repeat_interleave(rows, 0)[:q.shape[0]]
+    xd, wd = deq(xq, xs, 1), deq(wq, ws, 128)
+    exact = xd @ wd.T
+    err = (got.double() - exact).abs()
+    bound = FP8_ACC_REL * (xd.abs() @ wd.abs().T) + 2.0 ** -20 * exact.abs()
+    oob = int((err > bound).sum())
+    return {"case": case, "rel_err": float(err.norm() / exact.norm()), "out_of_bound": oob, "pass": oob == 0}
+
+
+def experts_row(case, got, x, ids, w, stacks, offset) -> dict:
+    """The FP8 experts against op_compare's SwiGLU bound, from the exact products of x's quantisation."""
+    from glmc.codegen import fp8_ref
+    from glmc.runtime.worker.op_compare import OpRow, mlp_check
+    xq, xs = fp8_ref.quantize_token_groups(x)
+    gate, up, down = (s.dequant(torch.float32) for s in stacks)
+    flat, wf, k = ids.reshape(-1) - offset, w.reshape(-1), ids.shape[1]
+    parts = [(sel // k, gate[e], up[e], down[e], wf[sel]) for e in range(gate.shape[0])
+             if (sel := (flat == e).nonzero().flatten()).numel()]
+    row = OpRow(op=case, kind="moe.experts", layer=None, result="y", dtype="float32", numel=got.numel())
+    mlp_check(row, got.cpu(), xq, xs, x.dtype, parts, torch.device("cpu"))
+    return {"case": case, "out_of_bound": row.fp8_out_of_bound, "flip_rows": row.flip_rows,
+            "pass": row.fp8_out_of_bound == 0}
 
 
 def main():
@@ -41,12 +75,10 @@ def main():
         xq, xs = fp8_ref.quantize_token_groups(x)
         kw = {"block_n": bn} if bn else {}
         got = tf.fp8_block_gemm(xq.to(dev), xs.to(dev), wq.to(dev), ws.to(dev), torch.float32, **kw)
-        want = fp8_ref.fp8_gemm(xq, xs, wq, ws)
-        e = rel(got, want)
-        rows.append({"case": f"block_gemm m{m} n{n} k{k} bn{bn}", "rel_err": e, "pass": e < 1e-4})
+        rows.append(gemm_row(f"block_gemm m{m} n{n} k{k} bn{bn}", got, xq, xs, wq, ws))
         gq, gs = tf.quantize_tokens(x.to(dev))
-        e2 = rel(tf.fp8_block_gemm(gq, gs, wq.to(dev), ws.to(dev), torch.float32), want)
-        rows.append({"case": f"quant+gemm m{m} n{n} k{k}", "rel_err": e2, "pass": e2 < 1e-4})
+        got = tf.fp8_block_gemm(gq, gs, wq.to(dev), ws.to(dev), torch.float32)
+        rows.append(gemm_row(f"quant+gemm m{m} n{n} k{k}", got, gq, gs, wq, ws))
     for T, E, top_k, hidden, inter, offset in [(5, 4, 2, 160, 96, 0), (3, 3, 2, 128, 256, 2),
                                                (32, 16, 8, 6144, 2048, 0), (256, 32, 8, 1024, 512, 0)]:
         ws = [fp8_ref.Fp8Weight.quantize(torch.randn(E, *shape, generator=g) * shape[1] ** -0.5)
@@ -56,9 +88,8 @@ def main():
         w = torch.rand(T, top_k, generator=g)
         got = moe_experts_fp8(x.to(dev), ids.to(dev), w.to(dev), *(q.to(dev) for q in ws), expert_offset=offset)
         want = fp8_ref.moe_experts_fp8(x, ids, w, *ws, expert_offset=offset)
-        e = rel(got, want)
-        rows.append({"case": f"moe_experts_fp8 T{T} E{E} k{top_k} h{hidden} i{inter} off{offset}", "rel_err": e,
-                     "pass": e < 1e-3})
+        case = f"moe_experts_fp8 T{T} E{E} k{top_k} h{hidden} i{inter} off{offset}"
+        rows.append({**experts_row(case, got, x, ids, w, ws, offset), "rel_err": rel(got, want)})
     for r in rows:
         print(json.dumps(r), flush=True)
     ok = all(r["pass"] for r in rows)

@@ -341,34 +341,46 @@ def _silu_mul(g, u):
     return g / (1.0 + torch.exp(-g)) * u
 
 
-def _ambiguous_h(h, act_dtype):
+def _ambiguous_h(h, act_dtype, h_err=None):
     """(the FP8 quantisation of h as the kernel takes it: h rounded to `act_dtype`, then per token
     per 128 columns, dequantised; how far each element's dequantised value could move had h come
     out a rounding step either way): a kernel computes h with another summation order, so an h
     next to a rounding boundary (of act_dtype, or of FP8, or moving its group's scale) may land on
-    the other side."""
+    the other side. `h_err`: a bound on how far the kernel's h may lie from `h` before that
+    rounding (its FP8 GEMMs' accumulation, carried through SiLU-and-mul)."""
     hr = h.to(act_dtype).float()
     q, sc = quantize_token_groups(hr)
     amax = sc.repeat_interleave(128, 1)[:, :h.shape[1]] * 448.0
     rms = h.pow(2).mean(1, keepdim=True).sqrt()
     eps = ulp(hr, act_dtype) + 2.0 ** -16 * hr.abs() + ulp(amax, act_dtype) / amax.clamp_min(1e-30) * hr.abs() \
         + 2.0 ** -20 * rms
+    if h_err is not None:
+        eps = eps + h_err
     lo, hi = (_deq(*quantize_token_groups(hr + d)) for d in (-eps, eps))
     return _deq(q, sc), (hi - lo).abs() + (_deq(q, sc) - lo).abs() + (hi - _deq(q, sc)).abs()
 
 
-def _mlp_check(row: OpRow, got, xq, xs, act_dtype, parts: list, dev):
+def swiglu_error(g, u, g_err, u_err):
+    """A first-order bound on how far silu(g) * u moves when g and u move by at most g_err, u_err."""
+    sig = torch.sigmoid(g)
+    return (sig * (1 + g * (1 - sig)) * u).abs() * g_err + (g * sig).abs() * u_err
+
+
+def mlp_check(row: OpRow, got, xq, xs, act_dtype, parts: list, dev):
     """An FP8 SwiGLU, or routed experts: `parts` [(rows, gate, up, down, route weight or None)];
     out[rows] += w * down(Q(silu(gate x) up x)). The exact result from the target's quantised input
     and the oracle's weights, with a bound that admits the FP8 codes of h near a rounding boundary
-    (`_ambiguous_h`) moving one step: out-of-bound elements beyond that are errors."""
+    (`_ambiguous_h`, widened by the gate/up GEMMs' accumulation) moving one step, and the down
+    GEMM's accumulation (`FP8_ACC_REL`): out-of-bound elements beyond that are errors."""
     xd = _deq(xq, xs).to(dev)
     exact = torch.zeros(got.shape[0], got.shape[1], dtype=torch.float32, device=dev)
     slack = torch.zeros_like(exact)
     for rows, gate, up, down, w in parts:
         x = xd[rows]
-        hd, amb = _ambiguous_h(_silu_mul(x @ gate.float().T, x @ up.float().T), act_dtype)
-        y, b = hd @ down.float().T, amb @ down.float().abs().T
+        g, u = x @ gate.float().T, x @ up.float().T
+        acc = lambda wt: FP8_ACC_REL * (x.abs() @ wt.float().abs().T)   # noqa: E731
+        hd, amb = _ambiguous_h(_silu_mul(g, u), act_dtype, swiglu_error(g, u, acc(gate), acc(up)))
+        y, b = hd @ down.float().T, amb @ down.float().abs().T + FP8_ACC_REL * (hd.abs() @ down.float().abs().T)
         if w is not None:
             y, b = y * w[:, None], b * w.abs()[:, None]
         exact.index_add_(0, rows, y)
@@ -385,7 +397,7 @@ def _device(ex):
 
 
 def _mlp_parts(op, oracle, args) -> list:
-    """`_mlp_check`'s parts from the oracle's weights: a SwiGLU's one part over every row, or one
+    """`mlp_check`'s parts from the oracle's weights: a SwiGLU's one part over every row, or one
     part per routed expert (the rows routed to it and their route weights, `args` = x, w, ids)."""
     dev = _device(oracle)
     if op.kind == "mlp.swiglu":
@@ -438,7 +450,7 @@ def compare_step(target, oracle, again, phase: str, batch, hidden=None) -> list[
             _int_row(row, got, want, scores, int(op.attr("top_k", 0)) or got.shape[-1])
         if name in run.fp8_in and op.kind in ("mlp.swiglu", "moe.experts"):
             xq, xs, args = run.fp8_in[name]
-            _mlp_check(row, got, xq, xs, args[0].dtype, _mlp_parts(op, again, args), _device(again))
+            mlp_check(row, got, xq, xs, args[0].dtype, _mlp_parts(op, again, args), _device(again))
             _in_flips(row, xq, xs, run.values[op.operands[0]])
         elif name in run.fp8_in:
             xq, xs, fp8_parts, x_in = run.fp8_in[name]
