@@ -51,9 +51,10 @@ FP8_KINDS = ("linear", "mla.a_proj", "lm.head")
 # An FP8 GEMM's tensor-core accumulation: Hopper's FP8 wgmma keeps about 14 bits of its running sum
 # over the 128 products of a K block (Triton's default, `triton_render.FP8_DOT_PROMOTE`), fp32 across
 # blocks. Its error is bounded by FP8_ACC_REL times the sum of |terms| (|x| @ |W|^T of the dequantised
-# operands); bench/fp8_accumulation.py measured the worst element's ratio at 2^-14.67 on an H100
-# (2026-12-05: GLM-5.3's prefill GEMMs at 2048 and 64 rows; `acc_bits`).
-FP8_ACC_REL = 2.0 ** -14
+# operands). On an H100 (2026-12-05) bench/fp8_accumulation.py found the worst element at 2^-14.67 of
+# it over GLM-5.3's prefill GEMMs (`acc_bits`), but bench/fp8_kernel_check.py's 20 x 96 x 256 case
+# (two K blocks) left 2 of 1920 elements past 2^-14: few terms keep less, so one bit more.
+FP8_ACC_REL = 2.0 ** -13
 # Ops whose contract rounds inside: the oracle for them is the op's own torch implementation on the
 # target's operands in the target's dtype (a folded add and the residual sum rounded as the model
 # adds them in its dtype, the norm over that rounded sum), not the fp32 arithmetic end to end.
