@@ -1,7 +1,7 @@
 """FP8 on a trained model: glmc-small (models/small) served greedily on the CUDA target with bf16
 weights and KV, FP8 KV (`--kv-dtype fp8`), FP8 weights (`--quantize fp8`, w8a8) and both, from
 held-out prompts; reports, per prompt, the first generated position where each differs from bf16
-(16+ equal tokens with FP8 KV is the issue-10 bar), and the chosen tokens' logprob difference where
+(the bar for FP8 KV: 16+ equal tokens), and the chosen tokens' logprob difference where
 they agree. Random-weight models
 are a poor judge of FP8 (near-tied routing and logits flip under any rounding); a trained one is not.
 

@@ -301,7 +301,7 @@ MAX_SPLITS = 64  # flash-decoding splits of one (token, head block) at most: the
 def mla_wide(num_tokens: int, num_heads: int, kv_fp8: bool) -> bool:
     """SparseMlaDecodeCtx's wide class: 64 x 64 tiles at 8 warps, all 64 heads in one program (Hopper's
     wgmma, where 16-head tiles run mma.sync), from 4 tokens on FP8 rows and 8 on bf16 rows. Sweep of
-    2026-12-04 on an H200 (bench/results/h200_2026-12-04_s21/mla_tiles_sweep_small.json, 64 heads, k
+    2026-12-04 on an H200 (bench/results/h200_2026-12-04/mla_tiles_sweep_small.json, 64 heads, k
     2048, 2K keys): FP8 rows at 4 / 8 / 16 tokens 21.2 / 26.0 / 40.8 us against 38.6 / 71.6 / 150.5 for
     the 16 x 32 tiles at 4 warps before; bf16 rows at 8 / 16 24.3 / 37.6 against 29.0 / 55.0, at 4
     tokens within 4% of 16 x 32 (kept there)."""
@@ -377,13 +377,13 @@ class SparseMlaDecodeCtx:
         # - 2026-12-02 (bench/results/mla_tiles_sweep_h200_2026-12-02_dequant.json): head-major everywhere;
         #   FP8 rows scaled once per gathered tile (dequant: 32 tokens 89.7 us at 2K against 163.8 for the
         #   per-group key-major kernel, 128 tokens 265.5 against 474.1).
-        # - 2026-12-04 (bench/results/h200_2026-12-04_s19/mla_tiles_sweep_*.json): from 32 tokens 64 x 64
+        # - 2026-12-04 (bench/results/h200_2026-12-04/mla_tiles_sweep_*.json): from 32 tokens 64 x 64
         #   tiles at 8 warps, all 64 heads in one program (Hopper's wgmma, not mma.sync): bf16 rows at 32 /
         #   128 / 8192 tokens 60.4 / 194.0 / 11646 us against 69.5 / 209.5 / 12311 for 32 x 64 at 4 warps.
         #   Key-major 64 x 128 (its scores dot 64 keys per warp group, where head-major computes the
         #   [64 heads, keys] scores in both warp groups alike: Triton's layout for a chained dot) lost at
         #   every count (74.6 / 227.1 / 13181; FP8 rows 143.9 at 32 tokens), spilling more.
-        # - 2026-12-04 (bench/results/h200_2026-12-04_s21/mla_tiles_sweep_{small,wide_dot16}.json): the
+        # - 2026-12-04 (bench/results/h200_2026-12-04/mla_tiles_sweep_{small,wide_dot16}.json): the
         #   wide class from 4 (FP8 rows) or 8 (bf16) tokens (`mla_wide`), parts by `mla_v_parts`. Dot
         #   operands for FP8 rows: fp16 in the narrow class (1 / 2 tokens 14.4 / 17.1 us against 15.9 /
         #   23.4 in bf16: e4m3 -> fp16 is one conversion instruction), bf16 in the wide one (8 / 16 / 32 /

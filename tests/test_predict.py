@@ -20,7 +20,7 @@ from tests.compile_util import FULL, TINY, plan
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "bench" / "results" / "calibration_example_h200.json"            # schema /1, measured: false
 MEASURED = ROOT / "bench" / "results" / "calibration_nvidia-h200-x2_2026-11-30.json"   # /2 (bench/calibrate.py)
-LONG_CONTEXT = ROOT / "bench" / "results" / "h200_2026-12-04_s21" / "long_context_bench_all_contexts.json"
+LONG_CONTEXT = ROOT / "bench" / "results" / "h200_2026-12-04" / "long_context_bench_all_contexts.json"
 SPEC_BENCH = ROOT / "bench" / "results" / "spec_bench_2026-11-30.json"
 ROUND = {"schema": "glmc-calibration/1", "device": "test", "gpus": 2, "date": "2026-12-01", "commit": "x",
          "hbm_bytes_per_s": 1e12, "gemm_flops_per_s": {"bf16": 1e14, "fp32": 1e13},

@@ -19,7 +19,9 @@ NOT_OURS = ("models/small/",)            # the stdlib sources the small model le
 BINARY = (".safetensors", ".png", ".gz", ".whl")
 
 # A ticket reference: the word, singular or plural, then a number.
-TICKET = re.compile(r"\b(issues?|tickets?) #?\d+", re.I)
+TICKET = re.compile(r"\b(issues?|tickets?)[ -]#?\d+", re.I)
+# A results folder named after the work's sittings (`h200_2026-12-03_s14`), not its day or subject.
+SITTING_DIR = re.compile(r"^bench/results/[^/]*_s\d+/")
 # A dated or numbered diary entry, anywhere in prose.
 SESSION = re.compile(r"\bsessions? \d+", re.I)
 # Markdown headings that open a diary entry or a list for later.
@@ -65,6 +67,11 @@ def texts():
 
 def test_no_ticket_references(texts):
     assert not hits(TICKET, texts), "say what the code does and why, not which ticket asked for it"
+
+
+def test_results_folders_say_what_they_hold(texts):
+    assert [p for p in texts if SITTING_DIR.match(p)] == []
+    assert SITTING_DIR.match("bench/results/h200_2026-12-03_s14/x.json")
 
 
 def test_no_diary(texts):

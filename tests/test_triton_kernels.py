@@ -91,7 +91,7 @@ def test_gemv_takes_narrow_outputs_only_at_few_rows():
 def test_mla_split_count_is_the_measured_best():
     """mla_num_splits gives the split count that was fastest in the H200 sweeps (kernel + combine, 64
     heads, 132 SMs, a top-k of 2048, so num_keys 2048 at every context): a power of two, the programs'
-    warps within 8 per SM, >= 2 key blocks a split. 2026-12-04 (bench/results/h200_2026-12-04_s21/
+    warps within 8 per SM, >= 2 key blocks a split. 2026-12-04 (bench/results/h200_2026-12-04/
     mla_tiles_sweep_splits.json, 1-16 tokens, the current tile classes): within 2% of the best count at
     every point but bf16 rows at 2 tokens over a 1K context (12.2 us at 32 splits against 11.0 at 16);
     2026-12-03 for 32 and 128 tokens. (tokens, FP8 rows, context) -> splits."""
@@ -108,7 +108,7 @@ def test_mla_split_count_is_the_measured_best():
 
 def test_mla_tile_classes_are_the_measured_best():
     """SparseMlaDecodeCtx's defaults per token count at 64 heads are the fastest of the H200 sweep of
-    2026-12-04 (bench/results/h200_2026-12-04_s21/mla_tiles_sweep_small.json), and a tensor-parallel
+    2026-12-04 (bench/results/h200_2026-12-04/mla_tiles_sweep_small.json), and a tensor-parallel
     rank's 8 heads stay in 16-head tiles. (heads, tokens, FP8 rows) -> (block_h, block_n, warps,
     stages, v_parts, dot operands)."""
     from glmc.codegen.triton_contexts import SparseMlaDecodeCtx
