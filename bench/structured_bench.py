@@ -16,12 +16,14 @@ on a host shared with other work, 1 keeps torch's threads from waiting on each o
      `json_object` (`{"type": "object"}`, what response_format json_object asks for);
    - `walk`: per token, the mask of the allowed tokens filled (`mask_us`) and the token accepted
      (`accept_us`), over the same random walk of --tokens tokens through valid documents (drawn
-     uniformly among the allowed tokens with llguidance; each engine replays it), compact JSON.
-2. Per batch size, on glmc-small's CPU engine as `glmc run` builds it (overlap on, warmed up):
+     uniformly among the allowed tokens with llguidance; each engine replays it, `refused` counts
+     the documents it cut short at a token it would not accept), compact JSON.
+2. Per batch size, on glmc-small's engine as `glmc run` builds it (overlap on, warmed up; the CPU
+   torch target, or the CUDA target where a GPU is):
    - `mask_cost`: the mask's own work per step, as the engine does it: `token_bitmask` over every
      request (`fill_ms`), the bitmask unpacked and applied to the logits as `bias_and_penalties`
-     does (`apply_ms`), `GrammarState.advance` per request (`advance_ms`); medians over --steps
-     steps of --tokens-long walks, for the person schema and for the engine rows' text grammar;
+     does (`apply_ms`), `GrammarState.advance` per request (`advance_ms`); medians over --tokens
+     steps, every request on its own random walk, for the person schema and the text grammar below;
    - `engine_step`: median wall ms of `engine.step()` in steady decode with a grammar on every
      request (`TEXT`: text that never ends, so every step is constrained) and without, --rounds
      rounds of --steps steps each, alternating, the median of the rounds' medians; `added_ms` is
@@ -226,22 +228,27 @@ class Row:
         self.grammar_state, self.output_ids = state, []
 
 
-def mask_cost(grammar: str, ltok, batch: int, steps: int, vocab_size: int, seed: int = 0) -> dict:
+def mask_cost(grammar: str, ltok, batch: int, steps: int, vocab_size: int, dev: str = "cpu",
+              seed: int = 0) -> dict:
     """Median ms per step of the mask's three parts for `batch` requests walking `grammar` (each
-    draws a random allowed token per step; a request whose grammar ends starts again, untimed)."""
+    draws a random allowed token per step; a request whose grammar ends starts again, untimed);
+    on a GPU, apply includes the bitmask's upload and waits for the device."""
     import random
 
     import torch
     from glmc.runtime.engine.grammar import GrammarState, allowed_tokens, token_bitmask
+    from glmc.runtime.worker.forward_batch import to_device
     rng = random.Random(seed)
     rows = [Row(GrammarState(grammar, ltok)) for _ in range(batch)]
-    logits = torch.randn(batch, vocab_size)
+    logits = torch.randn(batch, vocab_size, device=dev)
+    sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
     fill, apply, advance = [], [], []
     for _ in range(steps):
         t = time.perf_counter()
         mask = token_bitmask(rows)
         t1 = time.perf_counter()
-        logits.masked_fill_(~allowed_tokens(mask, vocab_size), float("-inf"))
+        logits.masked_fill_(~allowed_tokens(to_device(mask, dev), vocab_size), float("-inf"))
+        sync()
         t2 = time.perf_counter()
         tokens = [rng.choice(allowed(mask[i])) for i in range(batch)]
         t3 = time.perf_counter()
@@ -286,14 +293,16 @@ def step_rows(batches: list[int], steps: int, rounds: int, mask_steps: int):
     from glmc.api import build_engine
     from glmc.runtime.engine.grammar import json_schema_grammar, lark_grammar, ll_tokenizer
     from glmc.tiny import SMALL_DIR
-    engine = build_engine(SMALL_DIR, max_running=max(32, *batches))
+    import torch
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    engine = build_engine(SMALL_DIR, device=dev, max_running=max(32, *batches))
     tok, vocab_size = engine.tokenizer, engine.runner.vocab_size
     ltok, text = ll_tokenizer(tok, vocab_size), lark_grammar(TEXT)
     prompt = tok.encode_chat(tok.render_chat(ASK))
     for batch in batches:
         for name, grammar in (("person", json_schema_grammar(PERSON)), ("text", text)):
             yield {"bench": "mask_cost", "batch": batch, "grammar": name, "steps": mask_steps,
-                   **mask_cost(grammar, ltok, batch, mask_steps, vocab_size)}
+                   "device": dev, **mask_cost(grammar, ltok, batch, mask_steps, vocab_size, dev)}
         runs = {"plain": [], "text": []}
         for _ in range(rounds):
             for mode in runs:
@@ -302,7 +311,7 @@ def step_rows(batches: list[int], steps: int, rounds: int, mask_steps: int):
         rounds_ms = {m: [statistics.median(r) for r in rs] for m, rs in runs.items()}
         med = {m: statistics.median(r) for m, r in rounds_ms.items()}
         yield {"bench": "engine_step", "batch": batch, "steps": steps, "rounds": rounds,
-               "overlap": engine.overlap, "plain_ms": med["plain"], "grammar_ms": med["text"],
+               "device": dev, "overlap": engine.overlap, "plain_ms": med["plain"], "grammar_ms": med["text"],
                "added_ms": med["text"] - med["plain"],
                "added_pct": 100 * (med["text"] - med["plain"]) / med["plain"],
                "round_medians_ms": rounds_ms}
