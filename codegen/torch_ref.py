@@ -140,25 +140,34 @@ def index_head_scale(op) -> float:
     return int(op.attr("heads")) ** -0.5
 
 
-def indexer_topk(q_idx, weights, pool: PagedCache, layer, batch: StepBatch, topk):
-    """I(t,s) = sum_h w_h(t) relu(q_h(t).k(s) Di^-0.5) over s <= pos(t); top-k POSITIONS, -1 padded.
-
-    `weights` is weights_proj(x) * Hi^-0.5 (the caller applies HF's head scaling). Like HF, a row holds
-    all seq_len keys of the request, future keys at -inf, and k = min(topk, seq_len); exact ties (keys
-    whose every head is ReLU'd to 0) go to the lowest position (`topk_lowest_first`), so a chunked
-    prefill, a whole one and decode pick the same keys. Future positions filling a short row become -1.
-    """
+def indexer_scores(q_idx, weights, pool: PagedCache, layer, batch: StepBatch):
+    """I(t,s) = sum_h w_h(t) relu(q_h(t).k(s) Di^-0.5) per request: [(token slice, [n, L] scores with
+    future keys at -inf, query positions [n])], L = the request's seq_len. `weights` is
+    weights_proj(x) * Hi^-0.5 (the caller applies HF's head scaling)."""
     dev = q_idx.device
-    out = torch.full((q_idx.shape[0], topk), -1, dtype=torch.int64, device=dev)
     scale = q_idx.shape[-1] ** -0.5
+    out = []
     for tok, slots, qpos in _requests(batch):
         slots, qpos = _on(slots, dev), _on(qpos, dev)
         k = pool.index_keys(layer, slots).float()  # [L, Di]
         scores = torch.relu(torch.einsum("thd,ld->thl", q_idx[tok].float(), k) * scale)
         index = torch.einsum("th,thl->tl", weights[tok].float(), scores)  # [n, L]
         future = torch.arange(k.shape[0], device=dev)[None, :] > qpos[:, None]
-        index = index.masked_fill(future, float("-inf"))
-        picked = topk_lowest_first(index, min(topk, k.shape[0]))
+        out.append((tok, index.masked_fill(future, float("-inf")), qpos))
+    return out
+
+
+def indexer_topk(q_idx, weights, pool: PagedCache, layer, batch: StepBatch, topk):
+    """The top-k POSITIONS of `indexer_scores` per token, -1 padded.
+
+    Like HF, a row holds all seq_len keys of the request, future keys at -inf, and k = min(topk,
+    seq_len); exact ties (keys whose every head is ReLU'd to 0) go to the lowest position
+    (`topk_lowest_first`), so a chunked prefill, a whole one and decode pick the same keys. Future
+    positions filling a short row become -1.
+    """
+    out = torch.full((q_idx.shape[0], topk), -1, dtype=torch.int64, device=q_idx.device)
+    for tok, index, qpos in indexer_scores(q_idx, weights, pool, layer, batch):
+        picked = topk_lowest_first(index, min(topk, index.shape[1]))
         picked = picked.masked_fill(picked > qpos[:, None], -1)
         out[tok, : picked.shape[1]] = picked
     return out

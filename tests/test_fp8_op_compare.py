@@ -119,6 +119,37 @@ def test_a_wrong_attention_result_is_caught_at_its_op(plan_and_ckpt, one_torch_t
     assert all(r.slack_rel < 1e-5 for r in rows if r.kind == "attn.mla_mha")
 
 
+@pytest.mark.parametrize("kind", ["idx.topk", "moe.topk"])
+def test_a_changed_choice_is_reported_with_its_margin(plan_and_ckpt, one_torch_thread, kind):
+    """A top-k that picks the (k+1)-th key or expert instead of the k-th, in one row: the row's set
+    differs and the margin reported is the gap between the two in what the op ranks (finite, > 0),
+    not a tie."""
+    plan, path = plan_and_ckpt
+    target, oracle, again = executors(plan, path)
+    impl = cuda_target.IMPLS[kind]
+    done = []
+
+    def one_swapped(op, args, ctx):
+        out = impl(op, args, ctx)
+        if done:
+            return out
+        done.append(op.layer)
+        if kind == "moe.topk":
+            w, ids = out
+            ids = ids.clone()
+            ids[-1, -1] = next(e for e in range(8) if e not in ids[-1].tolist())
+            return w, ids
+        slots = out.clone()       # the last token: 14 keys, 8 chosen; one chosen slot -> an unchosen one
+        row = slots[13]
+        spare = next(s for s in ctx.r2t[ctx.rows[13], :14].tolist() if s not in row.tolist())
+        row[-1] = spare
+        return slots
+    target.impls = {**target.impls, kind: one_swapped}
+    rows = compare_step(target, oracle, again, "prefill", batches()[0])
+    changed = [r for r in rows if r.kind == kind and r.set_diff_rows and r.layer == done[0]]
+    assert len(changed) == 1 and 0 < changed[0].min_margin < float("inf"), [r.as_dict() for r in changed]
+
+
 def test_unit_roundoff_is_half_an_ulp_at_one():
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         u = unit_roundoff(dtype)

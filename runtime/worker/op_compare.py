@@ -27,9 +27,10 @@ quantisation of its input is read back (the step's `memo`, where the CUDA target
   since in_flips alone move the result by whole FP8 steps.
 
 Ops whose result is an integer tensor (top-k indices, routed expert ids) report the fraction of
-rows whose sets differ (`set_diff_rows`), and for `moe.topk` the smallest router margin among
-them: the gap between the k-th and (k+1)-th largest of what the router ranks (sigmoid of the logits
-plus the correction bias; with grouped routing the ranks inside the chosen groups can be closer).
+rows whose sets differ (`set_diff_rows`), and for `moe.topk` and `idx.topk` the smallest margin among
+them: the gap between the k-th and (k+1)-th largest of what the op ranks (the router: sigmoid of
+the logits plus the correction bias, with grouped routing the ranks inside the chosen groups can be
+closer; the indexer: each key's index score on the oracle's cache).
 Both sides rank the same logits, so only a gap of a few fp32 ulps may flip; the router's weights are
 held to their bound on the rows whose sets agree and count the others as `flip_rows`.
 
@@ -42,6 +43,7 @@ from dataclasses import dataclass, field
 
 import torch
 from glmc.codegen.fp8_ref import Fp8Weight, quantize_token_groups
+from glmc.codegen.torch_ref import index_head_scale, indexer_scores
 
 # Summation order in fp32 (blocked, split-K, tensor-core fragments) moves a result by up to a few
 # 2^-24 of the sum of |terms|; against the row's RMS this slack is generous for every op here and
@@ -251,6 +253,14 @@ def _rerun(run: _Run, again: dict, rounded: dict, slack: dict):
         if op.kind == "moe.topk":    # what the router ranks: sigmoid(logits) + the correction bias
             choice = torch.sigmoid(_fp32_of(args[0], run.seen.get(op.operands[0])).float())
             rounded[("choice", op.results[-1])] = choice + ctx.w(ctx.gate_bias(op)).float().to(choice.device)
+        if op.kind == "idx.topk":    # what the indexer ranks: each key's index score, future keys at -inf
+            q, w, layer = [_fp32_of(a, run.seen.get(name)) for name, a in zip(op.operands, args)]
+            per_request = indexer_scores(q, w.float() * index_head_scale(op), ctx.pool, layer, ctx.batch)
+            width = max((index.shape[1] for _, index, _ in per_request), default=0)
+            choice = torch.full((q.shape[0], width), float("-inf"), device=q.device)
+            for tok, index, _ in per_request:
+                choice[tok, :index.shape[1]] = index
+            rounded[("choice", op.results[-1])] = choice
         if op.kind in ROUNDED_KINDS:
             seen = [run.seen.get(name) for name in op.operands]
             own = [s.to(a.device) if isinstance(s, torch.Tensor) and isinstance(a, torch.Tensor) else a
@@ -446,9 +456,9 @@ def compare_step(target, oracle, again, phase: str, batch, hidden=None) -> list[
             _float_row(row, got, want, run.values.get(name), slack.get(name))
         elif not got.is_floating_point():
             scores = None
-            if op.kind == "moe.topk":
+            if op.kind in ("moe.topk", "idx.topk"):
                 scores = rounded.get(("choice", name))
-            _int_row(row, got, want, scores, int(op.attr("top_k", 0)) or got.shape[-1])
+            _int_row(row, got, want, scores, int(op.attr("top_k", 0)) or int(op.attr("k", 0)) or got.shape[-1])
         if name in run.fp8_in and op.kind in ("mlp.swiglu", "moe.experts"):
             xq, xs, args = run.fp8_in[name]
             mlp_check(row, got, xq, xs, args[0].dtype, _mlp_parts(op, again, args), _device(again))
