@@ -90,11 +90,12 @@ def glmc_plan(model, max_reqs, dtype_name, parallel="tp1", fp8=False, kv_dtype=N
 
 def gpu_runner(plan, weights, dev, max_reqs, max_ctx, capture=False, **kw):
     """The plan's `CudaExecutor` from the one loader (`runtime/worker/loader.py`): rows 0..max_reqs-1
-    on pages 1.. of `req_table`, plus the loader's scratch page."""
+    on pages 1.. of `req_table`, plus the loader's scratch page; decode graphs only (with
+    `capture`). `kw`: more `RunConfig` fields, or the loader's `comm`, `target`, `stacks`."""
     from glmc.runtime.worker.loader import load_runner
     pages = max_reqs * -(-max_ctx // 64) + 1
-    return load_runner(plan, weights, device=dev, num_pages=pages, max_context=max_ctx,
-                       max_running=max_reqs, capture=capture, **kw).executor
+    return load_runner(plan, weights, device=str(dev), num_pages=pages, max_context=max_ctx,
+                       max_running=max_reqs, capture=capture, prefill_graphs=False, **kw).executor
 
 
 def glmc_weights(model):

@@ -36,9 +36,10 @@ ROOT = Path(__file__).resolve().parents[1]
 def build(ckpt: Path, cpu: bool):
     from glmc.api import plan_for
     from glmc.runtime.engine.startup import build_engine
-    extra = {"kv_dtype": "bf16"} if "kv_dtype" in inspect.signature(plan_for).parameters else {}
+    params = inspect.signature(plan_for).parameters   # kv_dtype: a keyword, or a RunConfig field
+    extra = {"kv_dtype": "bf16"} if "kv_dtype" in params or "settings" in params else {}
     device = "cpu" if cpu else "cuda"
-    plan = plan_for(ckpt, None, None, "cuda", 128, None, **extra)
+    plan = plan_for(ckpt, device="cuda", max_running=128, **extra)
     return build_engine(plan, ckpt, device=device, num_pages=64 if cpu else 4096,
                         max_context=256 if cpu else 2048, max_running=4 if cpu else 128,
                         max_batch_tokens=64 if cpu else 2048)

@@ -105,7 +105,7 @@ def run_rank(rank: int, world: int, job: dict, out_dir: str) -> None:
     t0 = time.perf_counter()
     runner = load_runner(plan, job["ckpt"], device=job["device"], comm=comm, num_pages=job["num_pages"],
                          max_context=ctx + mtp + 64, max_running=b_max, capture=cuda,
-                         speculative=bool(mtp)).executor
+                         speculative_num_steps=mtp, prefill_graphs=False).executor
     out = {"rank": rank, "load_and_capture_s": time.perf_counter() - t0, "points": {}}
     lc.fill_pool_(runner.pool)
     table = common.req_table(b_max, -(-(ctx + mtp + 64) // 64))

@@ -73,7 +73,8 @@ def run_rank(rank: int, world: int, job: dict, out_dir: str) -> None:
         weights, stacks = job["ckpt"], None
     B, max_ctx = len(job["prompts"]), job["max_ctx"]
     gpu = load_runner(plan, weights, device=dev, comm=comm, num_pages=B * max_ctx // 64 + 1,
-                      max_context=max_ctx, max_running=B, capture=job["capture"], stacks=stacks).executor
+                      max_context=max_ctx, max_running=B, capture=job["capture"], prefill_graphs=False,
+                      stacks=stacks).executor
     dp, dp_rank = plan.mesh["attn_dp"], comm.coords.of("attn_dp")
     share = [list(range(r, B, dp)) for r in range(dp)]
     mine = share[dp_rank]

@@ -10,10 +10,11 @@ Requests get fixed KV rows (row r owns pages r*pages_per_request+1 ...); the poo
 the executor's scratch page. Under a multi-rank spec, call `load` in every rank's process (see
 `glmc.runtime.worker.launch.spawn`); `dp_tokens` then lists every DP rank's token count.
 
-`plan_for(ckpt_dir, plan_dir, parallel, device)` gives the `glmc.plan.Plan` to serve a checkpoint
+`plan_for(ckpt_dir, plan_dir, parallel, run)` gives the `glmc.plan.Plan` to serve a checkpoint
 with (a plan directory checked against the checkpoint, or the checkpoint's model compiled now);
 `build_engine(ckpt_dir, ...)` starts a one-process serving engine over it (what `glmc run` does
-for one rank). Both compile on demand; the runtime itself only ever receives a Plan.
+for one rank). `run` is the `glmc.run_config.RunConfig` (device, KV pages, scheduler limits, ...);
+both also take its fields as keywords (`build_engine(ckpt, max_running=4)`). Both compile on demand; the runtime itself only ever receives a Plan.
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from glmc.compiler import compile_plan
 from glmc.config import GlmConfig, Options
 from glmc.parallel import parse_parallel
 from glmc.plan import Plan
+from glmc.run_config import RunConfig, with_settings
 from glmc.runtime.worker.executor import PlanExecutor
 from glmc.runtime.worker.forward_batch import ForwardBatch
 from glmc.runtime.worker.kv_cache import PAGE_SIZE
@@ -94,22 +96,24 @@ def load(ckpt_dir, parallel: str = "tp1", moe_a2a=None, max_requests: int = 8,
     return Model(runner.executor, spec, max_requests, pages_per_request)
 
 
-def plan_for(ckpt_dir, plan_dir=None, parallel: str | None = None, device: str = "cpu",
-             max_running: int = 32, quantize: str | None = None, kv_dtype: str | None = None,
-             speculative_num_steps: int = 0) -> Plan:
+def plan_for(ckpt_dir, plan_dir=None, parallel: str | None = None, run: RunConfig | None = None,
+             **settings) -> Plan:
     """The plan in `plan_dir` (checked against the checkpoint's config.json), or the checkpoint's
-    model compiled now for `parallel` (default tp1) and `device`'s target (cuda: CUDA-graph
-    buckets up to `max_running`, the scheduler's largest decode batch). `quantize` ("fp8"):
-    the linear weights block-FP8, quantised on load where the checkpoint holds them unquantised.
-    `kv_dtype` ("fp8", "bf16"; `spec.kv_dtyped`): the KV and indexer caches' dtype.
-    `speculative_num_steps` N > 0: the MTP verify graphs are bucketed for N + 1 tokens per request."""
+    model compiled now for `parallel` (default tp1) and the settings of `run` (`RunConfig`, or its
+    fields as keywords): `device`'s target (cuda: CUDA-graph buckets up to `max_running`, the
+    scheduler's largest decode batch), `quantize` ("fp8": the linear weights block-FP8, quantised
+    on load where the checkpoint holds them unquantised), `kv_dtype` ("fp8", "bf16";
+    `spec.kv_dtyped`: the KV and indexer caches' dtype) and `speculative_num_steps` (N > 0: the MTP
+    verify graphs are bucketed for N + 1 tokens per request)."""
+    run = with_settings(run, **settings)
+    device, quantize, kv_dtype = run.device, run.quantize, run.kv_dtype
     spec = kv_dtyped(quantized(load_spec(ckpt_dir), quantize), kv_dtype)
     if plan_dir is None:
         par = parse_parallel(parallel or "tp1", spec.config)
         opts = Options(device=device) if device == "cpu" else Options(device=device,
-                                                                      max_batch=max_running)
-        if speculative_num_steps:
-            opts = dataclasses.replace(opts, mtp_draft_tokens=speculative_num_steps + 1)
+                                                                      max_batch=run.max_running)
+        if run.speculative_num_steps:
+            opts = dataclasses.replace(opts, mtp_draft_tokens=run.speculative_num_steps + 1)
         with progress(total=1, desc=f"compiling {par.name} ({device})", unit="plan") as bar:
             plan = compile_plan(spec, par, opts)
             bar.update()
@@ -137,12 +141,12 @@ def plan_for(ckpt_dir, plan_dir=None, parallel: str | None = None, device: str =
     return plan
 
 
-def build_engine(ckpt_dir, plan_dir=None, parallel: str | None = None, *, device: str = "cpu",
-                 **kwargs):
+def build_engine(ckpt_dir, plan_dir=None, parallel: str | None = None, run: RunConfig | None = None, *,
+                 runner: str = "plan", **settings):
     """A one-process serving engine (`glmc.runtime.engine.startup.build_engine`) over
-    `plan_for(ckpt_dir, plan_dir, parallel, device)`."""
+    `plan_for(ckpt_dir, plan_dir, parallel, run)`, with the settings of `run` (`RunConfig`, or its
+    fields as keywords)."""
     from glmc.runtime.engine.startup import build_engine as start
 
-    plan = plan_for(ckpt_dir, plan_dir, parallel, device, kwargs.get("max_running", 32),
-                    speculative_num_steps=kwargs.get("speculative_num_steps", 0))
-    return start(plan, Path(ckpt_dir), device=device, **kwargs)
+    run = with_settings(run, **settings)
+    return start(plan_for(ckpt_dir, plan_dir, parallel, run), Path(ckpt_dir), run, runner=runner)

@@ -7,6 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+from glmc.run_config import DEVICES, RunConfig
+
 # a plan's phases: glmc.passes.PHASES (a test keeps them equal), without importing the compiler here
 PHASES = ("prefill", "decode", "mtp_draft", "mtp_verify")
 DEFAULT_MODEL = "glm_moe_dsa_tiny"  # small, random weights: what `glmc run` serves by default
@@ -126,7 +128,8 @@ def cmd_run(a) -> int:
     from glmc.runtime.worker.launch import RankFailed
     from glmc.tiny import (RANDOM_NAME, SMALL_DIR, SMALL_NAME, TINY_NAME, default_cache_dir, make_random_glm,
                            make_tiny_checkpoint)
-    if a.device == "cuda":  # before anything slow: a GPU torch can see
+    run = run_config_of(a)   # before anything slow: the settings, then a GPU torch can see
+    if a.device == "cuda":
         from glmc.runtime.engine.startup import require_cuda
         require_cuda()
     weights = a.weights or SMALL_NAME
@@ -140,27 +143,30 @@ def cmd_run(a) -> int:
         ckpt = Path(weights)
         if not (ckpt / "config.json").exists():
             raise ValueError(f"--weights {ckpt}: not a checkpoint directory (no config.json)")
-    plan = plan_for(ckpt, a.plan, a.parallel, a.device, a.max_running, a.quantize, a.kv_dtype,
-                    a.speculative_num_steps)
-    if a.speculative_num_steps and not plan.has_mtp:
+    plan = plan_for(ckpt, a.plan, a.parallel, run)
+    if run.speculative_num_steps and not plan.has_mtp:
         raise ValueError(f"--speculative-num-steps needs a checkpoint with an MTP layer "
                          f"(num_nextn_predict_layers > 0 and its weights): {ckpt} has none")
-    engine_kwargs = dict(max_running=a.max_running, max_batch_tokens=a.max_batch_tokens,
-                         max_waiting=a.max_waiting, enable_prefix_cache=not a.no_prefix_cache,
-                         overlap=False if a.no_overlap or a.speculative_num_steps else None,
-                         mixed_prefill_tokens=a.mixed_prefill_tokens,
-                         speculative_num_steps=a.speculative_num_steps)
     name = a.served_model_name or (weights if weights in (SMALL_NAME, TINY_NAME, RANDOM_NAME) else ckpt.name)
     server = ServerOptions(max_body_bytes=int(a.max_body_mb * 2**20),
                            shutdown_timeout_s=a.shutdown_timeout, profile_dir=a.profile_dir)
     try:
-        serve_model(ServeConfig(plan, str(ckpt), a.device, name, a.host, a.port, a.num_pages,
-                                a.max_context, engine_kwargs, not a.no_warmup, a.log_level,
-                                server=server, prefill_graphs=not a.no_prefill_graphs))
+        serve_model(ServeConfig(plan, str(ckpt), run, name, a.host, a.port, a.log_level, server=server))
     except RankFailed as e:
         print(f"glmc run: error: {e}", file=sys.stderr)
         return 1
     return 0
+
+
+def run_config_of(a):
+    """`glmc run`'s flags as the one `RunConfig` (validated: a bad value names its field)."""
+    return RunConfig(device=a.device, num_pages=a.num_pages, max_context=a.max_context,
+                     max_running=a.max_running, max_batch_tokens=a.max_batch_tokens,
+                     mixed_prefill_tokens=a.mixed_prefill_tokens, max_waiting=a.max_waiting,
+                     enable_prefix_cache=not a.no_prefix_cache,
+                     overlap=False if a.no_overlap or a.speculative_num_steps else None,
+                     speculative_num_steps=a.speculative_num_steps, prefill_graphs=not a.no_prefill_graphs,
+                     warmup=not a.no_warmup, quantize=a.quantize, kv_dtype=a.kv_dtype)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -240,19 +246,19 @@ def main(argv: list[str] | None = None) -> int:
                    "for benchmarks)")
     r.add_argument("--parallel", help="parallel spec, one process per rank (default tp1, or the "
                    "plan's)")
-    r.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu: the torch "
+    r.add_argument("--device", choices=DEVICES, default=RunConfig.device, help="cpu: the torch "
                    "target; cuda: the CUDA target (Triton kernels, decode replayed from CUDA "
                    "graphs), one GPU per rank")
     r.add_argument("--host", default="127.0.0.1", help="address to listen on")
     r.add_argument("--port", type=int, default=8000, help="0 picks a free port")
-    r.add_argument("--num-pages", type=int, default=256, help="KV pages of 64 tokens per DP rank")
-    r.add_argument("--max-running", type=int, default=32, help="running requests per DP rank")
-    r.add_argument("--max-batch-tokens", type=int, default=256, help="tokens per step and DP rank "
+    r.add_argument("--num-pages", type=int, default=RunConfig.num_pages, help="KV pages of 64 tokens per DP rank")
+    r.add_argument("--max-running", type=int, default=RunConfig.max_running, help="running requests per DP rank")
+    r.add_argument("--max-batch-tokens", type=int, default=RunConfig.max_batch_tokens, help="tokens per step and DP rank "
                    "(the chunked-prefill size)")
     r.add_argument("--mixed-prefill-tokens", type=int, help="prefill tokens a step may carry while "
                    "requests decode (default: a quarter of --max-batch-tokens), so running streams "
                    "never wait behind a full-size chunk")
-    r.add_argument("--max-waiting", type=int, default=256, help="queued requests before 503s")
+    r.add_argument("--max-waiting", type=int, default=RunConfig.max_waiting, help="queued requests before 503s")
     r.add_argument("--max-context", type=int, help="longest sequence (default: the model's, "
                    "capped by the KV pool)")
     r.add_argument("--served-model-name", help="the API's model id (default: glmc-small, "
@@ -274,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--no-overlap", action="store_true", help="read each step's tokens before "
                    "scheduling the next (default: the host prepares step N+1 while the device "
                    "runs step N, where the runner supports it)")
-    r.add_argument("--speculative-num-steps", type=int, default=0, metavar="N", help="MTP "
+    r.add_argument("--speculative-num-steps", type=int, default=RunConfig.speculative_num_steps, metavar="N", help="MTP "
                    "speculative decoding: draft N tokens per step with the model's MTP layer and "
                    "verify them in one forward (0: off); greedy output equals plain decoding's, "
                    "sampled output follows the same distribution (standard speculative sampling); "

@@ -8,7 +8,8 @@ The import graph is read with `ast` from every module of the package, imports in
 included (a lazy import is still a dependency), and so are `if TYPE_CHECKING:` blocks: a
 type-only import is still an arrow between modules (a module that needs another's type for its
 annotations states what it reads as a Protocol instead). `glmc.config` and `glmc.plan` are the
-shared vocabulary every stage may read.
+shared vocabulary every stage may read, and `glmc.run_config` the run settings every stage from
+the command line to the engine reads.
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ FORBIDDEN = [
     ("glmc.passes", ("glmc.codegen", "glmc.runtime", "glmc.compiler") + FRONT_DOOR,
      "passes transform graphs; the pipeline runs them"),
     ("glmc.config", ("glmc.",), "the config types import nothing of glmc"),
+    ("glmc.run_config", ("glmc.",), "the run settings import nothing of glmc"),
     ("glmc.plan", ("glmc.passes", "glmc.spec", "glmc.compiler", "glmc.codegen", "glmc.runtime") + FRONT_DOOR,
      "the Plan is data: the IR and the config types only"),
     ("glmc.runtime.worker", ("glmc.runtime.engine", "glmc.runtime.serving"), "a worker knows no requests"),

@@ -28,7 +28,9 @@ Tests may instead call `step()`/`generate()` directly with no thread.
 With attention data parallelism (`runner.num_dp` > 1) every DP rank has its own pages,
 req_to_token rows, prefix cache and `Scheduler`; a new request goes to the least loaded rank, and
 each step runs every rank's batch at once (`ModelRunner.forward_dp`; idle ranks step too).
-Speculative decoding (`speculative_num_steps=N` > 0): each step verifies the MTP layer's N draft
+The settings (`glmc.run_config.RunConfig`: `max_running`, `max_batch_tokens`, `max_waiting`,
+`enable_prefix_cache`, `overlap`, `mixed_prefill_tokens`, `speculative_num_steps`) come as one
+value, or as its fields by keyword. Speculative decoding (`speculative_num_steps=N` > 0): each step verifies the MTP layer's N draft
 tokens per request and drafts the next ones (`runtime/engine/speculative.py`); it needs a
 runner that `supports_speculative` and runs without overlap.
 Engines are started by `runtime/engine/startup.py`; runners live in `runtime/worker/`.
@@ -64,6 +66,8 @@ from glmc.runtime.engine.tokenizer import Detokenizer, Tokenizer
 from glmc.runtime.worker.forward_batch import ForwardBatch, to_device
 from glmc.runtime.worker.model_runner import ModelRunner
 
+from glmc.run_config import RunConfig, with_settings
+
 __all__ = ["Engine", "InvalidRequest", "ModelRunner", "Overloaded", "StreamEvent"]
 
 
@@ -87,21 +91,17 @@ class StreamEvent:
 class Engine:
     """Continuous-batching engine over a `ModelRunner`; see the module docstring."""
 
-    MAX_BATCH_TOKENS = 256   # the default token budget of one step
-
-    def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, *, max_running: int = 32,
-                 max_batch_tokens: int = MAX_BATCH_TOKENS, max_waiting: int = 256,
-                 enable_prefix_cache: bool = True, overlap: bool | None = None,
-                 mixed_prefill_tokens: int | None = None, speculative_num_steps: int = 0):
+    def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, run: RunConfig | None = None,
+                 **settings):
+        run = with_settings(run, **settings)
         if runner.page_size != PAGE_SIZE:
             raise ValueError(f"runner page_size {runner.page_size} != runtime PAGE_SIZE {PAGE_SIZE}")
         if tokenizer.vocab_size > runner.vocab_size:
             raise ValueError(f"tokenizer has {tokenizer.vocab_size} tokens, model vocab_size is "
                              f"{runner.vocab_size}")
-        self.runner, self.tokenizer, self.max_waiting = runner, tokenizer, max_waiting
+        self.runner, self.tokenizer, self.max_waiting = runner, tokenizer, run.max_waiting
         self.scheduler = DataParallelScheduler([  # one per DP rank: pages, rows, cache
-            _rank_scheduler(runner, max_running, max_batch_tokens, enable_prefix_cache, mixed_prefill_tokens)
-            for _ in range(runner.num_dp)])
+            _rank_scheduler(runner, run) for _ in range(runner.num_dp)])
         self.metrics = Metrics()
         self.max_context = runner.max_context
         rank = self.scheduler.ranks[0]   # every DP rank has the same pool
@@ -115,10 +115,10 @@ class Engine:
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._stop = False
-        if overlap and not runner.supports_overlap:
+        if run.overlap and not runner.supports_overlap:
             raise ValueError(f"{type(runner).__name__} cannot overlap steps (overlap=True)")
-        self.overlap = runner.supports_overlap if overlap is None else overlap
-        self.speculator = self._speculator(runner, speculative_num_steps, overlap)
+        self.overlap = runner.supports_overlap if run.overlap is None else run.overlap
+        self.speculator = self._speculator(runner, run.speculative_num_steps)
         self._inflight: list | None = None   # the queued step whose tokens are not read yet
         self._profile: _StepProfile | None = None
         self._serving_kernels: dict | None = None   # binaries per kernel since warm-up (reset_metrics)
@@ -326,14 +326,11 @@ class Engine:
 
     # -- internals -------------------------------------------------------------------------------
 
-    def _speculator(self, runner: ModelRunner, num_steps: int, overlap: bool | None):
-        """The MTP speculator for `num_steps` > 0 (None: plain decoding); turns overlap off."""
-        if num_steps < 0:
-            raise ValueError(f"speculative_num_steps must be >= 0, got {num_steps}")
+    def _speculator(self, runner: ModelRunner, num_steps: int):
+        """The MTP speculator for `num_steps` > 0 (None: plain decoding); turns overlap off
+        (`RunConfig.validate` refused overlap=True with it)."""
         if not num_steps:
             return None
-        if overlap:
-            raise ValueError("speculative decoding runs without overlap (overlap=True was asked)")
         if not runner.supports_speculative:
             raise ValueError(f"{type(runner).__name__} cannot run speculative decoding: it needs a "
                              "plan with MTP phases (mtp_draft, mtp_verify) run on the torch target "
@@ -483,13 +480,12 @@ class _StepProfile:
         return busy
 
 
-def _rank_scheduler(runner: ModelRunner, max_running: int, max_batch_tokens: int,
-                    enable_prefix_cache: bool, mixed_prefill_tokens: int | None) -> Scheduler:
+def _rank_scheduler(runner: ModelRunner, run: RunConfig) -> Scheduler:
     allocator = PageAllocator(runner.num_pages)
-    cache = RadixCache(allocator) if enable_prefix_cache else NoPrefixCache()
-    return Scheduler(allocator, ReqToTokenPool(max_running, runner.max_context), cache,
-                     max_running=max_running, max_batch_tokens=max_batch_tokens,
-                     mixed_prefill_tokens=mixed_prefill_tokens)
+    cache = RadixCache(allocator) if run.enable_prefix_cache else NoPrefixCache()
+    return Scheduler(allocator, ReqToTokenPool(run.max_running, runner.max_context), cache,
+                     max_running=run.max_running, max_batch_tokens=run.max_batch_tokens,
+                     mixed_prefill_tokens=run.mixed_prefill_tokens)
 
 
 def _name_os_thread(name: bytes) -> None:

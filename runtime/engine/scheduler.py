@@ -34,6 +34,8 @@ from glmc.runtime.engine.pages import (
 from glmc.runtime.engine.prefix_cache import PrefixCache
 from glmc.runtime.engine.request import Request, Status
 
+from glmc.run_config import RunConfig
+
 
 @dataclass
 class ScheduledBatch:
@@ -67,7 +69,8 @@ class Scheduler:
     """Waiting queue + running set over a page allocator, a req_to_token pool and a prefix cache."""
 
     def __init__(self, allocator: PageAllocator, req_pool: ReqToTokenPool, cache: PrefixCache, *,
-                 max_running: int = 64, max_batch_tokens: int = 512,
+                 max_running: int = RunConfig.max_running,
+                 max_batch_tokens: int = RunConfig.max_batch_tokens,
                  mixed_prefill_tokens: int | None = None):
         if max_batch_tokens < 1 or max_running < 1:
             raise ValueError(f"max_batch_tokens ({max_batch_tokens}) and max_running "

@@ -19,6 +19,7 @@ from glmc.runtime.worker.loader import load_runner, progress
 from glmc.runtime.worker.model_runner import ReferenceRunner
 
 from glmc.plan import Plan
+from glmc.run_config import RunConfig, with_settings
 
 DEVICES = ("cpu", "cuda")
 
@@ -30,33 +31,30 @@ def require_cuda() -> None:
                          f"with CUDA {torch.version.cuda}); serve on the host with --device cpu")
 
 
-def build_engine(plan: Plan, ckpt_dir: str | Path, *, runner: str = "plan", device: str = "cpu",
-                 num_pages: int = 256, max_context: int | None = None, warmup: bool = True,
-                 prefill_graphs: bool = True, **engine_kwargs) -> Engine:
-    """An engine in this process over `plan` (one rank) and the checkpoint's weights; on a GPU
-    with `prefill_graphs`, prefill steps are replayed from CUDA graphs (`load_runner`)."""
+def build_engine(plan: Plan, ckpt_dir: str | Path, run: RunConfig | None = None, *, runner: str = "plan",
+                 **settings) -> Engine:
+    """An engine in this process over `plan` (one rank) and the checkpoint's weights, with the
+    settings of `run` (`glmc.run_config.RunConfig`; its fields may also come as keywords): the
+    loader's (`load_runner`: on a GPU with `prefill_graphs`, prefill steps are replayed from CUDA
+    graphs), the engine's, and `warmup`."""
     ckpt_dir = Path(ckpt_dir)
-    if device not in DEVICES:
-        raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
+    run = with_settings(run, **settings)
+    if run.device not in DEVICES:
+        raise ValueError(f"device must be one of {DEVICES}, got {run.device!r}")
     if plan.world != 1:
         raise ValueError(f"{plan.parallel} runs {plan.world} ranks, one process each: serve it "
                          "with `glmc run --parallel` (glmc.runtime.engine.distributed)")
     if runner == "reference":
-        model = ReferenceRunner(plan.config, load_weights(ckpt_dir, plan.config), num_pages,
-                                max_context)
+        model = ReferenceRunner(plan.config, load_weights(ckpt_dir, plan.config), run.num_pages,
+                                run.max_context)
     elif runner == "plan":
-        if device == "cuda":
+        if run.device == "cuda":
             require_cuda()
-        max_running = engine_kwargs.get("max_running", 32)
-        model = load_runner(plan, ckpt_dir, device=device, num_pages=num_pages,
-                            max_context=max_context, max_running=max_running,
-                            speculative=engine_kwargs.get("speculative_num_steps", 0) > 0,
-                            max_batch_tokens=engine_kwargs.get("max_batch_tokens", Engine.MAX_BATCH_TOKENS)
-                            if prefill_graphs else 0)
+        model = load_runner(plan, ckpt_dir, run)
     else:
         raise ValueError(f"runner must be 'plan' or 'reference', got {runner!r}")
-    engine = Engine(model, Tokenizer.from_dir(ckpt_dir), **engine_kwargs)
-    if warmup:
+    engine = Engine(model, Tokenizer.from_dir(ckpt_dir), run)
+    if run.warmup:
         warm_up(engine)
     return engine
 

@@ -21,13 +21,14 @@ import os
 import signal
 import threading
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from multiprocessing.connection import wait
 
 import torch
 import torch.distributed as dist
 
 from glmc.plan import Plan
+from glmc.run_config import RunConfig
 from glmc.runtime.engine.distributed import DistRunner, follow
 from glmc.runtime.serving.server import ServerOptions
 
@@ -42,18 +43,13 @@ class ServeConfig:
 
     plan: Plan
     ckpt_dir: str
-    device: str = "cpu"
+    run: RunConfig = field(default_factory=RunConfig)  # device, KV pool, scheduler, capture, warm-up
     model_name: str = "glmc"
     host: str = "127.0.0.1"
     port: int = 8000
-    num_pages: int = 256
-    max_context: int | None = None
-    engine_kwargs: dict = field(default_factory=dict)
-    warmup: bool = True
     log_level: str = "info"
     timeout_s: float = 600.0  # collectives of one step (and start-up) fail after this long
     server: ServerOptions = field(default_factory=ServerOptions)  # body limit, shutdown grace
-    prefill_graphs: bool = True  # one-rank CUDA plans: prefill steps replayed from CUDA graphs
 
 
 def serve_model(cfg: ServeConfig) -> None:
@@ -76,10 +72,7 @@ def serve_model(cfg: ServeConfig) -> None:
         return
     if world == 1:
         with _sigterm_interrupts():  # start-up ends with KeyboardInterrupt on either signal
-            engine = build_engine(cfg.plan, cfg.ckpt_dir, device=cfg.device,
-                                  num_pages=cfg.num_pages, max_context=cfg.max_context,
-                                  warmup=cfg.warmup, prefill_graphs=cfg.prefill_graphs,
-                                  **cfg.engine_kwargs)
+            engine = build_engine(cfg.plan, cfg.ckpt_dir, cfg.run)
         serve(engine, cfg.model_name, cfg.host, cfg.port, cfg.log_level, cfg.server)
         return
     stop = _StopRanks()
@@ -210,9 +203,8 @@ def _rank_main(rank: int, world: int, cfg: ServeConfig) -> None:
 
     comm = Comm(cfg.plan.mesh, cfg.plan.groups)
     group = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)  # after Comm's, on all ranks
-    local = load_runner(cfg.plan, cfg.ckpt_dir, device=cfg.device, comm=comm,
-                        num_pages=cfg.num_pages, max_context=cfg.max_context,
-                        max_running=cfg.engine_kwargs.get("max_running", 32))
+    # several ranks capture the decode graphs only: their MTP and prefill steps run eagerly
+    local = load_runner(cfg.plan, cfg.ckpt_dir, replace(cfg.run, speculative_num_steps=0), comm=comm)
     if rank:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # from now on, rank 0 says when to stop
         try:
@@ -222,8 +214,8 @@ def _rank_main(rank: int, world: int, cfg: ServeConfig) -> None:
         return
     runner = DistRunner(local, group)
     try:
-        engine = Engine(runner, Tokenizer.from_dir(cfg.ckpt_dir), **cfg.engine_kwargs)
-        if cfg.warmup:
+        engine = Engine(runner, Tokenizer.from_dir(cfg.ckpt_dir), cfg.run)
+        if cfg.run.warmup:
             warm_up(engine)
         serve(engine, cfg.model_name, cfg.host, cfg.port, cfg.log_level, cfg.server,
               signals=(signal.SIGTERM,))

@@ -46,6 +46,7 @@ from glmc.runtime.worker.shards import cut_rank_stacks, iter_rank_weights, load_
 from tqdm import tqdm as _tqdm
 
 from glmc.plan import Plan
+from glmc.run_config import RunConfig, with_settings
 
 Weights = "str | Path | Mapping[str, torch.Tensor]"
 
@@ -77,25 +78,25 @@ class _Line:
         pass
 
 
-def load_runner(plan: Plan, weights: Weights, *, device: str | torch.device | None = None,
-                comm: Comm | None = None, num_pages: int = 256, max_context: int | None = None,
-                max_running: int = 32, capture: bool = True, target: str | None = None,
-                stacks: dict | None = None, kv_fp8: str | None = None,
-                speculative: bool = False, max_batch_tokens: int = 0) -> PlanRunner:
-    """This rank's runner of `plan`. `weights` is a checkpoint directory (a random one makes its
-    weights on `device`: `random_weights`) or a mapping of full HF-named tensors; `device` defaults to "cuda" for the CUDA target, else "cpu" (a CUDA-target
-    plan on "cpu" runs the same code uncaptured, Triton under TRITON_INTERPRET=1: a dry run).
-    The scheduler may hand out `num_pages` pages and `max_running` requests per step.
-    `target` overrides the plan's ("cpu": the fp32 torch target, e.g. as the oracle of a CUDA
-    plan on the same GPU); `stacks` passes expert weights already stacked per layer
-    ({weight prefix: (gate, up, down)}, benchmarks holding HF's fused expert tensors). `kv_fp8`
-    ("store", "emulate", "none"; default: "store" on the CUDA target, "none" on the torch target)
-    says what becomes of the caches the plan stores fp8 (`KVPool.for_plan`). `speculative`: also
-    capture the MTP verify and draft graphs (a CUDA plan with MTP phases). `max_batch_tokens` > 0:
-    also capture prefill graphs for steps of up to that many tokens (one-rank CUDA plans;
-    `cuda_executor.prefill_buckets`)."""
+def load_runner(plan: Plan, weights: Weights, run: RunConfig | None = None, *, comm: Comm | None = None,
+                target: str | None = None, stacks: dict | None = None, **settings) -> PlanRunner:
+    """This rank's runner of `plan` with the settings of `run` (`glmc.run_config.RunConfig`; its
+    fields may also come as keywords): `device`, a KV pool of `num_pages` pages (the scheduler may
+    hand out that many, and `max_running` requests per step), `max_context`, `kv_fp8` (what becomes
+    of the caches the plan stores fp8, `KVPool.for_plan`), and on a GPU the graphs it captures
+    (`capture`: the decode buckets; with `speculative_num_steps` > 0 also the MTP verify and draft
+    graphs of a plan with MTP phases; with `prefill_graphs`, prefill graphs for steps of up to
+    `max_batch_tokens` tokens on one-rank plans, `cuda_executor.prefill_buckets`). A CUDA-target
+    plan on "cpu" runs the same code uncaptured, Triton under TRITON_INTERPRET=1: a dry run.
+    `weights` is a checkpoint directory (a random one makes its weights on the device:
+    `random_weights`) or a mapping of full HF-named tensors. `target` overrides the plan's ("cpu":
+    the fp32 torch target, e.g. as the oracle of a CUDA plan on the same GPU); `stacks` passes
+    expert weights already stacked per layer ({weight prefix: (gate, up, down)}, benchmarks holding
+    HF's fused expert tensors)."""
+    run = with_settings(run, **settings)
     target = target or plan.target
-    device = torch.device(device or ("cuda" if target == "cuda" else "cpu"))
+    device = torch.device(run.device)
+    num_pages, max_context = run.num_pages, run.max_context
     comm = comm or Comm(plan.mesh, plan.groups)
     fp8 = fp8_weights(plan)
     given = _rank_stacks(cut_rank_stacks(stacks, plan, comm.coords), fp8, target) if stacks else {}
@@ -104,7 +105,7 @@ def load_runner(plan: Plan, weights: Weights, *, device: str | torch.device | No
         local = _rank_weights(plan, weights, comm, torch.float32, fp8, False, device)
         stacks = _moved({**stack_experts(local, plan, comm.coords), **given}, lambda w: w.to(device))
         local = {n: w.to(device) for n, w in local.items()}
-        pool = KVPool.for_plan(plan, num_pages + 1, torch.float32, device, kv_fp8 or "none")
+        pool = KVPool.for_plan(plan, num_pages + 1, torch.float32, device, run.kv_fp8 or "none")
         executor = PlanExecutor(plan, local, pool, comm, device=device, stacks=stacks)
         return PlanRunner(executor, max_context)
     from glmc.runtime.worker.cuda_executor import MTP_PHASES, CudaExecutor, to_device_weight, to_device_weights
@@ -115,13 +116,13 @@ def load_runner(plan: Plan, weights: Weights, *, device: str | torch.device | No
     stacks = _moved({**stack_experts(local, plan, comm.coords), **given},
                     lambda w: to_device_weight(w, device, dtype))
     local = to_device_weights(local, device, dtype)
-    pool = KVPool.for_plan(plan, num_pages + 1, dtype, device, kv_fp8 or "store")
-    gpu = CudaExecutor(plan, local, pool, comm, max_reqs=max_running, max_context=max_ctx,
-                       stacks=stacks, max_batch_tokens=max_batch_tokens)
+    pool = KVPool.for_plan(plan, num_pages + 1, dtype, device, run.kv_fp8 or "store")
+    gpu = CudaExecutor(plan, local, pool, comm, max_reqs=run.max_running, max_context=max_ctx, stacks=stacks,
+                       max_batch_tokens=run.max_batch_tokens if run.prefill_graphs else 0)
     loaded, captured = time.perf_counter() - t0, {}
-    phases = ("decode", *MTP_PHASES) if speculative and plan.has_mtp else ("decode",)
+    phases = ("decode", *MTP_PHASES) if run.speculative_num_steps and plan.has_mtp else ("decode",)
     phases += ("prefill",) if gpu.phase_buckets["prefill"] else ()
-    if capture and device.type == "cuda":
+    if run.capture and device.type == "cuda":
         with progress(total=gpu.num_graphs(phases), desc="capturing CUDA graphs", unit="graph") as bar:
             gpu.capture(progress=bar.update, phases=phases)
         captured = gpu.timings
