@@ -91,7 +91,7 @@ def cmd_export_onnx(a) -> int:
 def cmd_plan(a) -> int:
     """Search parallel specs, MoE lowerings, MTP drafts and KV dtypes for a workload on N GPUs."""
     from glmc.calibration import load
-    from glmc.plan_report import render_svg, render_table
+    from glmc.plan_report import explain_recipes, render_explain, render_svg, render_table
     from glmc.plan_search import (DEFAULT_CALIBRATION, DEFAULT_GPU_MEMORY_GB, compile_choice, parse_numbers,
                                   parse_slo, parse_workload, search)
     from glmc.spec import load_spec
@@ -107,11 +107,13 @@ def cmd_plan(a) -> int:
     result = search(load_spec(_model_path(a.model or CARD_MODEL)), cal, a.gpus, workload, concurrency, slo,
                     memory, a.accept, tuple(a.kv_dtype.split(",")),
                     only=a.specs.split(",") if a.specs else None, prefill_chunk=a.prefill_chunk)
+    if a.explain:
+        result["explain"] = explain_recipes(result)
     out = Path(a.output or "build/plan")
     out.mkdir(parents=True, exist_ok=True)
     (out / "plan_search.json").write_text(json.dumps(result, indent=1) + "\n")
     (out / "pareto.svg").write_text(render_svg(result))
-    print(render_table(result), end="")
+    print(render_table(result) + (render_explain(result["explain"]) if a.explain else ""), end="")
     print(f"wrote {out}/plan_search.json (every priced row, the dropped ones with their reason), {out}/pareto.svg")
     if result["best"] and not a.no_compile:
         plan_dir, serve = compile_choice(load_spec(_model_path(a.model or CARD_MODEL)), result["best"], out / "plan",
@@ -232,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     pl.add_argument("--prefill-chunk", type=int, help="prompt tokens per prefill step, as glmc run "
                     "--max-batch-tokens (default: the plan's chunk, 8192)")
     pl.add_argument("--no-compile", action="store_true", help="only search: do not compile the best plan")
+    pl.add_argument("--explain", action="store_true", help="compare the pick with SGLang's latency and "
+                    "throughput recipes, term by term (also under \"explain\" in plan_search.json)")
     pl.set_defaults(fn=cmd_plan)
     r = sub.add_parser("run", help="serve a model over an OpenAI-compatible HTTP API "
                        "(default: glmc-small, the trained small model, compiled for tp1)")

@@ -153,6 +153,12 @@ def without_p2p(op):
     return replace(op, attrs=tuple(kv for kv in op.attrs if kv[0] != "p2p_max_bytes"))
 
 
+# the predictor's per-step terms (glmc.predict.op_seconds) as a row carries them, summing to the step
+STEP_TERMS = {"collectives": "collectives", "launches": "launches (kernels, GEMM calls, torch ops)",
+              "hbm": "HBM traffic (memory-bound ops)", "compute": "compute (FLOP-bound ops)",
+              "topk_select": "top-k select latency"}
+
+
 class StepPricer:
     """`glmc.predict.predict_step`'s `step_s` for one graph at many points, fast: ops that differ
     only in their layer's weight names (same kind, attributes, operand and result types) cost the
@@ -177,9 +183,21 @@ class StepPricer:
         return other
 
     def step_seconds(self, env: dict) -> float:
-        ops = sum(n * op_seconds(op, self.graph, env, self.dtypes, self.cal, self.weight_bytes)["seconds"]
-                  for op, n in self.groups)
-        return ops + STEP_TORCH_OPS * torch_op_seconds(self.cal)
+        return self.step_terms(env)["seconds"]
+
+    def step_terms(self, env: dict) -> dict:
+        """{"seconds": the step, and its STEP_TERMS}: each op's max(HBM, compute) counted under the
+        one that bounds it, so the terms sum to the step."""
+        terms, ops = dict.fromkeys(STEP_TERMS, 0.0), 0.0
+        for op, n in self.groups:
+            t = op_seconds(op, self.graph, env, self.dtypes, self.cal, self.weight_bytes)
+            ops += n * t["seconds"]
+            terms["hbm" if t["memory_s"] >= t["compute_s"] else "compute"] += n * t["data_s"]
+            for term, key in (("launches", "overhead_s"), ("topk_select", "latency_s"), ("collectives", "comm_s")):
+                terms[term] += n * t[key]
+        host = STEP_TORCH_OPS * torch_op_seconds(self.cal)
+        terms["launches"] += host
+        return {"seconds": ops + host, **terms}
 
 
 @dataclass(frozen=True)
@@ -277,31 +295,33 @@ def _pricer(c: Compiled, phase: str, cal: dict, gpus: int, memo: dict, p2p: bool
 
 
 def _step(c: Compiled, phase: str, tokens: int, requests: int, context: int, cal: dict, gpus: int,
-          memo: dict, p2p: bool = True) -> float:
-    """`predict_step`'s seconds for one of `c`'s graphs at a point, each point priced once."""
+          memo: dict, p2p: bool = True) -> dict:
+    """`predict_step`'s seconds and STEP_TERMS for one of `c`'s graphs at a point, each point priced once."""
     key = (c.name, c.moe, c.kv_dtype, p2p, phase, tokens, requests, context)
     if key not in memo:
         env = {"T": tokens, "B": requests, "S": context, "K": c.spec.config.index_topk}
-        memo[key] = _pricer(c, phase, cal, gpus, memo, p2p).step_seconds(env)
+        memo[key] = _pricer(c, phase, cal, gpus, memo, p2p).step_terms(env)
     return memo[key]
 
 
 def price(c: Compiled, cal: dict, w: Workload, gpus: int, concurrency: int, drafts: int,
           accept: dict, chunk: int, memo: dict, p2p: bool = True) -> dict:
-    """One row: step, TPOT, TTFT, tok/s per GPU and per user for `concurrency` requests."""
+    """One row: step, TPOT, TTFT, tok/s per GPU and per user for `concurrency` requests, and the
+    step's STEP_TERMS in ms (verify forward + drafts x draft step; they sum to step_ms)."""
     dp = c.par.attn_dp
     r = -(-concurrency // dp)
     t = r * (drafts + 1)
-    step = _step(c, "decode", t, t, w.context, cal, gpus, memo, p2p)
-    if drafts:
-        step += drafts * _step(c, "draft", r, r, w.context, cal, gpus, memo, p2p)
+    verify = _step(c, "decode", t, t, w.context, cal, gpus, memo, p2p)
+    draft = _step(c, "draft", r, r, w.context, cal, gpus, memo, p2p) if drafts else {}
+    step = verify["seconds"] + (drafts * draft["seconds"] if drafts else 0)
+    terms = {k: (verify[k] + drafts * draft.get(k, 0.0)) * 1e3 for k in STEP_TERMS}
     tokens = min(chunk, w.input_tokens)
     chunks = math.ceil(w.input_tokens / tokens)
-    ttft = chunks * _step(c, "decode", tokens, 1, w.input_tokens, cal, gpus, memo, p2p)
+    ttft = chunks * _step(c, "decode", tokens, 1, w.input_tokens, cal, gpus, memo, p2p)["seconds"]
     e = accept[drafts]
     return {"requests_per_rank": r, "tokens_per_rank": t, "step_ms": step * 1e3, "tpot_ms": step / e * 1e3,
             "ttft_ms": ttft * 1e3, "tok_s_per_gpu": concurrency * e / step / gpus,
-            "tok_s_per_user": e / step, "accept_length": e}
+            "tok_s_per_user": e / step, "accept_length": e, "step_terms_ms": terms}
 
 
 def pareto(rows: list[dict]) -> list[dict]:
@@ -351,7 +371,8 @@ def search(spec, cal: dict, gpus: int, w: Workload, concurrency=DEFAULT_CONCURRE
     front = pareto(rows)
     return {"gpus": gpus, "model": spec.name, "prefill_chunk": chunk,
             "workload": {"in": w.input_tokens, "out": w.output_tokens},
-            "concurrency": list(concurrency), "slo": slo or {}, "rows": rows, "pareto": front,
+            "concurrency": list(concurrency), "kv_dtypes": list(kv_dtypes), "mtp_drafts": list(drafts),
+            "slo": slo or {}, "rows": rows, "pareto": front,
             "best": best_for_slo(rows, slo or {}), "dropped": dropped,
             "assumptions": _assumptions(cal, w, gpu_memory, accept_note, chunk)}
 

@@ -1,5 +1,6 @@
 """`glmc plan`: a fixed calibration gives a fixed ranking, dropped candidates carry their reason,
-bad arguments get a clear error, and the chart is SVG with one dot per priced row."""
+bad arguments get a clear error, the chart is SVG with one dot per priced row, and `--explain` sets
+SGLang's recipes against the pick with the rows' own numbers."""
 import json
 import xml.etree.ElementTree as ET
 
@@ -10,7 +11,7 @@ from glmc.cli import main
 from glmc.compiler import compile_phase
 from glmc.config import Options
 from glmc.parallel import parse_parallel
-from glmc.plan_report import render_svg, render_table
+from glmc.plan_report import explain_recipes, render_explain, render_svg, render_table
 from glmc.plan_search import PlanSearchError, StepPricer, parse_slo, parse_workload, search, specs_for
 from glmc.predict import predict_step
 from glmc.spec import load_spec, model_path
@@ -133,3 +134,60 @@ def test_plan_command_writes_the_search_and_compiles_the_best(tmp_path, capsys):
     plan = json.loads((tmp_path / "plan" / "plan.json").read_text())
     assert plan["parallel"]["spec"] == "dp2ep2"
     assert f"glmc run {tmp_path / 'plan'} --device cuda" in out and "--max-batch-tokens 8192" in out
+
+
+def test_step_terms_sum_to_the_step(result):
+    for r in result["rows"]:
+        assert sum(r["step_terms_ms"].values()) == pytest.approx(r["step_ms"], rel=1e-9)
+
+
+def test_explain_sets_both_recipes_against_the_pick(tmp_path, capsys):
+    args = ["plan", "--model", "glm_moe_dsa_tiny", "--gpus", "2", "--workload", "in=512,out=128",
+            "--concurrency", "1,8", "--kv-dtype", "fp8", "--specs", "tp2,dp2ep2", "--no-compile", "--explain",
+            "-o", str(tmp_path)]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    result = json.loads((tmp_path / "plan_search.json").read_text())
+    latency, throughput = result["explain"]["recipes"]
+    assert (latency["candidate"], latency["concurrency"]) == ("tp2 moe=auto kv=fp8 mtp=3", 1)
+    assert (throughput["candidate"], throughput["concurrency"]) == ("dp2ep2 moe=a2a kv=fp8 mtp=0", 8)
+    for e, measure in ((latency, "tok_s_per_user"), (throughput, "tok_s_per_gpu")):
+        at = [r for r in result["rows"] if r["concurrency"] == e["concurrency"]]
+        assert e["recipe_row"] in at and e["glmc_row"] in at and not e["same"]
+        assert e["glmc_row"][measure] == max(r[measure] for r in at) > e["recipe_row"][measure]
+        assert e["recipe_row"]["candidate"].split(" nccl")[0] == e["candidate"]
+        for side, key in (("recipe_row", "recipe_ms"), ("glmc_row", "glmc_ms")):
+            row = e[side]
+            assert sum(t[key] for t in e["terms"]) == pytest.approx(row["tpot_ms"], rel=1e-9)
+            assert all(t[key] == row["step_terms_ms"][t["term"]] / row["accept_length"] for t in e["terms"])
+        own, pick = e["recipe_row"], e["glmc_row"]
+        for label, key, fmt in (("TPOT ms", "tpot_ms", "{:.3f}"), ("tok/s per GPU", "tok_s_per_gpu", "{:.1f}"),
+                                ("tok/s per user", "tok_s_per_user", "{:.1f}"), ("step ms", "step_ms", "{:.3f}")):
+            assert f"{label:<44} {fmt.format(own[key]):>12} {fmt.format(pick[key]):>12}" in out
+        top = e["terms"][0]
+        assert f"{top['recipe_ms']:>12.3f} {top['glmc_ms']:>12.3f} {top['difference_ms']:>+12.3f}" in out
+        assert e["summary"] in out and f"the biggest difference is {top['label']}" in e["summary"]
+    assert out.index("latency (SGLang's latency recipe: TP2") < out.index("throughput (SGLang's throughput recipe")
+
+
+def test_explain_says_when_the_pick_is_the_recipe(tiny):
+    result = search(tiny, load(CALIBRATION), 2, parse_workload("in=512,out=128"), concurrency=(1,), drafts=(3,),
+                    kv_dtypes=("fp8",), only=["tp2"])
+    latency = explain_recipes(result)["recipes"][0]
+    assert latency["same"] and latency["terms"] == []
+    assert latency["summary"].startswith("latency: glmc's pick is the recipe's own candidate, tp2 moe=auto kv=fp8 "
+                                         "mtp=3")
+    assert latency["summary"] in render_explain(explain_recipes(result))
+
+
+def test_explain_names_the_recipes_drop_reason(tiny):
+    """At 80 MB per GPU nothing fits 64 requests: the throughput recipe is compared at the largest
+    concurrency that fits, and its own drop at 64 is said with the search's reason."""
+    result = search(tiny, load(CALIBRATION), 2, parse_workload("in=512,out=128"), concurrency=(1, 64),
+                    kv_dtypes=("fp8",), gpu_memory=(80 * 10**6, "test"))
+    throughput = explain_recipes(result)["recipes"][1]
+    reason = next(d["reason"] for d in result["dropped"] if d["candidate"] == "dp2ep2 moe=a2a kv=fp8 mtp=0 c=64")
+    assert throughput["concurrency"] == 1
+    assert throughput["note"] == ("no candidate fits at concurrency 64, compared at 1; the recipe's "
+                                  f"dp2ep2 moe=a2a kv=fp8 mtp=0 c=64: {reason}")
+    assert "needs" in reason and "per GPU >" in reason
