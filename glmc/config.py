@@ -1,5 +1,6 @@
 """The configuration types every stage reads: the model's hyperparameters (`GlmConfig`, HF
-`config.json` names), storage dtypes (`DTypes`) and the user's compile options (`Options`).
+`config.json` names), storage dtypes (`DTypes`), the user's compile options (`Options`) and the
+parallel mesh (`Mesh`).
 
 The compiler fills them (`glmc.spec` parses YAML / config.json into them; the CLI builds
 `Options`), a `glmc.plan.Plan` carries them, and the runtime reads them from the plan: this module
@@ -8,6 +9,7 @@ imports nothing of the compiler, so the runtime may import it.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -184,6 +186,63 @@ class DTypes(BaseModel):
     kv_cache: DType = "bf16"
     index_cache: DType = "bf16"
 
+
+
+MESH_AXES = ("attn_dp", "attn_tp", "ep", "moe_tp")
+
+
+@dataclass(frozen=True)
+class Mesh(Mapping):
+    """A parallel spec, parsed (`glmc.parallel.parse_parallel`): the world factored twice, attention
+    as attn_dp x attn_tp and MoE as ep x moe_tp. The compiler places ops over it, a `Plan` carries
+    it (plan.json's `parallel`) and the runtime reads it from there. As a mapping it is axis ->
+    size (`mesh["ep"]`, over `MESH_AXES`)."""
+
+    attn_dp: int
+    attn_tp: int
+    ep: int
+    moe_tp: int
+    name: str   # the spec as written: "tp8", "dp8ep8", ...
+
+    def __post_init__(self):
+        for axis in MESH_AXES:
+            if isinstance(self[axis], bool) or not isinstance(self[axis], int) or self[axis] < 1:
+                raise ValueError(f"mesh {self.name!r}: {axis} must be an integer >= 1, got {self[axis]!r}")
+        if self.attn_dp * self.attn_tp != self.ep * self.moe_tp:
+            raise ValueError(f"mesh {self.name!r}: attn_dp {self.attn_dp} x attn_tp {self.attn_tp} = "
+                             f"{self.attn_dp * self.attn_tp} ranks, but ep {self.ep} x moe_tp {self.moe_tp} = "
+                             f"{self.ep * self.moe_tp}")
+
+    @property
+    def world(self) -> int:
+        return self.attn_dp * self.attn_tp
+
+    @property
+    def token_split(self) -> bool:
+        """Whether the residual stream is split over attn_tp ranks (TP attention with EP MoE)."""
+        return self.attn_tp > 1 and self.ep > 1
+
+    @property
+    def token_split_size(self) -> int:
+        """How many ranks a step's tokens are split over between attention and the MoE: attn_tp
+        with EP MoE, else 1 (batch sizes the runtime captures are multiples of it)."""
+        return self.attn_tp if self.ep > 1 else 1
+
+    @property
+    def mesh(self) -> dict[str, int]:
+        """Axis -> size as a plain dict (the IR's `mesh` metadata)."""
+        return dict(self)
+
+    def __getitem__(self, axis: str) -> int:
+        if axis not in MESH_AXES:
+            raise KeyError(axis)
+        return getattr(self, axis)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(MESH_AXES)
+
+    def __len__(self) -> int:
+        return len(MESH_AXES)
 
 
 @dataclass(frozen=True)

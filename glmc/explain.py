@@ -76,7 +76,7 @@ def explain_plan(plan: Plan, batch: int = 32, context: int = 4096,
     meta, graphs = plan.to_json(), plan.graphs
     spec = ModelSpec(**meta["spec"])
     cfg, dtypes = spec.config, DTypes(**meta["dtypes"])
-    par = parse_parallel(meta["parallel"]["spec"], cfg)
+    par = plan.mesh
     dec_meta = meta["phases"]["decode"]
     mem = dec_meta["memory"]
     out = {"model": meta["model"], "parallel": meta["parallel"], "params": _params(graphs)}

@@ -7,9 +7,8 @@ TP 8 and MoE TP 8; `tp8ep8` = attention TP 8, EP 8; `dp8ep8` = attention DP 8, E
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 
-from .config import GlmConfig
+from .config import GlmConfig, Mesh
 
 _SPEC = re.compile(r"^(?:dp(?P<dp>\d+))?(?:tp(?P<tp>\d+))?(?:ep(?P<ep>\d+))?$")
 
@@ -18,27 +17,7 @@ class ParallelError(ValueError):
     """An invalid parallel spec; the message shows the numbers."""
 
 
-@dataclass(frozen=True)
-class Parallel:
-    attn_dp: int
-    attn_tp: int
-    ep: int
-    moe_tp: int
-    name: str
-
-    @property
-    def world(self) -> int:
-        return self.attn_dp * self.attn_tp
-
-    @property
-    def mesh(self) -> dict[str, int]:
-        return {"attn_dp": self.attn_dp, "attn_tp": self.attn_tp, "ep": self.ep,
-                "moe_tp": self.moe_tp}
-
-    @property
-    def token_split(self) -> bool:
-        """Whether the residual stream is split over attn_tp ranks (TP attention with EP MoE)."""
-        return self.attn_tp > 1 and self.ep > 1
+Parallel = Mesh   # a parsed spec is the mesh a plan carries (`glmc.config.Mesh`)
 
 
 def parse_parallel(text: str, config: GlmConfig | None = None) -> Parallel:

@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from glmc import __version__
-from glmc.config import DTypes, GlmConfig, Options
+from glmc.config import MESH_AXES, DTypes, GlmConfig, Mesh, Options
 from glmc.ir import Graph, IRError, parse, print_graph, verify
 
 
@@ -44,7 +44,7 @@ class Plan:
     config: GlmConfig                # hyperparameters, HF names
     dtypes: DTypes                   # storage dtypes the plan assumes
     parallel: str                    # the parallel spec's name ("tp1", "dp2ep2", ...)
-    mesh: dict[str, int]             # attn_dp, attn_tp, ep, moe_tp
+    mesh: Mesh                       # the parsed spec: attn_dp, attn_tp, ep, moe_tp (a dict of them: made one)
     options: Options                 # compile options (target device, MoE lowering, buckets)
     graphs: dict[str, Graph]         # phase -> final graph
     kernels: dict[str, str] = field(default_factory=dict)   # kernels/<name>.py -> source
@@ -54,10 +54,16 @@ class Plan:
     dumps: dict[str, dict[str, Graph]] = field(default_factory=dict)  # "NN-pass" -> phase -> graph
     directory: Path | None = None    # where `Plan.load` read it from (None: compiled in memory)
 
+    def __post_init__(self):
+        if not isinstance(self.mesh, Mesh):   # the axis sizes as a dict (the IR's metadata form)
+            self.mesh = Mesh(**{a: self.mesh[a] for a in MESH_AXES}, name=self.parallel)
+        if self.mesh.name != self.parallel:
+            raise PlanError(f"a plan for {self.parallel!r} with the mesh of {self.mesh.name!r}")
+
     # -- facts the runtime asks for ---------------------------------------------------------
     @property
     def world(self) -> int:
-        return self.mesh["attn_dp"] * self.mesh["attn_tp"]
+        return self.mesh.world
 
     @property
     def has_mtp(self) -> bool:
@@ -154,7 +160,7 @@ class Plan:
             return cls(model=meta["model"], source=meta["source"],
                        config=GlmConfig.model_validate(meta["config"]),
                        dtypes=DTypes.model_validate(meta["dtypes"]), parallel=par["spec"],
-                       mesh={k: int(par[k]) for k in ("attn_dp", "attn_tp", "ep", "moe_tp")},
+                       mesh=Mesh(**{a: int(par[a]) for a in MESH_AXES}, name=par["spec"]),
                        options=Options(**meta["options"]), graphs=graphs, kernels=kernels,
                        kernel_contexts=dict(contexts), spec=meta.get("spec", {}),
                        weight_formats=meta.get("weights", {}), directory=plan_dir)

@@ -37,7 +37,7 @@ class DistRunner(ModelRunner):
     def __init__(self, local: PlanRunner, group):
         mesh = local.executor.mesh
         self.local, self.group = local, group
-        self.num_dp, self.attn_tp = mesh["attn_dp"], mesh["attn_tp"]
+        self.num_dp, self.attn_tp = mesh.attn_dp, mesh.attn_tp
         self.vocab_size, self.num_pages = local.vocab_size, local.num_pages
         self.max_context = local.max_context
         self.kernels = local.kernels   # rank 0 samples every DP rank's logits on its own device

@@ -132,7 +132,7 @@ class CudaExecutor(PlanExecutor):
         self.mtp_captured: dict[str, dict[int, Captured]] = {p: {} for p in MTP_PHASES}
         self.prefill_captured: dict[int, Captured] = {}
         self.num_prefill_replays = 0   # prefill steps that replayed a graph
-        split = plan.mesh["attn_tp"] if plan.mesh["ep"] > 1 else 1   # tokens split over attn_tp
+        split = plan.mesh.token_split_size
         self.buckets = [b for b in plan.decode_buckets if b % split == 0]
         verify = [b for b in plan.graphs["mtp_verify"].meta.get("cuda_graph_buckets", [])
                   if b % split == 0] if "mtp_verify" in plan.graphs else []
