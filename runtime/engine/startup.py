@@ -19,9 +19,7 @@ from glmc.runtime.worker.loader import load_runner, progress
 from glmc.runtime.worker.model_runner import ReferenceRunner
 
 from glmc.plan import Plan
-from glmc.run_config import RunConfig, with_settings
-
-DEVICES = ("cpu", "cuda")
+from glmc.run_config import DEVICES, RunConfig, with_settings
 
 
 def require_cuda() -> None:
@@ -39,7 +37,7 @@ def build_engine(plan: Plan, ckpt_dir: str | Path, run: RunConfig | None = None,
     graphs), the engine's, and `warmup`."""
     ckpt_dir = Path(ckpt_dir)
     run = with_settings(run, **settings)
-    if run.device not in DEVICES:
+    if run.device not in DEVICES:   # one process on one device: "cuda", not "cuda:N"
         raise ValueError(f"device must be one of {DEVICES}, got {run.device!r}")
     if plan.world != 1:
         raise ValueError(f"{plan.parallel} runs {plan.world} ranks, one process each: serve it "
