@@ -11,6 +11,7 @@ import httpx
 import openai
 import pytest
 import torch
+from bench.structured_bench import PERSON   # the schema the bench times is the one these tests enforce
 from glmc.api import build_engine
 from glmc.runtime.engine.grammar import GrammarState, json_schema_grammar, ll_tokenizer, token_bitmask
 from glmc.runtime.engine.sampling import SamplingBatch, SamplingParams, probabilities, sample_batch
@@ -21,16 +22,6 @@ from test_server import Server
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-PERSON = {"type": "object", "properties": {
-    "name": {"type": "string", "maxLength": 24},
-    "age": {"type": "integer", "minimum": 0, "maximum": 120},
-    "role": {"enum": ["admin", "user", "guest"]},
-    "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 3},
-    "address": {"type": "object", "properties": {
-        "city": {"type": "string", "maxLength": 20}, "zip": {"type": "string", "maxLength": 8}},
-        "required": ["city", "zip"], "additionalProperties": False},
-    "active": {"type": "boolean"}},
-    "required": ["name", "age", "role", "tags", "address"], "additionalProperties": False}
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {
         "city": {"type": "string", "maxLength": 20},
