@@ -219,14 +219,21 @@ def mla_attention_absorbed(q_nope, q_pe, pool: PagedCache, layer, w_kv_b, topk, 
     w_uk, w_uv = w[:, :dn], w[:, dn:]  # [H, dn, R], [H, dv, R]
     q_lat = torch.einsum("thd,hdr->thr", q_nope.float(), w_uk)
     out_lat = q_lat.new_zeros(q_lat.shape)
+    for tok, probs, c_kv in latent_probs(q_lat, q_pe, pool, layer, topk, batch, scale):
+        out_lat[tok] = torch.einsum("htl,lr->thr", probs, c_kv)
+    return torch.einsum("thr,hvr->thv", out_lat, w_uv).reshape(T, H * dv)
+
+
+def latent_probs(q_lat, q_pe, pool: PagedCache, layer, topk, batch: StepBatch, scale):
+    """The absorbed form's softmax per request: (token slice, probs [H, n, L] over the request's
+    cached rows, those rows' latents c_kv [L, R] in fp32), scores s (q_lat . c_kv + q_pe . k_pe)
+    restricted to causal & top-k."""
     for tok, slots, qpos in _requests(batch):
-        slots, qpos = _on(slots, q_nope.device), _on(qpos, q_nope.device)
+        slots, qpos = _on(slots, q_lat.device), _on(qpos, q_lat.device)
         c_kv, k_pe = pool.c_kv(layer, slots).float(), pool.k_pe(layer, slots).float()
         scores = torch.einsum("thr,lr->htl", q_lat[tok], c_kv)
         scores = (scores + torch.einsum("thd,ld->htl", q_pe[tok].float(), k_pe)) * scale
-        probs = _softmax_masked(scores, _allowed(qpos, slots.shape[0], None if topk is None else topk[tok]))
-        out_lat[tok] = torch.einsum("htl,lr->thr", probs, c_kv)
-    return torch.einsum("thr,hvr->thv", out_lat, w_uv).reshape(T, H * dv)
+        yield tok, _softmax_masked(scores, _allowed(qpos, slots.shape[0], None if topk is None else topk[tok])), c_kv
 
 
 def moe_route(x, gate_w, bias, top_k, n_group, topk_group, norm_topk_prob, routed_scaling_factor):

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 
 import torch
 from glmc.codegen.fp8_ref import Fp8Weight, quantize_token_groups
-from glmc.codegen.torch_ref import index_head_scale, indexer_scores
+from glmc.codegen.torch_ref import index_head_scale, indexer_scores, latent_probs
 
 # Summation order in fp32 (blocked, split-K, tensor-core fragments) moves a result by up to a few
 # 2^-24 of the sum of |terms|; against the row's RMS this slack is generous for every op here and
@@ -227,7 +227,6 @@ def attention_oracle(op, args, ctx, dtype: torch.dtype) -> tuple[torch.Tensor, t
     it coarse against errors that cancel (`OpRow.slack_rel` reports how coarse). `args` and `ctx`: the
     torch target's (positions for top-k, the oracle's pool, which holds the FP8 codes the target's
     writes made from the same inputs)."""
-    from glmc.codegen.torch_ref import _allowed, _requests, _softmax_masked
     q_nope, q_pe, layer, topk = args
     u = unit_roundoff(dtype)
     scale, dn, dv = op.attr("scale"), int(op.attr("dn")), int(op.attr("dv"))
@@ -236,23 +235,18 @@ def attention_oracle(op, args, ctx, dtype: torch.dtype) -> tuple[torch.Tensor, t
     w_uk, w_uv = w[:, :dn], w[:, dn:]
     q_lat = torch.einsum("thd,hdr->thr", q_nope.float(), w_uk).to(dtype).float()
     out_lat, slack_lat = q_lat.new_zeros(q_lat.shape), q_lat.new_zeros(q_lat.shape)
-    for tok, slots, qpos in _requests(ctx.batch):
-        slots, qpos = slots.to(q_lat.device), qpos.to(q_lat.device)
-        c, k_pe = ctx.pool.c_kv(layer, slots).float(), ctx.pool.k_pe(layer, slots).float()
-        scores = torch.einsum("thr,lr->htl", q_lat[tok], c)
-        scores = (scores + torch.einsum("thd,ld->htl", q_pe[tok].float(), k_pe)) * scale
-        p = _softmax_masked(scores, _allowed(qpos, slots.shape[0], None if topk is None else topk[tok]))
+    for tok, p, c in latent_probs(q_lat, q_pe, ctx.pool, layer, topk, ctx.batch, scale):
         out_lat[tok] = torch.einsum("htl,lr->thr", p, c)
         slack_lat[tok] = u * (torch.einsum("htl,lr->thr", p, c.abs()) + out_lat[tok].abs())
     want = torch.einsum("thr,hvr->thv", out_lat, w_uv).reshape(T, H * dv)
     return want, torch.einsum("thr,hvr->thv", slack_lat, w_uv.abs()).reshape(T, H * dv)
 
 
-def _rerun(run: _Run, again: dict, rounded: dict, slack: dict):
+def _rerun(run: _Run, again: dict, rounded: dict, slack: dict, ranked: dict):
     def hook(fn, op, args, ctx):
         if op.kind == "moe.topk":    # what the router ranks: sigmoid(logits) + the correction bias
             choice = torch.sigmoid(_fp32_of(args[0], run.seen.get(op.operands[0])).float())
-            rounded[("choice", op.results[-1])] = choice + ctx.w(ctx.gate_bias(op)).float().to(choice.device)
+            ranked[op.results[-1]] = choice + ctx.w(ctx.gate_bias(op)).float().to(choice.device)
         if op.kind == "idx.topk":    # what the indexer ranks: each key's index score, future keys at -inf
             q, w, layer = [_fp32_of(a, run.seen.get(name)) for name, a in zip(op.operands, args)]
             per_request = indexer_scores(q, w.float() * index_head_scale(op), ctx.pool, layer, ctx.batch)
@@ -260,7 +254,7 @@ def _rerun(run: _Run, again: dict, rounded: dict, slack: dict):
             choice = torch.full((q.shape[0], width), float("-inf"), device=q.device)
             for tok, index, _ in per_request:
                 choice[tok, :index.shape[1]] = index
-            rounded[("choice", op.results[-1])] = choice
+            ranked[op.results[-1]] = choice
         if op.kind in ROUNDED_KINDS:
             seen = [run.seen.get(name) for name in op.operands]
             own = [s.to(a.device) if isinstance(s, torch.Tensor) and isinstance(a, torch.Tensor) else a
@@ -432,14 +426,14 @@ def compare_step(target, oracle, again, phase: str, batch, hidden=None) -> list[
     """Every op of one `phase` step of `batch` on `target` against the oracle (module doc).
     `oracle` and `again` are two torch-target executors of the same plan and weights with their
     own KV pools (`again` computes on the target's rounded inputs); all three step once."""
-    run, again_vals, rounded, slack = _Run(), {}, {}, {}
+    run, again_vals, rounded, slack, ranked = _Run(), {}, {}, {}, {}
     saved = target.impls, oracle.impls, again.impls
     try:
         oracle.impls = _wrap(saved[1], _record(run))
         oracle.forward(phase, batch, hidden)
         target.impls = _wrap(saved[0], _substituted(run))
         target.forward(phase, batch, hidden)
-        again.impls = _wrap(saved[2], _rerun(run, again_vals, rounded, slack))
+        again.impls = _wrap(saved[2], _rerun(run, again_vals, rounded, slack, ranked))
         again.forward(phase, batch, hidden)
     finally:
         target.impls, oracle.impls, again.impls = saved
@@ -457,7 +451,7 @@ def compare_step(target, oracle, again, phase: str, batch, hidden=None) -> list[
         elif not got.is_floating_point():
             scores = None
             if op.kind in ("moe.topk", "idx.topk"):
-                scores = rounded.get(("choice", name))
+                scores = ranked.get(name)
             _int_row(row, got, want, scores, int(op.attr("top_k", 0)) or int(op.attr("k", 0)) or got.shape[-1])
         if name in run.fp8_in and op.kind in ("mlp.swiglu", "moe.experts"):
             xq, xs, args = run.fp8_in[name]
