@@ -41,6 +41,16 @@ def executors(plan, path):
     return target, oracle, again
 
 
+def scale_result(target, kind, layer, factor):
+    """The target's `kind` ops of `layer` return their result times `factor` (a small kernel bug)."""
+    impl = cuda_target.IMPLS[kind]
+
+    def off_by_a_little(op, args, ctx):
+        out = impl(op, args, ctx)
+        return out * factor if op.layer == layer else out
+    target.impls = {**target.impls, kind: off_by_a_little}
+
+
 def batches():
     pages = torch.arange(4 * 2).view(4, 2) + 1
     table = (pages[:, :, None] * PAGE_SIZE + torch.arange(PAGE_SIZE)).reshape(4, -1)
@@ -92,12 +102,7 @@ def test_a_wrong_weight_scale_is_caught_at_its_op(plan_and_ckpt, one_torch_threa
 def test_a_wrong_kernel_result_is_caught_at_its_op(plan_and_ckpt, one_torch_thread, monkeypatch):
     plan, path = plan_and_ckpt
     target, oracle, again = executors(plan, path)
-    rope = cuda_target.IMPLS["rope.apply"]
-
-    def off_by_a_little(op, args, ctx):
-        out = rope(op, args, ctx)
-        return out * (1 + 1e-3) if op.layer == 2 else out
-    target.impls = {**target.impls, "rope.apply": off_by_a_little}
+    scale_result(target, "rope.apply", layer=2, factor=1 + 1e-3)
     rows = compare_step(target, oracle, again, "prefill", batches()[0])
     bad = {r.result for r in rows if not r.ok()}
     assert bad == {"L2.iq", "L2.q_pe"}, bad
@@ -108,12 +113,7 @@ def test_a_wrong_attention_result_is_caught_at_its_op(plan_and_ckpt, one_torch_t
     others bounded) holds an fp32 plan's attention to a few fp32 ulps: one part in 10^4 is caught."""
     plan, path = plan_and_ckpt
     target, oracle, again = executors(plan, path)
-    attn = cuda_target.IMPLS["attn.mla_mha"]
-
-    def off_by_a_little(op, args, ctx):
-        out = attn(op, args, ctx)
-        return out * (1 + 1e-4) if op.layer == 1 else out
-    target.impls = {**target.impls, "attn.mla_mha": off_by_a_little}
+    scale_result(target, "attn.mla_mha", layer=1, factor=1 + 1e-4)
     rows = compare_step(target, oracle, again, "prefill", batches()[0])
     assert {r.result for r in rows if not r.ok()} == {"L1.attn"}
     assert all(r.slack_rel < 1e-5 for r in rows if r.kind == "attn.mla_mha")

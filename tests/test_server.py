@@ -49,11 +49,12 @@ class Server:
 
 
 @contextmanager
-def serving(engine, mode: str, options=None):
-    """`Server` over `engine`: in this process ("local") or through the pipe ("linked")."""
+def serving(engine, mode: str, options=None, model: str = MODEL):
+    """`Server` over `engine` serving `model`: in this process ("local") or through the pipe
+    ("linked"), as under `glmc run`."""
     kwargs = {} if options is None else {"options": options}
     if mode == "local":
-        with Server(create_app(engine, MODEL, **kwargs)) as server:
+        with Server(create_app(engine, model, **kwargs)) as server:
             yield server
         return
     ours, theirs = multiprocessing.Pipe()
@@ -62,7 +63,7 @@ def serving(engine, mode: str, options=None):
     engine.start()
     remote = RemoteEngine(theirs, engine.tokenizer, engine.admission, engine.max_waiting)
     try:
-        with Server(create_app(remote, MODEL, **kwargs)) as server:
+        with Server(create_app(remote, model, **kwargs)) as server:
             yield server
     finally:
         host.close()

@@ -4,8 +4,6 @@ client, sampling at temperature 1.0 over several seeds. Every JSON answer must p
 against its schema, every forced tool call must carry arguments valid for its tool; the mask itself
 is checked in the sampler (masked tokens never drawn, greedy or not) and under MTP speculation."""
 import json
-import multiprocessing
-from contextlib import contextmanager
 
 import httpx
 import openai
@@ -15,10 +13,8 @@ from bench.structured_bench import PERSON   # the schema the bench times is the 
 from glmc.api import build_engine
 from glmc.runtime.engine.grammar import GrammarState, json_schema_grammar, ll_tokenizer, token_bitmask
 from glmc.runtime.engine.sampling import SamplingBatch, SamplingParams, probabilities, sample_batch
-from glmc.runtime.serving.engine_link import EngineHost, RemoteEngine
-from glmc.runtime.serving.server import create_app
 from glmc.tiny import SMALL_DIR, SMALL_NAME
-from test_server import Server
+from test_server import serving
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -71,27 +67,9 @@ def engine():
     return build_engine(SMALL_DIR, warmup=False, max_running=16)
 
 
-@contextmanager
-def linked(engine):
-    """The app over a `RemoteEngine` whose engine runs behind a real pipe, as under `glmc run`."""
-    ours, theirs = multiprocessing.Pipe()
-    host = EngineHost(engine, ours)
-    host.start()
-    engine.start()
-    remote = RemoteEngine(theirs, engine.tokenizer, engine.admission, engine.max_waiting)
-    try:
-        with Server(create_app(remote, SMALL_NAME)) as server:
-            yield server
-    finally:
-        host.close()
-        engine.stop()
-        ours.close()
-        theirs.close()
-
-
 @pytest.fixture(scope="module")
 def client(engine):
-    with linked(engine) as server:
+    with serving(engine, "linked", model=SMALL_NAME) as server:
         yield openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
 
 
