@@ -278,6 +278,19 @@ def op_calls(runner, run) -> list:
     return calls
 
 
+def fp8_exact(xq, xs, wq, ws, device=None):
+    """The exact product of block-FP8 operands in fp64 (activations [M, K] with a scale per token per
+    128 columns, weights [N, K] with one per 128 x 128 block), and the sum of |terms| per output:
+    (x @ W^T, |x| @ |W|^T), [M, N] on `device` (default xq's)."""
+    dev = device or xq.device
+
+    def deq(q, s, rows):
+        q, s = q.to(dev).double(), s.to(dev).double()
+        return q * s.repeat_interleave(128, 1)[:, :q.shape[1]].repeat_interleave(rows, 0)[:q.shape[0]]
+    xd, wd = deq(xq, xs, 1), deq(wq, ws, 128)
+    return xd @ wd.T, xd.abs() @ wd.abs().T
+
+
 def w8a8_twin(plan, runner, num_pages):
     """A torch-target executor sharing `runner`'s weights (its own KV pool) that runs the FP8 plan's
     activation quantisation (codegen/fp8_torch_target.py)."""

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from bench import common
+
 
 def rel(got, want) -> float:
     return float((got.float().cpu() - want.float()).norm() / want.float().norm().clamp_min(1e-30))
@@ -24,13 +26,9 @@ def rel(got, want) -> float:
 def gemm_row(case, got, xq, xs, wq, ws) -> dict:
     """The GEMM's fp32 result against the exact product of its FP8 operands, per element."""
     from glmc.runtime.worker.op_compare import FP8_ACC_REL
-    def deq(q, s, rows):
-        q, s = q.to(got.device).double(), s.to(got.device).double()
-        return q * s.repeat_interleave(128, 1)[:, :q.shape[1]].repeat_interleave(rows, 0)[:q.shape[0]]
-    xd, wd = deq(xq, xs, 1), deq(wq, ws, 128)
-    exact = xd @ wd.T
+    exact, terms = common.fp8_exact(xq, xs, wq, ws, got.device)
     err = (got.double() - exact).abs()
-    bound = FP8_ACC_REL * (xd.abs() @ wd.abs().T) + 2.0 ** -20 * exact.abs()
+    bound = FP8_ACC_REL * terms + 2.0 ** -20 * exact.abs()
     oob = int((err > bound).sum())
     return {"case": case, "rel_err": float(err.norm() / exact.norm()), "out_of_bound": oob, "pass": oob == 0}
 
