@@ -62,7 +62,7 @@ def main(argv=None):
     for temperature in args.temperatures:
         for rule in args.rules if temperature > 0 else ["standard"]:
             speculative.draw_drafts = standard_drafts if rule == "standard" else \
-                lambda logits, reqs: (logits.argmax(-1).tolist(), [None] * len(reqs))
+                lambda logits, reqs: (logits.argmax(-1), [None] * len(reqs))
             for n in args.steps:
                 t0 = time.perf_counter()
                 length, counters = accept_length(n, temperature, args)

@@ -135,7 +135,7 @@ def heldout_accept_length(num_steps: int) -> float:
 def argmax_drafts(logits, reqs):
     """The drafts of the rule before: the MTP layer's argmax, no q kept (so verified by exact
     matching against the plain sampler's draws)."""
-    return logits.argmax(-1).tolist(), [None] * len(reqs)
+    return logits.argmax(-1), [None] * len(reqs)
 
 
 def test_standard_rule_accepts_more_than_matching_argmax_drafts(monkeypatch):

@@ -227,3 +227,37 @@ def test_scheduler_reserves_draft_pages_and_rolls_them_back():
     s.finish(req, "length")
     s.cache.reset()
     assert allocator.num_free == 4
+
+
+def test_one_read_back_per_cycle_without_grammars(tiny_ckpt, monkeypatch):
+    """Acceptance, the next draft inputs and the draft chain stay on the device: each cycle
+    reads back once (accepted tokens, counts, logprobs in one packed tensor), whatever N, the
+    batch's mix of greedy, sampled and logprob requests, or chunked prefills; a request whose
+    draws read its history (penalties) reads its drafts as they are drawn."""
+    from glmc.runtime.engine import sampling, speculative
+
+    def never(*_):
+        raise AssertionError("the plain sampler's read-back ran in a speculative cycle")
+    monkeypatch.setattr(sampling.SampledTokens, "to_host", never)
+    reads = []
+    monkeypatch.setattr(speculative, "read_back", lambda t: reads.append(t.numel()) or t.tolist())
+    plain = [SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True),
+             SamplingParams(max_tokens=7, temperature=0.8, seed=3, ignore_eos=True),
+             SamplingParams(max_tokens=8, temperature=0.0, logprobs=True, top_logprobs=2, ignore_eos=True)]
+    for n in (1, 3):
+        e = build_engine(tiny_ckpt, warmup=False, max_batch_tokens=48, speculative_num_steps=n)
+        reqs = [e.make_request(p, params) for p, params in zip(prompts(70, 9, 30), plain)]
+        for r in reqs:
+            e.submit(r)
+        reads.clear()
+        cycles = 0   # steps that append tokens (a step of prefill chunks only has none to read)
+        while not all(r.finished for r in reqs):
+            before, emitted = len(reads), sum(len(r.output_ids) for r in reqs)
+            e.step()
+            cycles += sum(len(r.output_ids) for r in reqs) > emitted
+            assert len(reads) - before == (sum(len(r.output_ids) for r in reqs) > emitted)
+        assert e.speculator.num_reads == len(reads) == cycles > 3
+    penalised = SamplingParams(max_tokens=6, temperature=0.0, repetition_penalty=1.3, ignore_eos=True)
+    e = build_engine(tiny_ckpt, warmup=False, speculative_num_steps=3)
+    run(e, [(prompts(12)[0], penalised)])
+    assert e.speculator.num_reads > e.metrics.counters["spec_verify_steps_total"]

@@ -110,8 +110,10 @@ def compact(batch: ForwardBatch) -> ForwardBatch:
     if batch.batch_size == 0:
         return ForwardBatch.idle()
     width = int(batch.seq_lens.max())
-    return dataclasses.replace(
-        batch, req_to_token=batch.req_to_token[batch.req_pool_indices, :width].clone())
+    ids = batch.device_ids
+    return dataclasses.replace(   # gloo moves host objects: device ids travel as host ones
+        batch, req_to_token=batch.req_to_token[batch.req_pool_indices, :width].clone(),
+        device_ids=None if ids is None else ids.cpu())
 
 
 class RowMirror:

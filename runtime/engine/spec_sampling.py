@@ -35,7 +35,7 @@ from __future__ import annotations
 import torch
 from glmc.codegen.torch_ref import sample_uniform
 from glmc.runtime.engine.grammar import allowed_tokens, token_bitmask
-from glmc.runtime.engine.sampling import Sampled, SamplingBatch, TokenLogprobs, probabilities
+from glmc.runtime.engine.sampling import Sampled, SamplingBatch, probabilities
 from glmc.runtime.worker.forward_batch import to_device
 
 
@@ -56,12 +56,13 @@ def race(probs: torch.Tensor, seed: torch.Tensor, step: torch.Tensor, stream: in
     return torch.where(probs > 0, torch.log(probs) - noise, float("-inf")).argmax(-1)
 
 
-def draw_drafts(logits: torch.Tensor, reqs: list[Sampled]) -> tuple[list[int], list[torch.Tensor | None]]:
-    """Draft tokens from the MTP layer's logits [B, V], row i for reqs[i] as the sampler would see
-    it at that draft's counter (`as_if_accepted`): greedy requests the argmax, as before; sampled
-    ones a draw from q, whose row ([V] fp32) comes back with it (None for greedy rows). A request
-    with a grammar drafts only what its grammar allows after the drafts before (its q is 0
-    elsewhere), so its drafts are not wasted on tokens the target's mask would reject."""
+def draw_drafts(logits: torch.Tensor, reqs: list[Sampled]) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+    """Draft tokens [B] (int64, on the logits' device: nothing is read back) from the MTP layer's
+    logits [B, V], row i for reqs[i] as the sampler would see it at that draft's counter
+    (`as_if_accepted`): greedy requests the argmax, as before; sampled ones a draw from q, whose
+    row ([V] fp32) comes back with it (None for greedy rows). A request with a grammar drafts only
+    what its grammar allows after the drafts before (its q is 0 elsewhere), so its drafts are not
+    wasted on tokens the target's mask would reject."""
     bitmask = token_bitmask(reqs)
     if bitmask is not None:
         allowed = allowed_tokens(to_device(bitmask, logits.device), logits.shape[1])
@@ -70,39 +71,28 @@ def draw_drafts(logits: torch.Tensor, reqs: list[Sampled]) -> tuple[list[int], l
     q_rows: list[torch.Tensor | None] = [None] * len(reqs)
     sampled = [i for i, r in enumerate(reqs) if not r.params.greedy]
     if sampled:
-        idx = torch.tensor(sampled, device=logits.device)
+        idx = to_device(torch.tensor(sampled), logits.device)
         batch = SamplingBatch.from_requests([reqs[i] for i in sampled], logits.device)
         q = probabilities(logits.index_select(0, idx), batch)
         tokens = tokens.index_copy(0, idx, race(q, batch.seed, batch.step, DRAFT_STREAM))
         for j, i in enumerate(sampled):
             q_rows[i] = q[j]
-    return tokens.tolist(), q_rows
+    return tokens, q_rows
 
 
-def verify_drafts(logits: torch.Tensor, reqs: list[Sampled], drafts: list[int], q: torch.Tensor
-                  ) -> tuple[list[bool], list[int], list[float], list[float]]:
+def verify_drafts(logits: torch.Tensor, reqs: list[Sampled], drafts: torch.Tensor, q: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """The rejection rule at M draft positions: target logits [M, V], the request as the sampler
-    sees it there, the draft token and its q row [M, V]. -> per position: accepted?, the residual
-    draw (the token to emit if rejected; the draft where accepted), and the raw logprobs
-    (`sampling` step 1) of the draft and of the residual token."""
+    sees it there, the draft tokens [M] (int64, the logits' device) and their q rows [M, V].
+    -> per position, on the device (no read-back, no data-dependent shapes): accepted? [M] bool,
+    and the token to emit there [M] int64 (the draft where accepted, else the residual draw)."""
     batch = SamplingBatch.from_requests(reqs, logits.device)
     p = probabilities(logits, batch)
-    d = torch.tensor(drafts, device=logits.device)[:, None]
+    d = drafts[:, None]
     coin = sample_uniform(batch.seed ^ ACCEPT_STREAM, batch.step, 1)[:, 0]
     accept = coin * q.gather(1, d)[:, 0] < p.gather(1, d)[:, 0]   # u < p(d) / q(d); q(d) > 0
-    tokens = d[:, 0].clone()
-    rejected = (~accept).nonzero()[:, 0]
-    if rejected.numel():
-        p, residual = p[rejected], (p[rejected] - q[rejected]).clamp_min(0.0)
-        # p == q up to rounding leaves nothing: rejection then had probability ~0; p is the answer
-        residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p)
-        tokens[rejected] = race(residual / residual.sum(-1, keepdim=True), batch.seed[rejected],
-                                batch.step[rejected], RESIDUAL_STREAM)
-    raw = torch.log_softmax(logits.float(), -1)
-    return (accept.tolist(), tokens.tolist(), raw.gather(1, d)[:, 0].tolist(),
-            raw.gather(1, tokens[:, None])[:, 0].tolist())
-
-
-def with_logprob(logprobs: TokenLogprobs | None, logprob: float) -> TokenLogprobs | None:
-    """The plain sampler's logprobs at a position (the alternatives), for another chosen token."""
-    return None if logprobs is None else TokenLogprobs(logprob, logprobs.top)
+    residual = (p - q).clamp_min(0.0)   # drawn for every row, used where rejected
+    # p == q up to rounding leaves nothing: rejection then had probability ~0; p is the answer
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p)
+    drawn = race(residual / residual.sum(-1, keepdim=True), batch.seed, batch.step, RESIDUAL_STREAM)
+    return accept, torch.where(accept, drafts, drawn)

@@ -1,10 +1,19 @@
 """Speculative decoding with the model's MTP layer: EAGLE-style chains of N draft tokens.
 
 `Engine(runner, tokenizer, speculative_num_steps=N)` (N >= 1) runs every step through
-`MtpSpeculator.step` instead of the plain loop. The runner must `supports_speculative` (the torch
-target, on one rank or several through `distributed.DistRunner`; the CUDA target not yet) and the
-engine does not overlap steps in this mode: acceptance decides the next step's inputs, so each
-step's tokens are read before the next is scheduled.
+`MtpSpeculator.step` instead of the plain loop. The runner must `supports_speculative` (a plan with
+MTP phases on one rank: the torch target, or the CUDA target with verify and draft replayed from
+CUDA graphs; the torch target on several ranks through `distributed.DistRunner`).
+
+One read-back per cycle: acceptance (below), the tokens to emit and their logprobs are computed on
+the device and read in one packed copy (`read_back`, counted in `MtpSpeculator.num_reads`); drafts
+stay on the device (the host holds `UNREAD` placeholders and the count) and reach the draft chain
+and the next verify as `ForwardBatch.device_ids`. Only a request that `reads_drafts` (a grammar,
+or penalties over its history: the host builds their masks and counts from the tokens before each
+position) reads its drafts as each chain step draws them. After the read the host appends,
+streams and stops, rolls pages back and queues draft-extend and the chain without waiting for them,
+so the next cycle's scheduling and verify inputs are prepared while the drafts run; the verify's
+acceptance is read before the next cycle is scheduled, since it decides that cycle's inputs.
 
 The MTP layer at position i reads the target's final hidden state at i and the token at i + 1 and
 guesses the token at i + 2; its KV lives in its own pool layer at the slot of position i. One step,
@@ -12,8 +21,8 @@ for a request whose first n tokens have KV, token n pending and drafts d_1..d_D 
 
 1. verify: one target forward over [t_n, d_1, .., d_D] at positions n..n+D (the `mtp_verify`
    phase: logits and hidden states at every position; prefill chunks of other requests share it);
-2. accept: keep a prefix of the drafts (a of them: below) and append them and one token of the
-   target's at position n+a (the first rejected draft's replacement, or the bonus token); the
+2. accept: keep a prefix of the drafts (a of them: below, computed on the device; the cycle's read)
+   and append them and one token of the target's at position n+a (the first rejected draft's replacement, or the bonus token); the
    target's KV of positions n+a+1.. is rejected: the scheduler rolls back to n+a+1 computed tokens
    (pages past the next token's freed, slots in the last page overwritten later; only pages full of
    accepted tokens reach the prefix cache);
@@ -66,9 +75,11 @@ from typing import Any, Protocol
 import torch
 from glmc.runtime.engine.request import Request
 from glmc.runtime.engine.sampling import SamplingBatch, TokenLogprobs, sample_batch
-from glmc.runtime.engine.spec_sampling import draw_drafts, verify_drafts, with_logprob
+from glmc.runtime.engine.spec_sampling import draw_drafts, verify_drafts
 from glmc.runtime.engine.scheduler import ScheduledBatch, Scheduler
-from glmc.runtime.worker.forward_batch import ForwardBatch
+from glmc.runtime.worker.forward_batch import ForwardBatch, to_device
+
+UNREAD = -1   # the host's placeholder for a draft id that lives on the device only
 
 
 class EngineView(Protocol):
@@ -87,14 +98,28 @@ class EngineView(Protocol):
 
 def as_if_accepted(req: Request, draft: list[int]) -> Request:
     """`req` as the sampler sees it after `draft` was appended: its history (penalties) and RNG
-    counter one further per draft token (a copy; `req` is not changed)."""
+    counter one further per draft token (a copy; `req` is not changed). Drafts the host has not
+    read are `UNREAD`: only a request that `reads_drafts` has its draft ids looked at."""
     return dataclasses.replace(req, output_ids=req.output_ids + draft) if draft else req
+
+
+def reads_drafts(req: Request) -> bool:
+    """Whether the sampler reads `req`'s draft ids on the host: its grammar's mask and its
+    penalties depend on the tokens before each position, so its drafts are read back as drawn."""
+    return req.params.grammar is not None or req.params.needs_history
+
+
+def read_back(packed: torch.Tensor) -> list:
+    """The speculative loop's one way from the device to the host: `packed` as a list (waits for
+    the work that computes it)."""
+    return packed.tolist()
 
 
 @dataclass
 class _Verify:
-    """One DP rank's verify step: its batch, each request's drafts and whether its next token is
-    due (a prefill chunk short of the prompt's end is not)."""
+    """One DP rank's verify step: its batch, each request's drafts (ids, `UNREAD` where only the
+    device has them, and their device tokens) and whether its next token is due (a prefill chunk
+    short of the prompt's end is not)."""
     s: Scheduler
     batch: ScheduledBatch
     drafts: list[list[int]]
@@ -102,6 +127,20 @@ class _Verify:
     own: list[int]   # tokens per request known for sure: the batch's minus the drafts
     ready: list[bool]
     fb: ForwardBatch
+
+
+@dataclass
+class _Outcome:
+    """One DP rank's acceptance, computed on the device and packed for the cycle's one read:
+    per ready request with picks (`reqs`, `picks` verified positions each, the first at `first`)
+    the accepted count, then each pick's token to emit, then the raw logprobs of the picks that
+    asked (`asked`: pick index -> alternatives wanted)."""
+    reqs: list[int]
+    first: list[int]
+    asked: dict[int, int]
+    num_picks: int
+    num_top: int
+    packed: torch.Tensor   # float64: [R] accepted | [K] tokens | [A] chosen | [A, top] values, ids
 
 
 @dataclass
@@ -115,14 +154,22 @@ class _Extend:
 
 class MtpSpeculator:
     """The engine's step in speculative mode (module docstring); owns no state of its own but the
-    q rows of sampled requests' drafts (`draft_q`): drafts ride on `Request.draft_ids`, pages and
-    rows on the engine's schedulers (one per attention-DP rank: every rank steps every forward,
-    idle ones with an empty batch), and tokens reach clients through the engine's `append_token`
-    (detokenize, stream, stop), as in plain steps."""
+    drafts' device tokens and the q rows of sampled requests' drafts (`draft_tokens`, `draft_q`):
+    draft counts (and the ids of requests that `reads_drafts`) ride on `Request.draft_ids`, pages
+    and rows on the engine's schedulers (one per attention-DP rank: every rank steps every
+    forward, idle ones with an empty batch), and tokens reach clients through the engine's
+    `append_token` (detokenize, stream, stop), as in plain steps. `num_reads` counts the device
+    to host reads (`read_back`): one per cycle unless a request `reads_drafts`."""
 
     def __init__(self, engine: EngineView, num_steps: int):
         self.engine, self.num_steps = engine, num_steps
         self.draft_q: dict[Request, list[torch.Tensor]] = {}
+        self.draft_tokens: dict[Request, list[torch.Tensor]] = {}   # 0-d device views, per draft
+        self.num_reads = 0
+
+    def read(self, packed: torch.Tensor) -> list:
+        self.num_reads += 1
+        return read_back(packed)
 
     def step(self) -> bool:
         """Schedule, verify + accept, draft; False when there was nothing to do."""
@@ -134,8 +181,9 @@ class MtpSpeculator:
                     for s, b in zip(e.scheduler.ranks, batches)]
             if any(work):
                 self._run(work)
-        # drafts a release dropped (retraction, abort) take their q rows with them
+        # drafts a release dropped (retraction, abort) take their tokens and q rows with them
         self.draft_q = {r: q for r, q in self.draft_q.items() if r.draft_ids}
+        self.draft_tokens = {r: t for r, t in self.draft_tokens.items() if r.draft_ids}
         e.update_gauges()
         return batches is not None
 
@@ -147,6 +195,9 @@ class MtpSpeculator:
         drafts = [r.draft_ids[:max(n - r.num_pending, 0)] for r, n in zip(reqs, batch.extend_lens)]
         q = [self.draft_q.pop(r, [])[:len(d)] for r, d in zip(reqs, drafts)]
         q = [rows if len(rows) == len(d) else [] for rows, d in zip(q, drafts)]   # none kept: matching
+        tokens = [self.draft_tokens.pop(r, [])[:len(d)] for r, d in zip(reqs, drafts)]
+        if any(len(t) != len(d) for t, d in zip(tokens, drafts)):
+            raise RuntimeError("a draft without its device token")   # UNREAD would be run as an id
         own = [n - len(d) for n, d in zip(batch.extend_lens, drafts)]
         ready = [p + n == r.num_tokens for r, p, n in zip(reqs, batch.prefix_lens, own)]
         for r in reqs:
@@ -154,67 +205,115 @@ class MtpSpeculator:
         fb = ForwardBatch.build(batch.mode, [r.all_ids[p:p + n] + d for r, p, n, d in
                                              zip(reqs, batch.prefix_lens, own, drafts)],
                                 [r.row for r in reqs], batch.prefix_lens, s.req_pool.table)
-        return _Verify(s, batch, drafts, q, own, ready, fb)
+        return _Verify(s, batch, drafts, q, own, ready, self._with_drafts(fb, own, tokens))
+
+    @staticmethod
+    def _with_drafts(fb: ForwardBatch, own: list[int], tokens: list[list[torch.Tensor]]) -> ForwardBatch:
+        """`fb` with its drafts' ids taken from their device tokens (`device_ids`)."""
+        where = [start + own[i] + j for i, start, _ in fb.token_ranges() for j in range(len(tokens[i]))]
+        if not where:
+            return fb
+        drafts = torch.stack([t for ts in tokens for t in ts])
+        ids = to_device(fb.input_ids, drafts.device).index_copy(
+            0, to_device(torch.tensor(where), drafts.device), drafts)
+        return dataclasses.replace(fb, device_ids=ids)
 
     def _run(self, work: list[_Verify | None]) -> None:
         fbs = [w.fb if w else idle for w, idle in zip(work, self._idle())]
+        outs = self.engine.runner.verify_dp(fbs)
+        found = []
+        for w, (logits, _) in zip(work, outs):
+            if w is not None:
+                w.s.commit(w.batch)
+            found.append(self._sample(logits, w) if w is not None else None)
+        packed = [f.packed for f in found if f is not None]
+        values = self.read(torch.cat([p.to(packed[0].device) for p in packed])) if packed else []
         extends = []
-        for w, (logits, hidden) in zip(work, self.engine.runner.verify_dp(fbs)):
+        for w, f, (_, hidden) in zip(work, found, outs):
             if w is None:
                 extends.append(None)
                 continue
-            w.s.commit(w.batch)
-            tokens = self._sample(logits, w)
-            kept = [self._accept(w.s, r, p, n, len(d), *tokens[i]) if w.ready[i] else n
+            accepted = self._unpack(f, values) if f is not None else {}
+            values = values[f.packed.numel():] if f is not None else values
+            kept = [self._accept(w.s, r, p, n, len(d), *accepted[i]) if w.ready[i] else n
                     for i, (r, p, n, d) in enumerate(zip(w.batch.reqs, w.batch.prefix_lens, w.own,
                                                          w.drafts))]
             extends.append(self._extend(w, kept, hidden))
         if any(extends):
             self._draft(extends)
 
-    def _sample(self, logits, w: _Verify) -> dict[int, tuple[int, list]]:
-        """Per ready request: (drafts accepted, [(token, logprobs)] to append). The plain sampler
-        reads every verified position as the request stands there; sampled requests' drafts then
-        go through the rejection rule (`spec_sampling.verify_drafts`)."""
-        picks = [(i, start + w.own[i] - 1 + j) for i, start, _ in w.fb.token_ranges() if w.ready[i]
+    def _sample(self, logits: torch.Tensor, w: _Verify) -> _Outcome | None:
+        """Acceptance on the device, no read: the plain sampler reads every verified position as
+        the request stands there; greedy drafts (and drafts without q rows) are kept while they
+        equal its token, sampled ones go through the rejection rule (`spec_sampling.verify_drafts`)."""
+        picks = [(i, start + w.own[i] - 1 + j, j) for i, start, _ in w.fb.token_ranges() if w.ready[i]
                  for j in range(len(w.drafts[i]) + 1)]
         if not picks:
-            return {}
-        rows = torch.tensor([row for _, row in picks], device=logits.device)
-        first = {i: row for i, row in reversed(picks)}
-        seen = [as_if_accepted(w.batch.reqs[i], w.drafts[i][:row - first[i]]) for i, row in picks]
-        sb = SamplingBatch.from_requests(seen, logits.device)
+            return None
+        dev = logits.device
+        rows = to_device(torch.tensor([row for _, row, _ in picks]), dev)
+        seen = [as_if_accepted(w.batch.reqs[i], w.drafts[i][:j]) for i, _, j in picks]
+        sb = SamplingBatch.from_requests(seen, dev)
         picked = logits.index_select(0, rows)
-        out = sample_batch(picked, sb, kernels=self.engine.runner.kernels).to_host(sb.top_logprobs)
-        tokens: dict[int, list] = {}
-        for (i, _), token in zip(picks, out):
-            tokens.setdefault(i, []).append(token)
-        rule = [(k, i, row - first[i]) for k, (i, row) in enumerate(picks) if row - first[i] < len(w.q[i])]
-        verdicts: dict[int, list] = {}
+        tokens = sample_batch(picked, dataclasses.replace(sb, top_logprobs=(None,) * len(picks)),
+                              kernels=self.engine.runner.kernels).token_ids
+        # the draft after each verified position is the verify's own next input id
+        ids = w.fb.device_ids if w.fb.device_ids is not None else w.fb.input_ids
+        ids = to_device(ids, dev) if ids.device != dev else ids
+        nxt = ids.index_select(0, (rows + 1).clamp_max(ids.numel() - 1))
+        has_draft = to_device(torch.tensor([j < len(w.drafts[i]) for i, _, j in picks]), dev)
+        ok = has_draft & (tokens == nxt)
+        rule = [k for k, (i, _, j) in enumerate(picks) if j < len(w.q[i])]
         if rule:
-            found = verify_drafts(picked[[k for k, _, _ in rule]], [seen[k] for k, _, _ in rule],
-                                  [w.drafts[i][j] for _, i, j in rule],
-                                  torch.stack([w.q[i][j] for _, i, j in rule]))
-            for (_, i, _), verdict in zip(rule, zip(*found)):
-                verdicts.setdefault(i, []).append(verdict)
-        return {i: self._outcome(w.drafts[i], ts, verdicts.get(i)) for i, ts in tokens.items()}
+            where = to_device(torch.tensor(rule), dev)
+            accept, emit = verify_drafts(picked.index_select(0, where), [seen[k] for k in rule],
+                                         nxt.index_select(0, where),
+                                         torch.stack([w.q[picks[k][0]][picks[k][2]] for k in rule]))
+            ok, tokens = ok.index_copy(0, where, accept), tokens.index_copy(0, where, emit)
+        return self._pack(picks, ok, tokens, picked, sb.top_logprobs)
 
     @staticmethod
-    def _outcome(draft: list[int], tokens: list, verdicts: list | None) -> tuple[int, list]:
-        """Greedy (no verdicts): the longest prefix of drafts equal to the sampler's tokens, then
-        its next. Sampled: drafts while accepted, then the residual draw at the first rejection
-        or, all accepted, the sampler's bonus token; logprobs are the target's for what is emitted."""
-        if verdicts is None:
-            accepted = 0
-            while accepted < len(draft) and draft[accepted] == tokens[accepted][0]:
-                accepted += 1
-            return accepted, tokens[:accepted + 1]
-        emitted = []
-        for j, (ok, residual, logprob_draft, logprob_residual) in enumerate(verdicts):
-            if not ok:
-                return j, emitted + [(residual, with_logprob(tokens[j][1], logprob_residual))]
-            emitted.append((draft[j], with_logprob(tokens[j][1], logprob_draft)))
-        return len(draft), emitted + [tokens[len(draft)]]
+    def _pack(picks: list, ok: torch.Tensor, tokens: torch.Tensor, picked: torch.Tensor,
+              top_logprobs: tuple) -> _Outcome:
+        """The accepted count per request (the leading run of held drafts), the tokens and the
+        logprobs asked for, in one float64 tensor (ids and fp32 values are exact in it)."""
+        reqs = sorted({i for i, _, _ in picks})
+        first = [next(k for k, p in enumerate(picks) if p[0] == i) for i in reqs]
+        width = max(j for _, _, j in picks) + 1
+        lanes = torch.full((len(reqs), width), len(picks), dtype=torch.int64)   # past the end: False
+        for n, i in enumerate(reqs):
+            span = sum(1 for p in picks if p[0] == i)
+            lanes[n, :span] = torch.arange(first[n], first[n] + span)
+        held = torch.cat([ok, ok.new_zeros(1)]).index_select(0, to_device(lanes.flatten(), ok.device))
+        accepted = held.view(len(reqs), width).long().cumprod(1).sum(1)
+        parts = [accepted.double(), tokens.double()]
+        asked = {k: n for k, n in enumerate(top_logprobs) if n is not None}
+        num_top = max(asked.values(), default=0)
+        if asked:
+            where = to_device(torch.tensor(list(asked)), ok.device)
+            raw = torch.log_softmax(picked.index_select(0, where).float(), -1)
+            parts.append(raw.gather(1, tokens.index_select(0, where)[:, None])[:, 0].double())
+            if num_top:
+                top = torch.topk(raw, num_top)
+                parts += [top.values.double().flatten(), top.indices.double().flatten()]
+        return _Outcome(reqs, first, asked, len(picks), num_top, torch.cat(parts))
+
+    @staticmethod
+    def _unpack(f: _Outcome, values: list) -> dict[int, tuple[int, list]]:
+        """Per ready request: (drafts accepted, [(token, logprobs)] to append)."""
+        R, A, K = len(f.reqs), len(f.asked), f.num_picks
+        tokens, rest = values[R:R + K], values[R + K:]
+        chosen, top_v, top_i = rest[:A], rest[A:A + A * f.num_top], rest[A + A * f.num_top:]
+        lps: dict[int, TokenLogprobs] = {}
+        for a, (k, n) in enumerate(f.asked.items()):
+            row = slice(a * f.num_top, a * f.num_top + n)
+            lps[k] = TokenLogprobs(chosen[a], [(int(t), v) for t, v in zip(top_i[row], top_v[row])])
+        out = {}
+        for n, i in enumerate(f.reqs):
+            accepted = int(values[n])
+            out[i] = (accepted, [(int(tokens[k]), lps.get(k)) for k in
+                                 range(f.first[n], f.first[n] + accepted + 1)])
+        return out
 
     def _accept(self, s: Scheduler, req: Request, start: int, num_own: int, num_draft: int,
                 accepted: int, emitted: list) -> int:
@@ -256,7 +355,7 @@ class MtpSpeculator:
         for x, (logits, out) in zip(extends, outs):
             if x is None:
                 continue
-            last = (torch.cumsum(x.fb.extend_lens, 0) - 1).to(logits.device)
+            last = (torch.cumsum(x.fb.extend_lens, 0) - 1).tolist()   # host tensor
             for j, req in enumerate(x.reqs):
                 length = min(self.num_steps, req.max_total_tokens - req.num_tokens)
                 if (req.num_pending == 1 and length > 0
@@ -264,31 +363,36 @@ class MtpSpeculator:
                     lengths[req], hiddens[req] = length, out[last[j]]
             drafting = [j for j, req in enumerate(x.reqs) if req in lengths]
             if drafting:
-                rows = last[torch.tensor(drafting, device=last.device)]
+                rows = to_device(torch.tensor([last[j] for j in drafting]), logits.device)
                 self._add_drafts([x.reqs[j] for j in drafting], logits.index_select(0, rows))
         self._chain(lengths, hiddens, empty)
 
     def _add_drafts(self, reqs: list[Request], logits: torch.Tensor) -> None:
         """Append one draft per request from the MTP layer's logits (`spec_sampling.draw_drafts`:
-        the argmax, or for sampled requests a draw from q, whose row is kept for the verify)."""
+        the argmax, or for sampled requests a draw from q, whose row is kept for the verify). The
+        tokens stay on the device; only requests that `reads_drafts` read theirs (one read)."""
         tokens, q_rows = draw_drafts(logits, [as_if_accepted(r, r.draft_ids) for r in reqs])
-        for r, token, q in zip(reqs, tokens, q_rows):
-            r.draft_ids.append(token)
+        host = self.read(tokens) if any(reads_drafts(r) for r in reqs) else [UNREAD] * len(reqs)
+        for j, (r, q) in enumerate(zip(reqs, q_rows)):
+            r.draft_ids.append(host[j] if reads_drafts(r) else UNREAD)
+            self.draft_tokens.setdefault(r, []).append(tokens[j])
             if q is not None:
                 self.draft_q.setdefault(r, []).append(q)
 
     def _chain(self, lengths: dict, hiddens: dict, empty: torch.Tensor) -> None:
-        """Draft steps 1..N-1 on every DP rank: each request's last draft at its position, fed the
-        MTP layer's own hidden state from the step before; writes MTP KV on the pages `reserve`
-        gave."""
+        """Draft steps 1..N-1 on every DP rank: each request's last draft at its position (its id
+        from the device), fed the MTP layer's own hidden state from the step before; writes MTP
+        KV on the pages `reserve` gave."""
         ranks = self.engine.scheduler.ranks
         for k in range(1, self.num_steps):
             live = [[r for r, n in lengths.items() if n > k and r.dp_rank == d]
                     for d in range(len(ranks))]
             if not any(live):
                 return
-            fbs = [ForwardBatch.build("extend", [[r.draft_ids[-1]] for r in rs], [r.row for r in rs],
-                                      [r.num_computed - 1 + k for r in rs], s.req_pool.table)
+            fbs = [dataclasses.replace(ForwardBatch.build(
+                "extend", [[UNREAD] for _ in rs], [r.row for r in rs],
+                [r.num_computed - 1 + k for r in rs], s.req_pool.table),
+                device_ids=torch.stack([self.draft_tokens[r][-1] for r in rs]))
                    if rs else ForwardBatch.idle(s.req_pool.table) for s, rs in zip(ranks, live)]
             outs = self.engine.runner.draft_dp(
                 fbs, [torch.stack([hiddens[r] for r in rs]) if rs else empty for rs in live])

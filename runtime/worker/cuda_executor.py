@@ -269,6 +269,8 @@ class CudaExecutor(PlanExecutor):
         if bucket is not None:
             return self._replay(bucket, batch, caps[bucket], hidden, dp_tokens)
         vectors = to_device(self.host_vectors(batch, need, dp_tokens), self.r2t.device)
+        if batch.device_ids is not None:
+            vectors[0, :T] = batch.device_ids
         if hidden is not None:
             hidden = torch.cat([hidden.to(self.dtype), hidden.new_zeros(need - T, hidden.shape[1],
                                                                        dtype=self.dtype)])
@@ -281,6 +283,8 @@ class CudaExecutor(PlanExecutor):
         cap.copied.synchronize()             # the previous step's copy has read the staging buffer
         cap.host.copy_(self.host_vectors(batch, bucket, dp_tokens))
         cap.packed.copy_(cap.host, non_blocking=True)
+        if batch.device_ids is not None:   # ids computed on the device (speculative drafts)
+            cap.packed[0, :batch.num_tokens].copy_(batch.device_ids)
         if cap.last is not None:   # a prefill graph: outputs per request
             cap.last_host.copy_(self._last_tokens(batch, cap.last.numel()))
             cap.last.copy_(cap.last_host, non_blocking=True)

@@ -45,6 +45,10 @@ class ForwardBatch:
     extend_lens: torch.Tensor  # [B] int64, new tokens this step (decode: all 1); sum == T
     out_cache_loc: torch.Tensor  # [T] int64, KV slot for each new token
     req_to_token: torch.Tensor  # [max_reqs, max_context] int64, KV slot of (request row, position)
+    # [T] int64 on the runner's device, or None: the token ids to run instead of input_ids (which
+    # then only hold the count, placeholders where the host does not know the id): ids computed on
+    # the device (speculative drafts) reach the next forward without a read-back to the host
+    device_ids: torch.Tensor | None = None
 
     def __post_init__(self):
         self.validate()
@@ -100,8 +104,8 @@ class ForwardBatch:
         if self.mode not in MODES:
             raise ValueError(f"ForwardBatch.mode must be one of {MODES}, got {self.mode!r}")
         T, B = self.num_tokens, self.batch_size
-        for name in ("positions", "out_cache_loc"):
-            if getattr(self, name).shape != (T,):
+        for name in ("positions", "out_cache_loc", "device_ids"):
+            if getattr(self, name) is not None and getattr(self, name).shape != (T,):
                 raise ValueError(f"{name} has shape {tuple(getattr(self, name).shape)}, expected ({T},)")
         for name in ("seq_lens", "prefix_lens", "extend_lens"):
             if getattr(self, name).shape != (B,):

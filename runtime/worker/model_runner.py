@@ -43,6 +43,8 @@ class ModelRunner(ABC):
     id of the token at p + 1 and `hidden[t]` (the target's, or the MTP layer's own from the previous
     draft step), writes the MTP layer's KV at `out_cache_loc[t]` (its own pool layer, paged in
     lockstep with the target's) and returns its logits (the guess for p + 2) and its hidden states.
+    Both take the batch's `device_ids` (when set) as its token ids: ids already on the runner's
+    device, so the speculator feeds drafts and accepted tokens without reading them back.
     """
 
     vocab_size: int
@@ -141,7 +143,11 @@ class PlanRunner(ModelRunner):
         self._last[rows] = tokens.cpu()
 
     def _resolve(self, batch: ForwardBatch) -> ForwardBatch:
-        """`batch` with its FUTURE_TOKEN ids replaced by the recorded tokens of their rows."""
+        """`batch` with its `device_ids` as its ids (the executor's tensors live on the host) and
+        FUTURE_TOKEN ids replaced by the recorded tokens of their rows."""
+        if batch.device_ids is not None:
+            batch = dataclasses.replace(batch, input_ids=batch.device_ids.to(batch.input_ids.device),
+                                        device_ids=None)
         future = batch.input_ids < 0
         if not bool(future.any()):
             return batch
@@ -166,7 +172,7 @@ class PlanRunner(ModelRunner):
         return out["logits"], out["hidden"]
 
     def draft(self, batch: ForwardBatch, hidden: torch.Tensor, dp_tokens: list[int] | None = None):
-        out = self.executor.forward("mtp_draft", batch, hidden=hidden, dp_tokens=dp_tokens)
+        out = self.executor.forward("mtp_draft", self._resolve(batch), hidden=hidden, dp_tokens=dp_tokens)
         return out["logits"], out["hidden"]
 
     def close(self) -> None:
@@ -182,7 +188,8 @@ class DevicePlanRunner(PlanRunner):
     step overwrites: the engine samples them, on the device, before it queues the next step), and
     FUTURE_TOKEN ids are filled in on the device (inside the decode graph). Speculative decoding
     runs the plan's MTP phases the same way (verify and draft graphs per token bucket); their
-    outputs are views of static buffers too, read or copied before the same phase runs again."""
+    outputs are views of static buffers too, read or copied before the same phase runs again; their
+batches' `device_ids` are copied into the graphs' static id buffer on the device."""
 
     @property
     def kernels(self):
@@ -196,4 +203,8 @@ class DevicePlanRunner(PlanRunner):
 
     def verify(self, batch: ForwardBatch, dp_tokens: list[int] | None = None):
         out = self.executor.forward("mtp_verify", batch, dp_tokens=dp_tokens)
+        return out["logits"], out["hidden"]
+
+    def draft(self, batch: ForwardBatch, hidden: torch.Tensor, dp_tokens: list[int] | None = None):
+        out = self.executor.forward("mtp_draft", batch, hidden=hidden, dp_tokens=dp_tokens)
         return out["logits"], out["hidden"]
