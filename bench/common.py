@@ -159,15 +159,16 @@ def greedy(runner, prompts, steps, table):
     return greedy_logits(runner, prompts, steps, table)[0]
 
 
-def greedy_logits(runner, prompts, steps, table):
+def greedy_logits(runner, prompts, steps, table, forced=None):
     """Prefill + `steps` greedy decode steps; -> (tokens [B, steps] (CPU), the logits [B, V] of the
-    prefill and of every decode step, fp32 on the runner's device)."""
+    prefill and of every decode step, fp32 on the runner's device). `forced` ([B][>= steps] tokens):
+    feed those instead of the argmax (teacher forcing)."""
     import torch
     seqs = [list(p) for p in prompts]
     logits = [prefill(runner, prompts, table)]
     tokens = []
-    for _ in range(steps):
-        nxt = logits[-1].argmax(-1).tolist()
+    for i in range(steps):
+        nxt = [f[i] for f in forced] if forced is not None else logits[-1].argmax(-1).tolist()
         tokens.append(nxt)
         for s, t in zip(seqs, nxt):
             s.append(t)
@@ -291,12 +292,13 @@ def fp8_exact(xq, xs, wq, ws, device=None):
     return xd @ wd.T, xd.abs() @ wd.abs().T
 
 
-def w8a8_twin(plan, runner, num_pages):
-    """A torch-target executor sharing `runner`'s weights (its own KV pool) that runs the FP8 plan's
-    activation quantisation (codegen/fp8_torch_target.py)."""
+def oracle_twin(plan, runner, w8a8=True):
+    """A torch-target executor sharing the torch-target executor `runner`'s weights, with its own KV
+    pool (caches the plan stores fp8 emulated), that runs the FP8 plan's activation quantisation
+    (codegen/fp8_torch_target.py) with `w8a8`, else `runner`'s implementations."""
     from glmc.codegen import fp8_torch_target
     from glmc.runtime.worker.executor import PlanExecutor
     from glmc.runtime.worker.kv_cache import KVPool
-    pool = KVPool.for_plan(plan, num_pages, runner.pool.dtype, runner.pool.device, fp8="emulate")
-    return PlanExecutor(plan, runner.weights, pool, runner.comm, impls=fp8_torch_target.IMPLS,
+    pool = KVPool.for_plan(plan, runner.pool.num_pages, runner.pool.dtype, runner.pool.device, fp8="emulate")
+    return PlanExecutor(plan, runner.weights, pool, runner.comm, impls=fp8_torch_target.IMPLS if w8a8 else runner.impls,
                         device=runner.device, stacks=runner.stacks)

@@ -132,7 +132,7 @@ def main():
     del model
     target = common.gpu_runner(plan, weights, dev, B, max_ctx, stacks=stacks)
     ref = common.gpu_runner(plan, weights, dev, B, max_ctx, target="cpu", stacks=stacks, kv_fp8="emulate")
-    twin = lambda: common.w8a8_twin(plan, ref, ref.pool.num_pages)   # noqa: E731  (own KV pool each)
+    twin = lambda: common.oracle_twin(plan, ref)   # noqa: E731  (own KV pool each)
     oracle, again = twin(), twin()
     table = common.req_table(B, max_ctx // 64)
     g = torch.Generator().manual_seed(2)

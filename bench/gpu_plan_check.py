@@ -37,8 +37,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.common import (decode_batch, glmc_plan, glmc_weights, gpu_runner, greedy, prefill, req_table, route_diffs,
-                          slice_model, tests_module, w8a8_twin)
+from bench.common import (decode_batch, glmc_plan, glmc_weights, gpu_runner, greedy, oracle_twin, prefill, req_table,
+                          route_diffs, slice_model, tests_module)
 from bench.fp8_op_check import oracle_spread
 
 
@@ -69,7 +69,7 @@ def check_tiny(dev, capture, steps=16, fp8=False, kv_dtype=None):
     got = greedy(runner, prompts, steps, req_table(4, 2))
     if fp8:   # the oracle: the torch target with the FP8 plan's activation quantisation (and KV rounding)
         ref = gpu_runner(plan, tmp, dev, 4, 128, target="cpu")
-        want, name = greedy(w8a8_twin(plan, ref, ref.pool.num_pages), prompts, steps, req_table(4, 2)), "w8a8 torch target"
+        want, name = greedy(oracle_twin(plan, ref), prompts, steps, req_table(4, 2)), "w8a8 torch target"
     elif kv_fp8:   # the oracle: the torch target whose pool rounds through FP8 as the GPU's stores
         ref = gpu_runner(plan, tmp, dev, 4, 128, target="cpu", kv_fp8="emulate")
         want, name = greedy(ref, prompts, steps, req_table(4, 2)), "torch target (FP8 KV emulated)"
@@ -117,7 +117,7 @@ def check_width(dev, dtype, narrow, lengths, steps=3, tol=2e-2, fp8=False, kv_dt
     ref = gpu_runner(plan, weights, dev, B, max_ctx, target="cpu", stacks=stacks, kv_fp8="emulate")
     plain = None
     if fp8:    # decide against the w8a8 torch target; report the plain one on the dequantised weights
-        plain, ref = ref, w8a8_twin(plan, ref, ref.pool.num_pages)
+        plain, ref = ref, oracle_twin(plan, ref)
     if dev != "cpu" and not routes:
         runner.capture([B])
     got_routes, want_routes = (record_routes(runner), record_routes(ref)) if routes else ([], [])
@@ -132,7 +132,7 @@ def check_width(dev, dtype, narrow, lengths, steps=3, tol=2e-2, fp8=False, kv_dt
         batches.append((f"decode {i}", decode_batch(seqs, table)))
     # FP8: the tolerance of each step is `spread_factor` times how far the oracle itself moves when
     # every op output moves by one ulp of the target's dtype (bench/fp8_op_check.py), at least tol
-    spread = oracle_spread(lambda: w8a8_twin(plan, plain, plain.pool.num_pages), plan, prompts, table,
+    spread = oracle_spread(lambda: oracle_twin(plan, plain), plan, prompts, table,
                            batches[1:], seeds)[0] if fp8 else None
     got = prefill(runner, prompts, table)
     rows = [_compare("prefill", got, prefill(ref, prompts, table), plain and prefill(plain, prompts, table))]

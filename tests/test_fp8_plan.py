@@ -13,6 +13,7 @@ weights_proj unquantised).
   model's layers and routes (tens of percent here); the H200 check reports that error at GLM-5.3 width.
 """
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -137,3 +138,28 @@ def test_compile_and_run_take_quantize(tmp_path, capsys):
     assert glmc(["compile", "--model", str(tmp_path / "ckpt"), "-o", str(tmp_path / "bf")]) == 0
     with pytest.raises(ValueError, match="compiled with fp32 weights, not fp8; compile with `glmc compile --quantize fp8`"):
         plan_for(tmp_path / "ckpt", tmp_path / "bf", device="cuda", quantize="fp8")
+
+
+def test_a_divergence_is_a_near_tie_only_within_the_oracles_rounding():
+    """`bench.fp8_small_check`'s criterion decides: on glmc-small's FP8 plan (bf16 activations), the
+    w8a8 oracle's gap between its token and its runner-up moves under one-ulp perturbations by a
+    bound far below its gap to the least likely token, which is never a near-tie."""
+    from bench.common import oracle_twin
+    from bench.fp8_small_check import _greedy_logits, tie_bounds
+    from glmc.api import plan_for
+    ckpt = Path(__file__).resolve().parents[1] / "models" / "small"
+    plan = plan_for(ckpt, device="cuda", max_running=2, quantize="fp8", kv_dtype="fp8")
+    ref = load_runner(plan, ckpt, device="cpu", target="cpu", num_pages=5, max_running=2, kv_fp8="emulate")
+    twin = lambda: oracle_twin(plan, ref.executor)   # noqa: E731
+    ids = torch.randint(0, plan.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0)).tolist()
+    want, logits = _greedy_logits(twin(), ids, 3)
+    rows = []
+    for b, rank in ((0, 1), (1, -1)):      # the runner-up; the least likely token
+        lo = logits[2][b]
+        w, g = (int(t) for t in lo.argsort(descending=True)[[0, rank]])
+        assert w == want[b][2]
+        rows.append({"first_diff": 2, "oracle_token": w, "gpu_token": g, "oracle_gap": float(lo[w] - lo[g])})
+    tie_bounds(twin, plan, ids, want, rows, seeds=3, factor=2.0)
+    assert all(len(r["perturbed_gaps"]) == 3 for r in rows)
+    assert 0 < rows[0]["bound"] < rows[1]["oracle_gap"] / 10 and not rows[1]["near_tie"]
+    assert rows[0]["near_tie"] == (rows[0]["oracle_gap"] <= rows[0]["bound"])

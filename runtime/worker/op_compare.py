@@ -42,6 +42,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from glmc.codegen.fp8_ref import BLOCK as FP8_KV_GROUP
 from glmc.codegen.fp8_ref import Fp8Weight, quantize_token_groups
 from glmc.codegen.torch_ref import index_head_scale, indexer_scores, latent_probs
 
@@ -62,6 +63,9 @@ FP8_ACC_REL = 2.0 ** -13
 # adds them in its dtype, the norm over that rounded sum), not the fp32 arithmetic end to end.
 ROUNDED_KINDS = ("fused.add_rms",)
 ATTN_KINDS = ("attn.mla_mha", "attn.mla_absorbed", "attn.sparse_mla")
+# Attention's probabilistic rounding bound (`attention_oracle`): an element outside it has probability
+# <= 2 exp(-32) ~ 2.5e-14 under the model, so ~1e8 elements of a slice's steps expect no false alarm.
+ATTN_LAMBDA = 8.0
 
 
 @dataclass
@@ -217,29 +221,61 @@ def attention_oracle(op, args, ctx, dtype: torch.dtype) -> tuple[torch.Tensor, t
     oracle's device.
 
     Done the same way: q_lat = q_nope W_UK rounded to `dtype` (a GEMM's fp32 sum, then one rounding).
-    Bounded (u = `unit_roundoff(dtype)`): the softmax weights rounded for the PV product, relative to
-    the kernel's running maximum (each p_j moves by at most u p_j), and out_lat rounded to `dtype`
-    before W_UV (at most u |out_lat_r|):
-
-        |o_v - want_v| <= sum_r |W_UV[r, v]| u (sum_j p_j |c_jr| + |out_lat_r|)
-
-    plus the output's own rounding (`bound`). A worst case: |W_UV| summed over the latent width makes
-    it coarse against errors that cancel (`OpRow.slack_rel` reports how coarse). `args` and `ctx`: the
-    torch target's (positions for top-k, the oracle's pool, which holds the FP8 codes the target's
+    Bounded: the kernel's other roundings into `dtype` (unit roundoff u = `unit_roundoff(dtype)`),
+    each a relative error |d| <= u of one factor of a long sum, taken as independent and of mean zero
+    (round to nearest) so that a sum of terms a_i d_i stays within ATTN_LAMBDA u sqrt(sum a_i^2)
+    except with probability <= 2 exp(-ATTN_LAMBDA^2 / 2) per element (Higham & Mary's probabilistic
+    rounding-error analysis). With p_j a head's softmax weight of key j, c_j its latent row,
+    Y_j = c_j W_UV^T the key's value in output space (Y_jg: latent group g's part of it), the
+    variances per output element are:
+    - the softmax weights rounded for the PV product (the kernel's own l is fp32):
+      sum_j p_j^2 Y_j^2;
+    - FP8 rows: a group's scale rounded (the per-tile kernel, or p_j sc_g rounded in the per-group
+      kernel instead of p_j), sum_j p_j^2 sum_g Y_jg^2; every dequantised value rounded (the per-tile
+      kernel), sum_j p_j^2 sum_r c_jr^2 W_UV[v, r]^2; and those rounded keys moving the
+      scores, a separate term (correlated with the last two): score error s_j with variance
+      scale^2 (sum_g (q_g . c_jg)^2 + sum_r q_r^2 c_jr^2), which moves the output by
+      sum_j p_j s_j (Y_j - o), variance sum_j p_j^2 var(s_j) (Y_j - o)^2;
+    - out_lat rounded before W_UV: sum_r W_UV[v, r]^2 out_lat_r^2.
+    slack = ATTN_LAMBDA u (sqrt(PV terms) + sqrt(score term) + sqrt(out_lat term)), plus the output's
+    own rounding (`bound`). `OpRow.slack_rel` reports its width against the output. `args` and `ctx`:
+    the torch target's (positions for top-k, the oracle's pool, which holds the FP8 codes the target's
     writes made from the same inputs)."""
     q_nope, q_pe, layer, topk = args
     u = unit_roundoff(dtype)
     scale, dn, dv = op.attr("scale"), int(op.attr("dn")), int(op.attr("dv"))
     T, H = q_nope.shape[:2]
     w = ctx.w(op.attr("weight")).float().view(H, dn + dv, -1)
-    w_uk, w_uv = w[:, :dn], w[:, dn:]
+    w_uk, w_uv = w[:, :dn], w[:, dn:]                                         # [H, dn | dv, R]
+    R = w.shape[-1]
+    fp8 = getattr(ctx.pool, "kv_format", "native") != "native"
+    G = -(-R // FP8_KV_GROUP)
     q_lat = torch.einsum("thd,hdr->thr", q_nope.float(), w_uk).to(dtype).float()
-    out_lat, slack_lat = q_lat.new_zeros(q_lat.shape), q_lat.new_zeros(q_lat.shape)
+    out_lat = q_lat.new_zeros(q_lat.shape)
+    var_pv, var_s = q_lat.new_zeros(T, H, dv), q_lat.new_zeros(T, H, dv)
     for tok, p, c in latent_probs(q_lat, q_pe, ctx.pool, layer, topk, ctx.batch, scale):
         out_lat[tok] = torch.einsum("htl,lr->thr", p, c)
-        slack_lat[tok] = u * (torch.einsum("htl,lr->thr", p, c.abs()) + out_lat[tok].abs())
+        p2 = p * p
+        y = torch.einsum("lr,hvr->lhv", c, w_uv)
+        var_pv[tok] = torch.einsum("htl,lhv->thv", p2, y * y)
+        if not fp8:
+            continue
+        cg = c.view(c.shape[0], G, -1)
+        yg = torch.einsum("lgr,hvgr->lghv", cg, w_uv.view(H, dv, G, -1)).pow(2).sum(1)
+        var_pv[tok] += torch.einsum("htl,lhv->thv", p2, yg)
+        var_pv[tok] += torch.einsum("thr,hvr->thv", torch.einsum("htl,lr->thr", p2, c * c), w_uv * w_uv)
+        q = q_lat[tok]
+        var_score = torch.einsum("thr,lr->htl", q * q, c * c)
+        for g in range(G):                  # one group's scale (or p sc_g) rounding moves all its terms
+            var_score += torch.einsum("thr,lr->htl", q.view(*q.shape[:2], G, -1)[:, :, g], cg[:, g]).pow(2)
+        wts = p2 * var_score * scale ** 2
+        o = torch.einsum("thr,hvr->thv", out_lat[tok], w_uv)
+        var_s[tok] = (torch.einsum("htl,lhv->thv", wts, y * y) - 2 * o * torch.einsum("htl,lhv->thv", wts, y)
+                      + o * o * wts.sum(-1).transpose(0, 1)[..., None]).clamp(min=0)
+    var_lat = torch.einsum("thr,hvr->thv", out_lat * out_lat, w_uv * w_uv)
     want = torch.einsum("thr,hvr->thv", out_lat, w_uv).reshape(T, H * dv)
-    return want, torch.einsum("thr,hvr->thv", slack_lat, w_uv.abs()).reshape(T, H * dv)
+    slack = ATTN_LAMBDA * u * (var_pv.sqrt() + var_s.sqrt() + var_lat.sqrt())
+    return want, slack.reshape(T, H * dv)
 
 
 def _rerun(run: _Run, again: dict, rounded: dict, slack: dict, ranked: dict):
