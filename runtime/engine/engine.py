@@ -32,7 +32,9 @@ The settings (`glmc.run_config.RunConfig`: `max_running`, `max_batch_tokens`, `m
 `enable_prefix_cache`, `overlap`, `mixed_prefill_tokens`, `speculative_num_steps`) come as one
 value, or as its fields by keyword. Speculative decoding (`speculative_num_steps=N` > 0): each step verifies the MTP layer's N draft
 tokens per request and drafts the next ones (`runtime/engine/speculative.py`); it needs a
-runner that `supports_speculative` and runs without overlap.
+runner that `supports_speculative` and runs without the plain loop's overlap: the speculative
+cycle reads the device once (its acceptance) and queues its drafts without waiting for them, so the
+next cycle is scheduled and prepared while they run.
 Engines are started by `runtime/engine/startup.py`; runners live in `runtime/worker/`.
 """
 from __future__ import annotations

@@ -109,6 +109,14 @@ def reads_drafts(req: Request) -> bool:
     return req.params.grammar is not None or req.params.needs_history
 
 
+def _ends(req: Request, tokens: list[int]) -> bool:
+    """Whether appending `tokens` ends `req` by a token (a stop token, eos, its length); a stop
+    string or its grammar's end is found only as the tokens are appended."""
+    return (any(req.check_stop_token(t) == "stop" for t in tokens)
+            or len(req.output_ids) + len(tokens) >= req.params.max_tokens
+            or req.num_tokens + len(tokens) >= req.max_context)
+
+
 def read_back(packed: torch.Tensor) -> list:
     """The speculative loop's one way from the device to the host: `packed` as a list (waits for
     the work that computes it)."""
@@ -219,6 +227,9 @@ class MtpSpeculator:
         return dataclasses.replace(fb, device_ids=ids)
 
     def _run(self, work: list[_Verify | None]) -> None:
+        """Verify, the cycle's one read, then draft-extend queued before the host appends (the
+        device runs it while the host detokenizes, streams and checks stop strings), then the
+        draft chains of the requests still running."""
         fbs = [w.fb if w else idle for w, idle in zip(work, self._idle())]
         outs = self.engine.runner.verify_dp(fbs)
         found = []
@@ -227,20 +238,19 @@ class MtpSpeculator:
                 w.s.commit(w.batch)
             found.append(self._sample(logits, w) if w is not None else None)
         packed = [f.packed for f in found if f is not None]
-        values = self.read(torch.cat([p.to(packed[0].device) for p in packed])) if packed else []
-        extends = []
-        for w, f, (_, hidden) in zip(work, found, outs):
-            if w is None:
-                extends.append(None)
-                continue
-            accepted = self._unpack(f, values) if f is not None else {}
+        values = self.read(torch.cat(packed)) if packed else []
+        accepted = []
+        for f in found:
+            accepted.append(self._unpack(f, values) if f is not None else {})
             values = values[f.packed.numel():] if f is not None else values
-            kept = [self._accept(w.s, r, p, n, len(d), *accepted[i]) if w.ready[i] else n
-                    for i, (r, p, n, d) in enumerate(zip(w.batch.reqs, w.batch.prefix_lens, w.own,
-                                                         w.drafts))]
-            extends.append(self._extend(w, kept, hidden))
-        if any(extends):
-            self._draft(extends)
+        extends = [self._extend(w, acc, hidden) if w else None
+                   for w, acc, (_, hidden) in zip(work, accepted, outs)]
+        drafted = self._draft_extend(extends) if any(extends) else None
+        for w, acc in zip(work, accepted):
+            for i, (num_accepted, emitted) in (acc.items() if w else ()):
+                self._append(w.s, w.batch.reqs[i], len(w.drafts[i]), num_accepted, emitted)
+        if drafted is not None:
+            self._draft(extends, drafted)
 
     def _sample(self, logits: torch.Tensor, w: _Verify) -> _Outcome | None:
         """Acceptance on the device, no read: the plain sampler reads every verified position as
@@ -315,11 +325,9 @@ class MtpSpeculator:
                                  range(f.first[n], f.first[n] + accepted + 1)])
         return out
 
-    def _accept(self, s: Scheduler, req: Request, start: int, num_own: int, num_draft: int,
-                accepted: int, emitted: list) -> int:
-        """Append the accepted drafts and the target's token after them, roll the KV back to
-        them; -> target positions of this step whose KV is kept."""
-        s.rollback(req, start + num_own + accepted)
+    def _append(self, s: Scheduler, req: Request, num_draft: int, accepted: int, emitted: list) -> None:
+        """Append the accepted drafts and the target's token after them (detokenize, stream,
+        stop) and offer the pages they fill to the prefix cache."""
         if num_draft:
             self.engine.metrics.verify(num_draft, accepted)
         for token, logprobs in emitted:
@@ -328,29 +336,47 @@ class MtpSpeculator:
                 break
         if not req.finished:
             s.offer_pages(req)
-        return num_own + accepted
 
     @staticmethod
-    def _extend(w: _Verify, kept: list[int], hidden: torch.Tensor) -> _Extend | None:
-        """The draft-extend of a rank's unfinished requests over the positions the target kept:
-        the token one further at each, with the target's hidden state there."""
-        idx = [i for i, r in enumerate(w.batch.reqs) if not r.finished]
-        if not idx:
-            return None
+    def _extend(w: _Verify, accepted: dict[int, tuple[int, list]], hidden: torch.Tensor) -> _Extend | None:
+        """Roll each request's KV back to what the target kept (its own tokens and the accepted
+        drafts) and make the draft-extend over those positions: the token one further at each,
+        with the target's hidden state there. Requests that the emitted tokens end (a stop token,
+        eos, the length) are left out; one a stop string ends is found only when appended."""
         reqs, starts, ranges = w.batch.reqs, w.batch.prefix_lens, w.fb.token_ranges()
-        fb = ForwardBatch.build("extend", [reqs[i].all_ids[starts[i] + 1:starts[i] + kept[i] + 1]
-                                           for i in idx], [reqs[i].row for i in idx],
+        kept, ids = {}, {}
+        for i, (r, start, own) in enumerate(zip(reqs, starts, w.own)):
+            num_accepted, emitted = accepted.get(i, (0, []))
+            tokens = [t for t, _ in emitted]
+            if not w.ready[i]:
+                kept[i] = own
+            elif not _ends(r, tokens):
+                w.s.rollback(r, start + own + num_accepted)
+                kept[i] = own + num_accepted
+            else:
+                w.s.rollback(r, start + own + num_accepted)
+                continue
+            ids[i] = (r.all_ids + tokens)[start + 1:start + kept[i] + 1]
+        if not kept:
+            return None
+        idx = list(kept)
+        fb = ForwardBatch.build("extend", [ids[i] for i in idx], [reqs[i].row for i in idx],
                                 [starts[i] for i in idx], w.s.req_pool.table)
         rows = torch.cat([torch.arange(ranges[i][1], ranges[i][1] + kept[i]) for i in idx])
-        return _Extend(w.s, [reqs[i] for i in idx], fb, hidden.index_select(0, rows.to(hidden.device)))
+        return _Extend(w.s, [reqs[i] for i in idx], fb, hidden.index_select(0, to_device(rows, hidden.device)))
 
-    def _draft(self, extends: list[_Extend | None]) -> None:
-        """Draft-extend on every DP rank; requests whose next token is pending then get a chain
-        of drafts (as many as they may still generate and their pages allow)."""
+    def _draft_extend(self, extends: list[_Extend | None]) -> list:
+        """Queue the MTP layer over every DP rank's kept positions; -> per rank (logits, hidden)."""
         some = next(x.hidden for x in extends if x)
         empty = some.new_zeros(0, some.shape[1])
-        outs = self.engine.runner.draft_dp([x.fb if x else idle for x, idle in zip(extends, self._idle())],
+        return self.engine.runner.draft_dp([x.fb if x else idle for x, idle in zip(extends, self._idle())],
                                            [x.hidden if x else empty for x in extends])
+
+    def _draft(self, extends: list[_Extend | None], outs: list) -> None:
+        """After the draft-extend (`outs`), requests still running whose next token is pending
+        get a chain of drafts (as many as they may still generate and their pages allow)."""
+        some = next(x.hidden for x in extends if x)
+        empty = some.new_zeros(0, some.shape[1])
         lengths, hiddens = {}, {}   # per drafting request: its draft length, the MTP hidden state
         for x, (logits, out) in zip(extends, outs):
             if x is None:
@@ -358,7 +384,7 @@ class MtpSpeculator:
             last = (torch.cumsum(x.fb.extend_lens, 0) - 1).tolist()   # host tensor
             for j, req in enumerate(x.reqs):
                 length = min(self.num_steps, req.max_total_tokens - req.num_tokens)
-                if (req.num_pending == 1 and length > 0
+                if (not req.finished and req.num_pending == 1 and length > 0
                         and x.s.reserve(req, req.num_computed + length + 1)):
                     lengths[req], hiddens[req] = length, out[last[j]]
             drafting = [j for j, req in enumerate(x.reqs) if req in lengths]
