@@ -9,6 +9,7 @@ here too.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import importlib.util
@@ -70,11 +71,25 @@ def _warps(elements: int, per_warp: int = 512, cap: int = 8) -> int:
     return max(1, min(cap, next_pow2(max(1, elements // per_warp))))
 
 
+_ASSUMED_SMS: list[int] = []
+
+
 def sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors to fill; a small stand-in on CPU (the interpreter is serial)."""
+    """Streaming multiprocessors to fill; a small stand-in on CPU (the interpreter is serial), or
+    what `assume_sms` says for a device that is not a GPU (a launch program traced for one)."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
-    return 2
+    return _ASSUMED_SMS[-1] if _ASSUMED_SMS else 2
+
+
+@contextlib.contextmanager
+def assume_sms(n: int):
+    """Within it, launches on a device other than a GPU size their grids and splits for `n` SMs."""
+    _ASSUMED_SMS.append(int(n))
+    try:
+        yield
+    finally:
+        _ASSUMED_SMS.pop()
 
 
 
