@@ -150,3 +150,74 @@ def build_engine(ckpt_dir, plan_dir=None, parallel: str | None = None, run: RunC
 
     run = with_settings(run, **settings)
     return start(plan_for(ckpt_dir, plan_dir, parallel, run), Path(ckpt_dir), run, runner=runner)
+
+
+# ----------------------------------------------------------------------------- launch programs
+def meta_executor(plan: Plan, rank: int = 0, run: RunConfig | None = None):
+    """Rank `rank` of a CUDA plan as the runtime builds it (`CudaExecutor`, the plan's kernels, its
+    weights in their formats and KV pool sized by `run`), alone (`LoneComm`) and on the meta device:
+    every shape is real, nothing is allocated and no kernel runs. What `launch_program.trace` runs."""
+    from glmc.codegen.fp8_ref import Fp8Weight
+    from glmc.codegen.kernel_set import compute_dtype
+    from glmc.codegen.weight_formats import fp8_weights
+    from glmc.runtime.worker.checkpoint import expected_tensors, weight_dtype
+    from glmc.runtime.worker.comm import LoneComm
+    from glmc.runtime.worker.cuda_executor import CudaExecutor
+    from glmc.runtime.worker.executor import rank_expert_names
+    from glmc.runtime.worker.kv_cache import KVPool
+    from glmc.runtime.worker.model_runner import context_limit
+    from glmc.runtime.worker.shards import rank_shards
+
+    run, meta = run or RunConfig(), torch.device("meta")
+    dtype, fp8, comm = compute_dtype(plan.dtypes), fp8_weights(plan), LoneComm(plan.mesh, rank)
+    shapes = expected_tensors(plan.config, mtp=plan.has_mtp)
+
+    def weight(name, shape):
+        if name in fp8:
+            blocks = [-(-d // 128) for d in shape[-2:]]
+            return Fp8Weight(torch.empty(shape, dtype=torch.float8_e4m3fn, device=meta),
+                             torch.empty(*shape[:-2], *blocks, dtype=torch.float32, device=meta))
+        return torch.empty(shape, dtype=weight_dtype(name, dtype), device=meta)
+
+    weights = {}
+    for name, cut in rank_shards(plan.graphs.values(), comm.coords).items():
+        if name in shapes:
+            shape = list(shapes[name])
+            if cut is not None:
+                shape[cut[0]] //= cut[2]
+            weights[name] = shape
+    stacks = {}
+    for op in (op for g in plan.graphs.values() for op in g.ops if op.kind == "moe.experts"):
+        names = rank_expert_names(op, comm.coords.of("ep"))
+        if op.attr("weight") not in stacks:
+            stacks[op.attr("weight")] = tuple(weight(part[0], [len(part), *weights[part[0]]]) for part in names)
+        for n in (n for part in names for n in part):
+            weights.pop(n, None)
+    weights = {n: weight(n, s) for n, s in weights.items()}
+    max_ctx = context_limit(plan.config.max_position_embeddings, run.num_pages, run.max_context)
+    pool = KVPool.for_plan(plan, run.num_pages + 1, dtype, meta, "store")
+    return CudaExecutor(plan, weights, pool, comm, max_reqs=run.max_running, max_context=max_ctx, stacks=stacks,
+                        max_batch_tokens=run.max_batch_tokens)
+
+
+def launch_programs(plan: Plan, run: RunConfig | None = None, rank: int = 0) -> dict[str, list]:
+    """The launch programs of a CUDA plan's rank `rank` (`codegen.launch_program`), traced on the
+    meta device at the settings of `run` (default `RunConfig()`): decode at its smallest and largest
+    captured bucket, prefill at one chunk of the step's token budget (`max_batch_tokens`, as a
+    prefill graph runs it). -> {phase: [Program, ...]}."""
+    from glmc.codegen.launch_program import trace
+
+    run = run or RunConfig()
+    ex = meta_executor(plan, rank, run)
+    split = plan.mesh.token_split_size
+    buckets = ex.phase_buckets["decode"]
+    chunk = -(-run.max_batch_tokens // split) * split
+    decode = [trace(ex, "decode", buckets[0])]        # warms the executor up for the rest
+    decode += [trace(ex, "decode", buckets[-1], warm=False)] if len(buckets) > 1 else []
+    return {"decode": decode, "prefill": [trace(ex, "prefill", chunk, warm=False)]}
+
+
+def launch_texts(plan: Plan, run: RunConfig | None = None) -> dict[str, str]:
+    """`launch/<phase>.txt` of a CUDA plan's directory: `launch_programs`, rank 0, as text."""
+    return {f"launch/{phase}.txt": "".join(p.text() for p in progs)
+            for phase, progs in launch_programs(plan, run).items()}

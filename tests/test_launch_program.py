@@ -1,0 +1,151 @@
+"""The CUDA plan's launch program (`codegen/launch_program.py`) is what a step launches.
+
+- The program traced on the meta device (no data, nothing launched) equals, launch by launch and
+  in order, what a real step of the same plan launches on the CPU (Triton interpreted), recorded by
+  the same recorder: decode and prefill, an fp32 plan, a block-FP8 plan and a lone rank of tp2ep2
+  (`LoneComm`). A real step starts with host-side work outside every op (its requests' rows into the
+  device table, the step's index vectors), which a CUDA graph leaves outside the graph.
+- GLM-5.3 at its real shapes: per MoE layer at one decode request, a plan with bf16 weights launches
+  what `codegen/launch_model.py` predicts; the card's block-FP8 plan launches more (its GEMMs are
+  quantise + FP8 GEMM + split reduction, which the launch model does not count).
+- The text form folds identical layers and reads back the counts.
+"""
+from collections import Counter, defaultdict
+
+import pytest
+import torch
+from tiny_hf import save_tiny, save_tiny_fp8
+
+from glmc.api import Model, meta_executor
+from glmc.codegen.launch_model import launches
+from glmc.codegen.launch_program import Recorder, counts, trace
+from glmc.compiler import compile_plan
+from glmc.config import Options
+from glmc.parallel import parse_parallel
+from glmc.run_config import RunConfig
+from glmc.runtime.worker.comm import LoneComm
+from glmc.runtime.worker.loader import load_runner
+from glmc.spec import load_spec
+
+RUN = RunConfig(num_pages=9, max_context=128, max_running=4)   # 4 requests x 2 pages, + the scratch page
+PROMPTS = [[5, 9, 2, 7, 1], [3, 3, 8], [11, 4, 6, 2, 9, 10, 1]]
+
+
+def canonical(launches) -> list[tuple]:
+    """The launches with their buffers numbered by first use among them (which launches share a
+    storage, not where it was allocated)."""
+    ids: dict[int, int] = {}
+    out = []
+    for x in launches:
+        args = tuple((ids.setdefault(b, len(ids)), dtype, shape) for b, dtype, shape in x.args)
+        out.append((x.kind, x.name, x.grid, args, x.op, x.op_kind, x.layer, x.group, x.nbytes))
+    return out
+
+
+def real_steps(plan, ckpt, comm=None) -> dict:
+    """A prefill of PROMPTS then one decode step, run on the CPU after a warm-up and recorded."""
+    ex = load_runner(plan, ckpt, RUN, device="cpu", capture=False, comm=comm).executor
+    names = {v: k for k, v in plan.kernel_contexts.items()}
+    model = Model(ex, None, max_requests=4, pages_per_request=2)
+    model.decode(model.prefill(PROMPTS).argmax(-1).tolist())   # warm: what the runner makes once (as capture warms)
+    with Recorder(names).watching(ex) as pre:
+        logits = model.prefill(PROMPTS)
+    with Recorder(names).watching(ex) as dec:
+        model.decode(logits.argmax(-1).tolist())
+    tokens = ex.padded_tokens(sum(map(len, PROMPTS)), None)
+    return {"prefill": pre.program("prefill", tokens), "decode": dec.program("decode", len(PROMPTS))}
+
+
+def assert_same(real, traced):
+    cut = len(real.launches) - len(traced.launches)
+    assert cut >= 0 and not traced.untraced
+    head = real.launches[:cut]
+    assert all(x.op is None and x.kind == "torch" for x in head), [x.line() for x in head if x.op or x.kind != "torch"]
+    assert canonical(real.launches[cut:]) == canonical(traced.launches)
+
+
+def plan_of(ckpt, parallel="tp1"):
+    spec = load_spec(ckpt)
+    return compile_plan(spec, parse_parallel(parallel, spec.config), Options(device="cuda", max_batch=4))
+
+
+@pytest.fixture(scope="module")
+def fp32_ckpt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("fp32")
+    save_tiny(path, "grouped", seed=3)
+    return path
+
+
+@pytest.mark.parametrize("kind", ["fp32", "fp8", "tp2ep2 rank 1"])
+def test_the_traced_program_is_what_a_real_step_launches(kind, fp32_ckpt, tmp_path, one_torch_thread):
+    if kind == "fp8":
+        save_tiny_fp8(tmp_path, "grouped", seed=3)
+        ckpt = tmp_path
+    else:
+        ckpt = fp32_ckpt
+    parallel, rank = ("tp2ep2", 1) if kind.startswith("tp2ep2") else ("tp1", 0)
+    plan = plan_of(ckpt, parallel)
+    real = real_steps(plan, ckpt, LoneComm(plan.mesh, rank) if rank else None)
+    meta = meta_executor(plan, rank, RUN)
+    longest = max(map(len, PROMPTS))
+    traced = {"prefill": trace(meta, "prefill", real["prefill"].tokens, num_sms=2, requests=len(PROMPTS),
+                               max_len=longest),
+              "decode": trace(meta, "decode", meta.padded_tokens(len(PROMPTS), None), num_sms=2)}
+    for phase in ("prefill", "decode"):
+        assert_same(real[phase], traced[phase])
+    kinds = Counter(x.kind for p in traced.values() for x in p.launches)
+    assert kinds["triton"] and kinds["gemm"] and (kinds["collective"] > 0) == (parallel != "tp1")
+    if kind == "fp8":
+        assert any(x.name.startswith("fp8_block_gemm") for x in traced["decode"].launches)
+    buffers = traced["decode"].buffers
+    assert all(0 <= b.first <= b.last < len(traced["decode"].launches) for b in buffers)
+
+
+def glm53(weight: str):
+    from compile_util import spec
+    s = spec("glm_moe_dsa")
+    s = s.model_copy(update={"dtypes": s.dtypes.model_copy(update={"weight": weight})})
+    return compile_plan(s, parse_parallel("tp1", s.config), Options(device="cuda"))
+
+
+def predicted_per_layer(graph, context: int) -> dict:
+    """`launch_model.launches` summed per layer at one decode token, as `glmc.predict` reads it."""
+    env = {"T": 1, "B": 1, "S": context, "K": 2048}
+    out = defaultdict(int)
+    for op in graph.ops:
+        rows = None
+        if op.kind == "moe.experts":
+            ids = graph.type_of(op.operands[2]).shape
+            rows = ids[0].eval(env) * ids[1].eval(env)
+        n = launches(op.kind, dict(op.attrs), False, rows, op.types[0].shape[0].eval(env) if op.kind == "moe.gate" else None)
+        out[op.layer] += n.kernels + n.torch_ops + len(n.collectives)
+    return out
+
+
+def test_glm53_decode_launches_per_moe_layer():
+    """One decode request, context 4096 (the top-k select in one pass). Layer 4 is an MoE layer
+    reading layer 3's top-k, layer 6 an MoE layer with its own indexer."""
+    run = RunConfig(max_context=4096)
+    bf16 = glm53("bf16")
+    per_layer = trace(meta_executor(bf16, 0, run), "decode", 1).per_layer()
+    want = predicted_per_layer(bf16.graphs["decode"], 4096)
+    assert (per_layer[4], per_layer[6]) == (want[4], want[6]) == (20, 24)
+    assert all(per_layer[n] == want[n] for n in range(bf16.config.num_hidden_layers))
+    # The card's block-FP8 weights: 27 and 33. The launch model still says 20 and 24: it counts
+    # each linear as one cuBLAS GEMM, where an FP8 linear is its input's quantisation (unless the
+    # norm before it quantised), the FP8 GEMM and its split-K reduction (3 launches: q_b, o_proj;
+    # the A-projection 2 and its unquantised weights_proj's gemv 1), the shared expert 4 (gate/up
+    # GEMM, its reduction with SwiGLU and quantisation, down GEMM, its reduction) and the routed
+    # experts 5 (align, gate/up, SwiGLU reduction, down, combine); and the indexer's wq_b 3 more.
+    fp8 = glm53("fp8")
+    prog = trace(meta_executor(fp8, 0, run), "decode", 1)
+    per_layer = prog.per_layer()
+    assert (per_layer[4], per_layer[6]) == (27, 33)
+    assert predicted_per_layer(fp8.graphs["decode"], 4096)[4] == 20
+    kinds = Counter(x.op_kind for x in prog.launches if x.layer == 4)
+    assert (kinds["linear"], kinds["mlp.swiglu"], kinds["moe.experts"]) == (6, 4, 5)
+    # the text folds the 78 layers into a few classes and reads back every layer's count
+    text = prog.text()
+    assert text.count("\nlayers ") <= 6
+    assert counts(text)["layers"] == {n: {k: c for k, c in Counter(x.kind for x in prog.launches if x.layer == n).items()}
+                                      for n in range(fp8.config.num_hidden_layers)}
