@@ -41,6 +41,7 @@ def _model_path(arg: str | None) -> str:
 
 
 def cmd_compile(a) -> int:
+    from glmc.api import launch_texts
     from glmc.compiler import compile_plan
     from glmc.config import Options
     from glmc.explain import explain_plan
@@ -60,8 +61,9 @@ def cmd_compile(a) -> int:
                    device=a.device, p2p_collectives=not a.no_p2p)
     plan = compile_plan(spec, par, opts, dump)
     out = Path(a.output or f"build/{spec.name}-{par.name}")
-    plan.save(out, {"report.md": render(explain_plan(plan))})
-    kernels = f", kernels/ ({len(plan.kernels)} Triton kernels)" if plan.kernels else ""
+    launches = launch_texts(plan) if plan.target == "cuda" else {}
+    plan.save(out, {"report.md": render(explain_plan(plan, launches=launches)), **launches})
+    kernels = f", kernels/ ({len(plan.kernels)} Triton kernels), launch/" if plan.kernels else ""
     print(f"wrote {out}/ ({', '.join(f'{ph}.ir' for ph in plan.graphs)}, plan.json{kernels}, report.md)")
     return 0
 

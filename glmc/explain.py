@@ -18,7 +18,9 @@ hbm_bytes, kv_tokens_per_rank, max_context_at_batch}, `flops_per_token` {decode,
 `ep_dispatch_bytes_per_token` (payload, top_k x hidden in the dispatch dtype),
 `fusions` {phase: {rule: count}}, `fused_ops` {phase: {fused op kind: [layer, ...]}} (-1:
 outside the decoder layers), `kernels` {kernels/<name>.py: the context it was rendered from} (cuda
-target; empty for cpu). Byte conventions are those of `glmc.passes.costs`.
+target; empty for cpu), `launches` (a plan directory with launch/<phase>.txt, `glmc compile --device
+cuda`) {phase: {tokens: {step {kind: count}, layers {launches per layer: [layer, ...]}}}}. Byte
+conventions are those of `glmc.passes.costs`.
 With a calibration (`glmc.calibration`), `predicted` {calibration, point: `glmc.predict.predict_step`
 at the explain point, table: [{batch_per_rank, step_ms, tpot_ms, tokens_per_s, comm_ms, overhead_ms,
 graph_bucket, kv_fits}], assumptions: [str]}.
@@ -31,6 +33,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from glmc.codegen.launch_program import counts, split
 from glmc.compiler import compile_phase
 from glmc.config import DTypes, Options
 from glmc.ir.types import DTYPE_BYTES
@@ -66,13 +69,17 @@ def _params(graphs: dict) -> dict:
 
 def explain(plan_dir: str, batch: int = 32, context: int = 4096,
             hbm_bytes: int = H200_HBM_BYTES, calibration: dict | None = None) -> dict:
-    return explain_plan(Plan.load(plan_dir), batch, context, hbm_bytes, calibration)
+    launches = {f"launch/{p.name}": p.read_text() for p in sorted(Path(plan_dir).glob("launch/*.txt"))}
+    return explain_plan(Plan.load(plan_dir), batch, context, hbm_bytes, calibration, launches)
 
 
 def explain_plan(plan: Plan, batch: int = 32, context: int = 4096,
-                 hbm_bytes: int = H200_HBM_BYTES, calibration: dict | None = None) -> dict:
+                 hbm_bytes: int = H200_HBM_BYTES, calibration: dict | None = None,
+                 launches: dict[str, str] | None = None) -> dict:
     """The numbers of `plan` at a decode batch (all DP ranks) and context length; with a
-    calibration (`glmc.calibration.load`), also the predicted decode step."""
+    calibration (`glmc.calibration.load`), also the predicted decode step; with the plan
+    directory's launch programs (`launches`: launch/<phase>.txt -> text), their launches per step
+    and per layer."""
     meta, graphs = plan.to_json(), plan.graphs
     spec = ModelSpec(**meta["spec"])
     cfg, dtypes = spec.config, DTypes(**meta["dtypes"])
@@ -120,12 +127,30 @@ def explain_plan(plan: Plan, batch: int = 32, context: int = 4096,
     out["fused_ops"] = {ph: _fused_where(g) for ph, g in graphs.items()}
     out["weights"] = plan.weight_formats   # block-FP8 or not, per op kind (codegen.weight_formats)
     out["kernels"] = dict(sorted(plan.kernel_contexts.items()))   # cuda target: kernels/<name>.py -> context
+    if launches:
+        out["launches"] = launch_counts(launches)
     quality = recorded_quality(plan)
     if quality:
         out["quality"] = quality
     if calibration is not None:
         t = _env("decode", batch, context, par.attn_dp, cfg.index_topk)["T"]
         out["predicted"] = predict_plan(plan, calibration, context, t, out["memory"]["kv_tokens_per_rank"])
+    return out
+
+
+def launch_counts(launches: dict[str, str]) -> dict:
+    """{phase: {tokens: {"step": {kind: n}, "layers": {count: [layer, ...]}}}} of launch/<phase>.txt
+    texts (`codegen.launch_program.counts`): each program's launches per step by kind, and its
+    decoder layers grouped by how many launches they make."""
+    out = {}
+    for path, text in sorted(launches.items()):
+        phase = Path(path).stem
+        for tokens, part in split(text).items():
+            c = counts(part)
+            by_count: dict[int, list[int]] = {}
+            for layer, kinds in c["layers"].items():
+                by_count.setdefault(sum(kinds.values()), []).append(layer)
+            out.setdefault(phase, {})[tokens] = {"step": c["step"], "layers": dict(sorted(by_count.items()))}
     return out
 
 

@@ -9,6 +9,8 @@
                       how the weights are held (`weights`: which ops' weights are block-FP8)
     kernels/*.py      (cuda target) every Triton kernel the plan can launch, rendered; the runtime
                       imports exactly these files (plan.json maps each to its kernel context)
+    launch/<phase>.txt  (written by `glmc compile --device cuda`) what one step launches, in order
+                      (`codegen.launch_program`); read by `glmc explain`, not by the runtime
     report.md         `glmc explain` of the plan
     after/NN-<pass>/  with --dump-after: the IR after each pass
 

@@ -126,6 +126,19 @@ def _quality(q: dict) -> list[str]:
     return out
 
 
+def _launches(by_phase: dict) -> list[str]:
+    """Launches per step and per layer of the plan's launch programs (launch/<phase>.txt)."""
+    out = ["## Launches (launch/<phase>.txt: rank 0's program per step)", "",
+           "| phase | tokens | per step | triton / gemm / torch / collective | per layer (layers) |",
+           "|---|---|---|---|---|"]
+    for phase, programs in by_phase.items():
+        for tokens, p in programs.items():
+            kinds = " / ".join(str(p["step"].get(k, 0)) for k in ("triton", "gemm", "torch", "collective"))
+            layers = "; ".join(f"{n} ({_ranges(ls)})" for n, ls in p["layers"].items())
+            out.append(f"| {phase} | {tokens} | {sum(p['step'].values())} | {kinds} | {layers} |")
+    return out
+
+
 def render(d: dict) -> str:
     p, m, f = d["params"], d["memory"], d["flops_per_token"]
     out = [f"# glmc explain: {d['model']} on {d['parallel']['spec']} (world {d['parallel']['world']})",
@@ -166,6 +179,8 @@ def render(d: dict) -> str:
         out += ["", f"## Triton kernels ({len(d['kernels'])}, in kernels/: what the runtime imports)", "",
                 "| file | rendered from |", "|---|---|",
                 *(f"| `{name}.py` | `{ctx}` |" for name, ctx in d["kernels"].items())]
+    if d.get("launches"):
+        out += ["", *_launches(d["launches"])]
     if d.get("predicted"):
         out += ["", *_predicted(d["predicted"])]
     if d.get("quality"):

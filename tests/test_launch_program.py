@@ -8,17 +8,18 @@
 - GLM-5.3 at its real shapes: per MoE layer at one decode request, a plan with bf16 weights launches
   what `codegen/launch_model.py` predicts; the card's block-FP8 plan launches more (its GEMMs are
   quantise + FP8 GEMM + split reduction, which the launch model does not count).
-- The text form folds identical layers and reads back the counts.
+- The text form folds identical layers and reads back the counts; `glmc compile --device cuda`
+  writes it and `glmc explain` reports it.
 """
 from collections import Counter, defaultdict
 
 import pytest
-import torch
 from tiny_hf import save_tiny, save_tiny_fp8
 
-from glmc.api import Model, meta_executor
+from glmc.api import Model, launch_programs, meta_executor
+from glmc.cli import main
 from glmc.codegen.launch_model import launches
-from glmc.codegen.launch_program import Recorder, counts, trace
+from glmc.codegen.launch_program import Recorder, counts, split, trace
 from glmc.compiler import compile_plan
 from glmc.config import Options
 from glmc.parallel import parse_parallel
@@ -149,3 +150,24 @@ def test_glm53_decode_launches_per_moe_layer():
     assert text.count("\nlayers ") <= 6
     assert counts(text)["layers"] == {n: {k: c for k, c in Counter(x.kind for x in prog.launches if x.layer == n).items()}
                                       for n in range(fp8.config.num_hidden_layers)}
+
+
+def test_text_round_trips_and_compile_writes_it(fp32_ckpt, tmp_path, capsys):
+    plan = plan_of(fp32_ckpt)
+    programs = launch_programs(plan, RUN)
+    assert [p.tokens for p in programs["decode"]] == [1, 4] and len(programs["prefill"]) == 1
+    for progs in programs.values():
+        text = "".join(p.text() for p in progs)
+        by_tokens = split(text)
+        for p in progs:
+            c = counts(by_tokens[p.tokens])
+            assert c["step"] == dict(Counter(x.kind for x in p.launches))
+            assert {n: sum(k.values()) for n, k in c["layers"].items()} == \
+                {n: v for n, v in p.per_layer().items() if n is not None}
+    out = tmp_path / "plan"
+    assert main(["compile", "--model", str(fp32_ckpt), "--parallel", "tp1", "--device", "cuda", "-o", str(out)]) == 0
+    assert sorted(p.name for p in (out / "launch").iterdir()) == ["decode.txt", "prefill.txt"]
+    capsys.readouterr()
+    assert main(["explain", str(out)]) == 0
+    report = capsys.readouterr().out
+    assert "## Launches" in report and "| decode | 1 |" in report
