@@ -96,19 +96,23 @@ class GpuStep(Step):
 
 GRAPH_PHASES = ("decode", "mtp_verify", "mtp_draft")   # the phases run per token (`run_tokens`)
 MTP_PHASES = ("mtp_verify", "mtp_draft")
+# Pinned staging buffers per graph, used in turn: the host queues up to this many replays of one
+# graph ahead of the device before it waits for the oldest one's input copy (a speculative cycle
+# replays the draft graph of one bucket N - 1 times in a row, without reading anything back).
+NUM_STAGING = 4
 
 
 @dataclass
 class Captured:
     graph: object          # torch.cuda.CUDAGraph
     packed: torch.Tensor   # [4 (+ dp_rows), b] int64 device: `CudaExecutor.host_vectors`
-    host: torch.Tensor     # the same shape, pinned: its staging buffer
+    staged: list           # NUM_STAGING x (pinned `packed`, pinned `last` or None, torch.cuda.Event
+    # after its last host->device copy): the staging buffers, used in turn
     out: dict              # static outputs: logits, next_ids, hidden
-    copied: object = None  # torch.cuda.Event: the last host->device copy of `host` is done
     counts: dict = field(default_factory=dict)  # the collectives one replay runs (as captured)
     hidden: torch.Tensor | None = None  # mtp_draft: [b, hidden] static input rows
     last: torch.Tensor | None = None    # prefill: [L] int64, each request's last token (padded 0)
-    last_host: torch.Tensor | None = None   # prefill: its pinned staging buffer
+    turn: int = 0                       # the staging buffers' next
 
 
 class CudaExecutor(PlanExecutor):
@@ -280,15 +284,17 @@ class CudaExecutor(PlanExecutor):
     def _replay(self, bucket: int, batch: ForwardBatch, cap: Captured | None = None, hidden=None,
                 dp_tokens=None) -> dict:
         cap = cap or self.captured[bucket]
-        cap.copied.synchronize()             # the previous step's copy has read the staging buffer
-        cap.host.copy_(self.host_vectors(batch, bucket, dp_tokens))
-        cap.packed.copy_(cap.host, non_blocking=True)
+        host, last_host, copied = cap.staged[cap.turn]
+        cap.turn = (cap.turn + 1) % len(cap.staged)
+        copied.synchronize()                 # this buffer's previous copy to the device is done
+        host.copy_(self.host_vectors(batch, bucket, dp_tokens))
+        cap.packed.copy_(host, non_blocking=True)
         if batch.device_ids is not None:   # ids computed on the device (speculative drafts)
             cap.packed[0, :batch.num_tokens].copy_(batch.device_ids)
         if cap.last is not None:   # a prefill graph: outputs per request
-            cap.last_host.copy_(self._last_tokens(batch, cap.last.numel()))
-            cap.last.copy_(cap.last_host, non_blocking=True)
-        cap.copied.record()
+            last_host.copy_(self._last_tokens(batch, cap.last.numel()))
+            cap.last.copy_(last_host, non_blocking=True)
+        copied.record()
         if cap.hidden is not None:
             T = batch.num_tokens
             cap.hidden[:T].copy_(hidden)
@@ -361,9 +367,10 @@ class CudaExecutor(PlanExecutor):
         counts = self.comm.reset()            # one step's collectives, credited per replay
         self.comm.add(saved)
         torch.cuda.synchronize()
-        host = torch.empty(4 + self.dp_rows, b, dtype=torch.int64).pin_memory()
-        return Captured(graph, packed, host, out, torch.cuda.Event(), counts, hidden, last,
-                        None if last is None else torch.empty(last.numel(), dtype=torch.int64).pin_memory())
+        staged = [(torch.empty(4 + self.dp_rows, b, dtype=torch.int64).pin_memory(),
+                   None if last is None else torch.empty(last.numel(), dtype=torch.int64).pin_memory(),
+                   torch.cuda.Event()) for _ in range(NUM_STAGING)]
+        return Captured(graph, packed, staged, out, counts, hidden, last)
 
 
 def to_device_weight(w, device, dtype, fp32: bool = False):
