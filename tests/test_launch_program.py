@@ -2,8 +2,9 @@
 
 - The program traced on the meta device (no data, nothing launched) equals, launch by launch and
   in order, what a real step of the same plan launches on the CPU (Triton interpreted), recorded by
-  the same recorder: decode and prefill, an fp32 plan, a block-FP8 plan and a lone rank of tp2ep2
-  (`LoneComm`). A real step starts with host-side work outside every op (its requests' rows into the
+  the same recorder: decode and prefill, an fp32 plan, a block-FP8 plan and lone ranks of tp2ep2
+  and dp2ep2 (`LoneComm`; their MoE is the gather lowering: a lone rank cannot run an all-to-all on
+  data, so the a2a lowering is traced only on the meta device). A real step starts with host-side work outside every op (its requests' rows into the
   device table, the step's index vectors), which a CUDA graph leaves outside the graph.
 - GLM-5.3 at its real shapes: per MoE layer at one decode request, a plan with bf16 weights launches
   what `codegen/launch_model.py` predicts; the card's block-FP8 plan launches more (its GEMMs are
@@ -77,14 +78,14 @@ def fp32_ckpt(tmp_path_factory):
     return path
 
 
-@pytest.mark.parametrize("kind", ["fp32", "fp8", "tp2ep2 rank 1"])
+@pytest.mark.parametrize("kind", ["fp32", "fp8", "tp2ep2 rank 1", "dp2ep2 rank 1"])
 def test_the_traced_program_is_what_a_real_step_launches(kind, fp32_ckpt, tmp_path, one_torch_thread):
     if kind == "fp8":
         save_tiny_fp8(tmp_path, "grouped", seed=3)
         ckpt = tmp_path
     else:
         ckpt = fp32_ckpt
-    parallel, rank = ("tp2ep2", 1) if kind.startswith("tp2ep2") else ("tp1", 0)
+    parallel, rank = (kind.split()[0], 1) if "rank" in kind else ("tp1", 0)
     plan = plan_of(ckpt, parallel)
     real = real_steps(plan, ckpt, LoneComm(plan.mesh, rank) if rank else None)
     meta = meta_executor(plan, rank, RUN)
