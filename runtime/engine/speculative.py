@@ -96,11 +96,28 @@ class EngineView(Protocol):
         """Refresh the engine's gauges after a step."""
 
 
-def as_if_accepted(req: Request, draft: list[int]) -> Request:
+class Ahead:
+    """A request as the sampler sees it `len(draft)` tokens ahead (the `sampling.Sampled` contract
+    and the grammar's: params, seed, prompt and output ids, grammar state): a view, the request
+    unchanged; the output ids are built only when read (penalties, a grammar's mask)."""
+    __slots__ = ("req", "draft")
+
+    def __init__(self, req: Request, draft: list[int]):
+        self.req, self.draft = req, draft
+
+    params = property(lambda self: self.req.params)
+    seed = property(lambda self: self.req.seed)
+    prompt_ids = property(lambda self: self.req.prompt_ids)
+    grammar_state = property(lambda self: self.req.grammar_state)
+    output_ids = property(lambda self: self.req.output_ids + self.draft)
+    num_generated = property(lambda self: self.req.num_generated + len(self.draft))
+
+
+def as_if_accepted(req: Request, draft: list[int]) -> Request | Ahead:
     """`req` as the sampler sees it after `draft` was appended: its history (penalties) and RNG
-    counter one further per draft token (a copy; `req` is not changed). Drafts the host has not
-    read are `UNREAD`: only a request that `reads_drafts` has its draft ids looked at."""
-    return dataclasses.replace(req, output_ids=req.output_ids + draft) if draft else req
+    counter one further per draft token (`req` is not changed). Drafts the host has not read are
+    `UNREAD`: only a request that `reads_drafts` has its draft ids looked at."""
+    return Ahead(req, draft) if draft else req
 
 
 def reads_drafts(req: Request) -> bool:
