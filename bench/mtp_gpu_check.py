@@ -7,7 +7,9 @@
    and with N = 1, 2, 3 drafts (verify and draft replayed from their CUDA graphs): greedy output on
    held-out text equal to plain greedy token for token (else the first differing position), the
    accept length, and the TPOT at concurrency 1 and 16 (engine steps, host time included: the
-   wave's wall time / tokens per request, its prefill included).
+   wave's wall time / tokens per request, its prefill included); with drafts, a served cycle (the
+   median engine step after the prefill) against its graph replays (verify + draft-extend + N - 1
+   draft steps at the cycle's buckets, device time) and the device reads per cycle.
 2. serve: `glmc run --device cuda` of glmc-small without and with N = 3 drafts, bench/serve_bench.py
    at concurrency 1 and 16 against each (fixed seeded chat workload, 64 tokens per request):
    output tok/s, TTFT, TPOT and the server's accept length (/metrics).
@@ -64,16 +66,50 @@ def small_engine(n, device):
 
 
 def run_wave(e, specs):
+    """-> each request's tokens, the wave's wall time and each engine step's wall time."""
     reqs = [e.make_request(p, s) for p, s in specs]
     for r in reqs:
         e.submit(r)
     t0 = now()
+    steps = []
     while not all(r.finished for r in reqs):
+        t = now()
         e.step()
+        steps.append(now() - t)
     while e.step():   # an overlapped loop's last queued step
         pass
     wall = now() - t0
-    return [r.output_ids for r in reqs], wall
+    return [r.output_ids for r in reqs], wall, steps
+
+
+def replay_ms(cap, reps=20) -> float:
+    """Mean device time of one replay of a captured graph (its inputs as the engine left them)."""
+    import torch
+    cap.graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        cap.graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def cycle_replays_ms(executor, c: int, n: int) -> dict | None:
+    """The graph replays of one speculative cycle of c requests (no host): verify and draft-extend
+    at the bucket of c x (N + 1) tokens (the draft-extend's upper bound), N - 1 chain steps at c's;
+    None where the engine captured no MTP graphs (the CPU dry run)."""
+    caps = getattr(executor, "mtp_captured", {})
+
+    def bucket(phase, tokens):
+        return next((b for b in sorted(caps.get(phase, {})) if b >= tokens), None)
+    v, d, chain = bucket("mtp_verify", c * (n + 1)), bucket("mtp_draft", c * (n + 1)), bucket("mtp_draft", c)
+    if None in (v, d, chain):
+        return None
+    r = {"verify_ms": replay_ms(caps["mtp_verify"][v]), "draft_extend_ms": replay_ms(caps["mtp_draft"][d]),
+         "draft_ms": replay_ms(caps["mtp_draft"][chain])}
+    r["cycle_ms"] = r["verify_ms"] + r["draft_extend_ms"] + (n - 1) * r["draft_ms"]
+    return r
 
 
 def first_difference(a, b):
@@ -94,13 +130,17 @@ def check_small(device, gen, concurrencies):
         row = {}
         for c in concurrencies:
             before = dict(e.metrics.counters)
-            tokens, wall = run_wave(e, [(p, greedy) for p in prompts[:c]])
+            reads = getattr(e.speculator, "num_reads", 0)
+            tokens, wall, steps = run_wave(e, [(p, greedy) for p in prompts[:c]])
             after = e.metrics.counters
             verifies = after.get("spec_verify_steps_total", 0) - before.get("spec_verify_steps_total", 0)
             accepted = after.get("spec_accepted_tokens_total", 0) - before.get("spec_accepted_tokens_total", 0)
             r = {"wall_s": wall, "tpot_ms": wall / gen * 1e3, "tok_s": c * gen / wall}
             if n:
                 r["accept_length"] = (accepted + verifies) / verifies if verifies else None
+                # a served cycle: the median engine step after the wave's first (its prefill)
+                r["cycle_ms"] = sorted(steps[1:])[len(steps[1:]) // 2] * 1e3 if len(steps) > 1 else None
+                r["reads_per_cycle"] = (e.speculator.num_reads - reads) / len(steps)   # every step reads once
                 diffs = [first_difference(t, w) for t, w in zip(tokens, want[c])]
                 r["equal_to_plain"] = sum(d is None for d in diffs)
                 r["first_difference"] = diffs
@@ -111,6 +151,14 @@ def check_small(device, gen, concurrencies):
                   + (f", accept {r['accept_length']:.2f}, equal {r['equal_to_plain']}/{c}" if n else ""), flush=True)
         if n and hasattr(e.runner.executor, "mtp_captured"):
             row["graphs"] = {p: sorted(c) for p, c in e.runner.executor.mtp_captured.items()}
+        for c in concurrencies if n else ():   # after the waves: the replays write KV where they left it
+            r = row[f"c{c}"]
+            r["replays"] = graphs = cycle_replays_ms(getattr(e.runner, "executor", None), c, n)
+            if graphs and r["cycle_ms"]:
+                r["cycle_over_replays"] = r["cycle_ms"] / graphs["cycle_ms"]
+            print(f"small N={n} c={c}: served cycle {r['cycle_ms']:.2f} ms, reads/cycle {r['reads_per_cycle']}"
+                  + (f", graph replays {graphs['cycle_ms']:.2f} ms ({r['cycle_over_replays']:.2f}x)"
+                     if graphs else ", no graphs captured"), flush=True)
         out["runs"][f"N={n}"] = row
         e.runner.close() if hasattr(e.runner, "close") else None
         del e
