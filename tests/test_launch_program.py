@@ -172,3 +172,22 @@ def test_text_round_trips_and_compile_writes_it(fp32_ckpt, tmp_path, capsys):
     assert main(["explain", str(out)]) == 0
     report = capsys.readouterr().out
     assert "## Launches" in report and "| decode | 1 |" in report
+
+
+def test_a_lone_ranks_all_to_all_and_an_op_that_needs_data():
+    """On the meta device a lone rank's MoE all-to-all stands in by its shape (the a2a lowering
+    traces whole); an op that cannot run without data is listed as not traced, with its reason,
+    and so are the ops fed by its stand-in results, never guessed."""
+    from compile_util import plan as compiled
+    plan = compiled("glm_moe_dsa_tiny", "dp2ep2", device="cuda", moe_a2a=True)
+    ex = meta_executor(plan, 1, RUN)
+    prog = trace(ex, "prefill", 16)
+    assert not prog.untraced
+    assert {x.name for x in prog.launches if x.kind == "collective"} >= {"dispatch", "combine"}
+
+    def needs_data(op, args, ctx):
+        raise RuntimeError("a host sync on data")
+    ex.impls = dict(ex.impls, **{"moe.topk": needs_data})
+    text = trace(ex, "decode", 2).text()
+    assert "# not traced: moe.topk (layers 1..3): RuntimeError: a host sync on data" in text
+    assert "# not traced: moe.dispatch (layers 1..3): its operands come from an op not traced" in text
