@@ -4,7 +4,9 @@ that runs it.
 A step of the CUDA target is decided at run time by `cuda_target.IMPLS` and the launchers it calls.
 This module records that decision instead of describing it a second time: `Recorder` watches an
 executor (anything with the CUDA executor's `kernels`, `comm` and `impls` attributes: the runtime's
-`CudaExecutor`) while it runs, at three seams, and writes one `Launch` per
+`CudaExecutor`; codegen imports no runtime, so `glmc.api.meta_executor` builds one) while it runs,
+at its seams (the kernel library, a TorchDispatchMode, the `Comm`, the op table for the IR op of
+each launch), and writes one `Launch` per
 
 - Triton kernel launch (`kind="triton"`): each `lib(ctx)[grid](*args)` of the executor's
   `KernelLibrary`; `name` is the plan's kernel (`kernels/<name>.py`), `grid` the grid, `args` the
@@ -23,11 +25,13 @@ reads or writes is a `Buffer` (an id, dtype, shape and bytes of its first view, 
 launch that uses it), so liveness, and from it memory, can be read off the program.
 
 `trace(executor, phase, tokens)` records the body a CUDA graph of that phase captures (the decode
-body per bucket of `tokens` requests; a prefill chunk of `tokens` tokens, one request) on an
-executor whose tensors carry no data (the meta device: GLM-5.3's shapes, nothing allocated, no
-kernel run). Ops that cannot run without data are recorded as far as they ran and listed in
-`Program.untraced` with the reason; they are never guessed. The same recorder on an executor with
-real tensors (the CPU under TRITON_INTERPRET=1) records what a real step launches, which is how
+body per bucket of `tokens` requests; a prefill graph of `tokens` tokens) on an executor whose
+tensors carry no data (the meta device: GLM-5.3's shapes, nothing allocated, no kernel run), after
+one warm-up run as capture does. An op that cannot run without data is recorded as far as it ran,
+listed in `Program.untraced` with the reason (and the ops its stand-in results, empty tensors of
+its IR types, feed), never guessed; a lone rank's MoE all-to-all (`LoneComm` refuses it) stands
+in by its shape, which is all a meta tensor has. The same recorder on an executor with real
+tensors (the CPU under TRITON_INTERPRET=1) records what a real step launches, which is how
 tests/test_launch_program.py shows the two are one program.
 
 `Program.text()` is the plan directory's `launch/<phase>.txt`: one line per launch (kind, name,
