@@ -261,3 +261,43 @@ def test_one_read_back_per_cycle_without_grammars(tiny_ckpt, monkeypatch):
     e = build_engine(tiny_ckpt, warmup=False, speculative_num_steps=3)
     run(e, [(prompts(12)[0], penalised)])
     assert e.speculator.num_reads > e.metrics.counters["spec_verify_steps_total"]
+
+
+@pytest.mark.skipif(not (SMALL / "model.safetensors").exists(), reason="models/small is absent")
+def test_tokens_stream_at_the_next_step_and_stop_strings_cut_there(monkeypatch):
+    """A cycle takes its tokens (the next cycle's inputs read them) and streams them at the next
+    step's start, while its drafts run: the events are the plain engine's, one per kept token,
+    none past a stop string (the taken tokens after it are dropped), the last one finishing the
+    request. The small model accepts most drafts, so a stop string often ends mid-cycle."""
+    from glmc.runtime.engine import speculative
+    stream, dropped = speculative.MtpSpeculator._stream, []
+
+    def counted(self):
+        taken = [(r, len(r.output_ids)) for _, r, _ in self.unstreamed]
+        stream(self)
+        dropped.extend(n - len(r.output_ids) for r, n in taken if r.finish_reason == "stop")
+    monkeypatch.setattr(speculative.MtpSpeculator, "_stream", counted)
+    plain = build_engine(SMALL, warmup=False, overlap=False)
+    p = plain.tokenizer.encode((SMALL / "heldout.txt").read_text(encoding="utf-8"))[:40]
+
+    def events(e, params):
+        got = []
+        req = e.make_request(p, params)
+        e.submit(req, got.append)
+        while not req.finished:
+            e.step()
+        while e.step():
+            pass
+        return req, [(ev.token_id, ev.text, ev.finish_reason, ev.num_output_tokens) for ev in got]
+    text = events(plain, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))[0].output_text
+    for a, b in ((6, 9), (10, 13), (14, 17)):
+        params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop=[text[a:b]])
+        want_req, want = events(plain, params)
+        e = build_engine(SMALL, warmup=False, speculative_num_steps=3)
+        req, got = events(e, params)
+        assert want_req.finish_reason == "stop" and len(want_req.output_ids) < 24
+        assert got == want and req.output_ids == want_req.output_ids
+        assert req.output_text == want_req.output_text
+        e.flush_cache()
+        assert e.allocator.num_free == e.allocator.num_pages
+    assert any(dropped), dropped

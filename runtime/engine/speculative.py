@@ -10,10 +10,16 @@ the device and read in one packed copy (`read_back`, counted in `MtpSpeculator.n
 stay on the device (the host holds `UNREAD` placeholders and the count) and reach the draft chain
 and the next verify as `ForwardBatch.device_ids`. Only a request that `reads_drafts` (a grammar,
 or penalties over its history: the host builds their masks and counts from the tokens before each
-position) reads its drafts as each chain step draws them. After the read the host appends,
-streams and stops, rolls pages back and queues draft-extend and the chain without waiting for them,
-so the next cycle's scheduling and verify inputs are prepared while the drafts run; the verify's
-acceptance is read before the next cycle is scheduled, since it decides that cycle's inputs.
+position) reads its drafts as each chain step draws them.
+
+Overlap: after the read the host rolls pages back, queues the draft-extend, takes the tokens
+(their ids join the output: the drafts' RNG counters and the next cycle read them) and queues the
+draft chain, none of it waiting for the device; the next step's start streams the taken tokens
+(detokenize, send, stop strings: `_stream`), then schedules and prepares the next verify, all
+while the drafts run. A request whose tokens end it (stop token, eos, length) or that has a
+grammar appends and streams at once. What does not overlap: the host waits at the read for the
+verify and acceptance, and the device waits from the read until the draft-extend is queued; the
+next verify's inputs (positions, slots) follow the acceptance, so it is prepared after the read.
 
 The MTP layer at position i reads the target's final hidden state at i and the token at i + 1 and
 guesses the token at i + 2; its KV lives in its own pool layer at the slot of position i. One step,
@@ -21,9 +27,9 @@ for a request whose first n tokens have KV, token n pending and drafts d_1..d_D 
 
 1. verify: one target forward over [t_n, d_1, .., d_D] at positions n..n+D (the `mtp_verify`
    phase: logits and hidden states at every position; prefill chunks of other requests share it);
-2. accept: keep a prefix of the drafts (a of them: below, computed on the device; the cycle's read)
-   and append them and one token of the target's at position n+a (the first rejected draft's replacement, or the bonus token); the
-   target's KV of positions n+a+1.. is rejected: the scheduler rolls back to n+a+1 computed tokens
+2. accept: keep a prefix of the drafts (a of them: below; computed on the device, the cycle's
+   read) and append them and one token of the target's at position n+a (the first rejected
+   draft's replacement, or the bonus token); the target's KV of positions n+a+1.. is rejected: the scheduler rolls back to n+a+1 computed tokens
    (pages past the next token's freed, slots in the last page overwritten later; only pages full of
    accepted tokens reach the prefix cache);
 3. draft-extend: the MTP layer over the positions the target just computed and kept (n..n+a, or a
@@ -62,8 +68,8 @@ draft the grammar forbids is rejected there, and drafts themselves are drawn ins
 
 Approximations that only cost acceptance, never correctness: a prefix-cache hit reuses the MTP
 KV of its pages as computed by the request that filled them (the last position of a page was fed
-that request's next token; a request that finished skips its last draft-extend, so its last
-step's positions keep the chain's MTP KV); draft steps k >= 1 see MTP KV of drafts, as in every
+that request's next token; a request that a token ended skips its last draft-extend, so its
+last step's positions keep the chain's MTP KV, while one a stop string ended runs it); draft steps k >= 1 see MTP KV of drafts, as in every
 EAGLE chain.
 """
 from __future__ import annotations
@@ -191,6 +197,7 @@ class MtpSpeculator:
         self.draft_q: dict[Request, list[torch.Tensor]] = {}
         self.draft_tokens: dict[Request, list[torch.Tensor]] = {}   # 0-d device views, per draft
         self.num_reads = 0
+        self.unstreamed: list[tuple[Scheduler, Request, list]] = []   # taken, streamed next step
 
     def read(self, packed: torch.Tensor) -> list:
         self.num_reads += 1
@@ -199,6 +206,7 @@ class MtpSpeculator:
     def step(self) -> bool:
         """Schedule, verify + accept, draft; False when there was nothing to do."""
         e = self.engine
+        self._stream()
         batches = e.scheduler.schedule()
         if batches is not None:
             e.metrics.step([b for b in batches if b is not None])
@@ -210,7 +218,24 @@ class MtpSpeculator:
         self.draft_q = {r: q for r, q in self.draft_q.items() if r.draft_ids}
         self.draft_tokens = {r: t for r, t in self.draft_tokens.items() if r.draft_ids}
         e.update_gauges()
-        return batches is not None
+        return batches is not None or bool(self.unstreamed)
+
+    def _stream(self) -> None:
+        """Stream the tokens the last cycle took (`_append`): each through the engine's
+        `append_token` (detokenize, send, stop strings), as if appended then; a request a stop
+        string ends there keeps only the tokens up to it. Runs at the start of a step, while the
+        device runs the last cycle's drafts, and before anything is scheduled."""
+        for s, req, emitted in self.unstreamed:
+            if req.finished:   # aborted since: its taken tokens stay, unsent
+                continue
+            del req.output_ids[len(req.output_ids) - len(emitted):]
+            for token, logprobs in emitted:
+                self.engine.append_token(req, token, logprobs)
+                if req.finished:
+                    break
+            if not req.finished:
+                s.offer_pages(req)
+        self.unstreamed = []
 
     def _idle(self) -> list[ForwardBatch]:
         return [ForwardBatch.idle(s.req_pool.table) for s in self.engine.scheduler.ranks]
@@ -244,9 +269,8 @@ class MtpSpeculator:
         return dataclasses.replace(fb, device_ids=ids)
 
     def _run(self, work: list[_Verify | None]) -> None:
-        """Verify, the cycle's one read, then draft-extend queued before the host appends (the
-        device runs it while the host detokenizes, streams and checks stop strings), then the
-        draft chains of the requests still running."""
+        """Verify, the cycle's one read, then the draft-extend and the draft chains queued; the
+        tokens are taken in between and streamed at the next step's start (`_stream`)."""
         fbs = [w.fb if w else idle for w, idle in zip(work, self._idle())]
         outs = self.engine.runner.verify_dp(fbs)
         found = []
@@ -267,7 +291,7 @@ class MtpSpeculator:
             for i, (num_accepted, emitted) in (acc.items() if w else ()):
                 self._append(w.s, w.batch.reqs[i], len(w.drafts[i]), num_accepted, emitted)
         if drafted is not None:
-            self._draft(extends, drafted)
+            self._draft(extends, drafted)   # queued: the next step streams while they run
 
     def _sample(self, logits: torch.Tensor, w: _Verify) -> _Outcome | None:
         """Acceptance on the device, no read: the plain sampler reads every verified position as
@@ -343,10 +367,17 @@ class MtpSpeculator:
         return out
 
     def _append(self, s: Scheduler, req: Request, num_draft: int, accepted: int, emitted: list) -> None:
-        """Append the accepted drafts and the target's token after them (detokenize, stream,
-        stop) and offer the pages they fill to the prefix cache."""
+        """Take the accepted drafts and the target's token after them: their ids join the
+        request's output now (the drafts and the next cycle read them) and they are streamed at
+        the next step's start (`_stream`), after this cycle's drafts are queued. A request they
+        end by a token (`_ends`) or with a grammar (its state must advance before its drafts'
+        masks) appends them at once (detokenize, stream, stop) and offers its pages."""
         if num_draft:
             self.engine.metrics.verify(num_draft, accepted)
+        if req.params.grammar is None and not _ends(req, [t for t, _ in emitted]):
+            req.output_ids.extend(t for t, _ in emitted)
+            self.unstreamed.append((s, req, emitted))
+            return
         for token, logprobs in emitted:
             self.engine.append_token(req, token, logprobs)
             if req.finished:
