@@ -150,6 +150,25 @@ def test_a_changed_choice_is_reported_with_its_margin(plan_and_ckpt, one_torch_t
     assert len(changed) == 1 and 0 < changed[0].min_margin < float("inf"), [r.as_dict() for r in changed]
 
 
+def test_ops_after_a_choice_are_judged_on_the_choice_the_target_was_given(plan_and_ckpt, one_torch_thread):
+    """The target's attention runs on the oracle's top-k; the rerun on rounded inputs must attend to
+    those same keys, not to a top-k it chooses again (where rounding flipped a near-tie, its keys
+    differ and attention would be judged against other keys). Here the oracle's choice swaps a key
+    that its scores would not pick: every float result stays within its bound."""
+    plan, path = plan_and_ckpt
+    target, oracle, again = executors(plan, path)
+    impl = oracle.impls["idx.topk"]
+
+    def one_swapped(op, args, ctx):
+        pos = impl(op, args, ctx).clone()    # the last token: 14 keys, 8 chosen; one chosen -> an unchosen one
+        pos[13, -1] = next(p for p in range(14) if p not in pos[13].tolist())
+        return pos
+    oracle.impls = {**oracle.impls, "idx.topk": one_swapped}
+    rows = compare_step(target, oracle, again, "prefill", batches()[0])
+    assert [r.result for r in rows if not r.ok() and r.kind != "idx.topk"] == []
+    assert any(r.kind.startswith("attn") for r in rows)
+
+
 def test_unit_roundoff_is_half_an_ulp_at_one():
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         u = unit_roundoff(dtype)

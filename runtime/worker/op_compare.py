@@ -87,6 +87,7 @@ class OpRow:
     fp8_rel_err: float | None = None
     fp8_out_of_bound: int | None = None
     slack_rel: float | None = None       # an op-specific bound's width past the rounding bound, relative
+    worst: float | None = None           # the largest |error| / bound over the elements (> 1: out of bound)
     scale_rel: float | None = None
     flip_rows: int | None = None          # rows outside the plain bound that an FP8 flip of h explains
     note: str = ""
@@ -138,6 +139,20 @@ def _fp32_of(own, rounded):
     return own
 
 
+def _is_float(v) -> bool:
+    return isinstance(v, torch.Tensor) and v.is_floating_point()
+
+
+def _given(own, oracle):
+    """An integer operand (top-k keys, expert ids) as the target was given it: the oracle's, in the
+    oracle's form (positions, not slots), so the rerun decides on the same choice, not on its own
+    from rounded inputs (a near-tie that rounding flips is reported at the choosing op)."""
+    if isinstance(own, torch.Tensor) and isinstance(oracle, torch.Tensor) and oracle.shape == own.shape \
+            and not oracle.is_floating_point():
+        return oracle.to(own.device, own.dtype)
+    return own
+
+
 def _wrap(impls: dict, hook) -> dict:
     return {kind: (lambda fn: lambda op, args, ctx: hook(fn, op, args, ctx))(fn) for kind, fn in impls.items()}
 
@@ -155,6 +170,8 @@ class _Run:
     slots: dict = field(default_factory=dict)      # idx.topk result -> its positions as KV slots
     order: list = field(default_factory=list)      # (op, result) in step order
     slot_ctx: object = None                        # the target's step (its req_to_token) for slots
+    target_pool: object = None                     # the target's KV pool: what its attention reads
+    kv_diff: dict = field(default_factory=dict)    # attention result -> (values differing, past one FP8 step)
 
 
 def _record(run: _Run):
@@ -214,13 +231,48 @@ def unit_roundoff(dtype: torch.dtype) -> float:
     return {torch.float32: 2.0 ** -24, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}[dtype]
 
 
-def attention_oracle(op, args, ctx, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+class TargetCache:
+    """The target's latent cache as `latent_probs` reads it (the values its attention kernel reads),
+    compared on every read with the oracle's cache `own`: `differ` counts latent values that differ,
+    `far` those further apart than one step of the cache's format (an FP8 code, or an ulp of a 16-bit
+    cache: a write may round its input across a boundary; one that misplaces or mis-scales a row
+    lands further)."""
+
+    def __init__(self, target, own):
+        self.target, self.own, self.kv_format = target, own, target.kv_format
+        self.differ = self.far = self.read = 0
+
+    def c_kv(self, layer, slots):
+        got = self.target.c_kv(layer, slots.to(self.target.device)).float().to(slots.device)
+        want = self.own.c_kv(layer, slots).float()
+        gap, tol = (got - want).abs(), bound(want, torch.float32)
+        step = fp8_step(want) if self.kv_format != "native" else ulp(want, self.target.dtype)
+        self.read += gap.numel()
+        self.differ += int((gap > tol).sum())
+        self.far += int((gap > step * 1.001 + tol).sum())
+        return got
+
+    def k_pe(self, layer, slots):
+        return self.target.k_pe(layer, slots.to(self.target.device)).float().to(slots.device)
+
+
+def fp8_step(x: torch.Tensor, group: int = 128) -> torch.Tensor:
+    """One step of the e4m3 code at each value of x [n, d] quantised per `group` values
+    (`quantize_token_groups`): the scale times the code's spacing (2^-9 below 2^-6, else 2^(e - 3))."""
+    code, s = quantize_token_groups(x, group=group)
+    _, e = torch.frexp(code.float().abs().clamp_min(2.0 ** -6))
+    return torch.ldexp(torch.ones_like(x), e - 4) * s.repeat_interleave(group, 1)[:, :x.shape[1]]
+
+
+def attention_oracle(op, args, ctx, dtype: torch.dtype, cache=None) -> tuple[torch.Tensor, torch.Tensor]:
     """The CUDA target's MLA (absorbed for every phase: `triton_launch.mla_absorbed`) on the oracle's
     cache, with the roundings its arithmetic makes in `dtype` that are fixed by its inputs done the
     same way, and a bound for the ones that are not. -> (want, slack), [T, H * dv] fp32 on the
     oracle's device.
 
-    Done the same way: q_lat = q_nope W_UK rounded to `dtype` (a GEMM's fp32 sum, then one rounding).
+    Done the same way: W_UK and W_UV held in `dtype` (the CUDA target keeps kv_b_proj in its compute
+    dtype, an FP8 checkpoint's dequantised at load), q_lat = q_nope W_UK rounded to `dtype` (a GEMM's
+    fp32 sum, then one rounding).
     Bounded: the kernel's other roundings into `dtype` (unit roundoff u = `unit_roundoff(dtype)`),
     each a relative error |d| <= u of one factor of a long sum, taken as independent and of mean zero
     (round to nearest) so that a sum of terms a_i d_i stays within ATTN_LAMBDA u sqrt(sum a_i^2)
@@ -239,21 +291,22 @@ def attention_oracle(op, args, ctx, dtype: torch.dtype) -> tuple[torch.Tensor, t
     - out_lat rounded before W_UV: sum_r W_UV[v, r]^2 out_lat_r^2.
     slack = ATTN_LAMBDA u (sqrt(PV terms) + sqrt(score term) + sqrt(out_lat term)), plus the output's
     own rounding (`bound`). `OpRow.slack_rel` reports its width against the output. `args` and `ctx`:
-    the torch target's (positions for top-k, the oracle's pool, which holds the FP8 codes the target's
-    writes made from the same inputs)."""
+    the torch target's (positions for top-k); `cache` the keys to attend over (`TargetCache`: the
+    target's, which its own writes filled from the same inputs), else the oracle's pool."""
     q_nope, q_pe, layer, topk = args
     u = unit_roundoff(dtype)
     scale, dn, dv = op.attr("scale"), int(op.attr("dn")), int(op.attr("dv"))
     T, H = q_nope.shape[:2]
-    w = ctx.w(op.attr("weight")).float().view(H, dn + dv, -1)
+    w = ctx.w(op.attr("weight")).float().to(dtype).float().view(H, dn + dv, -1)
     w_uk, w_uv = w[:, :dn], w[:, dn:]                                         # [H, dn | dv, R]
     R = w.shape[-1]
-    fp8 = getattr(ctx.pool, "kv_format", "native") != "native"
+    cache = ctx.pool if cache is None else cache
+    fp8 = getattr(cache, "kv_format", "native") != "native"
     G = -(-R // FP8_KV_GROUP)
     q_lat = torch.einsum("thd,hdr->thr", q_nope.float(), w_uk).to(dtype).float()
     out_lat = q_lat.new_zeros(q_lat.shape)
     var_pv, var_s = q_lat.new_zeros(T, H, dv), q_lat.new_zeros(T, H, dv)
-    for tok, p, c in latent_probs(q_lat, q_pe, ctx.pool, layer, topk, ctx.batch, scale):
+    for tok, p, c in latent_probs(q_lat, q_pe, cache, layer, topk, ctx.batch, scale):
         out_lat[tok] = torch.einsum("htl,lr->thr", p, c)
         p2 = p * p
         y = torch.einsum("lr,hvr->lhv", c, w_uv)
@@ -298,14 +351,17 @@ def _rerun(run: _Run, again: dict, rounded: dict, slack: dict, ranked: dict):
             for name, v in _results(op, fn(op, own, ctx)):
                 if isinstance(v, torch.Tensor):
                     rounded[name] = v
-        args = [_fp32_of(a, run.seen.get(name)) for name, a in zip(op.operands, args)]
+        args = [_fp32_of(a, run.seen.get(name)) if _is_float(a) else _given(a, run.values.get(name))
+                for name, a in zip(op.operands, args)]
         out = fn(op, args, ctx)
         for name, v in _results(op, out):
             if isinstance(v, torch.Tensor):
                 again[name] = v
         if op.kind in ATTN_KINDS and op.results[0] in run.target_out:
+            cache = TargetCache(run.target_pool, ctx.pool)
             rounded[op.results[0]], slack[op.results[0]] = attention_oracle(op, args, ctx,
-                                                                            run.target_out[op.results[0]].dtype)
+                                                                            run.target_out[op.results[0]].dtype, cache)
+            run.kv_diff[op.results[0]] = cache
         return out
     return hook
 
@@ -322,6 +378,7 @@ def _float_row(row: OpRow, got, want, fp32_want, slack=None):
         row.slack_rel = float(slack.norm()) / norm if norm else 0.0
         b = b + slack
     row.out_of_bound = int((err.abs() > b).sum())
+    row.worst = float((err.abs() / b).max()) if err.numel() else 0.0
     if fp32_want is not None:
         f = fp32_want.float().cpu()
         n = float(f.norm())
@@ -469,6 +526,7 @@ def compare_step(target, oracle, again, phase: str, batch, hidden=None) -> list[
         oracle.forward(phase, batch, hidden)
         target.impls = _wrap(saved[0], _substituted(run))
         target.forward(phase, batch, hidden)
+        run.target_pool = target.pool
         again.impls = _wrap(saved[2], _rerun(run, again_vals, rounded, slack, ranked))
         again.forward(phase, batch, hidden)
     finally:
@@ -484,6 +542,10 @@ def compare_step(target, oracle, again, phase: str, batch, hidden=None) -> list[
                     dtype=str(got.dtype).removeprefix("torch."), numel=got.numel())
         if got.is_floating_point() and got.dtype != torch.float8_e4m3fn:
             _float_row(row, got, want, run.values.get(name), slack.get(name))
+        if name in run.kv_diff:     # the keys it read: values of the target's cache unlike the oracle's
+            cache = run.kv_diff[name]
+            row.in_flips = cache.differ / max(cache.read, 1)
+            row.out_of_bound += cache.far
         elif not got.is_floating_point():
             scores = None
             if op.kind in ("moe.topk", "idx.topk"):
@@ -532,6 +594,8 @@ def summary(rows: list[OpRow]) -> dict:
             s["max_in_flips"] = max(s.get("max_in_flips", 0.0), r.in_flips)
         if r.slack_rel is not None:
             s["max_slack_rel"] = max(s.get("max_slack_rel", 0.0), r.slack_rel)
+        if r.worst is not None:
+            s["worst"] = max(s.get("worst", 0.0), r.worst)
         if r.set_diff_rows is not None:
             s["set_diff_rows"] = max(s.get("set_diff_rows", 0.0), r.set_diff_rows)
     return out
