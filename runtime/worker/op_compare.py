@@ -7,10 +7,12 @@ random model amplifies. Here every op of one step is checked alone:
 2. the target (`CudaExecutor`, or the torch target itself) runs the step with each op's operands
    replaced by the oracle's values, rounded to the dtype the target holds them in (its own
    operand's dtype), so no error compounds from op to op;
-3. a second oracle executor (its own KV pool) runs the step on those same rounded operands in fp32:
-   the op's exact arithmetic on the target's inputs (for an op whose contract rounds inside,
-   `ROUNDED_KINDS`, its torch implementation on those operands in the target's dtype; for MLA,
-   `attention_oracle`: the kernel's input-determined roundings done alike, the others bounded).
+3. a second oracle executor (its own KV pool) runs the step on those same rounded operands in fp32,
+   and on the same choices (integer operands such as top-k keys and expert ids are the oracle's, as
+   the target got them): the op's exact arithmetic on the target's inputs (for an op whose contract
+   rounds inside, `ROUNDED_KINDS`, its torch implementation on those operands in the target's dtype;
+   for MLA, `attention_oracle` over the target's own cache: the kernel's input-determined roundings
+   done alike, the others bounded probabilistically).
 
 Per op and result, `compare_step` reports the error of (2) against (3) and how many elements lie
 outside the op's rounding bound: one unit in the last place of the target's dtype at the oracle's
