@@ -264,9 +264,9 @@ def test_one_read_back_per_cycle_without_grammars(tiny_ckpt, monkeypatch):
 
 
 @pytest.mark.skipif(not (SMALL / "model.safetensors").exists(), reason="models/small is absent")
-def test_tokens_stream_at_the_next_step_and_stop_strings_cut_there(monkeypatch):
-    """A cycle takes its tokens (the next cycle's inputs read them) and streams them at the next
-    step's start, while its drafts run: the events are the plain engine's, one per kept token,
+def test_tokens_stream_after_the_drafts_are_queued_and_stop_strings_cut_there(monkeypatch):
+    """A cycle takes its tokens (its drafts read them) and streams them once its drafts are
+    queued, while they run: the events are the plain engine's, one per kept token,
     none past a stop string (the taken tokens after it are dropped), the last one finishing the
     request. The small model accepts most drafts, so a stop string often ends mid-cycle."""
     from glmc.runtime.engine import speculative

@@ -14,8 +14,8 @@ position) reads its drafts as each chain step draws them.
 
 Overlap: after the read the host rolls pages back, queues the draft-extend, takes the tokens
 (their ids join the output: the drafts' RNG counters and the next cycle read them) and queues the
-draft chain, none of it waiting for the device; the next step's start streams the taken tokens
-(detokenize, send, stop strings: `_stream`), then schedules and prepares the next verify, all
+draft chain, none of it waiting for the device; then it streams the taken tokens (detokenize,
+send, stop strings: `_stream`), ends the step, schedules the next and prepares its verify, all
 while the drafts run. A request whose tokens end it (stop token, eos, length) or that has a
 grammar appends and streams at once. What does not overlap: the host waits at the read for the
 verify and acceptance, and the device waits from the read until the draft-extend is queued; the
@@ -197,7 +197,7 @@ class MtpSpeculator:
         self.draft_q: dict[Request, list[torch.Tensor]] = {}
         self.draft_tokens: dict[Request, list[torch.Tensor]] = {}   # 0-d device views, per draft
         self.num_reads = 0
-        self.unstreamed: list[tuple[Scheduler, Request, list]] = []   # taken, streamed next step
+        self.unstreamed: list[tuple[Scheduler, Request, list]] = []   # taken, streamed at the step end
 
     def read(self, packed: torch.Tensor) -> list:
         self.num_reads += 1
@@ -206,7 +206,6 @@ class MtpSpeculator:
     def step(self) -> bool:
         """Schedule, verify + accept, draft; False when there was nothing to do."""
         e = self.engine
-        self._stream()
         batches = e.scheduler.schedule()
         if batches is not None:
             e.metrics.step([b for b in batches if b is not None])
@@ -214,17 +213,19 @@ class MtpSpeculator:
                     for s, b in zip(e.scheduler.ranks, batches)]
             if any(work):
                 self._run(work)
+        self._stream()
         # drafts a release dropped (retraction, abort) take their tokens and q rows with them
         self.draft_q = {r: q for r, q in self.draft_q.items() if r.draft_ids}
         self.draft_tokens = {r: t for r, t in self.draft_tokens.items() if r.draft_ids}
         e.update_gauges()
-        return batches is not None or bool(self.unstreamed)
+        return batches is not None
 
     def _stream(self) -> None:
-        """Stream the tokens the last cycle took (`_append`): each through the engine's
+        """Stream the tokens this cycle took (`_append`): each through the engine's
         `append_token` (detokenize, send, stop strings), as if appended then; a request a stop
-        string ends there keeps only the tokens up to it. Runs at the start of a step, while the
-        device runs the last cycle's drafts, and before anything is scheduled."""
+        string ends there keeps only the tokens up to it. Runs at the end of the step, while the
+        device runs the drafts queued before it (their work for a request stopped here is dropped
+        with its pages), and before the next step schedules."""
         for s, req, emitted in self.unstreamed:
             if req.finished:   # aborted since: its taken tokens stay, unsent
                 continue
@@ -270,7 +271,7 @@ class MtpSpeculator:
 
     def _run(self, work: list[_Verify | None]) -> None:
         """Verify, the cycle's one read, then the draft-extend and the draft chains queued; the
-        tokens are taken in between and streamed at the next step's start (`_stream`)."""
+        tokens are taken in between and streamed after (`_stream`)."""
         fbs = [w.fb if w else idle for w, idle in zip(work, self._idle())]
         outs = self.engine.runner.verify_dp(fbs)
         found = []
@@ -291,7 +292,7 @@ class MtpSpeculator:
             for i, (num_accepted, emitted) in (acc.items() if w else ()):
                 self._append(w.s, w.batch.reqs[i], len(w.drafts[i]), num_accepted, emitted)
         if drafted is not None:
-            self._draft(extends, drafted)   # queued: the next step streams while they run
+            self._draft(extends, drafted)   # queued: `_stream` runs while they do
 
     def _sample(self, logits: torch.Tensor, w: _Verify) -> _Outcome | None:
         """Acceptance on the device, no read: the plain sampler reads every verified position as
@@ -368,8 +369,8 @@ class MtpSpeculator:
 
     def _append(self, s: Scheduler, req: Request, num_draft: int, accepted: int, emitted: list) -> None:
         """Take the accepted drafts and the target's token after them: their ids join the
-        request's output now (the drafts and the next cycle read them) and they are streamed at
-        the next step's start (`_stream`), after this cycle's drafts are queued. A request they
+        request's output now (the drafts read them) and they are streamed at the step's end
+        (`_stream`), after this cycle's drafts are queued. A request they
         end by a token (`_ends`) or with a grammar (its state must advance before its drafts'
         masks) appends them at once (detokenize, stream, stop) and offers its pages."""
         if num_draft:
