@@ -2,7 +2,8 @@
 
 Compile once, price many: every (parallel spec, MoE lowering, KV dtype) is compiled once (its
 decode and MTP-draft graphs); MTP drafts, concurrency and the prompt's chunks are numbers fed to
-`glmc.predict.predict_step` on those graphs, never a recompile. Per candidate and concurrency C
+`glmc.predict.predict_step` on those graphs, never a recompile. Each candidate is compiled and
+priced in one worker process (`run_tasks`), so only its rows travel back. Per candidate and concurrency C
 (requests per DP rank r = ceil(C / attn_dp)), with d MTP drafts and an accept length E (tokens a
 request gains per step, 1 without MTP):
 
@@ -24,9 +25,12 @@ import math
 import multiprocessing
 import os
 import re
+import sys
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
+
+from tqdm import tqdm
 
 from glmc.compiler import compile_phase
 from glmc.config import Options
@@ -212,9 +216,8 @@ class Compiled:
     draft: object | None
 
 
-def compile_candidates(spec, gpus: int, kv_dtypes=KV_DTYPES, only: list[str] | None = None, jobs: int = JOBS):
-    """(compiled candidates, dropped [{candidate, reason}]): each (spec, lowering, KV dtype) once,
-    over `jobs` worker processes (compiling is pure Python: one core each)."""
+def candidate_tasks(spec, gpus: int, kv_dtypes=KV_DTYPES, only: list[str] | None = None) -> tuple[list, list]:
+    """(one compile task per (spec, lowering, KV dtype), dropped [{candidate, reason}])."""
     from glmc.spec import kv_dtyped
     bad = [kv for kv in kv_dtypes if kv not in KV_DTYPES]
     if bad:
@@ -227,10 +230,23 @@ def compile_candidates(spec, gpus: int, kv_dtypes=KV_DTYPES, only: list[str] | N
         names = [s for s in names if s in only]
     tasks = [(kv_dtyped(spec, kv), name, kv, moe, forced) for name, kv in itertools.product(names, kv_dtypes)
              for moe, forced in lowerings_for(parse_parallel(name, spec.config))]
-    if jobs > 1 and len(tasks) > 1:
-        with ProcessPoolExecutor(min(jobs, len(tasks)), mp_context=multiprocessing.get_context("fork")) as pool:
-            return list(pool.map(_compile_one, tasks)), dropped
-    return [_compile_one(t) for t in tasks], dropped
+    return tasks, dropped
+
+
+def run_tasks(fn, tasks: list, jobs: int = JOBS, desc: str = "") -> list:
+    """[fn(t) for t in tasks], in order, over `jobs` forked worker processes (compiling and pricing
+    are pure Python: one core each), with a progress bar on stderr when it is a terminal."""
+    bar = tqdm(total=len(tasks), desc=desc, unit="task", leave=False, file=sys.stderr,
+               disable=not sys.stderr.isatty() or bool(os.environ.get("TQDM_DISABLE")))
+    def counted(results):
+        for r in results:
+            bar.update()
+            yield r
+    with bar:
+        if jobs > 1 and len(tasks) > 1:
+            with ProcessPoolExecutor(min(jobs, len(tasks)), mp_context=multiprocessing.get_context("fork")) as pool:
+                return list(counted(pool.map(fn, tasks)))
+        return list(counted(map(fn, tasks)))
 
 
 def _compile_one(task) -> Compiled:
@@ -239,6 +255,13 @@ def _compile_one(task) -> Compiled:
     par, opts = parse_parallel(name, s.config), Options(moe_a2a=forced)
     draft = compile_phase(s, par, "mtp_draft", opts) if s.config.num_nextn_predict_layers else None
     return Compiled(name, par, moe, kv, s, compile_phase(s, par, "decode", opts), draft)
+
+
+def _compile_and_price(task) -> tuple[list[dict], list[dict]]:
+    """`price_candidate` of one compile task (its last item the Pricing), in the worker that compiled
+    it: only the rows travel back, not the graphs."""
+    *compile_task, pricing = task
+    return price_candidate(_compile_one(tuple(compile_task)), pricing)
 
 
 def _bucket_bytes(workspaces: dict, tokens: int) -> tuple[int, bool]:
@@ -324,6 +347,43 @@ def price(c: Compiled, cal: dict, w: Workload, gpus: int, concurrency: int, draf
             "tok_s_per_user": e / step, "accept_length": e, "step_terms_ms": terms}
 
 
+@dataclass(frozen=True)
+class Pricing:
+    """What every candidate is priced at (`search`'s arguments, accept lengths by drafts)."""
+    cal: dict
+    workload: Workload
+    gpus: int
+    concurrency: tuple
+    drafts: tuple
+    accept: dict
+    chunk: int
+    gpu_memory: tuple
+
+
+def price_candidate(c: Compiled, p: Pricing) -> tuple[list[dict], list[dict]]:
+    """(rows, dropped) of one compiled candidate: each collective backend x MTP drafts x
+    concurrency that fits, priced on its graphs; those that do not fit with the bytes that say why."""
+    w, rows, dropped, memo = p.workload, [], [], {}
+    mtp = mtp_extra_bytes(c) if p.drafts != (0,) else (0, 0)
+    for p2p, d, conc in itertools.product((True, False), p.drafts, p.concurrency):
+        name = f"{c.name} moe={c.moe} kv={c.kv_dtype} mtp={d}{'' if p2p else ' nccl'}"
+        r = -(-conc // c.par.attn_dp)
+        mem = memory_check(c, r, r * (d + 1), w, p.gpu_memory[0], mtp if d else (0, 0))
+        if not mem["fits"]:
+            b = mem["bytes"]
+            dropped.append({"candidate": f"{name} c={conc}", "reason": (
+                f"needs {_gib(mem['need'])} per GPU > {_gib(mem['limit'])} "
+                f"({MEM_FRACTION} x {p.gpu_memory[0] / 1e9:g} GB): "
+                f"weights {_gib(b['weights'])} + KV {_gib(b['kv'])} ({r} requests x {w.context} tokens) + "
+                f"workspace {_gib(b['workspace'])} + graph pool {_gib(b['graph_pool'])}")})
+            continue
+        row = {"candidate": name, "parallel": c.name, "moe": c.moe, "kv_dtype": c.kv_dtype, "p2p": p2p,
+               "mtp_drafts": d,
+               "concurrency": conc, "memory_gib": round(mem["need"] / 2**30, 2), "graphed": mem["graphed"]}
+        rows.append({**row, **price(c, p.cal, w, p.gpus, conc, d, p.accept, p.chunk, memo, p2p)})
+    return rows, dropped
+
+
 def pareto(rows: list[dict]) -> list[dict]:
     """The rows no other row beats on both tok/s per GPU and tok/s per user, by tok/s per user."""
     front = [a for a in rows if not any(
@@ -346,28 +406,15 @@ def search(spec, cal: dict, gpus: int, w: Workload, concurrency=DEFAULT_CONCURRE
     """`glmc plan`'s result: rows (every feasible candidate x concurrency), dropped ones with their
     reason, the Pareto front, the best row for the SLO, and the assumptions. `prefill_chunk`: the
     prompt tokens per prefill step (`glmc run --max-batch-tokens`; default the plan's chunk)."""
-    compiled, dropped = compile_candidates(spec, gpus, kv_dtypes, only)
+    tasks, dropped = candidate_tasks(spec, gpus, kv_dtypes, only)
     lengths, accept_note = accept_lengths(accept)
     if not spec.config.num_nextn_predict_layers:
         drafts = (0,)
-    chunk, rows, ttft = prefill_chunk or Options().chunked_prefill, [], {}
-    mtp = {id(c): mtp_extra_bytes(c) for c in compiled} if drafts != (0,) else {}
-    for c, p2p, d, conc in itertools.product(compiled, (True, False), drafts, concurrency):
-        name = f"{c.name} moe={c.moe} kv={c.kv_dtype} mtp={d}{'' if p2p else ' nccl'}"
-        r = -(-conc // c.par.attn_dp)
-        mem = memory_check(c, r, r * (d + 1), w, gpu_memory[0], mtp[id(c)] if d else (0, 0))
-        if not mem["fits"]:
-            b = mem["bytes"]
-            dropped.append({"candidate": f"{name} c={conc}", "reason": (
-                f"needs {_gib(mem['need'])} per GPU > {_gib(mem['limit'])} "
-                f"({MEM_FRACTION} x {gpu_memory[0] / 1e9:g} GB): "
-                f"weights {_gib(b['weights'])} + KV {_gib(b['kv'])} ({r} requests x {w.context} tokens) + "
-                f"workspace {_gib(b['workspace'])} + graph pool {_gib(b['graph_pool'])}")})
-            continue
-        row = {"candidate": name, "parallel": c.name, "moe": c.moe, "kv_dtype": c.kv_dtype, "p2p": p2p,
-               "mtp_drafts": d,
-               "concurrency": conc, "memory_gib": round(mem["need"] / 2**30, 2), "graphed": mem["graphed"]}
-        rows.append({**row, **price(c, cal, w, gpus, conc, d, lengths, chunk, ttft, p2p)})
+    chunk, rows = prefill_chunk or Options().chunked_prefill, []
+    pricing = Pricing(cal, w, gpus, tuple(concurrency), tuple(drafts), lengths, chunk, gpu_memory)
+    for priced, unfit in run_tasks(_compile_and_price, [t + (pricing,) for t in tasks],
+                                   desc=f"glmc plan: {len(tasks)} candidates"):
+        rows, dropped = rows + priced, dropped + unfit
     front = pareto(rows)
     return {"gpus": gpus, "model": spec.name, "prefill_chunk": chunk,
             "workload": {"in": w.input_tokens, "out": w.output_tokens},
