@@ -166,7 +166,7 @@ def config(s: Sweep, m, n, k, tiles) -> dict:
     tf = s.tf
     full = {**tf.default_config(m, n, k, s.sms), **tiles}
     if "splits" not in tiles:
-        full["splits"] = tf.split_count(m, n, k, full["block_m"], full["block_n"], s.sms)
+        full["splits"] = tf.fp8_split_count(m, n, k, full["block_m"], full["block_n"], s.sms)
     full["splits"] = tf.even_splits(-(-k // 128), full["splits"])
     programs = -(-m // full["block_m"]) * -(-n // full["block_n"]) * full["splits"]
     return {**full, "programs": programs, "waves": round(programs / s.sms, 2)}

@@ -84,7 +84,7 @@ def main():
                 combos += [dict(key_major=False, block_h=bh, block_n=32, num_warps=w, num_stages=st)
                            for bh, w, st in ((64, 8, 1), (64, 8, 2), (32, 4, 2))]
             elif a.focus and kv == "fp8":
-                from glmc.codegen.triton_contexts import mla_num_splits
+                from glmc.target import mla_num_splits
                 for km, bh, bn, w in ((False, 32, 32, 4), (True, 64, 64, 8)):
                     base = mla_num_splits(T, H, bh, K, bn, torch.cuda.get_device_properties(0).multi_processor_count)
                     for d16, mult in itertools.product((False, True), (1, 2, 4)):

@@ -10,14 +10,14 @@ re-laid out once.
 
 Ops not listed here (views, slices, concat, elt.add, io.input, collectives) use torch_target's.
 Dense GEMMs go to cuBLAS (torch.matmul) in the weights' dtype; the router GEMM stays fp32: at decode
-sizes (`triton_contexts.gemv_takes`) it and the unquantised part of an FP8 A-projection run the
+sizes (`glmc.target.gemv_takes`) it and the unquantised part of an FP8 A-projection run the
 `gemv` kernel (one launch, x read as it is); above them the router runs the `narrow_gemm` kernel
 (K split over programs; cuBLAS took a cast, an fp32 SIMT GEMM and its split-K reduction) and
 weights_proj cuBLAS (into a temporary copied into its columns: faster than narrow_gemm, 2026-12-04). Weights
 an FP8 plan stores FP8 (`fp8_ref.Fp8Weight`, `codegen/weight_formats.py`) run the block-scaled w8a8
 GEMM (`triton_fp8`): the activation quantised once per step per token per 128 columns (by the norm
 that makes it where an FP8 GEMM reads a norm's output, else by the first FP8 consumer: `quantized`),
-one FP8 GEMM per run of row parts (`fp8_ref.fp8_row_groups`: a part ending off a 128-row scale block
+one FP8 GEMM per run of row parts (`glmc.target.fp8_row_groups`: a part ending off a 128-row scale block
 padded with zero rows, whose columns the GEMM skips), each into its columns of one output; the
 routed experts run `triton_moe.moe_experts_fp8`.
 """
@@ -32,10 +32,10 @@ from glmc.codegen import triton_moe as tm
 from glmc.codegen import triton_p2p as tp2p
 from glmc.codegen import triton_launch as tt
 from glmc.codegen.context import CudaStepContext
-from glmc.codegen.fp8_ref import Fp8Weight, fp8_group_gap, fp8_row_groups
+from glmc.codegen.fp8_ref import Fp8Weight
 from glmc.codegen.weight_formats import FP8_KINDS, op_weight_names
-from glmc.codegen.triton_contexts import NORM_QUANT_ROWS, TOPK_CHUNK, gemv_takes
 from glmc.ir.types import DTYPE_BYTES
+from glmc.target import NORM_QUANT_ROWS, TOPK_CHUNK, fp8_group_gap, fp8_row_groups, gemv_takes
 
 IMPLS: dict = dict(torch_target.IMPLS)
 # The torch target's implementations this target runs as they are: capture-safe on the device

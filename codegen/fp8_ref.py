@@ -15,11 +15,12 @@ from dataclasses import dataclass
 
 import torch
 
+from glmc.target import FP8_BLOCK
+
 FP8_MAX = 448.0   # largest finite float8_e4m3fn
-BLOCK = 128
 
 
-def fp8_block_dequant(w_fp8, scale_inv, block=BLOCK):
+def fp8_block_dequant(w_fp8, scale_inv, block=FP8_BLOCK):
     """W[i, j] = Wq[i, j] * S[i // block, j // block] in fp32 (DeepSeek/GLM block-scaled FP8)."""
     rows, cols = w_fp8.shape
     s = scale_inv.float().repeat_interleave(block, 0)[:rows].repeat_interleave(block, 1)[:, :cols]
@@ -39,18 +40,18 @@ def _quantize(x, rows: int, cols: int):
     return q.to(torch.float8_e4m3fn), scale
 
 
-def quantize_weight_blocks(w, block=BLOCK):
+def quantize_weight_blocks(w, block=FP8_BLOCK):
     """(Wq float8_e4m3fn [N, K], S fp32 [ceil(N/block), ceil(K/block)]) per block x block: the
     checkpoint convention, for quantising a bf16 checkpoint on load."""
     return _quantize(w, block, block)
 
 
-def quantize_token_groups(x, group=BLOCK):
+def quantize_token_groups(x, group=FP8_BLOCK):
     """(xq float8_e4m3fn [M, K], s fp32 [M, ceil(K/group)]): per row and group of `group` columns."""
     return _quantize(x, 1, group)
 
 
-def fp8_gemm(xq, xs, wq, ws, block=BLOCK):
+def fp8_gemm(xq, xs, wq, ws, block=FP8_BLOCK):
     """y = x W^T in fp32 from per-token-group FP8 activations and block-scaled FP8 weights (module
     docstring): [M, N]."""
     m, k = xq.shape
@@ -72,7 +73,7 @@ class Fp8Weight:
     scale_inv: torch.Tensor
 
     def __post_init__(self):
-        blocks = tuple(-(-d // BLOCK) for d in self.q.shape[-2:])
+        blocks = tuple(-(-d // FP8_BLOCK) for d in self.q.shape[-2:])
         if (self.q.dtype != torch.float8_e4m3fn or self.q.shape[:-2] != self.scale_inv.shape[:-2]
                 or tuple(self.scale_inv.shape[-2:]) != blocks):
             raise ValueError(f"Fp8Weight: {self.q.dtype} {tuple(self.q.shape)} with scales "
@@ -114,54 +115,14 @@ class Fp8Weight:
         last must end on a 128-row block boundary, or the scale rows would not line up; `pad`: such
         a part is padded with zero rows to its block instead (its scale row covers them; the GEMM
         skips their output columns, `fp8_group_gap`)."""
-        bad = [tuple(w.shape) for w in weights[:-1] if w.shape[-2] % BLOCK]
+        bad = [tuple(w.shape) for w in weights[:-1] if w.shape[-2] % FP8_BLOCK]
         if bad and not pad:
-            raise ValueError(f"Fp8Weight.cat_rows: parts {bad} do not end on a {BLOCK}-row block")
+            raise ValueError(f"Fp8Weight.cat_rows: parts {bad} do not end on a {FP8_BLOCK}-row block")
         qs = [w.q for w in weights]
         for i, w in enumerate(weights[:-1]):
-            if w.shape[-2] % BLOCK:
-                qs[i] = torch.cat([w.q, w.q.new_zeros(*w.q.shape[:-2], -w.shape[-2] % BLOCK, w.shape[-1])], -2)
+            if w.shape[-2] % FP8_BLOCK:
+                qs[i] = torch.cat([w.q, w.q.new_zeros(*w.q.shape[:-2], -w.shape[-2] % FP8_BLOCK, w.shape[-1])], -2)
         return cls(torch.cat(qs, -2), torch.cat([w.scale_inv for w in weights], -2))
-
-
-def fp8_row_groups(rows: list[int]) -> list[list[int]]:
-    """Indices of row parts that share one FP8 GEMM (`Fp8Weight.cat_rows(pad=True)`): consecutive
-    parts, where one part before the last of a group may end off a 128-row block (zero rows pad it
-    to the block; its GEMM skips their columns: `fp8_group_gap`); a second such part starts a new
-    group. GLM-5.3's full-layer A-projection q_a | kv_a (576 rows) | wk is one GEMM."""
-    groups: list[list[int]] = []
-    gapped = False
-    for i, r in enumerate(rows):
-        prev = rows[groups[-1][-1]] if groups else 0
-        if groups and (prev % BLOCK == 0 or not gapped):
-            gapped = gapped or prev % BLOCK != 0
-            groups[-1].append(i)
-        else:
-            groups.append([i])
-            gapped = False
-    return groups
-
-
-def fp8_group_gap(rows: list[int]) -> tuple[int, int]:
-    """(first skipped column, skipped columns) of the GEMM of one `fp8_row_groups` group (its parts'
-    rows): the zero rows padding its part that ends off a block; (sum(rows), 0) when none does. The
-    joined weight has sum(rows) + skipped rows."""
-    at = 0
-    for r in rows[:-1]:
-        at += r
-        if r % BLOCK:
-            return at, -r % BLOCK
-    return sum(rows), 0
-
-
-def fp8_gemm_rows(rows: list[int]) -> list[tuple[int, int]]:
-    """(weight rows, zero padding rows among them) of each FP8 GEMM a run of FP8 row parts (their
-    rows) is joined into (`fp8_row_groups`, `fp8_group_gap`)."""
-    out = []
-    for g in fp8_row_groups(rows):
-        pad = fp8_group_gap([rows[i] for i in g])[1]
-        out.append((sum(rows[i] for i in g) + pad, pad))
-    return out
 
 
 def moe_experts_fp8(x, ids, weights, w_gate: Fp8Weight, w_up: Fp8Weight, w_down: Fp8Weight, expert_offset=0):
@@ -197,7 +158,7 @@ KV_PAGE = 64
 
 def kv_fp8_row_bytes(kv_lora: int, rope_dim: int) -> int:
     """Bytes of one token's latent-cache row: 656 for GLM-5 / DeepSeek-V3.2 (512 + 4 x 4 + 64 x 2)."""
-    return kv_lora + 4 * -(-kv_lora // BLOCK) + 2 * rope_dim
+    return kv_lora + 4 * -(-kv_lora // FP8_BLOCK) + 2 * rope_dim
 
 
 def index_fp8_row_bytes(dim: int) -> int:
@@ -209,7 +170,7 @@ def kv_fp8_views(rows: torch.Tensor, kv_lora: int):
     """(latent e4m3 [n, kv_lora], scales fp32 [n, kv_lora/128], k_pe bf16 [n, rope]) views of uint8
     rows [n, 656] (contiguous rows: each view keeps the row's byte stride in its own element size)."""
     n, width = rows.shape
-    groups = -(-kv_lora // BLOCK)
+    groups = -(-kv_lora // FP8_BLOCK)
     pe0 = kv_lora + 4 * groups
     if width % 4 or pe0 % 4:
         raise ValueError(f"kv_fp8_views: a {width}-byte row with the scales at {kv_lora} cannot be viewed as fp32")
@@ -230,7 +191,7 @@ def kv_fp8_pack(c_kv: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
 def kv_fp8_unpack(rows: torch.Tensor, kv_lora: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(c_kv fp32 [n, kv_lora], k_pe fp32 [n, rope]) of packed rows: q * s per group of 128."""
     q, s, pe = kv_fp8_views(rows, kv_lora)
-    return q.float() * s.repeat_interleave(BLOCK, 1)[:, :kv_lora], pe.float()
+    return q.float() * s.repeat_interleave(FP8_BLOCK, 1)[:, :kv_lora], pe.float()
 
 
 def kv_fp8_round(c_kv: torch.Tensor, k_pe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -36,13 +36,13 @@ from __future__ import annotations
 import torch
 from glmc.codegen import torch_ref as ref
 from glmc.codegen import triton_contexts as tc
-from glmc.codegen.fp8_ref import fp8_gemm_rows
 from glmc.codegen.triton_fp8 import Fp8BlockGemmCtx, Fp8QuantTokensCtx, Fp8SplitReduceCtx
 from glmc.codegen.triton_moe import MoeExpertsCtx, MoeExpertsFp8Ctx
 from glmc.codegen.weight_formats import FP8_KINDS, is_fp8_name, op_weight_names
 from glmc.codegen.triton_render import render
 from glmc.ir import Graph, Op
 from glmc.ir.types import fp8_row_bytes
+from glmc.target import TOPK_CHUNK, fp8_gemm_rows
 
 
 def compute_dtype(dtypes) -> torch.dtype:
@@ -89,7 +89,7 @@ def _topk(op, graph, dtype, kv=(False, False)):
     heads, dim = _dims(graph, op.operands[0])
     return [tc.IndexerScoresCtx.make(heads, dim, dtype, fp8=kv[1], w_scale=ref.index_head_scale(op)),
             tc.IndexerScoresCtx.make_tiled(heads, dim, dtype, fp8=kv[1], w_scale=ref.index_head_scale(op)),
-            tc.TopkSelectCtx.make(int(op.attr("k")), chunk=tc.TOPK_CHUNK)]
+            tc.TopkSelectCtx.make(int(op.attr("k")), chunk=TOPK_CHUNK)]
 
 
 def _attn(op, graph, dtype, kv=(False, False)):

@@ -13,7 +13,7 @@ The indexer's top-k select (`topk_select.py.j2`) runs a row of n <= TOPK_CHUNK s
 program, held in registers: 33 counting passes and a compaction when n > k, else one count and the
 compaction (`topk_select_passes`); latency-bound, so the predictor times it from the calibration's
 measured launches, scaled by these passes. A workspace wider than TOPK_CHUNK splits its long rows
-over programs of 1024-8192 scores (`triton_launch.topk_segment`) and selects them by bytes in five
+over programs of 1024-8192 scores (`glmc.target.topk_segment`) and selects them by bytes in five
 launches (the last also runs the short rows): each costs about TOPK_SPLIT_STAGE_PASSES register
 passes (an estimate until bench/long_context_bench.py's top-k table is folded into the calibration),
 independent of n while the segments fit on the GPU. The select writes the KV slots of what it
@@ -30,6 +30,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from glmc.target import ALIGN_MAX_EXPERTS, ALIGN_ROWS, ALIGN_ROWS_PER_EXPERT, TOPK_CHUNK, gemv_takes
+
 
 @dataclass(frozen=True)
 class Launches:
@@ -39,9 +41,6 @@ class Launches:
     torch_ops: int = 0
     collectives: tuple[str, ...] = ()
     gemms: int = 0
-
-
-TOPK_CHUNK = 8192  # scores per top-k pass in a plan: a row up to this long is read once and held in registers
 
 
 TOPK_SPLIT_STAGES = 5          # launches of a wide workspace: 4 histogram rounds, compaction (+ short rows)
@@ -57,10 +56,6 @@ def topk_select_passes(row_len: int, k: int, chunk: int = TOPK_CHUNK) -> int:
 
 ADD_RMS_TORCH_OPS = 8    # torch_ref.add_rms_norm: add, cast, pow, mean, add, rsqrt, mul, mul
 ALIGN_ROWS_OPS = 36       # triton_moe.align_rows (aten ops, scalar wrappers excluded)
-# triton_moe's (copied; tests/test_predict.py checks them): up to ALIGN_ROWS routed rows over up to
-# ALIGN_MAX_EXPERTS local experts at the decode row block (< ALIGN_ROWS_PER_EXPERT rows per expert),
-# one moe_align kernel sorts them instead of align_rows' torch ops
-ALIGN_ROWS, ALIGN_MAX_EXPERTS, ALIGN_ROWS_PER_EXPERT = 1024, 256, 32
 
 LAUNCHES: dict[str, Launches] = {
     # no kernel: views, inputs, ops lowered away before codegen
@@ -102,39 +97,6 @@ STEP_TORCH_OPS = 1          # the decode body's own write of each row's slot int
 
 P2P_KINDS = frozenset({"comm.all_reduce", "comm.reduce_scatter", "comm.all_gather", "fused.allreduce_add_rms",
                        "fused.reduce_scatter_add_rms", "moe.dispatch", "moe.combine"})
-
-
-GEMV_ROWS = 16      # triton_contexts.GEMV_ROWS[-1]: up to this many rows a decode GEMV is one gemv kernel ...
-# ... and outputs narrower than GEMV_NARROW[0] columns only up to GEMV_NARROW[1] rows: a program per two
-# columns leaves most SMs idle there (bench/glue_micro.py on an H200, 2026-12-03, K 6144: weights_proj's
-# 32 outputs at 16 rows 37.8 us vs cuBLAS 8.2, at 4 rows 5.6 vs 7.0; the router's 256 at 16 rows 12.5
-# vs 19.2, at 32 rows 23.5 vs 18.2, so no 32-row class either)
-GEMV_NARROW = (64, 4)
-
-
-def gemv_takes(rows: int, n: int) -> bool:
-    """Whether an [rows, K] x [n, K]^T product runs the gemv kernel (else the router runs the narrow
-    GEMM and weights_proj cuBLAS)."""
-    return rows <= (GEMV_ROWS if n >= GEMV_NARROW[0] else GEMV_NARROW[1])
-
-
-# narrow_gemm.py.j2 (the router past the gemv's rows): [64, <= 64] tiles over K blocks
-# of 64, K split so that the programs fill one wave of SMs, >= 2 K blocks a split, at most 64 splits
-NARROW_BLOCK_M, NARROW_BLOCK_N, NARROW_BLOCK_K, NARROW_MAX_SPLITS = 64, 64, 64, 64
-
-
-def narrow_block_n(n: int) -> int:
-    """narrow_gemm's tile width for n output columns: the next power of two, 16 .. NARROW_BLOCK_N."""
-    return min(NARROW_BLOCK_N, max(16, 1 << max(0, int(n) - 1).bit_length()))
-
-
-def narrow_splits(rows: int, n: int, k: int, num_sms: int) -> int:
-    """narrow_gemm's K splits for [rows, k] x [n, k]^T: enough programs for one wave of `num_sms`,
-    each split >= 2 K blocks, at most NARROW_MAX_SPLITS, widths equal (ceil(blocks / width) splits)."""
-    tiles = -(-rows // NARROW_BLOCK_M) * -(-n // narrow_block_n(n))
-    blocks = -(-k // NARROW_BLOCK_K)
-    splits = max(1, min(-(-num_sms // tiles), blocks // 2, NARROW_MAX_SPLITS, blocks))
-    return -(-blocks // -(-blocks // splits))
 
 
 def launches(kind: str, attrs: dict, p2p: bool = False, routed_rows: float | None = None,

@@ -50,6 +50,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from glmc.ir.text_values import format_layers, read_layers
+from glmc.target import H200_SMS
 
 KINDS = ("triton", "gemm", "torch", "collective")
 GEMM_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "_scaled_mm"})
@@ -64,7 +65,6 @@ IR_DTYPES = {"fp32": torch.float32, "fp8": torch.float8_e4m3fn, "i32": torch.int
 _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
                 torch.float8_e4m3fn: "fp8", torch.int64: "i64", torch.int32: "i32", torch.uint8: "u8",
                 torch.bool: "bool"}
-H200_SMS = 132   # the GPU a program traced on the meta device stands for (grids and split counts)
 
 
 @dataclass(frozen=True)

@@ -10,15 +10,13 @@ from typing import ClassVar
 
 import torch
 
-from glmc.codegen.launch_model import (GEMV_NARROW, NARROW_BLOCK_K, NARROW_BLOCK_M, TOPK_CHUNK,  # noqa: F401
-                                       gemv_takes, narrow_block_n, narrow_splits)  # (re-exported)
-from glmc.codegen.fp8_ref import BLOCK as FP8_GROUP
 from glmc.codegen.fp8_ref import KV_PAGE
 from glmc.codegen.triton_render import _DOT, _warps, next_pow2
+from glmc.target import (ARGMAX_SPLITS, FP8_BLOCK, GEMV_ROW_CLASSES, INDEXER_BLOCK_N, MLA_MAX_SPLITS, NARROW_BLOCK_K,
+                         NARROW_BLOCK_M, TOPK_CHUNK, mla_tiles, mla_v_parts, mla_wide, narrow_block_n)
 
 
 # ----------------------------------------------------------------------------- contexts
-NORM_QUANT_ROWS = 4   # up to this many rows a norm that feeds an FP8 GEMM quantises its output itself
 
 
 @dataclass(frozen=True)
@@ -48,7 +46,6 @@ class RmsNormCtx:
         return cls(hidden, float(eps), bool(has_residual), block, _warps(block, 1024), bool(quant), bool(has_addend))
 
 
-GEMV_ROWS = (1, 4, 16)   # GemvCtx's row classes (the last is launch_model.GEMV_ROWS; `gemv_takes` says when)
 GEMV_PRODUCTS = 8192     # fp32 products a program holds per K step (block_m x block_n x block_k)
 
 
@@ -66,17 +63,17 @@ class GemvCtx:
 
     @classmethod
     def make(cls, k: int, rows: int) -> "GemvCtx":
-        """The row class of `rows` (<= GEMV_ROWS[-1]); two output columns per program."""
-        block_m = next((r for r in GEMV_ROWS if rows <= r), None)
+        """The row class of `rows` (<= GEMV_ROW_CLASSES[-1]); two output columns per program."""
+        block_m = next((r for r in GEMV_ROW_CLASSES if rows <= r), None)
         if block_m is None:
-            raise ValueError(f"gemv: {rows} rows is more than its largest row class {GEMV_ROWS[-1]}")
+            raise ValueError(f"gemv: {rows} rows is more than its largest row class {GEMV_ROW_CLASSES[-1]}")
         block_n = 2
         block_k = min(next_pow2(int(k)), GEMV_PRODUCTS // (block_m * block_n))
         return cls(int(k), block_m, block_n, block_k, 4)
 
     @classmethod
     def variants(cls, k: int) -> list:
-        return [cls.make(k, r) for r in GEMV_ROWS]
+        return [cls.make(k, r) for r in GEMV_ROW_CLASSES]
 
 
 @dataclass(frozen=True)
@@ -221,7 +218,7 @@ class QkvNormRopeWriteCtx:
     kv_fp8: bool = False
     index_fp8: bool = False
     any_fp8: bool = False
-    group: int = FP8_GROUP
+    group: int = FP8_BLOCK
     num_groups: int = 0
     page: int = KV_PAGE
 
@@ -234,7 +231,7 @@ class QkvNormRopeWriteCtx:
                    index_dim > 0, index_dim, float(index_eps), bool(index_interleaved), float(attention_factor),
                    attention_factor != 1.0, next_pow2(q_lora), next_pow2(kv_lora), next_pow2(half),
                    next_pow2(max(index_dim, 1)), _warps(q_lora, 512, 4), bool(kv_fp8), index_fp8,
-                   bool(kv_fp8) or index_fp8, FP8_GROUP, -(-kv_lora // FP8_GROUP) if kv_fp8 else 0, KV_PAGE)
+                   bool(kv_fp8) or index_fp8, FP8_BLOCK, -(-kv_lora // FP8_BLOCK) if kv_fp8 else 0, KV_PAGE)
 
 
 @dataclass(frozen=True)
@@ -259,7 +256,7 @@ class IndexerScoresCtx:
     @classmethod
     def make(cls, num_heads, index_dim, dtype, block_n=None, fp8=False, w_scale=1.0):
         dot_dtype, precision = _DOT[dtype]
-        block_n = block_n or 64
+        block_n = block_n or INDEXER_BLOCK_N
         return cls(num_heads, index_dim, index_dim ** -0.5, max(16, next_pow2(num_heads)), block_n,
                    dot_dtype, precision, 4, bool(fp8), KV_PAGE, float(w_scale))
 
@@ -295,51 +292,6 @@ class TopkSelectCtx:
         return cls(k, chunk, num_warps or _warps(chunk, 256, 8))
 
 
-MAX_SPLITS = 64  # flash-decoding splits of one (token, head block) at most: the combine's widest tile
-
-
-def mla_wide(num_tokens: int, num_heads: int, kv_fp8: bool) -> bool:
-    """SparseMlaDecodeCtx's wide class: 64 x 64 tiles at 8 warps, all 64 heads in one program (Hopper's
-    wgmma, where 16-head tiles run mma.sync), from 4 tokens on FP8 rows and 8 on bf16 rows. Sweep of
-    2026-12-04 on an H200 (bench/results/h200_2026-12-04/mla_tiles_sweep_small.json, 64 heads, k
-    2048, 2K keys): FP8 rows at 4 / 8 / 16 tokens 21.2 / 26.0 / 40.8 us against 38.6 / 71.6 / 150.5 for
-    the 16 x 32 tiles at 4 warps before; bf16 rows at 8 / 16 24.3 / 37.6 against 29.0 / 55.0, at 4
-    tokens within 4% of 16 x 32 (kept there)."""
-    return num_heads >= 64 and num_tokens >= (4 if kv_fp8 else 8)
-
-
-def mla_v_parts(num_tokens: int, num_heads: int, kv_lora: int, fp8_tiles: bool) -> int:
-    """SparseMlaDecodeCtx's default output parts, for FP8 rows scaled per tile (head-major) when each
-    part keeps whole 128-value scale groups: at 64 heads 2 in the wide class below 8 tokens (4 tokens
-    21.2 us against 23.0 in one part), else 1 (the narrow class: 1 token 14.4 both, 2 tokens 17.1
-    against 20.2; the wide class from 8 tokens: every part recomputes the scores); below 64 heads
-    (a tensor-parallel rank; not swept) 2. Else 1."""
-    if not fp8_tiles or kv_lora < 2 * FP8_GROUP:
-        return 1
-    if num_heads < 64:
-        return 2
-    return 2 if mla_wide(num_tokens, num_heads, True) and num_tokens < 8 else 1
-
-
-MLA_WARPS_PER_SM = 8  # the split programs' warps, all together, fill this many per SM (one wave)
-
-
-def mla_num_splits(num_tokens: int, num_heads: int, block_h: int, num_keys: int, block_n: int,
-                   num_sms: int, v_parts: int = 1, num_warps: int = 4) -> int:
-    """Flash-decoding split count (a launch parameter, not part of a kernel's source): the largest
-    power of two whose programs' warps fit MLA_WARPS_PER_SM per SM (one wave: 2 programs of 4 warps
-    or 1 of 8 per SM), >= 2 key blocks per split, at most MAX_SPLITS. Powers of two cut a top-k of
-    2048 (or a 1K context) into equal whole key blocks. Sweep of 2026-12-03 on an H200 (kernel +
-    combine, 64 heads, `python -m bench.mla_tiles_sweep --splits`): this rule picks the fastest count at
-    every point, 1-128 tokens x contexts 1K / 2K x FP8 / bf16 rows; the 2-wave rule before it (not a
-    power of two) was up to 1.5x slower (FP8 rows, 1K: 8 tokens 52.5 vs 38.5 us, 32 tokens 75.1 vs
-    55.8, 128 tokens 215.9 vs 173.5; bf16 128 tokens 135.7 vs 121.8): the split partials [T, H, S,
-    512] fp32 are written and read back, and a second wave of programs waits for the first."""
-    programs = num_tokens * -(-num_heads // block_h) * v_parts
-    fit = max(1, MLA_WARPS_PER_SM * num_sms // (programs * num_warps))
-    return max(1, min(1 << (fit.bit_length() - 1), num_keys // (2 * block_n), MAX_SPLITS))
-
-
 @dataclass(frozen=True)
 class SparseMlaDecodeCtx:
     """sparse_mla_decode.py.j2: absorbed MLA split-K partials over top-k slots (or causal positions).
@@ -364,7 +316,7 @@ class SparseMlaDecodeCtx:
     num_warps: int
     num_stages: int
     kv_fp8: bool = False   # FlashMLA FP8 rows: c_kv e4m3 with one fp32 scale per `group` values
-    group: int = FP8_GROUP
+    group: int = FP8_BLOCK
     dequant: bool = False  # FP8 rows: scale each gathered tile once (one dot over kv_lora), not per group
     v_parts: int = 1       # programs per head block, each accumulating kv_lora / v_parts output columns
 
@@ -393,23 +345,20 @@ class SparseMlaDecodeCtx:
         dequant = kv_fp8 if dequant is None else dequant
         if kv_fp8 and dot16 is None:
             dot16 = not wide
-        if wide:
-            block_h, block_n = block_h or 64, block_n or 64
-            num_warps, num_stages = num_warps or 8, num_stages or 2
-        else:
-            block_h, block_n = block_h or 16, block_n or 32
-            num_warps, num_stages = num_warps or 4, num_stages or (1 if kv_fp8 else 2)
+        tile_h, tile_n, warps = mla_tiles(wide)
+        block_h, block_n, num_warps = block_h or tile_h, block_n or tile_n, num_warps or warps
+        num_stages = num_stages or (2 if wide or not kv_fp8 else 1)
         dot_dtype, precision = _DOT[torch.float16 if dot16 and kv_fp8 and dtype != torch.float32 else dtype]
         if v_parts is None:
             v_parts = mla_v_parts(num_tokens, num_heads, kv_lora, kv_fp8 and dequant and not key_major)
         v_parts = int(v_parts)
         if v_parts > 1 and (key_major or (kv_fp8 and not dequant) or v_parts != next_pow2(v_parts)
-                            or kv_lora // v_parts < (FP8_GROUP if kv_fp8 else 16)):
+                            or kv_lora // v_parts < (FP8_BLOCK if kv_fp8 else 16)):
             raise ValueError(f"sparse_mla_decode: v_parts={v_parts} needs head-major tiles, FP8 rows scaled per "
-                             f"tile, a power of two and parts of >= {FP8_GROUP if kv_fp8 else 16} of kv_lora {kv_lora}")
+                             f"tile, a power of two and parts of >= {FP8_BLOCK if kv_fp8 else 16} of kv_lora {kv_lora}")
         return cls(num_heads, kv_lora, rope_dim, topk is not None, topk or 0, block_h, block_n, bool(key_major),
                    float(scale) * 1.4426950408889634, dot_dtype, precision, num_warps, num_stages, bool(kv_fp8),
-                   FP8_GROUP, bool(dequant and kv_fp8), v_parts)
+                   FP8_BLOCK, bool(dequant and kv_fp8), v_parts)
 
     @classmethod
     def variants(cls, num_heads, kv_lora, rope_dim, topk, scale, dtype, kv_fp8=False) -> list["SparseMlaDecodeCtx"]:
@@ -435,8 +384,8 @@ class MlaCombineCtx:
 
     @classmethod
     def variants(cls, num_heads, kv_lora) -> list["MlaCombineCtx"]:
-        """One per power-of-two split bound up to MAX_SPLITS."""
-        return [cls.make(num_heads, kv_lora, 1 << i) for i in range(MAX_SPLITS.bit_length())]
+        """One per power-of-two split bound up to MLA_MAX_SPLITS."""
+        return [cls.make(num_heads, kv_lora, 1 << i) for i in range(MLA_MAX_SPLITS.bit_length())]
 
 
 @dataclass(frozen=True)
@@ -470,9 +419,6 @@ class SampleCtx:
         return cls(vocab, chunk, min(chunk, 1024), bool(write_kept), _warps(chunk, 256, 8))
 
 
-ARGMAX_SPLITS = 64  # programs one row's argmax is split over at most (argmax.py.j2's partials per row)
-
-
 @dataclass(frozen=True)
 class StepInputsCtx:
     """step_inputs.py.j2: the executor's step prologue (device-sampled ids, own KV slots), one kernel
@@ -499,10 +445,3 @@ class ArgmaxCtx:
     def make(cls, vocab, chunk=None):
         chunk = chunk or min(2048, next_pow2(vocab))
         return cls(int(vocab), chunk, ARGMAX_SPLITS, _warps(chunk, 256, 8))
-
-
-def argmax_splits(rows: int, vocab: int, chunk: int, num_sms: int) -> int:
-    """Programs per row: about two waves of the GPU over all rows, each at least one chunk of ids."""
-    return max(1, min(ARGMAX_SPLITS, -(-2 * num_sms // max(1, rows)), -(-vocab // chunk)))
-
-

@@ -24,72 +24,38 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-from glmc.codegen.fp8_ref import BLOCK
 from glmc.codegen.triton_render import FP8_DOT_PROMOTE, JIT, fp8_promote, KernelLibrary, sm_count, next_pow2
+from glmc.target import FP8_BLOCK, FP8_TILE_CLASSES, even_splits, fp8_row_class, fp8_split_count
 
 # ----------------------------------------------------------------------------- defaults (set from the sweep)
-# Row classes: (largest row count of the class, its tiles (block_m, block_n, num_warps, num_stages), the
-# waves of SMs its programs (tiles x K splits) should reach). Decode rows up to 16 take 16-row tiles (the
-# smallest tensor-core M) split to ~3 waves; more rows take 64 x 128 tiles split only to fill one wave.
-# Tiles 128 wide meet one weight scale block per K block (one scale load). The bound 16 and 17 = the
-# second class's first row count: startup.warm_lengths launches 1, 17 and 2^n tokens, so every class
-# is compiled before serving. From bench/fp8_gemm_sweep.py on the H200: 2026-12-01, decode 16 x 128
-# (best single config at M = 1, 151 vs 160 us over the layer's GEMMs) split to ~3 waves (o_proj 29 vs
-# 34 us), prefill 64 x 128, 4 warps, 4 stages (4519 vs 5009 us over the prefill shapes); 2026-12-04
-# (`--grid`: every tile x split count at M = 32 / 64 / 128), 17-255 rows as prefill's tiles with one
-# wave, was 64 x 64 at 3 stages with 3 waves: over the 2-layer slice's GEMMs 232.6 -> 226.3 /
-# 252.5 -> 245.7 / 350.7 -> 301.3 us (o_proj at 128 rows 60.7 -> 47.1 us: 5 splits of 64 x 64 tiles
-# wrote and re-read fp32 partials the 2 splits of 64 x 128 do not).
-TILE_CLASSES = ((16, (16, 128, 4, 3), 3), (None, (64, 128, 4, 4), 1))
-SPLIT_MIN_K_BLOCKS = 2     # K splits of at least this many 128-wide K blocks
-MAX_SPLITS = 64            # a bound on the fp32 workspace and the reduction's reads
+# Row classes, split rule and their measurements: glmc/target.py (FP8_TILE_CLASSES, fp8_split_count).
 GROUP_M = 8                # tile rows that walk the weight columns together (L2 reuse at prefill)
 
 
 def default_config(num_rows: int, n: int, k: int, num_sms: int) -> dict:
     """The launch `fp8_block_gemm` makes when not told: the row class's tiles, and K split so that the
-    programs (tiles x splits) reach the class's waves of `num_sms`, each split >= SPLIT_MIN_K_BLOCKS
-    K blocks. -> dict(block_m, block_n, num_warps, num_stages, splits). A pure function of its arguments."""
+    programs (tiles x splits) reach the class's waves of `num_sms` (`fp8_split_count`).
+    -> dict(block_m, block_n, num_warps, num_stages, splits). A pure function of its arguments."""
     block_m, block_n, num_warps, num_stages = class_tiles(num_rows)
     return dict(block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
-                splits=split_count(num_rows, n, k, block_m, block_n, num_sms))
-
-
-def split_count(num_rows: int, n: int, k: int, block_m: int, block_n: int, num_sms: int) -> int:
-    """K splits for [block_m, block_n] tiles: enough for the row class's waves of programs, within
-    SPLIT_MIN_K_BLOCKS blocks a split and MAX_SPLITS; 1 when the tiles alone fill them."""
-    tiles = -(-num_rows // block_m) * -(-n // block_n)
-    k_blocks = -(-k // BLOCK)
-    want = -(-_row_class(num_rows)[2] * num_sms // tiles)
-    return even_splits(k_blocks, min(want, k_blocks // SPLIT_MIN_K_BLOCKS, MAX_SPLITS))
-
-
-def _row_class(num_rows: int) -> tuple:
-    return next(c for c in TILE_CLASSES if c[0] is None or num_rows <= c[0])
+                splits=fp8_split_count(num_rows, n, k, block_m, block_n, num_sms))
 
 
 def class_tiles(num_rows: int) -> tuple:
     """(block_m, block_n, num_warps, num_stages) of the row class `num_rows` falls in."""
-    return _row_class(num_rows)[1]
+    return fp8_row_class(num_rows)[1]
 
 
 def class_rows() -> list[int]:
     """The smallest row count of each row class (one launch of each reaches every tile class)."""
-    return [1] + [c[0] + 1 for c in TILE_CLASSES[:-1]]
-
-
-def even_splits(k_blocks: int, splits: int) -> int:
-    """`splits` (at least 1) made consistent with equal widths: ceil(k_blocks / width) splits of
-    width = ceil(k_blocks / splits) blocks, so no split is empty (the last may be narrower)."""
-    splits = max(1, min(int(splits), k_blocks))
-    return -(-k_blocks // -(-k_blocks // splits))
+    return [1] + [c[0] + 1 for c in FP8_TILE_CLASSES[:-1]]
 
 
 # ----------------------------------------------------------------------------- contexts
 QUANT_GROUPS_PER_PROGRAM = 8   # quantisers: 128-column groups of one row per program (one 2 KB bf16 load)
 
 
-def _row_groups(width: int, group: int = BLOCK) -> tuple[int, int]:
+def _row_groups(width: int, group: int = FP8_BLOCK) -> tuple[int, int]:
     """A quantised row's groups and how many a program takes: (groups, groups_per_program)."""
     groups = -(-int(width) // group)
     return groups, min(QUANT_GROUPS_PER_PROGRAM, next_pow2(groups))
@@ -112,7 +78,7 @@ class Fp8QuantTokensCtx:
     num_warps: int
 
     @classmethod
-    def make(cls, k, group=BLOCK):
+    def make(cls, k, group=FP8_BLOCK):
         if group != next_pow2(group):
             raise ValueError(f"fp8_quant_tokens: the group must be a power of two, got {group}")
         return cls(int(k), int(group), *_row_groups(k, group), 4)
@@ -151,10 +117,10 @@ class Fp8BlockGemmCtx:
         block_m, block_n = block_m or default_m, block_n or default_n
         if block_m < 16 or block_n < 16 or block_m != next_pow2(block_m) or block_n != next_pow2(block_n):
             raise ValueError(f"fp8_block_gemm: tiles {block_m} x {block_n}: both must be powers of two >= 16 "
-                             f"(block_n a divisor or multiple of {BLOCK})")
+                             f"(block_n a divisor or multiple of {FP8_BLOCK})")
         n, k = int(n), int(k)
-        return cls(n, k, -(-k // BLOCK), block_m, block_n, -(-n // block_n), GROUP_M,
-                   num_warps or default_warps, num_stages or default_stages, block_n > BLOCK, k % BLOCK != 0,
+        return cls(n, k, -(-k // FP8_BLOCK), block_m, block_n, -(-n // block_n), GROUP_M,
+                   num_warps or default_warps, num_stages or default_stages, block_n > FP8_BLOCK, k % FP8_BLOCK != 0,
                    bool(gapped), fp8_promote(promote))
 
     @classmethod
@@ -185,7 +151,7 @@ class Fp8SplitReduceCtx:
         if swiglu_inter is None:
             return cls(512, 4, gapped=bool(gapped))
         groups, per_program = _row_groups(swiglu_inter)
-        return cls(BLOCK, 4, True, int(swiglu_inter), _ACT[act_dtype], act_dtype == torch.bfloat16,
+        return cls(FP8_BLOCK, 4, True, int(swiglu_inter), _ACT[act_dtype], act_dtype == torch.bfloat16,
                    groups=groups, groups_per_program=per_program)
 
 
@@ -209,12 +175,12 @@ def fp8_block_gemm(xq, xs, wq, ws, out_dtype=torch.bfloat16, lib: KernelLibrary 
                    **tiles):
     """fp8_ref.fp8_gemm on Triton: -> [M, N] in `out_dtype`, or written into `out` (an [M, N] view
     with unit column stride, e.g. some columns of a wider output). `gap` (at, width): weight rows
-    [at, at + width) are zero padding (`fp8_ref.fp8_group_gap`), left out of the [M, N - width]
+    [at, at + width) are zero padding (`glmc.target.fp8_group_gap`), left out of the [M, N - width]
     result. `tiles` (block_m, block_n, num_warps, num_stages, splits) override `default_config`'s.
     No host sync; CUDA-graph capturable (the split workspace is allocated here)."""
     m, k = xq.shape
     n = wq.shape[0]
-    if wq.shape[1] != k or tuple(ws.shape) != (-(-n // BLOCK), -(-k // BLOCK)):
+    if wq.shape[1] != k or tuple(ws.shape) != (-(-n // FP8_BLOCK), -(-k // FP8_BLOCK)):
         raise ValueError(f"fp8_block_gemm: x {tuple(xq.shape)}, weight {tuple(wq.shape)} and its scales "
                          f"{tuple(ws.shape)} do not fit 128 x 128 blocks")
     gap_at, gap_w = gap or (n, 0)
@@ -223,7 +189,7 @@ def fp8_block_gemm(xq, xs, wq, ws, out_dtype=torch.bfloat16, lib: KernelLibrary 
     splits = tiles.pop("splits", None)
     ctx = Fp8BlockGemmCtx.make(n, k, m, gapped=gap_w > 0, **tiles)
     if splits is None:
-        splits = split_count(m, n, k, ctx.block_m, ctx.block_n, sm_count(xq.device))
+        splits = fp8_split_count(m, n, k, ctx.block_m, ctx.block_n, sm_count(xq.device))
     splits = even_splits(ctx.k_blocks, splits)
     width = n - gap_w
     y = torch.empty(m, width, dtype=out_dtype, device=xq.device) if out is None else out
@@ -250,7 +216,8 @@ def _gemm_partials(xq, xs, wq, ws, lib: KernelLibrary, splits=None):
     m, k = xq.shape
     n = wq.shape[0]
     ctx = Fp8BlockGemmCtx.make(n, k, m)
-    splits = even_splits(ctx.k_blocks, splits or split_count(m, n, k, ctx.block_m, ctx.block_n, sm_count(xq.device)))
+    splits = even_splits(ctx.k_blocks,
+                         splits or fp8_split_count(m, n, k, ctx.block_m, ctx.block_n, sm_count(xq.device)))
     part = torch.empty(splits, m, n, dtype=torch.float32, device=xq.device)
     if m:
         lib(ctx)[(-(-m // ctx.block_m) * ctx.n_tiles, splits)](

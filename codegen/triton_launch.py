@@ -20,7 +20,6 @@ import torch
 from glmc.codegen import torch_ref as ref
 from glmc.codegen import fp8_ref
 from glmc.codegen.triton_contexts import (  # noqa: F401  (re-exported)
-    GEMV_ROWS,
     ArgmaxCtx,
     GemvCtx,
     IndexerScoresCtx,
@@ -35,9 +34,6 @@ from glmc.codegen.triton_contexts import (  # noqa: F401  (re-exported)
     SparseMlaDecodeCtx,
     StepInputsCtx,
     TopkSelectCtx,
-    argmax_splits,
-    mla_num_splits,
-    narrow_splits,
 )
 from glmc.codegen.triton_render import (  # noqa: F401  (re-exported)
     _DOT,
@@ -50,6 +46,7 @@ from glmc.codegen.triton_render import (  # noqa: F401  (re-exported)
     render,
     sm_count,
 )
+from glmc.target import FP8_BLOCK, argmax_splits, mla_num_splits, narrow_splits, topk_segment
 
 
 # ----------------------------------------------------------------------------- launch wrappers
@@ -94,12 +91,12 @@ def _quant_out(x2):
     """e4m3 [M, K] and fp32 scales [M, K / 128] for an output quantised in its producer."""
     m, k = x2.shape
     return (torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x2.device),
-            torch.empty(m, -(-k // fp8_ref.BLOCK), dtype=torch.float32, device=x2.device))
+            torch.empty(m, -(-k // FP8_BLOCK), dtype=torch.float32, device=x2.device))
 
 
 def _norm_grid(x2, quant: bool) -> tuple:
     """A row per program, or with `quant` a (row, 128-column group) per program."""
-    return (x2.shape[0], -(-x2.shape[1] // fp8_ref.BLOCK)) if quant else (x2.shape[0],)
+    return (x2.shape[0], -(-x2.shape[1] // FP8_BLOCK)) if quant else (x2.shape[0],)
 
 
 def _quant_args(qs) -> list:
@@ -120,7 +117,7 @@ def _xw_out(kernel: str, x, w, out, out_dtype):
 
 
 def gemv(x, w, out=None, out_dtype=None, lib: KernelLibrary = JIT):
-    """x [M, K] @ w [N, K]^T for M <= GEMV_ROWS[-1] in one launch, fp32 math (`GemvCtx`) -> [M, N]
+    """x [M, K] @ w [N, K]^T for M <= glmc.target.GEMV_ROWS in one launch, fp32 math (`GemvCtx`) -> [M, N]
     in `out_dtype` (default x's), or written into `out` (an [M, N] view with unit column stride)."""
     x, y = _xw_out("gemv", x, w, out, out_dtype)
     (m, k), n = x.shape, w.shape[0]
@@ -322,24 +319,7 @@ def indexer_scores(q_idx, weights, k_cache, req_to_token, rows, pos, max_len, bl
     return scores
 
 
-TOPK_SEGMENTS = (1024, 8192)   # scores per program of a long row's radix select: smallest, largest
-TOPK_PROGRAMS = (32, 16, 256)  # programs of the split select in all: at least, per row, at most
 TOPK_SEG_TILE = 32             # segments' histograms summed per load when a round's digit is found
-
-
-def topk_segment(rows: int, width: int) -> int:
-    """Scores per program of the split select: the batch over min(256, max(32, 16 x rows))
-    programs, a power of two in TOPK_SEGMENTS at or below the row's share. Measured on an H200
-    (bench/long_context_bench.py's top-k tables, us, 2026-12-04, rounds 1-3 by atomics): one row of
-    32K / 64K / 128K is fastest at 1024 / 2048 / 4096 scores a program (20.0 / 24.9 / 30.1; 64
-    programs: 21.6 / 28.9 / 31.2), 32 rows of 32K / 64K / 128K at 4096 / 8192 / 8192 (47.5 / 71.3 /
-    104.2): more programs each re-read more of their row's histograms than they save, fewer leave
-    the GPU idle."""
-    lo, hi = TOPK_SEGMENTS
-    least, per_row, most = TOPK_PROGRAMS
-    segs = max(1, max(least, min(most, per_row * rows)) // max(rows, 1))
-    share = -(-width // segs)
-    return max(lo, min(hi, 1 << (share.bit_length() - 1)))
 
 
 def topk_select(scores, lens, k, chunk=None, lib: KernelLibrary = JIT, segment=None, slots_of=None, num_warps=None):

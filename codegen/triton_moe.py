@@ -30,6 +30,8 @@ from typing import ClassVar
 
 import torch
 from glmc.codegen.triton_render import _DOT, FP8_DOT_PROMOTE, JIT, KernelLibrary, fp8_promote, next_pow2, sm_count
+from glmc.target import (ALIGN_MAX_EXPERTS, ALIGN_ROWS, BLOCK_MS, MOE_SPLIT_BLOCK_M, MOE_SPLIT_DTYPES, block_m_for,
+                         moe_block_n, moe_splits)
 
 _ACT = {torch.float32: "tl.float32", torch.bfloat16: "tl.bfloat16", torch.float16: "tl.float16"}
 
@@ -57,7 +59,7 @@ class MoeExpertsCtx:
     def make(cls, down, n_in, n_out, top_k, dtype, block_m, split=False, block_n=None, block_k=None, num_warps=None,
              num_stages=None):
         dot_dtype, precision = _DOT[dtype]
-        block_n = block_n or min(64 if block_m <= 16 else 128, max(16, next_pow2(n_out)))
+        block_n = block_n or moe_block_n(block_m, n_out)
         block_k = block_k or min(128 if block_m <= 16 else 64, max(16, next_pow2(n_in)))
         num_warps = num_warps or (4 if block_m * block_n <= 16 * 128 else 8)
         return cls(bool(down), bool(split), int(n_in), int(n_out), int(top_k), int(block_m), int(block_n),
@@ -66,14 +68,14 @@ class MoeExpertsCtx:
     @classmethod
     def variants(cls, hidden, inter, top_k, dtype) -> list:
         """Every context `moe_experts` makes without tile overrides: both stages at every row-block class
-        (`BLOCK_MS`), their split-K forms at the decode class (`SPLIT_BLOCK_M`, the only one `moe_launch`
-        splits) with the split gate/up stage's reduction where bf16 experts split (`SPLIT_DTYPES`), the
+        (`BLOCK_MS`), their split-K forms at the decode class (`MOE_SPLIT_BLOCK_M`, the only one `moe_launch`
+        splits) with the split gate/up stage's reduction where bf16 experts split (`MOE_SPLIT_DTYPES`), the
         one-program sort and the combine."""
-        splits = "bf16" in SPLIT_DTYPES
+        splits = "bf16" in MOE_SPLIT_DTYPES
         stages = [cls.make(down, *((inter, hidden) if down else (hidden, inter)), top_k, dtype, bm, split)
-                  for bm in BLOCK_MS for split in ((False, True) if bm == SPLIT_BLOCK_M and splits else (False,))
+                  for bm in BLOCK_MS for split in ((False, True) if bm == MOE_SPLIT_BLOCK_M and splits else (False,))
                   for down in (False, True)]
-        reduce = [MoeSwigluReduceCtx.make(inter, SPLIT_BLOCK_M, dtype, fp8=False)] if splits else []
+        reduce = [MoeSwigluReduceCtx.make(inter, MOE_SPLIT_BLOCK_M, dtype, fp8=False)] if splits else []
         return stages + reduce + glue_variants(hidden, top_k)
 
 
@@ -96,8 +98,6 @@ class MoeSwigluReduceCtx:
         return cls(int(inter), int(block_m), block_n, bool(fp8), _ACT[dtype], 4)
 
 
-ALIGN_ROWS = 1024          # routed rows up to which one moe_align launch sorts them (decode: T <= 128 at top-8)
-ALIGN_MAX_EXPERTS = 256    # ... over at most this many local experts, at block_m SPLIT_BLOCK_M; else torch ops
 # moe_align's (up to this many routed rows, rows per program, warps), from bench/glue_micro.py on an H200
 # (2026-12-03, top-8 of 256 experts): 16 rows per program at 4 warps, 6.1 / 5.9 / 7.6 / 7.8 us at 8 / 64 /
 # 256 / 1024 rows (32 rows: 7.0 / 7.1 / 8.4 / 8.6; 2 or 8 warps slower), against the torch ops' 61.6 /
@@ -149,17 +149,8 @@ class MoeCombineCtx:
 
 def glue_variants(hidden, top_k) -> list:
     """The sort and combine kernels around the expert stages, as `variants` lists them."""
-    return [MoeAlignCtx.make(SPLIT_BLOCK_M, num_rows=n) for n, _, _ in ALIGN_TILES] + [MoeCombineCtx.make(hidden, top_k)]
-
-
-BLOCK_MS = (16, 32, 64)  # the row-block classes `block_m_for` picks from
-
-
-def block_m_for(num_rows: int, num_experts: int) -> int:
-    """Rows per block: 16 (the smallest MMA tile) while experts see a few rows each (decode), larger
-    when the average expert gets a full tile (prefill)."""
-    avg = num_rows / max(1, num_experts)
-    return 16 if avg < 32 else 32 if avg < 64 else 64
+    return ([MoeAlignCtx.make(MOE_SPLIT_BLOCK_M, num_rows=n) for n, _, _ in ALIGN_TILES]
+            + [MoeCombineCtx.make(hidden, top_k)])
 
 
 def num_blocks_bound(num_rows: int, num_experts: int, block_m: int) -> int:
@@ -179,14 +170,14 @@ def align_rows(ids, num_experts, block_m, expert_offset=0, lib: KernelLibrary | 
     ids [T, k] (global expert ids). Returns (sorted_rows [NB*BM] int32: flat row t*k+j or the sentinel
     T*k for padding; block_expert [NB] int32: local expert of each block, -1 past the end). Rows routed
     to experts outside [offset, offset+E) are dropped (another EP rank holds them). No host sync.
-    With `lib`, decode-sized rows (<= ALIGN_ROWS, <= ALIGN_MAX_EXPERTS experts, block_m SPLIT_BLOCK_M) are sorted
+    With `lib`, decode-sized rows (<= ALIGN_ROWS, <= ALIGN_MAX_EXPERTS experts, block_m MOE_SPLIT_BLOCK_M) are sorted
     by one moe_align launch, which with `pad` = (loc [T], pad_slot) also drops the rows of padding
     tokens (loc[t] == pad_slot: a step's padding rows all route as one token, up to k experts no real
     token may need); otherwise (and without `lib`) by torch ops, which keep them (prefill sizes, where
     the combine zeroes their output). Besides that the result is the same.
     """
     n, nb = ids.numel(), num_blocks_bound(ids.numel(), num_experts, block_m)
-    if lib is not None and n <= ALIGN_ROWS and num_experts <= ALIGN_MAX_EXPERTS and block_m == SPLIT_BLOCK_M:
+    if lib is not None and n <= ALIGN_ROWS and num_experts <= ALIGN_MAX_EXPERTS and block_m == MOE_SPLIT_BLOCK_M:
         sorted_rows = torch.empty(nb * block_m, dtype=torch.int32, device=ids.device)
         block_expert = torch.empty(nb, dtype=torch.int32, device=ids.device)
         ctx = MoeAlignCtx.make(block_m, num_rows=n)
@@ -218,49 +209,15 @@ def align_rows(ids, num_experts, block_m, expert_offset=0, lib: KernelLibrary | 
 
 
 # ----------------------------------------------------------------------------- launch choice
-# Split-K thresholds: the lead sets them from bench/moe_sweep.py's table (T = 1 .. 128 on an H200).
-SPLIT_BLOCK_M = 16           # only the decode row-block class splits (its split forms are in the variants)
-# Measured on the H200 (bench/moe_sweep.py, 2026-12-01, GLM-5.3 experts at T = 1): bf16 ran best unsplit
-# (155 us vs 178 with gate/up split 4 ways), FP8 with gate/up split 2 ways (100 us vs 104 at 4); so
-# only FP8 stages split, and only below 2 programs per SM.
-SPLIT_DTYPES = ("fp8",)
-SPLIT_PROGRAMS_PER_SM = 2    # a stage splits K while its grid has fewer programs than this per SM ...
-SPLIT_MIN_K = 512            # ... and every split keeps at least this many columns of K ...
-SPLIT_MAX = 8                # ... up to this many splits (a power of two)
-
-
-def num_splits_for(programs: int, n_in: int, num_sms: int) -> int:
-    """K splits for a stage whose unsplit grid has `programs` programs over K = n_in: the smallest power
-    of two giving >= SPLIT_PROGRAMS_PER_SM programs per SM, at most SPLIT_MAX, each split >= SPLIT_MIN_K."""
-    splits = 1
-    while (splits < SPLIT_MAX and programs * splits < SPLIT_PROGRAMS_PER_SM * num_sms
-           and n_in >= 2 * splits * SPLIT_MIN_K):
-        splits *= 2
-    return splits
-
-
 def moe_launch(rows: int, experts: int, hidden: int, inter: int, num_sms: int, fp8: bool = False,
                block_m: int | None = None) -> dict:
     """The default launch for `rows` routed rows over `experts` local experts, as `moe_experts`' tiles:
-    {"block_m": BM, "gate_up": {"splits": S1}, "down": {"splits": S2}} (tile sizes: the contexts' `make`).
-
-    Pure in its arguments. Programs are counted over the row blocks that surely have work,
-    max(cdiv(rows, BM), min(experts, rows)), times the stage's output tiles (the split form's tile:
-    the FP8 gate/up stage's is narrower than its unsplit one-quantisation-group tile). Only the decode
-    class BM = SPLIT_BLOCK_M of a dtype in SPLIT_DTYPES splits. GLM-5.3 FP8 on 132 SMs: T = 1 (8 rows)
-    splits gate/up 2 ways (8 x 32 tiles x 2 = 512 programs of 3072 K), down not (8 x 96 = 768); T >= 2
-    and bf16 do not split.
-    """
-    ctx_cls = MoeExpertsFp8Ctx if fp8 else MoeExpertsCtx
+    {"block_m": BM, "gate_up": {"splits": S1}, "down": {"splits": S2}} (tile sizes: the contexts' `make`;
+    the split counts: `glmc.target.moe_splits`, over the split form's tile, `moe_block_n`: the FP8
+    gate/up stage's is narrower than its unsplit one-quantisation-group tile). Pure in its arguments."""
     bm = block_m or block_m_for(rows, experts)
-    busy_blocks = max(-(-rows // bm), min(experts, rows))
-    launch: dict = {"block_m": bm}
-    for stage, down, n_in, n_out in (("gate_up", False, hidden, inter), ("down", True, inter, hidden)):
-        tile = ctx_cls.make(down, n_in, n_out, 1, torch.bfloat16, bm, split=True)
-        splits = (num_splits_for(busy_blocks * -(-n_out // tile.block_n), n_in, num_sms)
-                  if bm == SPLIT_BLOCK_M and ("fp8" if fp8 else "bf16") in SPLIT_DTYPES else 1)
-        launch[stage] = {"splits": splits}
-    return launch
+    gate_up, down = moe_splits(rows, experts, hidden, inter, num_sms, fp8, bm)
+    return {"block_m": bm, "gate_up": {"splits": gate_up}, "down": {"splits": down}}
 
 
 def _stage_tiles(launch: dict, tiles: dict, stage: str) -> tuple[int, dict]:
@@ -369,7 +326,7 @@ class MoeExpertsFp8Ctx:
                 raise ValueError(f"MoeExpertsFp8Ctx: the unsplit gate/up stage's block_n is one 128-column "
                                  f"group of h ({fixed}), not {block_n}")
             block_n = fixed
-        block_n = block_n or min(64 if block_m <= 16 else 128, max(16, next_pow2(n_out)))
+        block_n = block_n or moe_block_n(block_m, n_out)
         if 128 % block_n:
             raise ValueError(f"MoeExpertsFp8Ctx: block_n {block_n} must divide the 128-row scale block")
         num_warps = num_warps or (4 if block_m * block_n <= 16 * 128 else 8)
@@ -380,9 +337,10 @@ class MoeExpertsFp8Ctx:
     def variants(cls, hidden, inter, top_k, dtype) -> list:
         """Every context `moe_experts_fp8` makes without tile overrides (as `MoeExpertsCtx.variants`)."""
         stages = [cls.make(down, *((inter, hidden) if down else (hidden, inter)), top_k, dtype, bm, split)
-                  for bm in BLOCK_MS for split in ((False, True) if bm == SPLIT_BLOCK_M else (False,))
+                  for bm in BLOCK_MS for split in ((False, True) if bm == MOE_SPLIT_BLOCK_M else (False,))
                   for down in (False, True)]
-        return stages + [MoeSwigluReduceCtx.make(inter, SPLIT_BLOCK_M, dtype, fp8=True)] + glue_variants(hidden, top_k)
+        reduce = MoeSwigluReduceCtx.make(inter, MOE_SPLIT_BLOCK_M, dtype, fp8=True)
+        return stages + [reduce] + glue_variants(hidden, top_k)
 
 
 def moe_experts_fp8(x, ids, weights, w_gate, w_up, w_down, expert_offset=0, tiles=None,

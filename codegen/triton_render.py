@@ -23,6 +23,8 @@ from typing import Mapping
 import jinja2
 import torch
 
+from glmc.target import next_pow2  # noqa: F401  (re-exported)
+
 TEMPLATE_DIR = Path(__file__).parent / "templates"
 _ENV = jinja2.Environment(
     loader=jinja2.FileSystemLoader(str(TEMPLATE_DIR)),
@@ -33,9 +35,6 @@ _ENV = jinja2.Environment(
 )
 
 
-def next_pow2(n: int) -> int:
-    """Smallest power of two >= n (Triton block shapes must be powers of two)."""
-    return 1 << max(0, int(n) - 1).bit_length()
 
 
 # torch dtype -> (Triton dot operand type, dot precision). fp32 asks for exact IEEE products so the

@@ -20,10 +20,9 @@ any other weight are dequantised. The torch target holds the same values dequant
 from __future__ import annotations
 
 from glmc.ir import Op
+from glmc.target import FP8_KINDS, UNQUANTISED
 
 FORMAT = "fp8_e4m3, fp32 scale per 128x128 block"
-FP8_KINDS = ("linear", "mla.a_proj", "mlp.swiglu", "moe.experts")
-UNQUANTISED = ("self_attn.indexer.weights_proj.weight",)   # bf16 inside an FP8 op (the A-projection)
 
 
 def op_weight_names(op: Op) -> list[str]:

@@ -64,7 +64,7 @@ def parse_dim(text: str) -> Dim:
 
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "i64": 8, "i32": 4}
-FP8_SCALE_GROUP = 128   # an FP8 activation row carries one fp32 scale per 128 values (fp8_ref.BLOCK)
+FP8_SCALE_GROUP = 128   # an FP8 activation row carries one fp32 scale per 128 values (glmc.target.FP8_BLOCK)
 
 
 def fp8_row_bytes(cols: int) -> int:

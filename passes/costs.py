@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from glmc.ir import Graph, Op
 from glmc.ir.types import DTYPE_BYTES
+from glmc.target import FP8_BLOCK
 
 COMM_KINDS = {"comm.all_reduce": "all_reduce", "fused.allreduce_add_rms": "all_reduce",
               "comm.all_gather": "all_gather", "comm.reduce_scatter": "reduce_scatter",
@@ -206,7 +207,6 @@ def p2p_max_bytes(kind: str, n: int) -> int:
 # Kinds whose results alias their operands or host values: no kernel, no HBM traffic.
 VIEW_KINDS = frozenset({"io.input", "tensor.view", "tensor.slice", "tensor.shard", "idx.reuse", "comm.reshard"})
 SCALE_BYTES = {"fp8": 4}   # one fp32 scale per token row of an fp8 indexer cache
-FP8_KV_GROUP = 128         # an fp8 latent row carries one fp32 scale per 128 values (FlashMLA)
 
 
 def touched_experts(local: int, top_k: int, experts: int, tokens: float) -> float:
@@ -240,7 +240,7 @@ def kv_row_bytes(t, kv_lora: int) -> int:
     if t.dtype != "fp8":
         return _row_bytes(t)
     rope = t.numel({"S": 1}) - kv_lora
-    return kv_lora + 4 * -(-kv_lora // FP8_KV_GROUP) + 2 * rope
+    return kv_lora + 4 * -(-kv_lora // FP8_BLOCK) + 2 * rope
 
 
 def cache_row_bytes(op: Op, graph: Graph) -> list[tuple[bool, int]]:

@@ -9,10 +9,12 @@ conventions). The dispatch and combine follow the code (NCCL's all_to_all_single
 from __future__ import annotations
 
 from glmc.ir.types import fp8_row_bytes
+from glmc.target import (ALIGN_MAX_EXPERTS, ALIGN_ROWS, FP8_BLOCK, MOE_SPLIT_BLOCK_M, block_m_for, gemv_takes,
+                         moe_splits, narrow_splits)
 
 from .comm_memory import p2p_runs
 from .op_memory import quantize, quantized
-from .step_arena import BLOCK_MS, FP8_BLOCK, Step, Val, gemv_takes, model, narrow_splits
+from .step_arena import Step, Val, model
 
 
 # ----------------------------------------------------------------------------- MoE
@@ -33,11 +35,6 @@ def _gate(op, args, s):
 def _moe_topk(op, args, s):
     n = s.numel(op)
     return s.arena.new(n, 4), s.arena.new(n, 8)
-
-
-def block_m_for(rows: int, experts: int) -> int:
-    avg = rows / max(1, experts)
-    return BLOCK_MS[0] if avg < 32 else BLOCK_MS[1] if avg < 64 else BLOCK_MS[2]
 
 
 def align_rows(s: Step, n: int, E: int, bm: int) -> tuple[int, int, int]:
@@ -91,29 +88,6 @@ def align_rows(s: Step, n: int, E: int, bm: int) -> tuple[int, int, int]:
     s.free(masked, found)
     s.free(flat, e, counts, padded, order, e_sorted, starts, ends, dest2, block_start)
     return sorted_rows, block_expert, nb
-
-
-# triton_moe's launch rules, copied (passes do not import codegen; tests/test_memory_accounting.py
-# checks them against triton_moe.moe_launch and its constants)
-MOE_SPLIT_BLOCK_M, MOE_SPLIT_PROGRAMS_PER_SM, MOE_SPLIT_MIN_K, MOE_SPLIT_MAX = 16, 2, 512, 8
-MOE_SPLIT_DTYPES = ("fp8",)
-ALIGN_ROWS, ALIGN_MAX_EXPERTS = 1024, 256
-
-
-def moe_splits(n: int, E: int, hidden: int, inter: int, num_sms: int, fp8: bool, bm: int) -> tuple[int, int]:
-    """triton_moe.moe_launch's K splits (gate/up, down) for n routed rows over E local experts."""
-    if bm != MOE_SPLIT_BLOCK_M or ("fp8" if fp8 else "bf16") not in MOE_SPLIT_DTYPES:
-        return 1, 1
-    busy = max(-(-n // bm), min(E, n))
-    out = []
-    for n_in, n_out in ((hidden, inter), (inter, hidden)):
-        block_n = min(64, max(16, 1 << (max(1, n_out) - 1).bit_length()))   # the split form's tile at BM 16
-        programs, splits = busy * -(-n_out // block_n), 1
-        while (splits < MOE_SPLIT_MAX and programs * splits < MOE_SPLIT_PROGRAMS_PER_SM * num_sms
-               and n_in >= 2 * splits * MOE_SPLIT_MIN_K):
-            splits *= 2
-        out.append(splits)
-    return out[0], out[1]
 
 
 def _partials(splits: int, rows: int, cols: int) -> int:

@@ -13,16 +13,17 @@ router logits and MoE partial sums fp32. Launch-time choices the target makes fr
 Not modelled (not tensors): cuBLAS and sort workspaces inside aten kernels, Triton's own scratch.
 Kinds without a model (`MODELS`) are counted at their IR result bytes (`generic`): exact for
 ops that allocate their result and nothing else; `step_memory` reports which kinds it guessed.
-The constants mirrored from codegen (the passes may not import it) are checked against codegen by
-tests/test_memory_accounting.py.
+Tile tables and launch rules come from the one target description both sides read (`glmc.target`).
 """
 from __future__ import annotations
 
 from glmc.ir import Op
 
-from .step_arena import (ARGMAX_SPLITS, FP8_BLOCK, FP8_KINDS, INDEXER_BLOCK_N, MAX_SPLITS, MLA_WARPS_PER_SM,
-                         NORM_QUANT_ROWS, TOPK_CHUNK, TOPK_PROGRAMS, TOPK_SEGMENTS, UNQUANTISED, Step, Val, gemv_takes,
-                         model)
+from glmc.target import (ARGMAX_SPLITS, FP8_BLOCK, FP8_KINDS, INDEXER_BLOCK_N, NORM_QUANT_ROWS, TOPK_CHUNK,
+                         UNQUANTISED, fp8_gemm_rows, fp8_gemm_splits, gemv_takes, mla_num_splits, mla_tiles,
+                         mla_v_parts, mla_wide, topk_segment)
+
+from .step_arena import Step, Val, model
 
 
 # ----------------------------------------------------------------------------- views and elementwise
@@ -135,49 +136,6 @@ def _plain_runs(op: Op, s: Step, rows: list[int]) -> list[int]:
     return runs
 
 
-# triton_fp8's launch rule, copied (passes do not import codegen; tests/test_memory_accounting.py
-# checks these against triton_fp8.default_config): (largest rows of the class, block_m, block_n, waves)
-FP8_TILE_CLASSES = ((16, 16, 128, 3), (None, 64, 128, 1))
-FP8_SPLIT_MIN_K_BLOCKS, FP8_MAX_SPLITS = 2, 64
-
-
-def fp8_gemm_splits(rows: int, n: int, k: int, num_sms: int) -> int:
-    """triton_fp8.default_config's split count for an [rows, k] x [n, k] block-FP8 GEMM."""
-    block_m, block_n, waves = next(c[1:] for c in FP8_TILE_CLASSES if c[0] is None or rows <= c[0])
-    tiles = -(-rows // block_m) * -(-n // block_n)
-    k_blocks = -(-k // FP8_BLOCK)
-    want = min(-(-waves * num_sms // tiles), k_blocks // FP8_SPLIT_MIN_K_BLOCKS, FP8_MAX_SPLITS)
-    splits = max(1, min(want, k_blocks))
-    return -(-k_blocks // -(-k_blocks // splits))          # triton_fp8.even_splits
-
-
-def fp8_row_groups(rows: list[int]) -> list[list[int]]:
-    """fp8_ref.fp8_row_groups (copied): consecutive FP8 parts share one GEMM; one part before the
-    last of a group may end off a 128-row block (zero rows pad it), a second such part starts a
-    new group."""
-    groups: list[list[int]] = []
-    gapped = False
-    for i, r in enumerate(rows):
-        prev = rows[groups[-1][-1]] if groups else 0
-        if groups and (prev % FP8_BLOCK == 0 or not gapped):
-            gapped = gapped or prev % FP8_BLOCK != 0
-            groups[-1].append(i)
-        else:
-            groups.append([i])
-            gapped = False
-    return groups
-
-
-def fp8_gemm_rows(run: list[int]) -> list[int]:
-    """Weight rows of each FP8 GEMM a run of FP8 parts (their rows) is joined into: each group's
-    rows plus the zero rows padding its ragged part (`fp8_ref.fp8_group_gap`)."""
-    out = []
-    for g in fp8_row_groups(run):
-        rows = [run[i] for i in g]
-        out.append(sum(rows) + next((-r % FP8_BLOCK for r in rows[:-1] if r % FP8_BLOCK), 0))
-    return out
-
-
 def _fp8_gemm_widths(op: Op, s: Step, rows: list[int]) -> list[int]:
     """Output rows of each FP8 GEMM `cuda_target.fp8_parts` makes of the op's row parts (runs of
     FP8 weights, joined by `fp8_row_groups`)."""
@@ -187,7 +145,7 @@ def _fp8_gemm_widths(op: Op, s: Step, rows: list[int]) -> list[int]:
         if name is not None and _is_fp8(op, name, s):
             run.append(r)
             continue
-        widths += fp8_gemm_rows(run)
+        widths += [n for n, _ in fp8_gemm_rows(run)]
         run = []
     return widths
 
@@ -252,7 +210,7 @@ def _swiglu(op, args, s):
     if s.t.fp8_weights:
         quantized(s, op.operands[0], T, hidden)
         parts = [s.tmp(fp8_gemm_splits(T, n, hidden, s.t.num_sms) * T * n, 4)
-                 for n in fp8_gemm_rows([inter, inter])]
+                 for n, _ in fp8_gemm_rows([inter, inter])]
         hq, hs = quantize(s, T, inter)
         s.free(*parts)
         out = s.arena.new(T * hidden, s.t.act)
@@ -288,10 +246,7 @@ def _topk(op, args, s):
     scores = s.tmp(T * width, 4)
     out = Val(s.arena.alloc(T * k * 4), 4, cols=k)
     if T and width > TOPK_CHUNK:
-        (lo, hi), (least, per_row, most) = TOPK_SEGMENTS, TOPK_PROGRAMS   # triton_launch.topk_segment
-        share = -(-width // max(1, max(least, min(most, per_row * T)) // T))
-        segment = max(lo, min(hi, 1 << (share.bit_length() - 1)))
-        n = -(-width // segment)
+        n = -(-width // topk_segment(T, width))
         s.free(s.tmp(T * 4 * n * 256, 4), s.tmp(T * 8, 4), s.tmp(T * n, 4))   # hist, state, gt
     s.free(scores)
     return out
@@ -300,17 +255,11 @@ def _topk(op, args, s):
 def mla_splits(T: int, H: int, R: int, topk: int | None, s: Step) -> int:
     """SparseMlaDecodeCtx.make's head block, output parts and warps for T tokens, then mla_num_splits
     at the target's SMs."""
-    wide = H >= 64 and T >= (4 if s.t.kv_fp8 else 8)             # triton_contexts.mla_wide
-    block_h = 64 if wide else 16
-    block_n = 64 if wide else 32
-    v_parts = 1                                                    # triton_contexts.mla_v_parts
-    if s.t.kv_fp8 and R >= 2 * FP8_BLOCK and (H < 64 or (wide and T < 8)):
-        v_parts = 2
-    num_warps = 8 if wide else 4
+    wide = mla_wide(T, H, s.t.kv_fp8)
+    block_h, block_n, num_warps = mla_tiles(wide)
+    v_parts = mla_v_parts(T, H, R, s.t.kv_fp8)
     num_keys = topk if topk is not None else s.t.max_len
-    programs = T * -(-H // block_h) * v_parts
-    fit = max(1, MLA_WARPS_PER_SM * s.t.num_sms // (programs * num_warps))
-    return max(1, min(1 << (fit.bit_length() - 1), num_keys // (2 * block_n), MAX_SPLITS))
+    return mla_num_splits(T, H, block_h, num_keys, block_n, s.t.num_sms, v_parts, num_warps)
 
 
 def topk_slots(s: Step, T: int, K: int) -> int:

@@ -32,14 +32,13 @@ from __future__ import annotations
 
 from glmc.ir import Graph, Op
 from glmc.ir.types import DTYPE_BYTES
+from glmc.target import FP8_BLOCK, H200_SMS, fp8_gemm_rows, fp8_row_groups
 
 from .base import Pass, PassContext
 from .costs import cache_row_bytes, params_of, weight_bytes_for
-from .op_memory import fp8_gemm_rows, fp8_row_groups
-from .step_arena import H200_SMS, Target
+from .step_arena import Target
 from .step_memory import graph_pool, step_memory
 
-FP8_BLOCK = 128   # codegen.fp8_ref.BLOCK: one fp32 scale per 128 x 128 block
 WORKSPACE_CONTEXT = 4096   # the runner's max_context the plan's workspace numbers assume
 BLOCK_BYTES = 512          # the CUDA caching allocator's block: every allocation rounds up to it
 
@@ -67,8 +66,8 @@ def _a_proj_rows(op: Op, cfg) -> list[tuple[int, bool]] | None:
 
 def _joined_rows(rows: list[int]) -> list[int]:
     """Rows of each weight the CUDA target copies when it joins consecutive FP8 parts into one GEMM
-    (`op_memory.fp8_row_groups`: groups of more than one part, a ragged part padded with zero rows)."""
-    return [n for g, n in zip(fp8_row_groups(rows), fp8_gemm_rows(rows)) if len(g) > 1]
+    (`glmc.target.fp8_row_groups`: groups of more than one part, a ragged part padded with zero rows)."""
+    return [n for g, (n, _) in zip(fp8_row_groups(rows), fp8_gemm_rows(rows)) if len(g) > 1]
 
 
 def op_weight_bytes(op: Op, cfg, dtypes, cuda: bool) -> tuple[int, int]:

@@ -11,39 +11,7 @@ from dataclasses import dataclass
 
 from glmc.ir import Op
 from glmc.ir.types import DTYPE_BYTES
-
-# mirrored from codegen (tests/test_memory_accounting.py checks each against its source)
-FP8_BLOCK = 128                    # fp8_ref.BLOCK: activation scales per 128 columns
-FP8_KINDS = ("linear", "mla.a_proj", "mlp.swiglu", "moe.experts")   # weight_formats.FP8_KINDS
-UNQUANTISED = ("self_attn.indexer.weights_proj.weight",)           # weight_formats.UNQUANTISED
-TOPK_CHUNK = 8192                  # launch_model.TOPK_CHUNK: top-k rows up to this long in one program
-TOPK_SEGMENTS = (1024, 8192)       # triton_launch.TOPK_SEGMENTS
-TOPK_PROGRAMS = (32, 16, 256)      # triton_launch.TOPK_PROGRAMS
-INDEXER_BLOCK_N = 64               # IndexerScoresCtx.make's default key block: the score width's multiple
-MAX_SPLITS = 64                    # triton_contexts.MAX_SPLITS
-MLA_WARPS_PER_SM = 8               # triton_contexts.MLA_WARPS_PER_SM
-ARGMAX_SPLITS = 64                 # triton_contexts.ARGMAX_SPLITS
-BLOCK_MS = (16, 32, 64)            # triton_moe.BLOCK_MS
-GEMV_ROWS = 16                     # triton_contexts.GEMV_ROWS[-1]: decode rows the gemv kernel takes ...
-GEMV_NARROW = (64, 4)              # ... launch_model.GEMV_NARROW: narrower outputs up to 4 rows only
-NORM_QUANT_ROWS = 4                # triton_contexts.NORM_QUANT_ROWS: rows a norm quantises its output at
-H200_SMS = 132
-
-
-def gemv_takes(rows: int, n: int) -> bool:
-    """launch_model.gemv_takes: whether [rows, K] x [n, K]^T runs the gemv kernel (else the router's
-    narrow_gemm, weights_proj's cuBLAS)."""
-    return rows <= (GEMV_ROWS if n >= GEMV_NARROW[0] else GEMV_NARROW[1])
-
-
-def narrow_splits(rows: int, n: int, k: int, num_sms: int) -> int:
-    """launch_model.narrow_splits (copied; tests/test_memory_accounting.py checks it): narrow_gemm's K
-    splits, 64 x min(64, pow2 >= n) tiles over K blocks of 64, one wave, >= 2 blocks, <= 64 splits."""
-    tiles = -(-rows // 64) * -(-n // min(64, max(16, 1 << max(0, n - 1).bit_length())))
-    blocks = -(-k // 64)
-    splits = max(1, min(-(-num_sms // tiles), blocks // 2, 64, blocks))
-    return -(-blocks // -(-blocks // splits))
-
+from glmc.target import H200_SMS
 
 @dataclass(frozen=True)
 class Target:

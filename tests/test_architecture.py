@@ -8,8 +8,9 @@ The import graph is read with `ast` from every module of the package, imports in
 included (a lazy import is still a dependency), and so are `if TYPE_CHECKING:` blocks: a
 type-only import is still an arrow between modules (a module that needs another's type for its
 annotations states what it reads as a Protocol instead). `glmc.config` and `glmc.plan` are the
-shared vocabulary every stage may read, and `glmc.run_config` the run settings every stage from
-the command line to the engine reads.
+shared vocabulary every stage may read, `glmc.run_config` the run settings every stage from
+the command line to the engine reads, and `glmc.target` the CUDA target's description (device
+constants, tile tables, launch rules) that passes and codegen both read.
 """
 from __future__ import annotations
 
@@ -34,6 +35,8 @@ FORBIDDEN = [
      "passes transform graphs; the pipeline runs them"),
     ("glmc.config", ("glmc.",), "the config types import nothing of glmc"),
     ("glmc.run_config", ("glmc.",), "the run settings import nothing of glmc"),
+    ("glmc.target", ("glmc.passes", "glmc.codegen", "glmc.runtime", "glmc.models") + COMPILER + FRONT_DOOR,
+     "the target description sits below passes and codegen: the IR's types only"),
     ("glmc.plan", ("glmc.passes", "glmc.spec", "glmc.compiler", "glmc.codegen", "glmc.runtime") + FRONT_DOOR,
      "the Plan is data: the IR and the config types only"),
     ("glmc.runtime.worker", ("glmc.runtime.engine", "glmc.runtime.serving"), "a worker knows no requests"),
@@ -134,6 +137,14 @@ def test_no_import_cycles(graph):
         if v not in index:
             connect(v)
     assert not cycles, "modules that import each other: " + "; ".join(" <-> ".join(c) for c in cycles)
+
+
+def test_the_target_description_is_pure_python():
+    """glmc.target imports no torch, so the compiler side may read it."""
+    tree = ast.parse((ROOT / "glmc" / "target.py").read_text())
+    names = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    names |= {(n.module or "").split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert names <= {"__future__", "glmc"}, names
 
 
 def test_the_checker_sees_a_violation(tmp_path):

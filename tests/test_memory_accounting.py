@@ -25,7 +25,6 @@ from test_fp8_plan import cuda_plan, runner
 from tiny_hf import save_tiny, save_tiny_fp8
 
 from glmc.codegen.fp8_ref import Fp8Weight
-from glmc.ir.types import FP8_SCALE_GROUP
 from glmc.compiler import compile_plan
 from glmc.config import Options
 from glmc.parallel import parse_parallel
@@ -218,57 +217,16 @@ def test_rounding_books_each_allocation_as_a_512_byte_block(measured):
     assert abs(model.peak - mem.peak) <= 512 and model.peak > model_step(m.plan, *args, cpu=True).peak
 
 
-def test_mirrored_constants_match_codegen():
-    """passes/step_arena.py mirrors codegen's constants (passes may not import codegen)."""
-    from glmc.codegen import launch_model, cuda_target, fp8_ref, triton_contexts, triton_moe, triton_launch
-    from glmc.codegen import weight_formats
-    from glmc.passes import moe_memory, step_arena
-    assert step_arena.FP8_BLOCK == fp8_ref.BLOCK == FP8_SCALE_GROUP
-    assert step_arena.FP8_KINDS == weight_formats.FP8_KINDS and step_arena.UNQUANTISED == weight_formats.UNQUANTISED
-    assert step_arena.TOPK_CHUNK == launch_model.TOPK_CHUNK == cuda_target.TOPK_CHUNK
-    assert step_arena.GEMV_ROWS == launch_model.GEMV_ROWS == triton_contexts.GEMV_ROWS[-1]
-    assert step_arena.GEMV_NARROW == launch_model.GEMV_NARROW
-    assert all(step_arena.gemv_takes(r, n) == launch_model.gemv_takes(r, n) for r in range(1, 40) for n in (8, 32, 64, 256))
-    assert step_arena.NORM_QUANT_ROWS == cuda_target.NORM_QUANT_ROWS
-    assert step_arena.TOPK_SEGMENTS == triton_launch.TOPK_SEGMENTS
-    assert step_arena.TOPK_PROGRAMS == triton_launch.TOPK_PROGRAMS
-    assert step_arena.INDEXER_BLOCK_N == triton_contexts.IndexerScoresCtx.make(32, 128, torch.bfloat16).block_n
-    assert step_arena.ARGMAX_SPLITS == triton_contexts.ARGMAX_SPLITS
-    assert step_arena.MAX_SPLITS == triton_contexts.MAX_SPLITS and step_arena.BLOCK_MS == triton_moe.BLOCK_MS
-    assert step_arena.MLA_WARPS_PER_SM == triton_contexts.MLA_WARPS_PER_SM
-    for rows, experts in [(1, 256), (2048, 256), (4096, 64), (65536, 256)]:
-        assert moe_memory.block_m_for(rows, experts) == triton_moe.block_m_for(rows, experts)
+def test_attention_splits_match_the_launch():
+    """The memory model's flash-decoding split count (from the target's tile rules) is the one the
+    CUDA target's SparseMlaDecodeCtx launches with."""
+    from glmc.codegen import triton_contexts
+    from glmc.passes import step_arena
+    from glmc.target import mla_num_splits
     for T, H, fp8, topk in [(1, 64, True, 2048), (32, 64, True, 2048), (48, 64, True, 64), (64, 64, True, 2048),
                             (128, 64, False, 2048), (1, 64, False, 2048), (8192, 16, True, None), (8, 64, True, 2048),
                             (16, 64, False, 1024), (128, 64, True, 2048)]:
         ctx = triton_contexts.SparseMlaDecodeCtx.make(H, 512, 64, topk, 0.1, torch.bfloat16, T, kv_fp8=fp8)
-        want = triton_contexts.mla_num_splits(T, H, ctx.block_h, topk or 4096, ctx.block_n, 132, ctx.v_parts,
-                                              ctx.num_warps)
+        want = mla_num_splits(T, H, ctx.block_h, topk or 4096, ctx.block_n, 132, ctx.v_parts, ctx.num_warps)
         s = type("S", (), {"t": step_arena.Target(2, True, fp8, T, T, 4096)})()
         assert op_memory.mla_splits(T, H, 512, topk, s) == want, (T, H, fp8, ctx.v_parts)
-
-
-def test_mirrored_launch_rules_match_codegen():
-    """The model's copies of the FP8 GEMM split rule and the MoE launch (splits, the one-program sort's
-    bounds) give what codegen launches, across decode and prefill sizes, bf16 and FP8, H200 and CPU."""
-    from glmc.codegen import launch_model, fp8_ref, triton_fp8, triton_moe
-    from glmc.passes import moe_memory, step_arena
-    for sms in (132, 2):
-        for rows in (1, 5, 16, 17, 128, 255, 256, 4096):
-            for n, k in [(128, 6144), (2624, 6144), (16384, 2048), (6144, 16384), (96, 640), (160, 300)]:
-                assert op_memory.fp8_gemm_splits(rows, n, k, sms) == \
-                    triton_fp8.default_config(rows, n, k, sms)["splits"], (rows, n, k, sms)
-            for n, k in [(256, 6144), (32, 6144), (16, 160), (48, 300), (4, 100)]:   # narrow_gemm's
-                assert step_arena.narrow_splits(rows, n, k, sms) == launch_model.narrow_splits(rows, n, k, sms)
-        for n in (1, 8, 16, 24, 64, 65, 1024, 65536):
-            for E, hidden, inter in [(256, 6144, 2048), (32, 6144, 256), (4, 160, 96), (3, 128, 256)]:
-                for fp8 in (False, True):
-                    launch = triton_moe.moe_launch(n, E, hidden, inter, sms, fp8)
-                    assert moe_memory.moe_splits(n, E, hidden, inter, sms, fp8, launch["block_m"]) == \
-                        (launch["gate_up"]["splits"], launch["down"]["splits"]), (n, E, hidden, inter, fp8)
-    assert (moe_memory.ALIGN_ROWS, moe_memory.ALIGN_MAX_EXPERTS) == (triton_moe.ALIGN_ROWS, triton_moe.ALIGN_MAX_EXPERTS)
-    assert moe_memory.MOE_SPLIT_BLOCK_M == triton_moe.SPLIT_BLOCK_M
-    for rows in ([128, 512, 64], [100, 28], [inter for inter in (2048, 2048)], [96, 96], [2048, 576, 128],
-                 [200, 72, 100]):
-        assert op_memory.fp8_row_groups(rows) == fp8_ref.fp8_row_groups(rows)
-        assert op_memory.fp8_gemm_rows(rows) == [n for n, _ in fp8_ref.fp8_gemm_rows(rows)]

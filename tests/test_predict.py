@@ -11,7 +11,7 @@ from glmc.ir.types import TensorType
 from glmc.passes.costs import hbm_bytes_of, touched_experts, weight_bytes_for
 
 from glmc.calibration import CalibrationError, collective_seconds, load, table_seconds
-from glmc.codegen.launch_model import TOPK_CHUNK, topk_select_passes
+from glmc.codegen.launch_model import topk_select_passes
 from glmc.cli import main
 from glmc.config import DTypes
 from glmc.predict import TABLE_BATCHES, predict_plan, predict_step
@@ -59,8 +59,6 @@ def test_the_top_k_select_latency():
     less the launch already counted; a /1 calibration has no such term."""
     assert topk_select_passes(8193, 2048) == 15 and topk_select_passes(8192, 2048) == 34   # 8193: split, 5 launches
     assert topk_select_passes(1025, 2048) == 2 and topk_select_passes(101, 16) == 34
-    from glmc.codegen import triton_contexts
-    assert triton_contexts.TOPK_CHUNK is TOPK_CHUNK          # the kernel's pass width is the one counted
     g = plan(TINY, "tp1").graphs["decode"]
     n_topk = sum(op.kind == "idx.topk" for op in g.ops)
     assert n_topk >= 1
@@ -305,13 +303,12 @@ def test_every_multi_gpu_check_row_within_20_percent(tmp_path, launches_as_measu
 
 
 def test_the_cost_model_knows_where_the_moe_align_kernel_runs():
-    """launch_model copies triton_moe's moe_align limits; below them a MoE step is the kernel's
-    launch, above (or without a row count) align_rows' 36 torch ops."""
+    """Below the target's moe_align limits a MoE step is the kernel's launch, above (or without a
+    row count) align_rows' 36 torch ops; the limit per expert is where the decode row block ends."""
+    from glmc import target
     from glmc.codegen import launch_model as ck
-    from glmc.codegen import triton_moe
-    assert (ck.ALIGN_ROWS, ck.ALIGN_MAX_EXPERTS) == (triton_moe.ALIGN_ROWS, triton_moe.ALIGN_MAX_EXPERTS)
-    assert triton_moe.block_m_for(ck.ALIGN_ROWS_PER_EXPERT * 8 - 1, 8) == triton_moe.SPLIT_BLOCK_M
-    assert triton_moe.block_m_for(ck.ALIGN_ROWS_PER_EXPERT * 8, 8) != triton_moe.SPLIT_BLOCK_M
+    assert target.block_m_for(target.ALIGN_ROWS_PER_EXPERT * 8 - 1, 8) == target.MOE_SPLIT_BLOCK_M
+    assert target.block_m_for(target.ALIGN_ROWS_PER_EXPERT * 8, 8) != target.MOE_SPLIT_BLOCK_M
     glm = {"experts": 256, "ep": 1}
     torch_ops = ck.launches("moe.experts", glm)
     assert ck.launches("moe.experts", glm, routed_rows=1024) == ck.Launches(torch_ops.kernels + 1, torch_ops.torch_ops - 36)

@@ -2,6 +2,7 @@
 import pytest
 import torch
 from filecheck import check
+from glmc import target
 from glmc.codegen import fp8_ref
 from glmc.codegen import triton_fp8 as tf
 from glmc.codegen.triton_render import render
@@ -97,10 +98,10 @@ def test_joined_parts_with_a_padded_part(m, splits):
     writes the 400 real columns into a column slice of a wider output, equal to each part's own
     GEMM, and leaves the other columns alone."""
     rows = [200, 128, 72]
-    assert fp8_ref.fp8_row_groups(rows) == [[0, 1, 2]]
-    assert fp8_ref.fp8_group_gap(rows) == (200, 56)
-    assert fp8_ref.fp8_row_groups([200, 72, 100]) == [[0, 1], [2]]     # a second ragged part: new group
-    assert fp8_ref.fp8_group_gap([256, 72]) == (328, 0)
+    assert target.fp8_row_groups(rows) == [[0, 1, 2]]
+    assert target.fp8_group_gap(rows) == (200, 56)
+    assert target.fp8_row_groups([200, 72, 100]) == [[0, 1], [2]]     # a second ragged part: new group
+    assert target.fp8_group_gap([256, 72]) == (328, 0)
     g = torch.Generator().manual_seed(m)
     k = 384
     parts = [fp8_ref.Fp8Weight(*fp8_ref.quantize_weight_blocks(torch.randn(r, k, generator=g) * 0.05)) for r in rows]
@@ -133,7 +134,7 @@ def test_swiglu_quant_matches_the_reference(inter, joined, m, splits):
     xq, xs = tf.quantize_tokens(x)
     if joined:
         w = fp8_ref.Fp8Weight.cat_rows([fp8_ref.Fp8Weight(*wg), fp8_ref.Fp8Weight(*wu)], pad=True)
-        parts = [(w.q, w.scale_inv, fp8_ref.fp8_group_gap([inter, inter]))]
+        parts = [(w.q, w.scale_inv, target.fp8_group_gap([inter, inter]))]
     else:
         parts = [wg, wu]
     hq, hs = tf.fp8_swiglu_quant(xq, xs, parts, torch.bfloat16, splits=splits)

@@ -83,7 +83,7 @@ def test_gemv_takes_narrow_outputs_only_at_few_rows():
     """The gemv serves a decode step's router (256 outputs) up to 16 rows but an output as narrow as
     weights_proj's 32 only up to 4 (a program per two columns leaves the GPU idle: 37.8 us vs
     cuBLAS's 8.2 at 16 rows on an H200)."""
-    from glmc.codegen.triton_contexts import gemv_takes
+    from glmc.target import gemv_takes
     assert gemv_takes(16, 256) and not gemv_takes(17, 256)
     assert gemv_takes(4, 32) and not gemv_takes(5, 32) and not gemv_takes(16, 32)
 
@@ -95,7 +95,8 @@ def test_mla_split_count_is_the_measured_best():
     mla_tiles_sweep_splits.json, 1-16 tokens, the current tile classes): within 2% of the best count at
     every point but bf16 rows at 2 tokens over a 1K context (12.2 us at 32 splits against 11.0 at 16);
     2026-12-03 for 32 and 128 tokens. (tokens, FP8 rows, context) -> splits."""
-    from glmc.codegen.triton_contexts import SparseMlaDecodeCtx, mla_num_splits
+    from glmc.codegen.triton_contexts import SparseMlaDecodeCtx
+    from glmc.target import mla_num_splits
     best = {(1, True, 1024): 32, (1, False, 1024): 32, (1, True, 2048): 32, (2, True, 2048): 32,
             (4, True, 1024): 16, (4, True, 2048): 16, (4, False, 2048): 16, (8, True, 1024): 16,
             (8, False, 2048): 16, (16, True, 2048): 8, (16, False, 1024): 8, (32, True, 1024): 4,

@@ -14,6 +14,7 @@ os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: CI has no GPU
 import pytest
 import torch
 from glmc.codegen import torch_ref as ref
+from glmc import target
 from glmc.codegen import triton_moe as tm
 
 _EMPTY = torch.empty
@@ -236,15 +237,15 @@ def test_launch_choice_at_glm53_shapes():
     """FP8 experts at one decode token split the gate/up stage's K in two (8 experts x 32 tiles is 256
     programs, under 2 per SM of 132); the down stage's 768 tiles suffice; from two tokens on nothing
     splits; bf16 never splits (slower on the H200: bench/moe_sweep.py); a TP-sharded intermediate
-    (256 columns) splits up to SPLIT_MAX."""
+    (256 columns) splits up to MOE_SPLIT_MAX."""
     def splits(T, inter=2048, fp8=True):
         launch = tm.moe_launch(8 * T, 256, 6144, inter, 132, fp8)
         return launch["block_m"], launch["gate_up"]["splits"], launch["down"]["splits"]
     assert [splits(T) for T in (1, 2, 4, 128)] == [(16, 2, 1), (16, 1, 1), (16, 1, 1), (16, 1, 1)]
     assert [splits(T, fp8=False) for T in (1, 2)] == [(16, 1, 1), (16, 1, 1)]
-    assert splits(1, inter=256) == (16, tm.SPLIT_MAX, 1)
+    assert splits(1, inter=256) == (16, target.MOE_SPLIT_MAX, 1)
     assert splits(1024) == (32, 1, 1)
-    assert tm.num_splits_for(programs=10, n_in=1024, num_sms=132) == 2     # each split keeps >= SPLIT_MIN_K
+    assert target.moe_num_splits(programs=10, n_in=1024, num_sms=132) == 2   # each split keeps >= MOE_SPLIT_MIN_K
 
 
 @pytest.mark.parametrize("fp8", [False, True])
@@ -253,7 +254,7 @@ def test_variants_list_every_context_the_launches_pick(monkeypatch, fp8):
     without overrides makes, at decode (split) and prefill row counts, is listed."""
     from glmc.codegen import fp8_ref
     monkeypatch.setattr(tm, "sm_count", lambda device: 132)    # the H200's count and K runs of 64
-    monkeypatch.setattr(tm, "SPLIT_MIN_K", 64)                   # columns: decode splits at these widths
+    monkeypatch.setattr(target, "MOE_SPLIT_MIN_K", 64)           # columns: decode splits at these widths
     E, k, hidden, inter = 4, 2, 256, 128
     stacks = [torch.randn(E, *shape) * 0.1 for shape in ((inter, hidden), (inter, hidden), (hidden, inter))]
     if fp8:

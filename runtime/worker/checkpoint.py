@@ -20,8 +20,8 @@ from glmc.codegen.fp8_ref import Fp8Weight, fp8_block_dequant
 from safetensors import safe_open
 
 from glmc.config import GlmConfig
+from glmc.target import FP8_BLOCK
 
-FP8_BLOCK = 128
 SCALE_SUFFIX = "_scale_inv"
 ShardFn = Callable[[str], "tuple[int, int, int] | None"]
 

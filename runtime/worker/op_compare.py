@@ -44,7 +44,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from glmc.codegen.fp8_ref import BLOCK as FP8_KV_GROUP
+from glmc.target import FP8_BLOCK as FP8_KV_GROUP
 from glmc.codegen.fp8_ref import Fp8Weight, quantize_token_groups
 from glmc.codegen.torch_ref import index_head_scale, indexer_scores, latent_probs
 
