@@ -132,10 +132,10 @@ class PlanExecutor:
         return self._stacks[key]
 
     def padded_tokens(self, t: int, dp_tokens: list[int] | None) -> int:
-        """Tokens after padding: the largest DP rank's count, rounded up to attn_tp if split."""
+        """Tokens after padding: the largest DP rank's count, rounded up to the mesh's token split."""
         t = max(dp_tokens) if dp_tokens else t
-        tp = self.mesh["attn_tp"] if self.mesh["ep"] > 1 else 1
-        return -(-t // tp) * tp if t else 0
+        split = self.mesh.token_split_size
+        return -(-t // split) * split if t else 0
 
     def release(self) -> None:
         """Free device state before the process group goes (the torch target holds none)."""
