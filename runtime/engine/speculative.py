@@ -230,12 +230,7 @@ class MtpSpeculator:
             if req.finished:   # aborted since: its taken tokens stay, unsent
                 continue
             del req.output_ids[len(req.output_ids) - len(emitted):]
-            for token, logprobs in emitted:
-                self.engine.append_token(req, token, logprobs)
-                if req.finished:
-                    break
-            if not req.finished:
-                s.offer_pages(req)
+            self._append_now(s, req, emitted)
         self.unstreamed = []
 
     def _idle(self) -> list[ForwardBatch]:
@@ -379,6 +374,11 @@ class MtpSpeculator:
             req.output_ids.extend(t for t, _ in emitted)
             self.unstreamed.append((s, req, emitted))
             return
+        self._append_now(s, req, emitted)
+
+    def _append_now(self, s: Scheduler, req: Request, emitted: list) -> None:
+        """Append `emitted` [(token, logprobs)] to `req` (detokenize, send, stop) up to where it
+        finishes, then offer its pages to the prefix cache if it goes on."""
         for token, logprobs in emitted:
             self.engine.append_token(req, token, logprobs)
             if req.finished:
