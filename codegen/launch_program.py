@@ -387,7 +387,7 @@ def run_body(executor, phase: str, inputs: dict, max_len: int | None = None) -> 
     the per-token phases' `run_tokens`; prefill's body, its attention sized for the graph's longest
     sequence (`max_len`: an eager step's longest instead)."""
     if phase == "prefill":
-        executor._prefill_body(inputs["packed"], inputs["last"], max_len or executor.prefill_max_len)
+        executor.prefill_body(inputs["packed"], inputs["last"], max_len or executor.prefill_max_len)
     else:
         executor.run_tokens(phase, inputs["packed"], inputs["hidden"], max_len=max_len)
 

@@ -240,9 +240,9 @@ class CudaExecutor(PlanExecutor):
             return self._replay(bucket, batch, self.prefill_captured[bucket])
         vectors = to_device(self.host_vectors(batch, size, dp_tokens), self.r2t.device)
         last = to_device(self._last_tokens(batch, B), self.r2t.device)
-        return self._prefill_body(vectors, last, longest, token_runs=batch.num_tokens >= TOKEN_RUN * B)
+        return self.prefill_body(vectors, last, longest, token_runs=batch.num_tokens >= TOKEN_RUN * B)
 
-    def _prefill_body(self, vectors, last, max_len, token_runs=False) -> dict:
+    def prefill_body(self, vectors, last, max_len, token_runs=False) -> dict:
         """A prefill (or mixed) step's ops over `host_vectors` on the device: outputs of each
         request's last token (`last`: its index among the step's tokens). The device table already
         holds the rows. `token_runs`: the requests average >= TOKEN_RUN tokens (GpuStep.token_runs)."""
@@ -353,7 +353,7 @@ class CudaExecutor(PlanExecutor):
 
         def body():
             if phase == "prefill":
-                return self._prefill_body(packed, last, self.prefill_max_len)
+                return self.prefill_body(packed, last, self.prefill_max_len)
             return self.run_tokens(phase, packed, hidden)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):        # compile kernels, create handles, fill caches

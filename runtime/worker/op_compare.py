@@ -52,7 +52,8 @@ from glmc.codegen.torch_ref import index_head_scale, indexer_scores, latent_prob
 # 2^-24 of the sum of |terms|; against the row's RMS this slack is generous for every op here and
 # still 30x below one bf16 ulp.
 REL_SLACK = 2.0 ** -14
-FP8_KINDS = ("linear", "mla.a_proj", "lm.head")
+# Op kinds checked around the exact FP8 GEMM of their own quantised input (`fp8_in`, `_fp8_check`)
+FP8_GEMM_KINDS = ("linear", "mla.a_proj", "lm.head")
 # An FP8 GEMM's tensor-core accumulation: Hopper's FP8 wgmma keeps about 14 bits of its running sum
 # over the 128 products of a K block (Triton's default, `triton_render.FP8_DOT_PROMOTE`), fp32 across
 # blocks. Its error is bounded by FP8_ACC_REL times the sum of |terms| (|x| @ |W|^T of the dequantised
@@ -220,7 +221,7 @@ def _substituted(run: _Run):
             memo = getattr(ctx, "memo", {}).get((op.operands[0], "fp8_tokens"))
             if memo is not None:
                 run.fp8_in[op.results[0]] = (memo[0], memo[1], args)
-        if op.kind in FP8_KINDS and (parts := _fp8_parts(op, ctx)) is not None:
+        if op.kind in FP8_GEMM_KINDS and (parts := _fp8_parts(op, ctx)) is not None:
             memo = getattr(ctx, "memo", {}).get((op.operands[0], "fp8_tokens"))
             if memo is not None:
                 run.fp8_in[op.results[0]] = (memo[0], memo[1], [isinstance(w, Fp8Weight) for w in parts], args[0])
