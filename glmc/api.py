@@ -167,6 +167,7 @@ def meta_executor(plan: Plan, rank: int = 0, run: RunConfig | None = None):
     from glmc.runtime.worker.kv_cache import KVPool
     from glmc.runtime.worker.model_runner import context_limit
     from glmc.runtime.worker.shards import rank_shards
+    from glmc.target import FP8_BLOCK
 
     run, meta = run or RunConfig(), torch.device("meta")
     dtype, fp8, comm = compute_dtype(plan.dtypes), fp8_weights(plan), LoneComm(plan.mesh, rank)
@@ -174,7 +175,7 @@ def meta_executor(plan: Plan, rank: int = 0, run: RunConfig | None = None):
 
     def weight(name, shape):
         if name in fp8:
-            blocks = [-(-d // 128) for d in shape[-2:]]
+            blocks = [-(-d // FP8_BLOCK) for d in shape[-2:]]
             return Fp8Weight(torch.empty(shape, dtype=torch.float8_e4m3fn, device=meta),
                              torch.empty(*shape[:-2], *blocks, dtype=torch.float32, device=meta))
         return torch.empty(shape, dtype=weight_dtype(name, dtype), device=meta)

@@ -44,9 +44,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from glmc.target import FP8_BLOCK as FP8_KV_GROUP
 from glmc.codegen.fp8_ref import Fp8Weight, quantize_token_groups
 from glmc.codegen.torch_ref import index_head_scale, indexer_scores, latent_probs
+from glmc.target import FP8_BLOCK as FP8_KV_GROUP
 
 # Summation order in fp32 (blocked, split-K, tensor-core fragments) moves a result by up to a few
 # 2^-24 of the sum of |terms|; against the row's RMS this slack is generous for every op here and
@@ -259,7 +259,7 @@ class TargetCache:
         return self.target.k_pe(layer, slots.to(self.target.device)).float().to(slots.device)
 
 
-def fp8_step(x: torch.Tensor, group: int = 128) -> torch.Tensor:
+def fp8_step(x: torch.Tensor, group: int = FP8_KV_GROUP) -> torch.Tensor:
     """One step of the e4m3 code at each value of x [n, d] quantised per `group` values
     (`quantize_token_groups`): the scale times the code's spacing (2^-9 below 2^-6, else 2^(e - 3))."""
     code, s = quantize_token_groups(x, group=group)
@@ -268,8 +268,8 @@ def fp8_step(x: torch.Tensor, group: int = 128) -> torch.Tensor:
 
 
 def attention_oracle(op, args, ctx, dtype: torch.dtype, cache=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The CUDA target's MLA (absorbed for every phase: `triton_launch.mla_absorbed`) on the oracle's
-    cache, with the roundings its arithmetic makes in `dtype` that are fixed by its inputs done the
+    """The CUDA target's MLA (absorbed for every phase: `triton_launch.mla_absorbed`) over `cache`,
+    with the roundings its arithmetic makes in `dtype` that are fixed by its inputs done the
     same way, and a bound for the ones that are not. -> (want, slack), [T, H * dv] fp32 on the
     oracle's device.
 
@@ -545,15 +545,15 @@ def compare_step(target, oracle, again, phase: str, batch, hidden=None) -> list[
                     dtype=str(got.dtype).removeprefix("torch."), numel=got.numel())
         if got.is_floating_point() and got.dtype != torch.float8_e4m3fn:
             _float_row(row, got, want, run.values.get(name), slack.get(name))
-        if name in run.kv_diff:     # the keys it read: values of the target's cache unlike the oracle's
-            cache = run.kv_diff[name]
-            row.in_flips = cache.differ / max(cache.read, 1)
-            row.out_of_bound += cache.far
         elif not got.is_floating_point():
             scores = None
             if op.kind in ("moe.topk", "idx.topk"):
                 scores = ranked.get(name)
             _int_row(row, got, want, scores, int(op.attr("top_k", 0)) or int(op.attr("k", 0)) or got.shape[-1])
+        if name in run.kv_diff:     # the keys it read: values of the target's cache unlike the oracle's
+            cache = run.kv_diff[name]
+            row.in_flips = cache.differ / max(cache.read, 1)
+            row.out_of_bound += cache.far
         if name in run.fp8_in and op.kind in ("mlp.swiglu", "moe.experts"):
             xq, xs, args = run.fp8_in[name]
             mlp_check(row, got, xq, xs, args[0].dtype, _mlp_parts(op, again, args), _device(again))
