@@ -189,7 +189,7 @@ class DevicePlanRunner(PlanRunner):
     FUTURE_TOKEN ids are filled in on the device (inside the decode graph). Speculative decoding
     runs the plan's MTP phases the same way (verify and draft graphs per token bucket); their
     outputs are views of static buffers too, read or copied before the same phase runs again; their
-batches' `device_ids` are copied into the graphs' static id buffer on the device."""
+    batches' `device_ids` are copied into the graphs' static id buffer on the device."""
 
     @property
     def kernels(self):
