@@ -229,6 +229,28 @@ def test_scheduler_reserves_draft_pages_and_rolls_them_back():
     assert allocator.num_free == 4
 
 
+def test_reserve_walks_the_prefix_cache_only_when_free_pages_fall_short(monkeypatch):
+    """Drafts reserve pages every cycle for every request: counting the cache's evictable pages
+    walks its whole tree, so it is done only when the free pages do not cover the need."""
+    from glmc.runtime.engine.pages import PageAllocator, ReqToTokenPool
+    from glmc.runtime.engine.prefix_cache import RadixCache
+    from glmc.runtime.engine.request import Request
+    from glmc.runtime.engine.scheduler import Scheduler
+    allocator = PageAllocator(4)
+    cache = RadixCache(allocator)
+    s = Scheduler(allocator, ReqToTokenPool(2, 512), cache)
+    walks = []
+    counted = cache.num_evictable_pages
+    monkeypatch.setattr(cache, "num_evictable_pages", lambda: walks.append(1) or counted())
+    req = Request(list(range(62)), SamplingParams(max_tokens=300))
+    s.add(req)
+    s.commit(s.schedule())
+    walks.clear()
+    assert s.reserve(req, 62 + 4 + 1) and not walks                 # 1 page needed, 3 free
+    assert not s.reserve(req, 5 * 64) and walks == [1]              # 3 more needed, 2 free: counted
+    assert len(req.pages) == 2 and allocator.num_free == 2          # nothing changed
+
+
 def test_one_read_back_per_cycle_without_grammars(tiny_ckpt, monkeypatch):
     """Acceptance, the next draft inputs and the draft chain stay on the device: each cycle
     reads back once (accepted tokens, counts, logprobs in one packed tensor), whatever N, the

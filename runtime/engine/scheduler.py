@@ -148,7 +148,8 @@ class Scheduler:
         """Hold pages for positions < `num_tokens` of running `req` (its draft tokens) if the pool
         (free or evictable pages) has them; never retracts. False: nothing changed."""
         need = num_pages_for(num_tokens, self.page_size) - len(req.pages)
-        if need > self.allocator.num_free + self.cache.num_evictable_pages():
+        # the cache's evictable pages are counted (a walk of its tree) only when the free ones fall short
+        if need > self.allocator.num_free and need > self.allocator.num_free + self.cache.num_evictable_pages():
             return False
         return self._ensure_pages(req, num_tokens)
 
