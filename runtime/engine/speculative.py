@@ -324,14 +324,15 @@ class MtpSpeculator:
               top_logprobs: tuple) -> _Outcome:
         """The accepted count per request (the leading run of held drafts), the tokens and the
         logprobs asked for, in one float64 tensor (ids and fp32 values are exact in it)."""
-        reqs = sorted({i for i, _, _ in picks})
-        first = [next(k for k, p in enumerate(picks) if p[0] == i) for i in reqs]
-        width = max(j for _, _, j in picks) + 1
-        lanes = torch.full((len(reqs), width), len(picks), dtype=torch.int64)   # past the end: False
-        for n, i in enumerate(reqs):
-            span = sum(1 for p in picks if p[0] == i)
-            lanes[n, :span] = torch.arange(first[n], first[n] + span)
-        held = torch.cat([ok, ok.new_zeros(1)]).index_select(0, to_device(lanes.flatten(), ok.device))
+        first, span = {}, {}   # per request: its first pick, its number of picks (contiguous)
+        for k, (i, _, _) in enumerate(picks):
+            first.setdefault(i, k)
+            span[i] = span.get(i, 0) + 1
+        reqs = sorted(first)
+        width = max(span.values())
+        # each request's picks in a row, padded past the end (index len(picks): False)
+        lanes = [k for i in reqs for k in [*range(first[i], first[i] + span[i]), *[len(picks)] * (width - span[i])]]
+        held = torch.cat([ok, ok.new_zeros(1)]).index_select(0, to_device(torch.tensor(lanes), ok.device))
         accepted = held.view(len(reqs), width).long().cumprod(1).sum(1)
         parts = [accepted.double(), tokens.double()]
         asked = {k: n for k, n in enumerate(top_logprobs) if n is not None}
@@ -343,7 +344,7 @@ class MtpSpeculator:
             if num_top:
                 top = torch.topk(raw, num_top)
                 parts += [top.values.double().flatten(), top.indices.double().flatten()]
-        return _Outcome(reqs, first, asked, len(picks), num_top, torch.cat(parts))
+        return _Outcome(reqs, [first[i] for i in reqs], asked, len(picks), num_top, torch.cat(parts))
 
     @staticmethod
     def _unpack(f: _Outcome, values: list) -> dict[int, tuple[int, list]]:

@@ -110,14 +110,13 @@ class ForwardBatch:
         for name in ("seq_lens", "prefix_lens", "extend_lens"):
             if getattr(self, name).shape != (B,):
                 raise ValueError(f"{name} has shape {tuple(getattr(self, name).shape)}, expected ({B},)")
-        if int(self.extend_lens.sum()) != T:
-            raise ValueError(f"sum(extend_lens)={int(self.extend_lens.sum())} != T={T}")
-        if not torch.equal(self.prefix_lens + self.extend_lens, self.seq_lens):
-            raise ValueError(
-                f"prefix_lens {self.prefix_lens.tolist()} + extend_lens {self.extend_lens.tolist()}"
-                f" != seq_lens {self.seq_lens.tolist()}"
-            )
-        if self.mode == "decode" and bool((self.extend_lens != 1).any()):
-            raise ValueError(f"decode batch needs extend_lens all 1, got {self.extend_lens.tolist()}")
+        # host lists: a few torch calls per batch (the speculative loop builds several a cycle)
+        extend, prefix, seq = self.extend_lens.tolist(), self.prefix_lens.tolist(), self.seq_lens.tolist()
+        if sum(extend) != T:
+            raise ValueError(f"sum(extend_lens)={sum(extend)} != T={T}")
+        if any(p + e != n for p, e, n in zip(prefix, extend, seq)):
+            raise ValueError(f"prefix_lens {prefix} + extend_lens {extend} != seq_lens {seq}")
+        if self.mode == "decode" and any(e != 1 for e in extend):
+            raise ValueError(f"decode batch needs extend_lens all 1, got {extend}")
         if self.mode == "idle" and T:
             raise ValueError(f"idle batch must have no tokens, got T={T}")
