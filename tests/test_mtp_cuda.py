@@ -48,3 +48,25 @@ def test_greedy_with_mtp_on_the_cuda_target_equals_without(tiny_ckpt):
     assert c["spec_verify_steps_total"] > 0 and c["prefix_cache_hit_tokens_total"] >= 64
     e.flush_cache()
     assert e.allocator.num_free == e.allocator.num_pages and e.req_pool.num_free == e.req_pool.max_reqs
+
+
+def test_rows_are_copied_to_the_device_only_for_a_prefix_hit(tiny_ckpt, monkeypatch):
+    """A verify copies its requests' req_to_token rows to the device only when the step admitted a
+    request on cached pages (the device never computed those positions for its row, which still
+    holds an earlier request's slots); every other speculative step finds them there."""
+    greedy = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    short = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    a = [(37 * i + 11) % 500 + 10 for i in range(66)]
+    b = [(53 * i + 7) % 500 + 10 for i in range(66)]
+    waves = [[(a, greedy), (b, short)], [(b[:64] + [5], greedy)]]
+    want = run(engine(tiny_ckpt), waves)
+    e = engine(tiny_ckpt, 2)
+    loads = []
+    original = CudaExecutor._load_rows
+    monkeypatch.setattr(CudaExecutor, "_load_rows", lambda self, batch, width=None: loads.append(width)
+                        or original(self, batch, width))
+    got = run(e, waves[:1])
+    assert loads == [] and e.req_pool._free[-1] == 0   # the next request gets a's row, b's pages
+    got += run(e, waves[1:])
+    assert got == want
+    assert loads == [64]                                 # the admission step only: b's 64 cached positions

@@ -251,6 +251,8 @@ class MtpSpeculator:
         fb = ForwardBatch.build(batch.mode, [r.all_ids[p:p + n] + d for r, p, n, d in
                                              zip(reqs, batch.prefix_lens, own, drafts)],
                                 [r.row for r in reqs], batch.prefix_lens, s.req_pool.table)
+        # the device holds every row's earlier positions unless a request just came in on cached pages
+        fb.rows_on_device = not any(r.num_cached_tokens for r in batch.admitted)
         return _Verify(s, batch, drafts, q, own, ready, self._with_drafts(fb, own, tokens))
 
     @staticmethod
@@ -412,6 +414,7 @@ class MtpSpeculator:
         idx = list(kept)
         fb = ForwardBatch.build("extend", [ids[i] for i in idx], [reqs[i].row for i in idx],
                                 [starts[i] for i in idx], w.s.req_pool.table)
+        fb.rows_on_device = True   # the verify's positions and those below them
         rows = torch.cat([torch.arange(ranges[i][1], ranges[i][1] + kept[i]) for i in idx])
         return _Extend(w.s, [reqs[i] for i in idx], fb, hidden.index_select(0, to_device(rows, hidden.device)))
 
@@ -468,7 +471,7 @@ class MtpSpeculator:
             fbs = [dataclasses.replace(ForwardBatch.build(
                 "extend", [[UNREAD] for _ in rs], [r.row for r in rs],
                 [r.num_computed - 1 + k for r in rs], s.req_pool.table),
-                device_ids=torch.stack([self.draft_tokens[r][-1] for r in rs]))
+                device_ids=torch.stack([self.draft_tokens[r][-1] for r in rs]), rows_on_device=True)
                    if rs else ForwardBatch.idle(s.req_pool.table) for s, rs in zip(ranks, live)]
             outs = self.engine.runner.draft_dp(
                 fbs, [torch.stack([hiddens[r] for r in rs]) if rs else empty for rs in live])

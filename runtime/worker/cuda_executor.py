@@ -263,9 +263,10 @@ class CudaExecutor(PlanExecutor):
         """A verify or draft step: every token's outputs ([T, ...]), replayed from the smallest
         captured token bucket that fits, else eager over the same body. The device table gets the
         rows' positions below the step's own first (a request's first step may start past
-        positions the device never computed: prefix-cache hits); the step writes its own."""
+        positions the device never computed: prefix-cache hits) unless `batch.rows_on_device`;
+        the step writes its own."""
         T = batch.num_tokens
-        if T and int(batch.prefix_lens.max()):
+        if T and not batch.rows_on_device and int(batch.prefix_lens.max()):
             self._load_rows(batch, width=int(batch.prefix_lens.max()))
         need = self.padded_tokens(T, dp_tokens)
         caps = self.mtp_captured[phase]

@@ -49,6 +49,10 @@ class ForwardBatch:
     # then only hold the count, placeholders where the host does not know the id): ids computed on
     # the device (speculative drafts) reach the next forward without a read-back to the host
     device_ids: torch.Tensor | None = None
+    # whether the runner's device copy of req_to_token already holds every position below each
+    # request's step (none was admitted with a prefix-cache hit since: the device wrote each
+    # position's slot as it computed it), so that a speculative step need not copy the rows again
+    rows_on_device: bool = False
 
     def __post_init__(self):
         self.validate()
