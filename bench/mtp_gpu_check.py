@@ -24,9 +24,12 @@
    indexers every 4th layer) and the small model's accept length, the predicted TPOT with and without
    MTP at concurrency 1 and 16:
        plain = head(B) + sum_kind count_kind x layer_kind(B)
-       mtp   = [verify(B(N+1)) + draft(B(N+1)) (draft-extend, an upper bound) + (N - 1) draft(B)] / accept(N)
-   Graph time only (no host), one GPU holding every layer (the whole model does not fit one GPU; the
-   ratio is what the prediction is about, and it says which term limits it).
+       mtp   = [verify(B(N+1)) + draft(B(N+1)) (draft-extend, an upper bound) + (N - 1) draft(B)
+                + host(N, B)] / accept(N)
+   host(N, B): the speculative cycle's host work that the device does not hide, as measured on
+   glmc-small (`glmc.predict.spec_host_ms`, from a recorded run of part 1); plain decoding overlaps
+   its host work, so plain is graph time. One GPU holding every layer (the whole model does not fit
+   one GPU; the ratio is what the prediction is about, and it says which term limits it).
 4. rank (`--parts rank`, not in the default): the same slice compiled for `--parallel` (tp8ep8, as
    GLM-5.3 is served on eight H200s) and rank 0 of it run alone on this GPU (`LoneComm`: its shard
    of heads and experts, collectives that keep shapes and move nothing, the other ranks' tokens
@@ -451,7 +454,8 @@ def check_rank(dev, narrow, ctx, budget_end, parallel, calibration, batches=(1, 
 
 
 def predict(width, accept):
-    """The whole GLM-5.3's graph time per token with and without MTP (module docstring)."""
+    """The whole GLM-5.3's time per token with and without MTP (module docstring)."""
+    from glmc.predict import spec_host_ms
     L, dense, every = FULL_MODEL["layers"], FULL_MODEL["dense"], FULL_MODEL["full_every"]
     full = {i for i in range(L) if i % every == 0}
     counts = {"dense_full": sum(i in full for i in range(dense)),
@@ -479,10 +483,12 @@ def predict(width, accept):
                 continue
             verify, _ = step(big["verify"])
             extend = sum(big["draft"].values())
-            cycle = verify + extend + (n - 1) * draft1
+            host = spec_host_ms(n, B)
+            cycle = verify + extend + (n - 1) * draft1 + host
             tpot = cycle / accept[n]
-            terms = {"verify/plain": verify / plain, "drafts/plain": (extend + (n - 1) * draft1) / plain}
-            row["mtp"][n] = {"verify_ms": verify, "draft_extend_ms": extend, "cycle_ms": cycle,
+            terms = {"verify/plain": verify / plain, "drafts/plain": (extend + (n - 1) * draft1) / plain,
+                     "host/plain": host / plain}
+            row["mtp"][n] = {"verify_ms": verify, "draft_extend_ms": extend, "host_ms": host, "cycle_ms": cycle,
                              "accept_length": accept[n], "tpot_ms": tpot, "speedup": plain / tpot,
                              "terms": terms, "limit": max(terms, key=terms.get)}
         rows[f"c{B}"] = row
@@ -498,7 +504,7 @@ def predict_mesh(accept: dict, calibration: str, parallel: str = "tp8ep8", conte
     from glmc.compiler import compile_plan
     from glmc.config import Options
     from glmc.parallel import parse_parallel
-    from glmc.predict import predict_step
+    from glmc.predict import predict_step, spec_host_ms
     from glmc.spec import load_spec, model_path
     spec = load_spec(model_path("glm_moe_dsa"))
     plan = compile_plan(spec, parse_parallel(parallel, spec.config), Options(device="cuda", mtp_draft_tokens=4))
@@ -515,9 +521,11 @@ def predict_mesh(accept: dict, calibration: str, parallel: str = "tp8ep8", conte
             if n not in accept:
                 continue
             verify, extend = ms("mtp_verify", B * (n + 1)), ms("mtp_draft", B * (n + 1))
-            cycle = verify + extend + (n - 1) * draft1
-            terms = {"verify/plain": verify / plain, "drafts/plain": (extend + (n - 1) * draft1) / plain}
-            row["mtp"][n] = {"verify_ms": verify, "draft_extend_ms": extend, "cycle_ms": cycle,
+            host = spec_host_ms(n, B)
+            cycle = verify + extend + (n - 1) * draft1 + host
+            terms = {"verify/plain": verify / plain, "drafts/plain": (extend + (n - 1) * draft1) / plain,
+                     "host/plain": host / plain}
+            row["mtp"][n] = {"verify_ms": verify, "draft_extend_ms": extend, "host_ms": host, "cycle_ms": cycle,
                              "accept_length": accept[n], "tpot_ms": cycle / accept[n],
                              "speedup": plain * accept[n] / cycle, "terms": terms,
                              "limit": max(terms, key=terms.get)}

@@ -39,7 +39,7 @@ from glmc.calibration import torch_op_seconds
 from glmc.codegen.launch_model import STEP_TORCH_OPS
 from glmc.passes.costs import weight_bytes_for
 from glmc.passes.plan_memory import op_weight_bytes
-from glmc.predict import op_seconds
+from glmc.predict import SPEC_HOST_SOURCE, op_seconds, spec_host_ms
 
 # a checkout's calibration measured on two H200s (bench/calibrate.py)
 DEFAULT_CALIBRATION = Path(__file__).resolve().parents[1] / "bench/results/calibration_nvidia-h200-x2_2026-11-30.json"
@@ -160,7 +160,8 @@ def without_p2p(op):
 # the predictor's per-step terms (glmc.predict.op_seconds) as a row carries them, summing to the step
 STEP_TERMS = {"collectives": "collectives", "launches": "launches (kernels, GEMM calls, torch ops)",
               "hbm": "HBM traffic (memory-bound ops)", "compute": "compute (FLOP-bound ops)",
-              "topk_select": "top-k select latency"}
+              "topk_select": "top-k select latency",
+              "spec_host": "speculative host work (measured)"}
 
 
 class StepPricer:
@@ -336,8 +337,10 @@ def price(c: Compiled, cal: dict, w: Workload, gpus: int, concurrency: int, draf
     t = r * (drafts + 1)
     verify = _step(c, "decode", t, t, w.context, cal, gpus, memo, p2p)
     draft = _step(c, "draft", r, r, w.context, cal, gpus, memo, p2p) if drafts else {}
-    step = verify["seconds"] + (drafts * draft["seconds"] if drafts else 0)
+    host = spec_host_ms(drafts, concurrency)
+    step = verify["seconds"] + (drafts * draft["seconds"] if drafts else 0) + host / 1e3
     terms = {k: (verify[k] + drafts * draft.get(k, 0.0)) * 1e3 for k in STEP_TERMS}
+    terms["spec_host"] = host
     tokens = min(chunk, w.input_tokens)
     chunks = math.ceil(w.input_tokens / tokens)
     ttft = chunks * _step(c, "decode", tokens, 1, w.input_tokens, cal, gpus, memo, p2p)["seconds"]
@@ -435,7 +438,9 @@ def _assumptions(cal: dict, w: Workload, gpu_memory: tuple, accept_note: str, ch
         "not counted: the prefill workspace, NCCL buffers",
         "step: the decode predictor (glmc.predict) at every request's context = in + out (the longest it "
         "gets), the MTP verify forward priced as a decode step of requests x (drafts + 1) tokens, plus one "
-        "draft-graph step per draft; host work (scheduling, sampling, HTTP) not included",
+        "draft-graph step per draft, plus the speculative cycle's host work as measured on glmc-small "
+        f"({SPEC_HOST_SOURCE}; linear in the concurrency through 1 and 16 requests, extrapolated past 16); "
+        "plain decoding's host work (scheduling, sampling, HTTP) overlaps the device and is not included",
         accept_note,
         f"TTFT: no prefill prediction exists; the prompt is priced as ceil(in / {chunk}) decode-graph steps "
         f"of min(in, {chunk}) tokens at context {w.input_tokens} (every token scoring the whole prompt in "

@@ -60,6 +60,24 @@ _FIELDS = ("seconds", "memory_s", "compute_s", "data_s", "overhead_s", "latency_
            "flops", "kernels", "torch_ops", "collectives")
 
 
+# The engine's host time per speculative cycle that the device does not hide: a served cycle's wall
+# time minus its graph replays (verify + draft-extend + N - 1 draft steps), glmc-small on one H200,
+# greedy, 48 tokens per request (`python -m bench.mtp_gpu_check --parts small`): ms by drafts, at
+# concurrency 1 and 16. It is per request and cycle host work (scheduling, batch building, sampling,
+# acceptance, streaming), so it carries over to a larger model served from one process.
+SPEC_HOST_SOURCE = "bench/results/h200_2026-12-05/mtp_gpu_check_small_serve.json"
+SPEC_HOST_MS = {1: (1.783, 3.301), 2: (2.299, 10.883), 3: (2.610, 16.896)}
+
+
+def spec_host_ms(drafts: int, concurrency: int) -> float:
+    """`SPEC_HOST_MS` at `concurrency` requests: linear through the two measured points (past 16
+    requests extrapolated); 0 without drafts (plain decoding overlaps its host work with the device)."""
+    if not drafts:
+        return 0.0
+    one, sixteen = SPEC_HOST_MS[min(drafts, max(SPEC_HOST_MS))]
+    return one + (sixteen - one) * (concurrency - 1) / 15
+
+
 def _gemm_rate(cal: dict, dtype: str) -> float:
     rates = cal["gemm_flops_per_s"]
     return rates.get(dtype) or rates["bf16"]

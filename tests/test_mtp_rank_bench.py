@@ -75,3 +75,19 @@ def test_a_lone_rank_is_measured_and_predicted(tmp_path):
     for row in pred.values():
         assert set(row["mtp"]) == {"1", "2", "3"} and all(m["speedup"] > 0 for m in row["mtp"].values())
     assert "a rank's measured layers x 78 + calibrated collectives" in proc.stdout
+
+
+def test_prediction_adds_the_measured_host_time_per_cycle():
+    """The whole-model MTP prediction is graph time plus the speculative cycle's measured host
+    work (`glmc.predict.spec_host_ms`); plain decoding is graph time (it overlaps its host work)."""
+    from glmc.predict import spec_host_ms
+    seg = {"layer0": 0.1, "layer1": 0.3, "layer2": 0.2, "head": 0.05}
+    width = {"segments": {f"B={B} T={T}": {"decode": seg, "verify": seg, "draft": {"mtp": 0.04}}
+                          for B in (1, 16) for T in (B, 2 * B, 4 * B)}}
+    pred = mg.predict(width, {1: 1.8, 3: 2.9})
+    for B in (1, 16):
+        row = pred["rows"][f"c{B}"]
+        for n, m in row["mtp"].items():
+            graph = m["verify_ms"] + m["draft_extend_ms"] + (n - 1) * row["draft_step_ms"]
+            assert m["host_ms"] == spec_host_ms(n, B) > 0
+            assert m["cycle_ms"] == graph + m["host_ms"] and m["tpot_ms"] == m["cycle_ms"] / m["accept_length"]

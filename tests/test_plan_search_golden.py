@@ -10,7 +10,7 @@ from glmc.cli import main
 GOLDEN = Path(__file__).parent / "golden"
 CALIBRATION = "bench/results/calibration_nvidia-h200-x2_2026-11-30.json"
 ARGS = ["plan", "--model", "glm_moe_dsa_tiny", "--gpus", "2", "--workload", "in=512,out=128",
-        "--concurrency", "1,8,64", "--slo", "tpot_ms=0.3", "--gpu-memory-gb", "0.1",
+        "--concurrency", "1,8,64", "--slo", "tpot_ms=0.33", "--gpu-memory-gb", "0.1",
         "--calibration", CALIBRATION, "--no-compile", "--explain"]
 
 
