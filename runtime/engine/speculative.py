@@ -195,7 +195,8 @@ class MtpSpeculator:
     def __init__(self, engine: EngineView, num_steps: int):
         self.engine, self.num_steps = engine, num_steps
         self.draft_q: dict[Request, list[torch.Tensor]] = {}
-        self.draft_tokens: dict[Request, list[torch.Tensor]] = {}   # 0-d device views, per draft
+        # per draft: (the device tokens [n] its chain step drew, its index there)
+        self.draft_tokens: dict[Request, list[tuple[torch.Tensor, int]]] = {}
         self.num_reads = 0
         self.unstreamed: list[tuple[Scheduler, Request, list]] = []   # taken, streamed at the step end
 
@@ -256,14 +257,22 @@ class MtpSpeculator:
         return _Verify(s, batch, drafts, q, own, ready, self._with_drafts(fb, own, tokens))
 
     @staticmethod
-    def _with_drafts(fb: ForwardBatch, own: list[int], tokens: list[list[torch.Tensor]]) -> ForwardBatch:
-        """`fb` with its drafts' ids taken from their device tokens (`device_ids`)."""
+    def _with_drafts(fb: ForwardBatch, own: list[int], tokens: list[list[tuple[torch.Tensor, int]]]) -> ForwardBatch:
+        """`fb` with its drafts' ids taken from their device tokens (`device_ids`): one gather over
+        the chain steps' token vectors."""
         where = [start + own[i] + j for i, start, _ in fb.token_ranges() for j in range(len(tokens[i]))]
         if not where:
             return fb
-        drafts = torch.stack([t for ts in tokens for t in ts])
-        ids = to_device(fb.input_ids, drafts.device).index_copy(
-            0, to_device(torch.tensor(where), drafts.device), drafts)
+        pairs = [p for ts in tokens for p in ts]
+        sources, offset = {}, 0   # each chain step's tokens once, at its offset in their concatenation
+        for t, _ in pairs:
+            if id(t) not in sources:
+                sources[id(t)] = (t, offset)
+                offset += t.numel()
+        joined = torch.cat([t for t, _ in sources.values()])
+        dev = joined.device
+        drafts = joined.index_select(0, to_device(torch.tensor([sources[id(t)][1] + j for t, j in pairs]), dev))
+        ids = to_device(fb.input_ids, dev).index_copy(0, to_device(torch.tensor(where), dev), drafts)
         return dataclasses.replace(fb, device_ids=ids)
 
     def _run(self, work: list[_Verify | None]) -> None:
@@ -430,53 +439,60 @@ class MtpSpeculator:
         get a chain of drafts (as many as they may still generate and their pages allow)."""
         some = next(x.hidden for x in extends if x)
         empty = some.new_zeros(0, some.shape[1])
-        lengths, hiddens = {}, {}   # per drafting request: its draft length, the MTP hidden state
+        chains = []   # per DP rank: (drafting requests, their draft lengths, last drafts [n], MTP hidden rows [n, H])
         for x, (logits, out) in zip(extends, outs):
-            if x is None:
+            drafting, lengths = [], []
+            if x is not None:
+                last = (torch.cumsum(x.fb.extend_lens, 0) - 1).tolist()   # host tensor
+                for j, req in enumerate(x.reqs):
+                    length = min(self.num_steps, req.max_total_tokens - req.num_tokens)
+                    if (not req.finished and req.num_pending == 1 and length > 0
+                            and x.s.reserve(req, req.num_computed + length + 1)):
+                        drafting.append(j)
+                        lengths.append(length)
+            if not drafting:
+                chains.append(([], [], None, empty))
                 continue
-            last = (torch.cumsum(x.fb.extend_lens, 0) - 1).tolist()   # host tensor
-            for j, req in enumerate(x.reqs):
-                length = min(self.num_steps, req.max_total_tokens - req.num_tokens)
-                if (not req.finished and req.num_pending == 1 and length > 0
-                        and x.s.reserve(req, req.num_computed + length + 1)):
-                    lengths[req], hiddens[req] = length, out[last[j]]
-            drafting = [j for j, req in enumerate(x.reqs) if req in lengths]
-            if drafting:
-                rows = to_device(torch.tensor([last[j] for j in drafting]), logits.device)
-                self._add_drafts([x.reqs[j] for j in drafting], logits.index_select(0, rows))
-        self._chain(lengths, hiddens, empty)
+            rows = to_device(torch.tensor([last[j] for j in drafting]), logits.device)
+            reqs = [x.reqs[j] for j in drafting]
+            chains.append((reqs, lengths, self._add_drafts(reqs, logits.index_select(0, rows)),
+                           out.index_select(0, rows)))
+        self._chain(chains, empty)
 
-    def _add_drafts(self, reqs: list[Request], logits: torch.Tensor) -> None:
+    def _add_drafts(self, reqs: list[Request], logits: torch.Tensor) -> torch.Tensor:
         """Append one draft per request from the MTP layer's logits (`spec_sampling.draw_drafts`:
         the argmax, or for sampled requests a draw from q, whose row is kept for the verify). The
-        tokens stay on the device; only requests that `reads_drafts` read theirs (one read)."""
+        tokens stay on the device; only requests that `reads_drafts` read theirs (one read).
+        -> the drafts [len(reqs)] (device)."""
         tokens, q_rows = draw_drafts(logits, [as_if_accepted(r, r.draft_ids) for r in reqs])
         host = self.read(tokens) if any(reads_drafts(r) for r in reqs) else [UNREAD] * len(reqs)
         for j, (r, q) in enumerate(zip(reqs, q_rows)):
             r.draft_ids.append(host[j] if reads_drafts(r) else UNREAD)
-            self.draft_tokens.setdefault(r, []).append(tokens[j])
+            self.draft_tokens.setdefault(r, []).append((tokens, j))
             if q is not None:
                 self.draft_q.setdefault(r, []).append(q)
+        return tokens
 
-    def _chain(self, lengths: dict, hiddens: dict, empty: torch.Tensor) -> None:
-        """Draft steps 1..N-1 on every DP rank: each request's last draft at its position (its id
-        from the device), fed the MTP layer's own hidden state from the step before; writes MTP
-        KV on the pages `reserve` gave."""
+    def _chain(self, chains: list, empty: torch.Tensor) -> None:
+        """Draft steps 1..N-1 on every DP rank (`chains`: per rank the drafting requests, their
+        draft lengths, their last drafts and MTP hidden rows): each request's last draft at its
+        position (its id from the device), fed the MTP layer's own hidden state from the step
+        before; writes MTP KV on the pages `reserve` gave. A request leaves the chain after its
+        length (the rows of those that stay are gathered once)."""
         ranks = self.engine.scheduler.ranks
         for k in range(1, self.num_steps):
-            live = [[r for r, n in lengths.items() if n > k and r.dp_rank == d]
-                    for d in range(len(ranks))]
-            if not any(live):
+            for d, (reqs, lengths, tokens, hidden) in enumerate(chains):
+                keep = [i for i, n in enumerate(lengths) if n > k]
+                if len(keep) < len(reqs):
+                    idx = to_device(torch.tensor(keep, dtype=torch.int64), hidden.device)
+                    chains[d] = ([reqs[i] for i in keep], [lengths[i] for i in keep],
+                                 tokens.index_select(0, idx), hidden.index_select(0, idx))
+            if not any(reqs for reqs, _, _, _ in chains):
                 return
             fbs = [dataclasses.replace(ForwardBatch.build(
                 "extend", [[UNREAD] for _ in rs], [r.row for r in rs],
-                [r.num_computed - 1 + k for r in rs], s.req_pool.table),
-                device_ids=torch.stack([self.draft_tokens[r][-1] for r in rs]), rows_on_device=True)
-                   if rs else ForwardBatch.idle(s.req_pool.table) for s, rs in zip(ranks, live)]
-            outs = self.engine.runner.draft_dp(
-                fbs, [torch.stack([hiddens[r] for r in rs]) if rs else empty for rs in live])
-            for rs, (logits, out) in zip(live, outs):
-                if rs:
-                    self._add_drafts(rs, logits)
-                for j, r in enumerate(rs):
-                    hiddens[r] = out[j]
+                [r.num_computed - 1 + k for r in rs], s.req_pool.table), device_ids=tokens, rows_on_device=True)
+                   if rs else ForwardBatch.idle(s.req_pool.table) for s, (rs, _, tokens, _) in zip(ranks, chains)]
+            outs = self.engine.runner.draft_dp(fbs, [hidden if rs else empty for rs, _, _, hidden in chains])
+            chains = [(rs, lengths, self._add_drafts(rs, logits), out[:len(rs)]) if rs else (rs, lengths, tokens, empty)
+                      for (rs, lengths, tokens, _), (logits, out) in zip(chains, outs)]
