@@ -65,10 +65,13 @@ def lone_rank(dev: str, parallel: str, ctx: int, requests: int, prefill_tokens: 
     from glmc.runtime.worker.comm import LoneComm
     from glmc.runtime.worker.forward_batch import ForwardBatch
     narrow = dev != "cuda"
-    _, plan, weights, stacks = slice_with_mtp(dev, torch.bfloat16 if dev == "cuda" else torch.float32,
-                                              narrow, fp8=dev == "cuda", parallel=parallel)
+    model, plan, weights, stacks = slice_with_mtp(dev, torch.bfloat16 if dev == "cuda" else torch.float32,
+                                                  narrow, fp8=dev == "cuda", parallel=parallel)
     lone = LoneComm(plan.mesh, rank=0)
     runner = common.gpu_runner(plan, weights, dev, requests, ctx + 64, stacks=stacks, comm=lone)
+    del model, weights, stacks   # the slice's bf16 weights (every expert): the runner holds its own shard
+    if dev == "cuda":
+        torch.cuda.empty_cache()
     table = common.req_table(requests, (ctx + 64) // 64)
     g = torch.Generator().manual_seed(0)
     vocab, E, dp = plan.config.vocab_size, plan.config.n_routed_experts, plan.mesh["attn_dp"]
