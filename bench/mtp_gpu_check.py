@@ -119,13 +119,18 @@ def first_difference(a, b):
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)) if len(a) != len(b) else None)
 
 
-def check_small(device, gen, concurrencies):
-    from glmc.runtime.engine.sampling import SamplingParams
+def small_prompts(n=16, length=96) -> list[list[int]]:
+    """`n` prompts of `length` tokens of glmc-small's held-out text, evenly spaced."""
     from glmc.runtime.engine.tokenizer import Tokenizer
     ids = Tokenizer.from_dir(SMALL).encode((SMALL / "heldout.txt").read_text(encoding="utf-8"))
+    stride = len(ids) // n
+    return [ids[i * stride:i * stride + length] for i in range(n)]
+
+
+def check_small(device, gen, concurrencies):
+    from glmc.runtime.engine.sampling import SamplingParams
     greedy = SamplingParams(max_tokens=gen, temperature=0.0, ignore_eos=True)
-    stride = len(ids) // 16
-    prompts = [ids[i * stride:i * stride + 96] for i in range(16)]
+    prompts = small_prompts()
     out = {"gen_tokens": gen, "prompt_tokens": 96, "runs": {}}
     want = {}
     for n in (0, *STEPS):
@@ -453,9 +458,23 @@ def check_rank(dev, narrow, ctx, budget_end, parallel, calibration, batches=(1, 
     return out
 
 
+def mtp_cycle(plain, draft1, verify, extend, n, requests, accept) -> dict:
+    """One speculative cycle of `n` drafts (ms): verify + draft-extend + n - 1 draft steps + the
+    measured host time per cycle at `requests` (`glmc.predict.spec_host_ms`), per accepted token
+    against a plain step, and the term that limits it."""
+    from glmc.predict import spec_host_ms
+    host = spec_host_ms(n, requests)
+    cycle = verify + extend + (n - 1) * draft1 + host
+    tpot = cycle / accept
+    terms = {"verify/plain": verify / plain, "drafts/plain": (extend + (n - 1) * draft1) / plain,
+             "host/plain": host / plain}
+    return {"verify_ms": verify, "draft_extend_ms": extend, "host_ms": host, "cycle_ms": cycle,
+            "accept_length": accept, "tpot_ms": tpot, "speedup": plain / tpot,
+            "terms": terms, "limit": max(terms, key=terms.get)}
+
+
 def predict(width, accept):
     """The whole GLM-5.3's time per token with and without MTP (module docstring)."""
-    from glmc.predict import spec_host_ms
     L, dense, every = FULL_MODEL["layers"], FULL_MODEL["dense"], FULL_MODEL["full_every"]
     full = {i for i in range(L) if i % every == 0}
     counts = {"dense_full": sum(i in full for i in range(dense)),
@@ -483,14 +502,7 @@ def predict(width, accept):
                 continue
             verify, _ = step(big["verify"])
             extend = sum(big["draft"].values())
-            host = spec_host_ms(n, B)
-            cycle = verify + extend + (n - 1) * draft1 + host
-            tpot = cycle / accept[n]
-            terms = {"verify/plain": verify / plain, "drafts/plain": (extend + (n - 1) * draft1) / plain,
-                     "host/plain": host / plain}
-            row["mtp"][n] = {"verify_ms": verify, "draft_extend_ms": extend, "host_ms": host, "cycle_ms": cycle,
-                             "accept_length": accept[n], "tpot_ms": tpot, "speedup": plain / tpot,
-                             "terms": terms, "limit": max(terms, key=terms.get)}
+            row["mtp"][n] = mtp_cycle(plain, draft1, verify, extend, n, B, accept[n])
         rows[f"c{B}"] = row
     return {"counts": counts, "rows": rows}
 
@@ -504,7 +516,7 @@ def predict_mesh(accept: dict, calibration: str, parallel: str = "tp8ep8", conte
     from glmc.compiler import compile_plan
     from glmc.config import Options
     from glmc.parallel import parse_parallel
-    from glmc.predict import predict_step, spec_host_ms
+    from glmc.predict import predict_step
     from glmc.spec import load_spec, model_path
     spec = load_spec(model_path("glm_moe_dsa"))
     plan = compile_plan(spec, parse_parallel(parallel, spec.config), Options(device="cuda", mtp_draft_tokens=4))
@@ -521,14 +533,7 @@ def predict_mesh(accept: dict, calibration: str, parallel: str = "tp8ep8", conte
             if n not in accept:
                 continue
             verify, extend = ms("mtp_verify", B * (n + 1)), ms("mtp_draft", B * (n + 1))
-            host = spec_host_ms(n, B)
-            cycle = verify + extend + (n - 1) * draft1 + host
-            terms = {"verify/plain": verify / plain, "drafts/plain": (extend + (n - 1) * draft1) / plain,
-                     "host/plain": host / plain}
-            row["mtp"][n] = {"verify_ms": verify, "draft_extend_ms": extend, "host_ms": host, "cycle_ms": cycle,
-                             "accept_length": accept[n], "tpot_ms": cycle / accept[n],
-                             "speedup": plain * accept[n] / cycle, "terms": terms,
-                             "limit": max(terms, key=terms.get)}
+            row["mtp"][n] = mtp_cycle(plain, draft1, verify, extend, n, B, accept[n])
         rows[f"c{B}"] = row
     return {"parallel": parallel, "context": context, "calibration": calibration, "rows": rows}
 

@@ -117,7 +117,7 @@ def profile(dev: str, drafts: int, concurrency: list[int], gen: int, prompts: li
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--cpu", action="store_true", help="dry run: the CUDA target interpreted on the CPU")
+    ap.add_argument("--cpu", action="store_true", help="dry run: the torch target on the CPU")
     ap.add_argument("--out")
     ap.add_argument("--drafts", type=lambda s: [int(x) for x in s.split(",")], default=[0, 3])
     ap.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16])
@@ -125,10 +125,7 @@ def main(argv=None):
     a = ap.parse_args(argv)
     if a.cpu:
         os.environ["TRITON_INTERPRET"] = "1"
-    from glmc.runtime.engine.tokenizer import Tokenizer
-    ids = Tokenizer.from_dir(mg.SMALL).encode((mg.SMALL / "heldout.txt").read_text(encoding="utf-8"))
-    stride = len(ids) // 16
-    prompts = [ids[i * stride:i * stride + 96] for i in range(16)]
+    prompts = mg.small_prompts()
     dev = "cpu" if a.cpu else "cuda"
     res = {"date": time.strftime("%Y-%m-%d"), "commit": os.environ.get("GLMC_COMMIT", "unknown"),
            "device": dev, "gen_tokens": a.gen, "prompt_tokens": 96, "runs": {}}
