@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import subprocess
 import sys
 import time
@@ -48,6 +49,9 @@ CONFIGS = {"bf16": (None, "bf16"), "fp8_weights": ("fp8", "bf16"), "fp8_kv": (No
 
 
 def commit() -> str:
+    """HEAD's short hash; a copy of the tree without git (a GPU host) says $GLMC_COMMIT."""
+    if os.environ.get("GLMC_COMMIT"):
+        return os.environ["GLMC_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                               check=True).stdout.strip()
