@@ -2,7 +2,7 @@
 
     python -m bench.spec_host_profile --out FILE                 # the GPU: glmc-small, N = 0 and 3
     python -m bench.spec_host_profile --cpu --gen 8               # dry run on the CPU
-    [--drafts 0,3] [--concurrency 1,16] [--gen 64]
+    [--drafts 0,3] [--concurrency 1,16] [--gen 64] [--general]
 
 glmc-small (models/small) in an in-process engine as `mtp_gpu_check --parts small` builds it (CUDA
 graphs for decode, verify and draft); per draft count and concurrency a warm-up wave, then a wave of
@@ -11,7 +11,8 @@ left out: each
 remaining engine step's wall time, and for the functions of the speculative loop, the scheduler,
 the runner and the executor (`WATCHED`) their calls per step and wall time per step exclusive of
 the watched functions they call. What no watched function covers is the `rest` row (the engine's
-own step loop, metrics). Plain decoding (N = 0) overlaps its host work with the device, so its
+own step loop, metrics). Greedy cycles run whole on the device (`device_cycles`: how many steps
+did); `--general` profiles each N > 0 again with every cycle on the general path. Plain decoding (N = 0) overlaps its host work with the device, so its
 step is the larger of the two. Measures; changes nothing.
 """
 from __future__ import annotations
@@ -27,7 +28,8 @@ from bench import mtp_gpu_check as mg
 
 WATCHED = {
     "speculator": ("_prepare", "_run", "_sample", "read", "_extend", "_draft_extend", "_draft", "_chain",
-                   "_add_drafts", "_append", "_stream", "_append_now", "_with_drafts", "_pack", "_unpack"),
+                   "_add_drafts", "_append", "_stream", "_append_now", "_with_drafts", "_pack", "_unpack",
+                   "_on_device", "_run_on_device", "_accept", "_take"),
     "scheduler": ("schedule",),
     "rank": ("reserve", "rollback", "commit", "offer_pages", "schedule"),
     "runner": ("verify_dp", "draft_dp", "forward_dp", "forward", "step"),
@@ -74,11 +76,15 @@ class Timers:
         self.calls.clear()
 
 
-def profile(dev: str, drafts: int, concurrency: list[int], gen: int, prompts: list) -> dict:
+def profile(dev: str, drafts: int, concurrency: list[int], gen: int, prompts: list, general: bool = False) -> dict:
+    """`general`: every cycle takes the speculative loop's general path (no cycle run whole on
+    the device: `MtpSpeculator.device_cycles` off)."""
     import torch
     from glmc.runtime.engine.sampling import SamplingParams
     greedy = SamplingParams(max_tokens=gen, temperature=0.0, ignore_eos=True)
     e = mg.small_engine(drafts, dev)
+    if general:
+        e.speculator.device_cycles = False
     timers = Timers()
     timers.watch(e)
     out = {}
@@ -92,6 +98,7 @@ def profile(dev: str, drafts: int, concurrency: list[int], gen: int, prompts: li
         if dev == "cuda":
             torch.cuda.synchronize()
         timers.clear()
+        device_cycles = e.speculator.num_device_cycles if e.speculator else 0
         walls = []
         while not all(r.finished for r in reqs):
             t = time.perf_counter()
@@ -104,11 +111,12 @@ def profile(dev: str, drafts: int, concurrency: list[int], gen: int, prompts: li
                 for k, v in sorted(timers.excl.items(), key=lambda kv: -kv[1])}
         rows["rest"] = {"calls_per_step": 1.0, "ms_per_step": 1e3 * (sum(walls) - sum(timers.excl.values())) / n}
         out[f"c{c}"] = {"steps": len(walls), "step_ms_mean": 1e3 * sum(walls) / n,
+                        "device_cycles": (e.speculator.num_device_cycles if e.speculator else 0) - device_cycles,
                         "step_ms_median": 1e3 * sorted(walls)[len(walls) // 2] if walls else None,
                         "functions": rows}
         r = out[f"c{c}"]
-        print(f"N={drafts} c={c}: {r['steps']} steps, mean {r['step_ms_mean']:.2f} ms, median "
-              f"{r['step_ms_median']:.2f} ms", flush=True)
+        print(f"N={drafts}{' general' if general else ''} c={c}: {r['steps']} steps ({r['device_cycles']} "
+              f"on the device), mean {r['step_ms_mean']:.2f} ms, median {r['step_ms_median']:.2f} ms", flush=True)
         for k, f in list(rows.items())[:14]:
             print(f"   {k:28s} {f['calls_per_step']:6.1f} calls  {f['ms_per_step']:7.3f} ms per step")
     del e
@@ -122,6 +130,8 @@ def main(argv=None):
     ap.add_argument("--drafts", type=lambda s: [int(x) for x in s.split(",")], default=[0, 3])
     ap.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16])
     ap.add_argument("--gen", type=int, default=64, help="tokens per request")
+    ap.add_argument("--general", action="store_true",
+                    help="also profile each N > 0 with every cycle on the speculative loop's general path")
     a = ap.parse_args(argv)
     if a.cpu:
         os.environ["TRITON_INTERPRET"] = "1"
@@ -134,6 +144,8 @@ def main(argv=None):
         res["device"] = torch.cuda.get_device_name()
     for n in a.drafts:
         res["runs"][f"N={n}"] = profile(dev, n, a.concurrency, a.gen, prompts)
+        if n and a.general:
+            res["runs"][f"N={n} general"] = profile(dev, n, a.concurrency, a.gen, prompts, general=True)
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps(res, indent=1))

@@ -4,7 +4,8 @@ captured verify and draft graphs through the same `CudaExecutor.run_tokens`).
 
 The verify phase is a decode step over several tokens per row and the draft phase one over the
 MTP layer with a hidden row per token; the greedy output with drafts equals the output without,
-token for token, with a prefix-cache hit, and every page comes back.
+token for token, with a prefix-cache hit and with cycles run whole on the device, and every page
+comes back.
 """
 import pytest
 from glmc.runtime.engine.sampling import SamplingParams
@@ -36,7 +37,9 @@ def engine(ckpt, n=0):
 
 
 def test_greedy_with_mtp_on_the_cuda_target_equals_without(tiny_ckpt):
-    greedy = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    """Also with cycles run whole on the device (ids, positions and slots of the chain computed
+    there: `CudaExecutor._device_inputs`), once the requests carry N drafts and room for them."""
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     first = [(37 * i + 11) % 500 + 10 for i in range(66)]
     specs = [[(first, greedy), ([11, 12, 13], greedy)], [(first[:64] + [5], greedy)]]  # a prefix hit
     want = run(engine(tiny_ckpt), specs)
@@ -44,6 +47,7 @@ def test_greedy_with_mtp_on_the_cuda_target_equals_without(tiny_ckpt):
     assert isinstance(e.runner.executor, CudaExecutor) and e.runner.supports_speculative
     assert e.runner.executor.phase_buckets["mtp_verify"] == [3, 6, 12]   # decode buckets x (N + 1)
     assert run(e, specs) == want
+    assert e.speculator.num_device_cycles > 0
     c = e.metrics.counters
     assert c["spec_verify_steps_total"] > 0 and c["prefix_cache_hit_tokens_total"] >= 64
     e.flush_cache()

@@ -155,6 +155,43 @@ def test_small_model_accepts_most_drafts_on_heldout_text(temperature, min_accept
     assert "glmc_spec_accept_length_bucket" in m.render()
 
 
+@pytest.mark.skipif(not (SMALL / "model.safetensors").exists(), reason="models/small is absent")
+@pytest.mark.parametrize("n", [1, 3])
+def test_greedy_cycles_run_whole_on_the_device_as_the_general_path_would(n):
+    """A greedy cycle is queued whole before its read (verify, acceptance, the draft-extend over
+    every verified position, the chain at positions computed on the device): its tokens, its
+    drafts (so the acceptance, which a draft at a wrong position or with a wrong input changes)
+    and its reads are the general path's, on models/small, whose drafts mostly hold, so the
+    accepted counts vary from 0 to N. Requests that sample, ask for logprobs or near their end
+    take the general path."""
+    probe = build_engine(SMALL, warmup=False, overlap=False)
+    ids = probe.tokenizer.encode((SMALL / "heldout.txt").read_text(encoding="utf-8"))
+    stride = len(ids) // 5
+    specs = [(ids[i * stride:i * stride + 50 + 7 * i], SamplingParams(
+        max_tokens=30 + 3 * i, temperature=0.0, ignore_eos=True)) for i in range(4)]
+    stop_id = run(probe, specs[:1])[0][0][20]
+    specs.append((ids[4 * stride:4 * stride + 40], SamplingParams(max_tokens=30, temperature=0.0,
+                                                                   stop_token_ids=[stop_id])))
+
+    def go(on, specs):
+        e = build_engine(SMALL, warmup=False, speculative_num_steps=n)
+        e.speculator.device_cycles = on
+        out = run(e, specs)
+        c = e.metrics.counters
+        return e, out, (c["spec_verify_steps_total"], c["spec_accepted_tokens_total"],
+                        e.speculator.num_reads), e.speculator.num_device_cycles
+    e, fast, counts, cycles = go(True, specs)
+    _, general, want_counts, none = go(False, specs)
+    assert same(fast, general) and counts == want_counts and none == 0
+    assert cycles > counts[0] // (2 * len(specs)), (cycles, counts)
+    assert 0 < counts[1] < counts[0] * n   # some drafts held, some not
+    check_clean(e, specs, fast)
+    others = [SamplingParams(max_tokens=30, temperature=0.7, seed=1, ignore_eos=True),
+              SamplingParams(max_tokens=30, temperature=0.0, logprobs=True, ignore_eos=True)]
+    for params in others:
+        assert go(True, [(specs[0][0], params)])[3] == 0
+
+
 def test_abort_mid_draft_frees_everything(tiny_ckpt):
     e = build_engine(tiny_ckpt, warmup=False, speculative_num_steps=3)
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)

@@ -110,10 +110,10 @@ def compact(batch: ForwardBatch) -> ForwardBatch:
     if batch.batch_size == 0:
         return ForwardBatch.idle()
     width = int(batch.seq_lens.max())
-    ids = batch.device_ids
-    return dataclasses.replace(   # gloo moves host objects: device ids travel as host ones
-        batch, req_to_token=batch.req_to_token[batch.req_pool_indices, :width].clone(),
-        device_ids=None if ids is None else ids.cpu())
+    on_device = {k: None if getattr(batch, k) is None else getattr(batch, k).cpu()
+                 for k in ("device_ids", "device_positions", "device_loc")}
+    return dataclasses.replace(   # gloo moves host objects: device tensors travel as host ones
+        batch, req_to_token=batch.req_to_token[batch.req_pool_indices, :width].clone(), **on_device)
 
 
 class RowMirror:

@@ -190,6 +190,14 @@ class SamplingBatch:
     # where token t may come next (`grammar.token_bitmask`; all ones for unconstrained rows)
 
     @classmethod
+    def greedy(cls, n: int, device) -> SamplingBatch:
+        """`n` greedy rows without bias, penalties, grammar or logprobs: what `from_requests` gives
+        for such requests, whatever their seeds and counters (a greedy draw reads neither)."""
+        zeros = torch.zeros(n, dtype=torch.int64, device=device)
+        fzeros = torch.zeros(n, dtype=torch.float32, device=device)
+        return cls(fzeros, zeros, fzeros + 1.0, fzeros, zeros, zeros, None, None, None, (None,) * n)
+
+    @classmethod
     def from_requests(cls, reqs: list[Sampled], device) -> SamplingBatch:
         """The batch of `reqs` as they stand (a request's grammar mask is the one after its
         `output_ids`, drafts included: `grammar.token_bitmask`)."""

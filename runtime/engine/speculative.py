@@ -175,6 +175,18 @@ class _Outcome:
 
 
 @dataclass
+class _Cycle:
+    """One DP rank's cycle on the device (`MtpSpeculator._run_on_device`): R requests, each with
+    N + 1 verified positions from `start` (its KV length before the verify)."""
+    w: _Verify
+    target: torch.Tensor     # [R * (N + 1)] the target's greedy token at every verified position
+    accepted: torch.Tensor   # [R] drafts held (the leading run where a draft is the target's token)
+    start: torch.Tensor      # [R] each request's first verified position
+    slots: torch.Tensor      # [R, 2N - 1] KV slots of positions start + 1 .. start + 2N - 1
+    chain: ForwardBatch      # the chain steps' batch: positions and slots set on the device
+
+
+@dataclass
 class _Extend:
     """One DP rank's draft-extend: its unfinished requests, their batch and target hidden states."""
     s: Scheduler
@@ -198,6 +210,10 @@ class MtpSpeculator:
         # per draft: (the device tokens [n] its chain step drew, its index there)
         self.draft_tokens: dict[Request, list[tuple[torch.Tensor, int]]] = {}
         self.num_reads = 0
+        # cycles run whole on the device (`_run_on_device`); False: every cycle takes the general path
+        self.device_cycles = True
+        self.num_device_cycles = 0
+        self._greedy: dict[tuple[int, str], SamplingBatch] = {}
         self.unstreamed: list[tuple[Scheduler, Request, list]] = []   # taken, streamed at the step end
 
     def read(self, packed: torch.Tensor) -> list:
@@ -275,9 +291,113 @@ class MtpSpeculator:
         ids = to_device(fb.input_ids, dev).index_copy(0, to_device(torch.tensor(where), dev), drafts)
         return dataclasses.replace(fb, device_ids=ids)
 
+    def _on_device(self, work: list[_Verify | None]) -> bool:
+        """Whether this cycle can run whole on the device (`_run_on_device`): every request of
+        every rank is greedy without logprobs, bias, penalties or a grammar, its next token is
+        due, it carries N drafts, and it has room for N + 1 tokens and a full chain after them
+        (its length, and pages for the chain's positions, which `reserve` holds now: a rollback
+        returns those past what the target keeps)."""
+        N = self.num_steps
+        if not self.device_cycles:
+            return False
+        for w in work:
+            for r, d, ready, start in zip(w.batch.reqs, w.drafts, w.ready, w.batch.prefix_lens) if w else ():
+                p = r.params
+                if not (ready and len(d) == N and p.greedy and not p.logprobs and not p.logit_bias
+                        and not reads_drafts(r) and start + 2 * N + 2 <= r.max_total_tokens):
+                    return False
+        return all(w.s.reserve(r, start + 2 * N + 2) for w in work if w
+                   for r, start in zip(w.batch.reqs, w.batch.prefix_lens))
+
+    def _run_on_device(self, work: list[_Verify | None]) -> None:
+        """A greedy cycle queued whole before its one read (`_on_device` says when): verify; the
+        target's tokens and the accepted counts on the device; the draft-extend over every
+        verified position, fed the target's token there (where a draft held it is the draft, at
+        the first miss the target's replacement: the token one further, whatever the count; the
+        positions past the acceptance get MTP KV that the chain and the next draft-extend
+        overwrite before anything reads it); the first draft from each request's last kept
+        position; the chain at positions the device computes from the count. Then one read
+        (counts and tokens) and the host's part: rollback, drafts, the taken tokens. Tokens,
+        drafts and acceptance are the general path's."""
+        N, e = self.num_steps, self.engine
+        self.num_device_cycles += 1
+        idle = self._idle()
+        outs = e.runner.verify_dp([w.fb if w else i for w, i in zip(work, idle)])
+        cycles = [self._accept(w, logits) if w else None for w, (logits, _) in zip(work, outs)]
+        some = next(h for c, (_, h) in zip(cycles, outs) if c)
+        empty = some.new_zeros(0, some.shape[1])
+        extended = e.runner.draft_dp(
+            [dataclasses.replace(c.w.fb, device_ids=c.target, rows_on_device=True) if c else i
+             for c, i in zip(cycles, idle)], [h if c else empty for c, (_, h) in zip(cycles, outs)])
+        heads = []   # per rank: the last drafts [R] and the MTP hidden rows they came with
+        for c, (logits, hidden) in zip(cycles, extended):
+            if c is not None:
+                rows = c.start.new_tensor(range(0, c.start.numel() * (N + 1), N + 1)) + c.accepted
+                heads.append((logits.index_select(0, rows).argmax(-1), hidden.index_select(0, rows)))
+            else:
+                heads.append(None)
+        drafts = [[h[0]] if h else [] for h in heads]
+        for k in range(1, N):
+            fbs = [dataclasses.replace(c.chain, device_ids=h[0], device_positions=c.start + c.accepted + k,
+                                       device_loc=c.slots.gather(1, (c.accepted + (k - 1))[:, None])[:, 0])
+                   if c else i for c, h, i in zip(cycles, heads, idle)]
+            stepped = e.runner.draft_dp(fbs, [h[1] if c else empty for c, h in zip(cycles, heads)])
+            heads = [(logits.argmax(-1), hidden[:c.start.numel()]) if c else None
+                     for c, (logits, hidden) in zip(cycles, stepped)]
+            for d, h in zip(drafts, heads):
+                if h is not None:
+                    d.append(h[0])
+        values = self.read(torch.cat([torch.cat([c.accepted, c.target]) for c in cycles if c]))
+        for c, d in zip(cycles, drafts):
+            if c is not None:
+                values = self._take(c, torch.stack(d, 1).flatten(), values)
+
+    def _accept(self, w: _Verify, logits: torch.Tensor) -> _Cycle:
+        """The target's greedy token at every verified position and the drafts each request
+        keeps, on the device; the chain's batch and slots (pages `_on_device` reserved)."""
+        N, dev = self.num_steps, logits.device
+        w.s.commit(w.batch)
+        R, T = len(w.batch.reqs), logits.shape[0]
+        key = (T, str(dev))
+        if key not in self._greedy:
+            self._greedy[key] = SamplingBatch.greedy(T, dev)
+        target = sample_batch(logits, self._greedy[key], kernels=self.engine.runner.kernels).token_ids
+        ids = w.fb.device_ids if w.fb.device_ids is not None else to_device(w.fb.input_ids, dev)
+        held = target.view(R, N + 1)[:, :N] == ids.view(R, N + 1)[:, 1:]
+        starts = list(w.batch.prefix_lens)
+        rows = [r.row for r in w.batch.reqs]
+        table = w.s.req_pool.table
+        slots = table[torch.tensor(rows)[:, None], torch.tensor(starts)[:, None] + torch.arange(1, 2 * N)]
+        # host positions and slots: the furthest the chain may reach (workspace bounds, valid slots)
+        chain = ForwardBatch.build("extend", [[UNREAD]] * R, rows, [p + 2 * N - 1 for p in starts], table)
+        chain.rows_on_device = True
+        return _Cycle(w, target, held.long().cumprod(1).sum(1), to_device(torch.tensor(starts), dev),
+                      to_device(slots, dev), chain)
+
+    def _take(self, c: _Cycle, drafts: torch.Tensor, values: list) -> list:
+        """The host's part of a device cycle for one rank, from the read `values` (counts, then
+        tokens; -> what follows them): roll each request back to what the target kept, give the
+        ones that go on their N drafts (`drafts`, [R * N] on the device), take the tokens."""
+        N, w = self.num_steps, c.w
+        R = len(w.batch.reqs)
+        accepted, target = values[:R], values[R:R + R * (N + 1)]
+        for i, (r, start) in enumerate(zip(w.batch.reqs, w.batch.prefix_lens)):
+            a = accepted[i]
+            tokens = target[i * (N + 1):i * (N + 1) + a + 1]
+            w.s.rollback(r, start + 1 + a)
+            if not _ends(r, tokens):
+                r.draft_ids = [UNREAD] * N
+                self.draft_tokens[r] = [(drafts, i * N + k) for k in range(N)]
+            self._append(w.s, r, N, a, [(t, None) for t in tokens])
+        return values[R + R * (N + 1):]
+
     def _run(self, work: list[_Verify | None]) -> None:
         """Verify, the cycle's one read, then the draft-extend and the draft chains queued; the
-        tokens are taken in between and streamed after (`_stream`)."""
+        tokens are taken in between and streamed after (`_stream`). A greedy cycle runs whole on
+        the device instead (`_run_on_device`)."""
+        if self._on_device(work):
+            self._run_on_device(work)
+            return
         fbs = [w.fb if w else idle for w, idle in zip(work, self._idle())]
         outs = self.engine.runner.verify_dp(fbs)
         found = []

@@ -214,6 +214,8 @@ class CudaExecutor(PlanExecutor):
     def forward(self, phase: str, batch: ForwardBatch, hidden=None, dp_tokens=None) -> dict:
         if phase not in ("prefill", *GRAPH_PHASES):
             raise ValueError(f"CudaExecutor: no phase {phase!r} (prefill, {', '.join(GRAPH_PHASES)})")
+        if batch.device_positions is not None and phase != "mtp_draft":
+            raise ValueError(f"CudaExecutor: device positions are for mtp_draft steps, not {phase}")
         if phase in MTP_PHASES and phase not in self.graphs:
             raise ValueError(f"CudaExecutor: the plan has no {phase} phase (no MTP layer)")
         longest = int(batch.seq_lens.max()) if batch.batch_size else 1   # idle: padding only
@@ -274,8 +276,7 @@ class CudaExecutor(PlanExecutor):
         if bucket is not None:
             return self._replay(bucket, batch, caps[bucket], hidden, dp_tokens)
         vectors = to_device(self.host_vectors(batch, need, dp_tokens), self.r2t.device)
-        if batch.device_ids is not None:
-            vectors[0, :T] = batch.device_ids
+        self._device_inputs(vectors, batch)
         if hidden is not None:
             hidden = torch.cat([hidden.to(self.dtype), hidden.new_zeros(need - T, hidden.shape[1],
                                                                        dtype=self.dtype)])
@@ -290,8 +291,7 @@ class CudaExecutor(PlanExecutor):
         copied.synchronize()                 # this buffer's previous copy to the device is done
         host.copy_(self.host_vectors(batch, bucket, dp_tokens))
         cap.packed.copy_(host, non_blocking=True)
-        if batch.device_ids is not None:   # ids computed on the device (speculative drafts)
-            cap.packed[0, :batch.num_tokens].copy_(batch.device_ids)
+        self._device_inputs(cap.packed, batch)
         if cap.last is not None:   # a prefill graph: outputs per request
             last_host.copy_(self._last_tokens(batch, cap.last.numel()))
             cap.last.copy_(last_host, non_blocking=True)
@@ -304,6 +304,15 @@ class CudaExecutor(PlanExecutor):
         self.comm.add(cap.counts)
         n = batch.batch_size if cap.last is not None else batch.num_tokens
         return {k: v[:n] for k, v in cap.out.items()}
+
+    @staticmethod
+    def _device_inputs(vectors: torch.Tensor, batch: ForwardBatch) -> None:
+        """Ids, positions and slots computed on the device (speculative drafts, a chain step after
+        an unread acceptance) over the host's in `host_vectors` on the device."""
+        T = batch.num_tokens
+        for i, v in ((0, batch.device_ids), (1, batch.device_positions), (2, batch.device_loc)):
+            if v is not None:
+                vectors[i, :T].copy_(v)
 
     def release(self) -> None:
         """Drop the captured graphs (they hold NCCL work) and wait for the device: NCCL

@@ -53,6 +53,13 @@ class ForwardBatch:
     # request's step (none was admitted with a prefix-cache hit since: the device wrote each
     # position's slot as it computed it), so that a speculative step need not copy the rows again
     rows_on_device: bool = False
+    # [T] int64 on the runner's device, or None: each token's position and KV slot computed on the
+    # device (a speculative chain step after an acceptance the host has not read), in place of
+    # positions and out_cache_loc, which then hold upper bounds (valid slots of the request at the
+    # furthest position it may be at, for workspace sizes). Only for one token per request: the
+    # runner takes seq_lens as the positions + 1.
+    device_positions: torch.Tensor | None = None
+    device_loc: torch.Tensor | None = None
 
     def __post_init__(self):
         self.validate()
@@ -108,7 +115,7 @@ class ForwardBatch:
         if self.mode not in MODES:
             raise ValueError(f"ForwardBatch.mode must be one of {MODES}, got {self.mode!r}")
         T, B = self.num_tokens, self.batch_size
-        for name in ("positions", "out_cache_loc", "device_ids"):
+        for name in ("positions", "out_cache_loc", "device_ids", "device_positions", "device_loc"):
             if getattr(self, name) is not None and getattr(self, name).shape != (T,):
                 raise ValueError(f"{name} has shape {tuple(getattr(self, name).shape)}, expected ({T},)")
         for name in ("seq_lens", "prefix_lens", "extend_lens"):
@@ -122,5 +129,9 @@ class ForwardBatch:
             raise ValueError(f"prefix_lens {prefix} + extend_lens {extend} != seq_lens {seq}")
         if self.mode == "decode" and any(e != 1 for e in extend):
             raise ValueError(f"decode batch needs extend_lens all 1, got {extend}")
+        if (self.device_positions is None) != (self.device_loc is None):
+            raise ValueError("device_positions and device_loc come together")
+        if self.device_positions is not None and any(e != 1 for e in extend):
+            raise ValueError(f"device positions need one token per request, got extend_lens {extend}")
         if self.mode == "idle" and T:
             raise ValueError(f"idle batch must have no tokens, got T={T}")

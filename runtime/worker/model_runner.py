@@ -44,7 +44,9 @@ class ModelRunner(ABC):
     draft step), writes the MTP layer's KV at `out_cache_loc[t]` (its own pool layer, paged in
     lockstep with the target's) and returns its logits (the guess for p + 2) and its hidden states.
     Both take the batch's `device_ids` (when set) as its token ids: ids already on the runner's
-    device, so the speculator feeds drafts and accepted tokens without reading them back.
+    device, so the speculator feeds drafts and accepted tokens without reading them back; `draft`
+    takes `device_positions` / `device_loc` (when set) as each token's position and KV slot, so a
+    draft step can follow an acceptance the host has not read.
     """
 
     vocab_size: int
@@ -143,11 +145,17 @@ class PlanRunner(ModelRunner):
         self._last[rows] = tokens.cpu()
 
     def _resolve(self, batch: ForwardBatch) -> ForwardBatch:
-        """`batch` with its `device_ids` as its ids (the executor's tensors live on the host) and
-        FUTURE_TOKEN ids replaced by the recorded tokens of their rows."""
+        """`batch` with its `device_ids` as its ids and its `device_positions` / `device_loc` as its
+        positions, lengths and slots (the executor's tensors live on the host), and FUTURE_TOKEN
+        ids replaced by the recorded tokens of their rows."""
         if batch.device_ids is not None:
             batch = dataclasses.replace(batch, input_ids=batch.device_ids.to(batch.input_ids.device),
                                         device_ids=None)
+        if batch.device_positions is not None:   # one token per request (ForwardBatch.validate)
+            pos = batch.device_positions.to(batch.positions.device)
+            batch = dataclasses.replace(batch, positions=pos, prefix_lens=pos, seq_lens=pos + 1,
+                                        out_cache_loc=batch.device_loc.to(pos.device),
+                                        device_positions=None, device_loc=None)
         future = batch.input_ids < 0
         if not bool(future.any()):
             return batch
