@@ -9,7 +9,8 @@
    accept length, and the TPOT at concurrency 1 and 16 (engine steps, host time included: the
    wave's wall time / tokens per request, its prefill included); with drafts, a served cycle (the
    median engine step after the prefill) against its graph replays (verify + draft-extend + N - 1
-   draft steps at the cycle's buckets, device time) and the device reads per cycle.
+   draft steps at the cycle's buckets, device time; and the greedy cycle's one graph), the device
+   reads per cycle and the share of cycles run whole on the device.
 2. serve: `glmc run --device cuda` of glmc-small without and with N = 3 drafts, bench/serve_bench.py
    at concurrency 1 and 16 against each (fixed seeded chat workload, 64 tokens per request):
    output tok/s, TTFT, TPOT and the server's accept length (/metrics).
@@ -112,6 +113,9 @@ def cycle_replays_ms(executor, c: int, n: int) -> dict | None:
     r = {"verify_ms": replay_ms(caps["mtp_verify"][v]), "draft_extend_ms": replay_ms(caps["mtp_draft"][d]),
          "draft_ms": replay_ms(caps["mtp_draft"][chain])}
     r["cycle_ms"] = r["verify_ms"] + r["draft_extend_ms"] + (n - 1) * r["draft_ms"]
+    one = next((cap for b, cap in sorted(getattr(executor, "cycle_captured", {}).items()) if b >= c), None)
+    if one is not None and executor.cycle_steps == n:   # the greedy cycle as one graph
+        r["one_graph_ms"] = replay_ms(one)
     return r
 
 
@@ -139,6 +143,7 @@ def check_small(device, gen, concurrencies):
         for c in concurrencies:
             before = dict(e.metrics.counters)
             reads = getattr(e.speculator, "num_reads", 0)
+            on_device = getattr(e.speculator, "num_device_cycles", 0)
             tokens, wall, steps = run_wave(e, [(p, greedy) for p in prompts[:c]])
             after = e.metrics.counters
             verifies = after.get("spec_verify_steps_total", 0) - before.get("spec_verify_steps_total", 0)
@@ -149,6 +154,7 @@ def check_small(device, gen, concurrencies):
                 # a served cycle: the median engine step after the wave's first (its prefill)
                 r["cycle_ms"] = sorted(steps[1:])[len(steps[1:]) // 2] * 1e3 if len(steps) > 1 else None
                 r["reads_per_cycle"] = (e.speculator.num_reads - reads) / len(steps)   # every step reads once
+                r["device_cycles"] = (e.speculator.num_device_cycles - on_device) / len(steps)   # whole on the device
                 diffs = [first_difference(t, w) for t, w in zip(tokens, want[c])]
                 r["equal_to_plain"] = sum(d is None for d in diffs)
                 r["first_difference"] = diffs
@@ -158,7 +164,8 @@ def check_small(device, gen, concurrencies):
             print(f"small N={n} c={c}: TPOT {r['tpot_ms']:.2f} ms, {r['tok_s']:.0f} tok/s"
                   + (f", accept {r['accept_length']:.2f}, equal {r['equal_to_plain']}/{c}" if n else ""), flush=True)
         if n and hasattr(e.runner.executor, "mtp_captured"):
-            row["graphs"] = {p: sorted(c) for p, c in e.runner.executor.mtp_captured.items()}
+            ex = e.runner.executor
+            row["graphs"] = {**{p: sorted(c) for p, c in ex.mtp_captured.items()}, "mtp_cycle": sorted(ex.cycle_captured)}
         for c in concurrencies if n else ():   # after the waves: the replays write KV where they left it
             r = row[f"c{c}"]
             r["replays"] = graphs = cycle_replays_ms(getattr(e.runner, "executor", None), c, n)

@@ -74,3 +74,49 @@ def test_rows_are_copied_to_the_device_only_for_a_prefix_hit(tiny_ckpt, monkeypa
     got += run(e, waves[1:])
     assert got == want
     assert loads == [64]                                 # the admission step only: b's 64 cached positions
+
+
+def test_a_cycle_in_one_call_is_the_steps_it_fuses(tiny_ckpt):
+    """`CudaExecutor.cycle` (the body a cycle graph captures) against the general path's steps
+    run one by one: verify, greedy acceptance, the draft-extend over the kept positions only,
+    the chain at host positions. The drafts are the plain run's next tokens up to `held` and a
+    wrong one after, so each count (which the tiny model's own drafts almost never make > 0) and
+    the chain's positions and slots that follow from it are exercised, over one request's state
+    (each cycle rewrites the positions the one before wrote)."""
+    import torch
+    from glmc.runtime.worker.forward_batch import ForwardBatch
+    N = 2
+    prompt = [(37 * i + 11) % 500 + 10 for i in range(66)]
+    greedy = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    truth = run(engine(tiny_ckpt), [[(prompt, greedy)]])[0]
+    e = engine(tiny_ckpt, N)
+    assert e.runner.supports_cycle
+    req = e.make_request(prompt, greedy)
+    e.submit(req)
+    while not req.output_ids:   # the prefill
+        e.step()
+    s, ex = e.scheduler.ranks[0], e.runner.executor
+    n = req.num_computed
+    assert req.output_ids == truth[:1] and n == len(prompt)
+    assert s.reserve(req, n + 2 * N + 2)
+    table = s.req_pool.table
+    slots = torch.cat([torch.tensor([[n]]), table[req.row, n + 1:n + 2 * N][None]], 1)
+    for held in (2, 1, 0):
+        wrong = (truth[held + 1] + 1) % 500 + 10
+        ids = [truth[0], *truth[1:1 + held], *[wrong] * (N - held)]
+        got = ex.cycle(ForwardBatch.build("extend", [ids], [req.row], [n], table), slots, N)
+        a = int(got[0])   # the device's table maps every position the cycle wrote to its own slot
+        assert ex.r2t[req.row, n:n + a + N].tolist() == table[req.row, n:n + a + N].tolist()
+        out = ex.forward("mtp_verify", ForwardBatch.build("extend", [ids], [req.row], [n], table))
+        target = out["logits"].argmax(-1)
+        a = int((target[:N] == torch.tensor(ids[1:])).long().cumprod(0).sum())
+        assert a == held and target[:held + 1].tolist() == truth[1:held + 2]
+        kept = ForwardBatch.build("extend", [target[:a + 1].tolist()], [req.row], [n], table)
+        d = ex.forward("mtp_draft", kept, hidden=out["hidden"][:a + 1])
+        drafts, hidden = [int(d["logits"][a].argmax())], d["hidden"][a:a + 1]
+        for k in range(1, N):
+            step = ForwardBatch.build("extend", [[drafts[-1]]], [req.row], [n + a + k], table)
+            d = ex.forward("mtp_draft", step, hidden=hidden)
+            drafts.append(int(d["logits"][0].argmax()))
+            hidden = d["hidden"]
+        assert got[0].tolist() == [a] and got[1].tolist() == target.tolist() and got[2].tolist() == [drafts], held

@@ -176,8 +176,8 @@ class _Outcome:
 
 @dataclass
 class _Cycle:
-    """One DP rank's cycle on the device (`MtpSpeculator._run_on_device`): R requests, each with
-    N + 1 verified positions from `start` (its KV length before the verify)."""
+    """One DP rank's cycle queued phase by phase (`MtpSpeculator._queue_cycle`): R requests,
+    each with N + 1 verified positions from `start` (its KV length before the verify)."""
     w: _Verify
     target: torch.Tensor     # [R * (N + 1)] the target's greedy token at every verified position
     accepted: torch.Tensor   # [R] drafts held (the leading run where a draft is the target's token)
@@ -316,14 +316,40 @@ class MtpSpeculator:
         the first miss the target's replacement: the token one further, whatever the count; the
         positions past the acceptance get MTP KV that the chain and the next draft-extend
         overwrite before anything reads it); the first draft from each request's last kept
-        position; the chain at positions the device computes from the count. Then one read
-        (counts and tokens) and the host's part: rollback, drafts, the taken tokens. Tokens,
-        drafts and acceptance are the general path's."""
+        position; the chain at positions the device computes from the count. A runner that
+        `supports_cycle` (one rank) does it in one call, on a GPU one graph replay; else it is
+        queued here phase by phase on every DP rank. Then one read (counts and tokens) and the
+        host's part: rollback, drafts, the taken tokens. Tokens, drafts and acceptance are the
+        general path's."""
         N, e = self.num_steps, self.engine
         self.num_device_cycles += 1
+        tables = []   # per rank: [R, 2N] each request's first verified position, the chain's slots
+        for w in work:
+            if w is not None:
+                w.s.commit(w.batch)
+                rows, starts = [r.row for r in w.batch.reqs], list(w.batch.prefix_lens)
+                slots = w.s.req_pool.table[torch.tensor(rows)[:, None],
+                                           torch.tensor(starts)[:, None] + torch.arange(1, 2 * N)]
+                tables.append(torch.cat([torch.tensor(starts)[:, None], slots], 1))
+            else:
+                tables.append(None)
+        if e.runner.supports_cycle:
+            results = [e.runner.cycle(work[0].fb, tables[0], N)]
+        else:
+            results = self._queue_cycle(work, tables)
+        values = self.read(torch.cat([torch.cat([a, t]) for a, t, _ in results if a is not None]))
+        for w, (_, _, drafts) in zip(work, results):
+            if w is not None:
+                values = self._take(w, drafts.flatten(), values)
+
+    def _queue_cycle(self, work: list[_Verify | None], tables: list) -> list[tuple]:
+        """`_run_on_device`'s device work through the runner's verify and draft steps on every
+        DP rank: -> per rank (accepted [R], target tokens [R (N + 1)], drafts [R, N]), or Nones."""
+        N, e = self.num_steps, self.engine
         idle = self._idle()
         outs = e.runner.verify_dp([w.fb if w else i for w, i in zip(work, idle)])
-        cycles = [self._accept(w, logits) if w else None for w, (logits, _) in zip(work, outs)]
+        cycles = [self._accept(w, logits, table) if w else None
+                  for w, table, (logits, _) in zip(work, tables, outs)]
         some = next(h for c, (_, h) in zip(cycles, outs) if c)
         empty = some.new_zeros(0, some.shape[1])
         extended = e.runner.draft_dp(
@@ -347,16 +373,13 @@ class MtpSpeculator:
             for d, h in zip(drafts, heads):
                 if h is not None:
                     d.append(h[0])
-        values = self.read(torch.cat([torch.cat([c.accepted, c.target]) for c in cycles if c]))
-        for c, d in zip(cycles, drafts):
-            if c is not None:
-                values = self._take(c, torch.stack(d, 1).flatten(), values)
+        return [(c.accepted, c.target, torch.stack(d, 1)) if c else (None, None, None)
+                for c, d in zip(cycles, drafts)]
 
-    def _accept(self, w: _Verify, logits: torch.Tensor) -> _Cycle:
+    def _accept(self, w: _Verify, logits: torch.Tensor, table: torch.Tensor) -> _Cycle:
         """The target's greedy token at every verified position and the drafts each request
-        keeps, on the device; the chain's batch and slots (pages `_on_device` reserved)."""
+        keeps, on the device; the chain's batch and slots (`table`, pages `_on_device` held)."""
         N, dev = self.num_steps, logits.device
-        w.s.commit(w.batch)
         R, T = len(w.batch.reqs), logits.shape[0]
         key = (T, str(dev))
         if key not in self._greedy:
@@ -364,21 +387,19 @@ class MtpSpeculator:
         target = sample_batch(logits, self._greedy[key], kernels=self.engine.runner.kernels).token_ids
         ids = w.fb.device_ids if w.fb.device_ids is not None else to_device(w.fb.input_ids, dev)
         held = target.view(R, N + 1)[:, :N] == ids.view(R, N + 1)[:, 1:]
-        starts = list(w.batch.prefix_lens)
-        rows = [r.row for r in w.batch.reqs]
-        table = w.s.req_pool.table
-        slots = table[torch.tensor(rows)[:, None], torch.tensor(starts)[:, None] + torch.arange(1, 2 * N)]
+        starts = table[:, 0].tolist()
         # host positions and slots: the furthest the chain may reach (workspace bounds, valid slots)
-        chain = ForwardBatch.build("extend", [[UNREAD]] * R, rows, [p + 2 * N - 1 for p in starts], table)
+        chain = ForwardBatch.build("extend", [[UNREAD]] * R, [r.row for r in w.batch.reqs],
+                                   [p + 2 * N - 1 for p in starts], w.s.req_pool.table)
         chain.rows_on_device = True
-        return _Cycle(w, target, held.long().cumprod(1).sum(1), to_device(torch.tensor(starts), dev),
-                      to_device(slots, dev), chain)
+        table = to_device(table, dev)
+        return _Cycle(w, target, held.long().cumprod(1).sum(1), table[:, 0], table[:, 1:], chain)
 
-    def _take(self, c: _Cycle, drafts: torch.Tensor, values: list) -> list:
+    def _take(self, w: _Verify, drafts: torch.Tensor, values: list) -> list:
         """The host's part of a device cycle for one rank, from the read `values` (counts, then
         tokens; -> what follows them): roll each request back to what the target kept, give the
         ones that go on their N drafts (`drafts`, [R * N] on the device), take the tokens."""
-        N, w = self.num_steps, c.w
+        N = self.num_steps
         R = len(w.batch.reqs)
         accepted, target = values[:R], values[R:R + R * (N + 1)]
         for i, (r, start) in enumerate(zip(w.batch.reqs, w.batch.prefix_lens)):

@@ -32,6 +32,9 @@ draft-extend over the kept positions, is a decode step over more tokens, several
 records them per token bucket: verify at the plan's `mtp_verify` buckets (decode buckets x the
 verify width), draft at those and the decode buckets (a draft-extend carries up to N + 1 tokens
 per request, a chain step one).
+A greedy speculative cycle (verify, acceptance, the draft-extend over every verified position
+and the draft chain at positions computed from the accepted counts) runs as one graph per decode
+bucket of requests (`cycle`, phase `mtp_cycle`, one rank), read back once by the speculator.
 Made by `runtime/worker/loader.py` (`load_runner`), which also captures the graphs.
 """
 from __future__ import annotations
@@ -96,6 +99,7 @@ class GpuStep(Step):
 
 GRAPH_PHASES = ("decode", "mtp_verify", "mtp_draft")   # the phases run per token (`run_tokens`)
 MTP_PHASES = ("mtp_verify", "mtp_draft")
+CYCLE = "mtp_cycle"   # a greedy speculative cycle, verify to the last draft, as one graph (`cycle`)
 # Pinned staging buffers per graph, used in turn: the host queues up to this many replays of one
 # graph ahead of the device before it waits for the oldest one's input copy (a speculative cycle
 # replays the draft graph of one bucket N - 1 times in a row, without reading anything back).
@@ -111,7 +115,9 @@ class Captured:
     out: dict              # static outputs: logits, next_ids, hidden
     counts: dict = field(default_factory=dict)  # the collectives one replay runs (as captured)
     hidden: torch.Tensor | None = None  # mtp_draft: [b, hidden] static input rows
-    last: torch.Tensor | None = None    # prefill: [L] int64, each request's last token (padded 0)
+    # int64 static input beside `packed`: prefill: [L] each request's last token (padded 0);
+    # mtp_cycle: [b, 2N] each request's first verified position and the slots after it (`cycle`)
+    extra: torch.Tensor | None = None
     turn: int = 0                       # the staging buffers' next
 
 
@@ -135,6 +141,7 @@ class CudaExecutor(PlanExecutor):
         self.captured: dict[int, Captured] = {}   # decode graphs by bucket
         self.mtp_captured: dict[str, dict[int, Captured]] = {p: {} for p in MTP_PHASES}
         self.prefill_captured: dict[int, Captured] = {}
+        self.cycle_captured: dict[int, Captured] = {}   # mtp_cycle graphs by requests
         self.num_prefill_replays = 0   # prefill steps that replayed a graph
         split = plan.mesh.token_split_size
         self.buckets = [b for b in plan.decode_buckets if b % split == 0]
@@ -143,9 +150,14 @@ class CudaExecutor(PlanExecutor):
         # prefill graphs on one rank only: ranks would pick buckets by their own longest sequence
         prefill = prefill_buckets(max_batch_tokens) if max_batch_tokens and comm.world == 1 else []
         self.prefill_max_len = min(max_context, PREFILL_GRAPH_MAX_LEN)
+        # the plan's verify width N + 1 (its verify buckets are the decode buckets x it): cycle
+        # graphs per decode bucket on one rank without attention DP
+        width = verify[0] // self.buckets[0] if verify and self.buckets else 0
+        self.cycle_steps = width - 1
+        cycle = self.buckets if width and comm.world == 1 and not self.dp_rows else []
         self.phase_buckets = {"decode": self.buckets, "mtp_verify": verify,
                               "mtp_draft": sorted(set(self.buckets) | set(verify)) if verify else [],
-                              "prefill": prefill}
+                              "prefill": prefill, CYCLE: cycle}
         self.timings: dict = {}
         self.last_bucket: int | None = None   # the bucket the last decode step replayed
 
@@ -237,7 +249,7 @@ class CudaExecutor(PlanExecutor):
         size = self.padded_tokens(batch.num_tokens, dp_tokens)
         bucket = next((b for b in sorted(self.prefill_captured) if b >= size), None)
         if bucket is not None and longest <= self.prefill_max_len \
-                and B <= self.prefill_captured[bucket].last.numel():
+                and B <= self.prefill_captured[bucket].extra.numel():
             self.num_prefill_replays += 1
             return self._replay(bucket, batch, self.prefill_captured[bucket])
         vectors = to_device(self.host_vectors(batch, size, dp_tokens), self.r2t.device)
@@ -284,17 +296,23 @@ class CudaExecutor(PlanExecutor):
         return {k: v[:T] for k, v in out.items()}
 
     def _replay(self, bucket: int, batch: ForwardBatch, cap: Captured | None = None, hidden=None,
-                dp_tokens=None) -> dict:
+                dp_tokens=None, extra: torch.Tensor | None = None) -> dict:
+        """Replay `cap` (default: the decode graph of `bucket`) over `batch`; `extra`: the host
+        values of a cycle graph's `Captured.extra` (a prefill graph's are the batch's)."""
         cap = cap or self.captured[bucket]
-        host, last_host, copied = cap.staged[cap.turn]
+        host, extra_host, copied = cap.staged[cap.turn]
         cap.turn = (cap.turn + 1) % len(cap.staged)
         copied.synchronize()                 # this buffer's previous copy to the device is done
-        host.copy_(self.host_vectors(batch, bucket, dp_tokens))
+        host.copy_(self.host_vectors(batch, cap.packed.shape[1], dp_tokens))
         cap.packed.copy_(host, non_blocking=True)
         self._device_inputs(cap.packed, batch)
-        if cap.last is not None:   # a prefill graph: outputs per request
-            last_host.copy_(self._last_tokens(batch, cap.last.numel()))
-            cap.last.copy_(last_host, non_blocking=True)
+        if cap.extra is not None:
+            if extra is None:   # a prefill graph: outputs per request
+                extra_host.copy_(self._last_tokens(batch, cap.extra.numel()))
+            else:
+                extra_host[:extra.shape[0]].copy_(extra)
+                extra_host[extra.shape[0]:, 1:].fill_(self.scratch)   # padding requests: scratch slots
+            cap.extra.copy_(extra_host, non_blocking=True)
         copied.record()
         if cap.hidden is not None:
             T = batch.num_tokens
@@ -302,8 +320,63 @@ class CudaExecutor(PlanExecutor):
             cap.hidden[T:].zero_()
         cap.graph.replay()
         self.comm.add(cap.counts)
-        n = batch.batch_size if cap.last is not None else batch.num_tokens
+        if extra is not None:
+            return cap.out
+        n = batch.batch_size if cap.extra is not None else batch.num_tokens
         return {k: v[:n] for k, v in cap.out.items()}
+
+    # ------------------------------------------------------------------ a speculative cycle, one graph
+    @torch.no_grad()
+    def cycle(self, batch: ForwardBatch, table: torch.Tensor, num_steps: int) -> tuple:
+        """A greedy speculative cycle (`speculative.MtpSpeculator._run_on_device`) in one replay:
+        `batch` is the verify, R requests x (N + 1) tokens ([own token, N drafts], the drafts as
+        `device_ids`); `table` [R, 2N] int64 (host): each request's first verified position, then
+        the KV slots of the 2N - 1 positions after it (the chain's, pages held). -> on the device:
+        accepted [R] (the leading drafts equal to the target's greedy token before them), target
+        [R (N + 1)] (that token at every verified position) and drafts [R, N] (the MTP chain from
+        each request's last kept position). The graph of the smallest captured bucket >= R
+        (`capture(phases=(CYCLE,))`, the plan's N only), else the same body eagerly. One rank only."""
+        R, N = batch.batch_size, num_steps
+        if self.comm.world != 1:
+            raise ValueError("CudaExecutor.cycle runs on one rank (the speculator drives several through verify and draft)")
+        if batch.num_tokens != R * (N + 1):
+            raise ValueError(f"CudaExecutor.cycle: {batch.num_tokens} tokens for {R} requests x {N + 1}")
+        if R and not batch.rows_on_device and int(batch.prefix_lens.max()):
+            self._load_rows(batch, width=int(batch.prefix_lens.max()))
+        caps = self.cycle_captured if N == self.cycle_steps else {}
+        bucket = next((b for b in sorted(caps) if b >= R), None)
+        if bucket is not None:
+            out = self._replay(bucket, batch, caps[bucket], extra=table)
+        else:
+            vectors = to_device(self.host_vectors(batch, batch.num_tokens), self.r2t.device)
+            self._device_inputs(vectors, batch)
+            out = self.cycle_body(vectors, to_device(table, self.r2t.device), N)
+        return out["accepted"][:R], out["target"][:R * (N + 1)], out["drafts"][:R]
+
+    def cycle_body(self, vectors: torch.Tensor, table: torch.Tensor, N: int) -> dict:
+        """`cycle` over `host_vectors` of the verify and the table on the device (the captured
+        region): verify; the target's greedy tokens (the plan's sampler at temperature 0) and the
+        accepted counts; the draft-extend over every verified position fed the target's token
+        there; the first draft from each last kept position; N - 1 chain steps at positions and
+        slots computed from the counts."""
+        T = vectors.shape[1]
+        R = T // (N + 1)
+        out = self.run_tokens("mtp_verify", vectors)
+        target = tt.sample(out["logits"], 0.0, 0, 1.0, 0.0, 0, 0, lib=self.kernels)
+        held = target.view(R, N + 1)[:, :N] == vectors[0].view(R, N + 1)[:, 1:]
+        accepted = held.long().cumprod(1).sum(1)
+        drafted = self.run_tokens("mtp_draft", torch.cat([target[None], vectors[1:4]]), out["hidden"])
+        rows = torch.arange(0, T, N + 1, device=vectors.device) + accepted
+        token = drafted["logits"].index_select(0, rows).argmax(-1)
+        hidden = drafted["hidden"].index_select(0, rows)
+        drafts, req_rows = [token], vectors[3].view(R, N + 1)[:, 0]
+        for k in range(1, N):
+            chain = torch.stack([token, table[:, 0] + accepted + k,
+                                 table[:, 1:].gather(1, (accepted + (k - 1))[:, None])[:, 0], req_rows])
+            drafted = self.run_tokens("mtp_draft", chain, hidden)
+            token, hidden = drafted["logits"].argmax(-1), drafted["hidden"]
+            drafts.append(token)
+        return {"accepted": accepted, "target": target, "drafts": torch.stack(drafts, 1)}
 
     @staticmethod
     def _device_inputs(vectors: torch.Tensor, batch: ForwardBatch) -> None:
@@ -319,6 +392,7 @@ class CudaExecutor(PlanExecutor):
         communicators are destroyed only after no graph can launch on them."""
         self.captured.clear()
         self.prefill_captured.clear()
+        self.cycle_captured.clear()
         for caps in self.mtp_captured.values():
             caps.clear()
         if self.r2t.is_cuda:
@@ -346,7 +420,7 @@ class CudaExecutor(PlanExecutor):
         return {b: t for b, t in self.timings.items() if isinstance(b, int)}
 
     def _graphs_of(self, phase: str) -> dict[int, Captured]:
-        own = {"decode": self.captured, "prefill": self.prefill_captured}
+        own = {"decode": self.captured, "prefill": self.prefill_captured, CYCLE: self.cycle_captured}
         return own[phase] if phase in own else self.mtp_captured[phase]
 
     def num_graphs(self, phases=("decode",)) -> int:
@@ -354,16 +428,25 @@ class CudaExecutor(PlanExecutor):
         return sum(len(self.phase_buckets[p]) for p in phases)
 
     def _capture_one(self, phase: str, b: int, warmup: int, pool, side: torch.cuda.Stream) -> Captured:
-        packed = torch.zeros(4 + self.dp_rows, b, dtype=torch.int64, device=self.r2t.device)
+        """One graph: `b` tokens (mtp_cycle: `b` requests of N + 1 tokens)."""
+        dev, N = self.r2t.device, self.cycle_steps
+        tokens = b * (N + 1) if phase == CYCLE else b
+        packed = torch.zeros(4 + self.dp_rows, tokens, dtype=torch.int64, device=dev)
         packed[2].fill_(self.scratch), packed[3].fill_(self.pad_row)
-        hidden = (torch.zeros(b, self.config.hidden_size, dtype=self.dtype, device=self.r2t.device)
+        hidden = (torch.zeros(b, self.config.hidden_size, dtype=self.dtype, device=dev)
                   if phase == "mtp_draft" else None)
-        last = (torch.zeros(min(b, self.pad_row), dtype=torch.int64, device=self.r2t.device)
-                if phase == "prefill" else None)   # up to max_reqs requests per step
+        extra = None
+        if phase == "prefill":   # up to max_reqs requests per step
+            extra = torch.zeros(min(b, self.pad_row), dtype=torch.int64, device=dev)
+        elif phase == CYCLE:
+            extra = torch.full((b, 2 * N), self.scratch, dtype=torch.int64, device=dev)
+            extra[:, 0] = 0
 
         def body():
             if phase == "prefill":
-                return self.prefill_body(packed, last, self.prefill_max_len)
+                return self.prefill_body(packed, extra, self.prefill_max_len)
+            if phase == CYCLE:
+                return self.cycle_body(packed, extra, N)
             return self.run_tokens(phase, packed, hidden)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):        # compile kernels, create handles, fill caches
@@ -377,10 +460,10 @@ class CudaExecutor(PlanExecutor):
         counts = self.comm.reset()            # one step's collectives, credited per replay
         self.comm.add(saved)
         torch.cuda.synchronize()
-        staged = [(torch.empty(4 + self.dp_rows, b, dtype=torch.int64).pin_memory(),
-                   None if last is None else torch.empty(last.numel(), dtype=torch.int64).pin_memory(),
+        staged = [(torch.empty(packed.shape, dtype=torch.int64).pin_memory(),
+                   None if extra is None else torch.empty(extra.shape, dtype=torch.int64).pin_memory(),
                    torch.cuda.Event()) for _ in range(NUM_STAGING)]
-        return Captured(graph, packed, staged, out, counts, hidden, last)
+        return Captured(graph, packed, staged, out, counts, hidden, extra)
 
 
 def to_device_weight(w, device, dtype, fp32: bool = False):

@@ -85,7 +85,8 @@ def load_runner(plan: Plan, weights: Weights, run: RunConfig | None = None, *, c
     hand out that many, and `max_running` requests per step), `max_context`, `kv_fp8` (what becomes
     of the caches the plan stores fp8, `KVPool.for_plan`), and on a GPU the graphs it captures
     (`capture`: the decode buckets; with `speculative_num_steps` > 0 also the MTP verify and draft
-    graphs of a plan with MTP phases; with `prefill_graphs`, prefill graphs for steps of up to
+    graphs of a plan with MTP phases, and on one rank a greedy cycle's graph per decode bucket
+    when the run's N is the plan's; with `prefill_graphs`, prefill graphs for steps of up to
     `max_batch_tokens` tokens on one-rank plans, `cuda_executor.prefill_buckets`). A CUDA-target
     plan on "cpu" runs the same code uncaptured, Triton under TRITON_INTERPRET=1: a dry run.
     `weights` is a checkpoint directory (a random one makes its weights on the device:
@@ -108,7 +109,7 @@ def load_runner(plan: Plan, weights: Weights, run: RunConfig | None = None, *, c
         pool = KVPool.for_plan(plan, num_pages + 1, torch.float32, device, run.kv_fp8 or "none")
         executor = PlanExecutor(plan, local, pool, comm, device=device, stacks=stacks)
         return PlanRunner(executor, max_context)
-    from glmc.runtime.worker.cuda_executor import MTP_PHASES, CudaExecutor, to_device_weight, to_device_weights
+    from glmc.runtime.worker.cuda_executor import CYCLE, MTP_PHASES, CudaExecutor, to_device_weight, to_device_weights
 
     dtype = compute_dtype(plan.dtypes)
     max_ctx = context_limit(plan.config.max_position_embeddings, num_pages, max_context)
@@ -121,6 +122,8 @@ def load_runner(plan: Plan, weights: Weights, run: RunConfig | None = None, *, c
                        max_batch_tokens=run.max_batch_tokens if run.prefill_graphs else 0)
     loaded, captured = time.perf_counter() - t0, {}
     phases = ("decode", *MTP_PHASES) if run.speculative_num_steps and plan.has_mtp else ("decode",)
+    if len(phases) > 1 and gpu.phase_buckets[CYCLE] and gpu.cycle_steps == run.speculative_num_steps:
+        phases += (CYCLE,)   # greedy cycles in one graph (one rank)
     phases += ("prefill",) if gpu.phase_buckets["prefill"] else ()
     if run.capture and device.type == "cuda":
         with progress(total=gpu.num_graphs(phases), desc="capturing CUDA graphs", unit="graph") as bar:
@@ -128,6 +131,7 @@ def load_runner(plan: Plan, weights: Weights, run: RunConfig | None = None, *, c
         captured = gpu.timings
     if comm.rank == 0:
         others = {p: sorted(gpu.mtp_captured[p]) for p in MTP_PHASES if gpu.mtp_captured[p]}
+        others.update({CYCLE: sorted(gpu.cycle_captured)} if gpu.cycle_captured else {})
         others.update({"prefill": sorted(gpu.prefill_captured)} if gpu.prefill_captured else {})
         print(f"glmc: {device} runner ({plan.parallel}, rank 0 of {comm.world}): "
               f"weights {loaded:.1f} s, {len(gpu.captured)} decode graphs {sorted(gpu.captured)}"

@@ -57,6 +57,7 @@ class ModelRunner(ABC):
     kernels = None  # the plan's KernelLibrary when the logits are on a GPU (its sampler kernel)
     supports_overlap: bool = False
     supports_speculative: bool = False
+    supports_cycle: bool = False   # `cycle`: a greedy speculative cycle in one call (one rank)
 
     @abstractmethod
     def forward(self, batch: ForwardBatch) -> torch.Tensor: ...
@@ -69,6 +70,11 @@ class ModelRunner(ABC):
 
     def draft(self, batch: ForwardBatch, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError(f"{type(self).__name__} does not run speculative decoding")
+
+    def cycle(self, batch: ForwardBatch, table: torch.Tensor, num_steps: int) -> tuple:
+        """A greedy speculative cycle in one call (`cuda_executor.CudaExecutor.cycle`: verify,
+        acceptance, draft-extend and chain; -> accepted, target tokens, drafts on the device)."""
+        raise NotImplementedError(f"{type(self).__name__} does not run a speculative cycle in one call")
 
     def verify_dp(self, batches: list[ForwardBatch]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """`verify` on every DP rank at once (idle ranks get `ForwardBatch.idle`)."""
@@ -202,6 +208,13 @@ class DevicePlanRunner(PlanRunner):
     @property
     def kernels(self):
         return self.executor.kernels
+
+    @property
+    def supports_cycle(self) -> bool:
+        return self.supports_speculative and bool(self.executor.phase_buckets.get("mtp_cycle"))
+
+    def cycle(self, batch: ForwardBatch, table: torch.Tensor, num_steps: int) -> tuple:
+        return self.executor.cycle(batch, table, num_steps)
 
     def record_tokens(self, rows: list[int], tokens: torch.Tensor) -> None:
         self.executor.record_tokens(rows, tokens)
