@@ -100,7 +100,7 @@ def test_a_cycle_in_one_call_is_the_steps_it_fuses(tiny_ckpt):
     assert req.output_ids == truth[:1] and n == len(prompt)
     assert s.reserve(req, n + 2 * N + 2)
     table = s.req_pool.table
-    slots = torch.cat([torch.tensor([[n]]), table[req.row, n + 1:n + 2 * N][None]], 1)
+    slots = torch.cat([torch.tensor([[n, N]]), table[req.row, n + 1:n + 2 * N][None]], 1)
     for held in (2, 1, 0):
         wrong = (truth[held + 1] + 1) % 500 + 10
         ids = [truth[0], *truth[1:1 + held], *[wrong] * (N - held)]

@@ -294,17 +294,18 @@ class MtpSpeculator:
     def _on_device(self, work: list[_Verify | None]) -> bool:
         """Whether this cycle can run whole on the device (`_run_on_device`): every request of
         every rank is greedy without logprobs, bias, penalties or a grammar, its next token is
-        due, it carries N drafts, and it has room for N + 1 tokens and a full chain after them
-        (its length, and pages for the chain's positions, which `reserve` holds now: a rollback
-        returns those past what the target keeps)."""
+        due after one token of its own and up to N drafts (fewer near its end: the cycle pads
+        them), and positions and pages for N + 1 tokens and a chain of N after them fit its
+        context (`reserve` holds the pages now: a rollback returns those past what the target
+        keeps)."""
         N = self.num_steps
         if not self.device_cycles:
             return False
         for w in work:
-            for r, d, ready, start in zip(w.batch.reqs, w.drafts, w.ready, w.batch.prefix_lens) if w else ():
+            for r, own, ready, start in zip(w.batch.reqs, w.own, w.ready, w.batch.prefix_lens) if w else ():
                 p = r.params
-                if not (ready and len(d) == N and p.greedy and not p.logprobs and not p.logit_bias
-                        and not reads_drafts(r) and start + 2 * N + 2 <= r.max_total_tokens):
+                if not (ready and own == 1 and p.greedy and not p.logprobs and not p.logit_bias
+                        and not reads_drafts(r) and start + 2 * N + 2 <= r.max_context):
                     return False
         return all(w.s.reserve(r, start + 2 * N + 2) for w in work if w
                    for r, start in zip(w.batch.reqs, w.batch.prefix_lens))
@@ -323,14 +324,16 @@ class MtpSpeculator:
         general path's."""
         N, e = self.num_steps, self.engine
         self.num_device_cycles += 1
-        tables = []   # per rank: [R, 2N] each request's first verified position, the chain's slots
-        for w in work:
+        tables = []   # per rank: [R, 2N + 1] each request's first verified position, its drafts, the chain's slots
+        for i, w in enumerate(work):
             if w is not None:
                 w.s.commit(w.batch)
+                if any(len(d) < N for d in w.drafts):   # near its end: padded to N drafts
+                    work[i] = w = self._padded(w)
                 rows, starts = [r.row for r in w.batch.reqs], list(w.batch.prefix_lens)
                 slots = w.s.req_pool.table[torch.tensor(rows)[:, None],
                                            torch.tensor(starts)[:, None] + torch.arange(1, 2 * N)]
-                tables.append(torch.cat([torch.tensor(starts)[:, None], slots], 1))
+                tables.append(torch.cat([torch.tensor([starts, [len(d) for d in w.drafts]]).T, slots], 1))
             else:
                 tables.append(None)
         if e.runner.supports_cycle:
@@ -341,6 +344,25 @@ class MtpSpeculator:
         for w, (_, _, drafts) in zip(work, results):
             if w is not None:
                 values = self._take(w, drafts.flatten(), values)
+
+    def _padded(self, w: _Verify) -> _Verify:
+        """`w` with every request's verify N + 1 tokens long: a request with fewer drafts (near
+        its end) gets token 0 after them, at positions whose pages `_on_device` held; the
+        cycle's acceptance stops at its own drafts (`cycle` reads their count)."""
+        N = self.num_steps
+        own = [r.all_ids[p:p + 1] for r, p in zip(w.batch.reqs, w.batch.prefix_lens)]
+        fb = ForwardBatch.build("extend", [o + [0] * N for o in own], [r.row for r in w.batch.reqs],
+                                w.batch.prefix_lens, w.s.req_pool.table)
+        fb.rows_on_device = w.fb.rows_on_device
+        ids = fb.input_ids if w.fb.device_ids is None else to_device(fb.input_ids, w.fb.device_ids.device)
+        src = w.fb.device_ids if w.fb.device_ids is not None else w.fb.input_ids
+        # each request's own token and drafts, from where the scheduler's batch had them
+        at = [(i * (N + 1) + j, start + j) for i, start, end in w.fb.token_ranges() for j in range(end - start)]
+        dst, where = (torch.tensor(x) for x in zip(*at))
+        ids = ids.index_copy(0, to_device(dst, ids.device), src.index_select(0, to_device(where, src.device)))
+        fb = dataclasses.replace(fb, device_ids=ids) if w.fb.device_ids is not None else \
+            dataclasses.replace(fb, input_ids=ids)
+        return dataclasses.replace(w, fb=fb)
 
     def _queue_cycle(self, work: list[_Verify | None], tables: list) -> list[tuple]:
         """`_run_on_device`'s device work through the runner's verify and draft steps on every
@@ -387,13 +409,14 @@ class MtpSpeculator:
         target = sample_batch(logits, self._greedy[key], kernels=self.engine.runner.kernels).token_ids
         ids = w.fb.device_ids if w.fb.device_ids is not None else to_device(w.fb.input_ids, dev)
         held = target.view(R, N + 1)[:, :N] == ids.view(R, N + 1)[:, 1:]
+        held &= to_device(torch.arange(N)[None, :] < table[:, 1:2], dev)   # a padded verify's own drafts only
         starts = table[:, 0].tolist()
         # host positions and slots: the furthest the chain may reach (workspace bounds, valid slots)
         chain = ForwardBatch.build("extend", [[UNREAD]] * R, [r.row for r in w.batch.reqs],
                                    [p + 2 * N - 1 for p in starts], w.s.req_pool.table)
         chain.rows_on_device = True
         table = to_device(table, dev)
-        return _Cycle(w, target, held.long().cumprod(1).sum(1), table[:, 0], table[:, 1:], chain)
+        return _Cycle(w, target, held.long().cumprod(1).sum(1), table[:, 0], table[:, 2:], chain)
 
     def _take(self, w: _Verify, drafts: torch.Tensor, values: list) -> list:
         """The host's part of a device cycle for one rank, from the read `values` (counts, then
@@ -402,14 +425,15 @@ class MtpSpeculator:
         N = self.num_steps
         R = len(w.batch.reqs)
         accepted, target = values[:R], values[R:R + R * (N + 1)]
-        for i, (r, start) in enumerate(zip(w.batch.reqs, w.batch.prefix_lens)):
+        for i, (r, start, d) in enumerate(zip(w.batch.reqs, w.batch.prefix_lens, w.drafts)):
             a = accepted[i]
             tokens = target[i * (N + 1):i * (N + 1) + a + 1]
             w.s.rollback(r, start + 1 + a)
-            if not _ends(r, tokens):
-                r.draft_ids = [UNREAD] * N
-                self.draft_tokens[r] = [(drafts, i * N + k) for k in range(N)]
-            self._append(w.s, r, N, a, [(t, None) for t in tokens])
+            length = min(N, r.max_total_tokens - (r.num_tokens + len(tokens)))   # the general path's
+            if not _ends(r, tokens) and length > 0:
+                r.draft_ids = [UNREAD] * length
+                self.draft_tokens[r] = [(drafts, i * N + k) for k in range(length)]
+            self._append(w.s, r, len(d), a, [(t, None) for t in tokens])
         return values[R + R * (N + 1):]
 
     def _run(self, work: list[_Verify | None]) -> None:

@@ -116,7 +116,7 @@ class Captured:
     counts: dict = field(default_factory=dict)  # the collectives one replay runs (as captured)
     hidden: torch.Tensor | None = None  # mtp_draft: [b, hidden] static input rows
     # int64 static input beside `packed`: prefill: [L] each request's last token (padded 0);
-    # mtp_cycle: [b, 2N] each request's first verified position and the slots after it (`cycle`)
+    # mtp_cycle: [b, 2N + 1] each request's first verified position, drafts, the slots after it (`cycle`)
     extra: torch.Tensor | None = None
     turn: int = 0                       # the staging buffers' next
 
@@ -311,7 +311,8 @@ class CudaExecutor(PlanExecutor):
                 extra_host.copy_(self._last_tokens(batch, cap.extra.numel()))
             else:
                 extra_host[:extra.shape[0]].copy_(extra)
-                extra_host[extra.shape[0]:, 1:].fill_(self.scratch)   # padding requests: scratch slots
+                extra_host[extra.shape[0]:, :2].zero_()   # padding requests: no drafts, scratch slots
+                extra_host[extra.shape[0]:, 2:].fill_(self.scratch)
             cap.extra.copy_(extra_host, non_blocking=True)
         copied.record()
         if cap.hidden is not None:
@@ -330,9 +331,10 @@ class CudaExecutor(PlanExecutor):
     def cycle(self, batch: ForwardBatch, table: torch.Tensor, num_steps: int) -> tuple:
         """A greedy speculative cycle (`speculative.MtpSpeculator._run_on_device`) in one replay:
         `batch` is the verify, R requests x (N + 1) tokens ([own token, N drafts], the drafts as
-        `device_ids`); `table` [R, 2N] int64 (host): each request's first verified position, then
-        the KV slots of the 2N - 1 positions after it (the chain's, pages held). -> on the device:
-        accepted [R] (the leading drafts equal to the target's greedy token before them), target
+        `device_ids`); `table` [R, 2N + 1] int64 (host): each request's first verified position,
+        its number of drafts (those past it pad the verify), then the KV slots of the 2N - 1
+        positions after the first (the chain's, pages held). -> on the device: accepted [R] (the
+        leading drafts, of its own, equal to the target's greedy token before them), target
         [R (N + 1)] (that token at every verified position) and drafts [R, N] (the MTP chain from
         each request's last kept position). The graph of the smallest captured bucket >= R
         (`capture(phases=(CYCLE,))`, the plan's N only), else the same body eagerly. One rank only."""
@@ -364,6 +366,7 @@ class CudaExecutor(PlanExecutor):
         out = self.run_tokens("mtp_verify", vectors)
         target = tt.sample(out["logits"], 0.0, 0, 1.0, 0.0, 0, 0, lib=self.kernels)
         held = target.view(R, N + 1)[:, :N] == vectors[0].view(R, N + 1)[:, 1:]
+        held &= torch.arange(N, device=vectors.device)[None, :] < table[:, 1:2]   # its own drafts only
         accepted = held.long().cumprod(1).sum(1)
         drafted = self.run_tokens("mtp_draft", torch.cat([target[None], vectors[1:4]]), out["hidden"])
         rows = torch.arange(0, T, N + 1, device=vectors.device) + accepted
@@ -372,7 +375,7 @@ class CudaExecutor(PlanExecutor):
         drafts, req_rows = [token], vectors[3].view(R, N + 1)[:, 0]
         for k in range(1, N):
             chain = torch.stack([token, table[:, 0] + accepted + k,
-                                 table[:, 1:].gather(1, (accepted + (k - 1))[:, None])[:, 0], req_rows])
+                                 table[:, 2:].gather(1, (accepted + (k - 1))[:, None])[:, 0], req_rows])
             drafted = self.run_tokens("mtp_draft", chain, hidden)
             token, hidden = drafted["logits"].argmax(-1), drafted["hidden"]
             drafts.append(token)
@@ -439,8 +442,8 @@ class CudaExecutor(PlanExecutor):
         if phase == "prefill":   # up to max_reqs requests per step
             extra = torch.zeros(min(b, self.pad_row), dtype=torch.int64, device=dev)
         elif phase == CYCLE:
-            extra = torch.full((b, 2 * N), self.scratch, dtype=torch.int64, device=dev)
-            extra[:, 0] = 0
+            extra = torch.full((b, 2 * N + 1), self.scratch, dtype=torch.int64, device=dev)
+            extra[:, :2] = 0
 
         def body():
             if phase == "prefill":
