@@ -192,6 +192,28 @@ def test_greedy_cycles_run_whole_on_the_device_as_the_general_path_would(n):
         assert go(True, [(specs[0][0], params)])[3] == 0
 
 
+@pytest.mark.skipif(not (SMALL / "model.safetensors").exists(), reason="models/small is absent")
+def test_a_device_cycle_streams_the_cycle_befores_tokens_while_it_runs(monkeypatch):
+    """A cycle on the device streams the tokens the cycle before took between queueing its work
+    and its read (the host's streaming overlaps the device); its own stream during the next."""
+    from glmc.runtime.engine import speculative
+    e = build_engine(SMALL, warmup=False, speculative_num_steps=3)
+    ids = e.tokenizer.encode((SMALL / "heldout.txt").read_text(encoding="utf-8"))[:60]
+    events, at_read = [], []
+    req = e.make_request(ids, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
+    monkeypatch.setattr(speculative, "read_back", lambda t: at_read.append(
+        (len(events), len(req.output_ids), e.speculator.num_device_cycles)) or t.tolist())
+    e.submit(req, events.append)
+    after_step = []
+    while not req.finished:
+        e.step()
+        after_step.append((len(events), len(req.output_ids), e.speculator.num_device_cycles))
+    device = [(n, out) for n, out, cycles in at_read if cycles > 1]
+    assert len(device) > 3 and all(n == out for n, out in device)   # all taken before streamed
+    assert sum(n < out for n, out, cycles in after_step[:-1] if cycles) > 3   # deferred to the next
+    assert [ev.token_id for ev in events] == req.output_ids
+
+
 def test_abort_mid_draft_frees_everything(tiny_ckpt):
     e = build_engine(tiny_ckpt, warmup=False, speculative_num_steps=3)
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)

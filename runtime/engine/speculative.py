@@ -12,7 +12,16 @@ and the next verify as `ForwardBatch.device_ids`. Only a request that `reads_dra
 or penalties over its history: the host builds their masks and counts from the tokens before each
 position) reads its drafts as each chain step draws them.
 
-Overlap: after the read the host rolls pages back, queues the draft-extend, takes the tokens
+Greedy cycles run whole on the device (`_run_on_device`, when every request of the step is
+greedy without logprobs, bias, penalties or a grammar, and its next token is due): the verify, the
+target's tokens and the accepted counts, a draft-extend over every verified position (fed the
+target's token at each: the accepted draft, then the replacement; positions past the acceptance
+get MTP KV that is overwritten before it is read) and the chain at positions and slots the device
+computes from the counts are queued before the cycle's one read, on one rank as one CUDA graph
+(`runner.cycle`). A request near its end pads its verify to N + 1 tokens. Tokens, drafts and
+acceptance are what the general path below gives.
+
+Overlap (the general path): after the read the host rolls pages back, queues the draft-extend, takes the tokens
 (their ids join the output: the drafts' RNG counters and the next cycle read them) and queues the
 draft chain, none of it waiting for the device; then it streams the taken tokens (detokenize,
 send, stop strings: `_stream`), ends the step, schedules the next and prepares its verify, all
@@ -213,6 +222,7 @@ class MtpSpeculator:
         # cycles run whole on the device (`_run_on_device`); False: every cycle takes the general path
         self.device_cycles = True
         self.num_device_cycles = 0
+        self._deferred = False   # this step's taken tokens stream while the next cycle runs
         self._greedy: dict[tuple[int, str], SamplingBatch] = {}
         self.unstreamed: list[tuple[Scheduler, Request, list]] = []   # taken, streamed at the step end
 
@@ -223,6 +233,7 @@ class MtpSpeculator:
     def step(self) -> bool:
         """Schedule, verify + accept, draft; False when there was nothing to do."""
         e = self.engine
+        self._deferred = False
         batches = e.scheduler.schedule()
         if batches is not None:
             e.metrics.step([b for b in batches if b is not None])
@@ -230,7 +241,8 @@ class MtpSpeculator:
                     for s, b in zip(e.scheduler.ranks, batches)]
             if any(work):
                 self._run(work)
-        self._stream()
+        if not self._deferred:
+            self._stream()
         # drafts a release dropped (retraction, abort) take their tokens and q rows with them
         self.draft_q = {r: q for r, q in self.draft_q.items() if r.draft_ids}
         self.draft_tokens = {r: t for r, t in self.draft_tokens.items() if r.draft_ids}
@@ -319,9 +331,11 @@ class MtpSpeculator:
         overwrite before anything reads it); the first draft from each request's last kept
         position; the chain at positions the device computes from the count. A runner that
         `supports_cycle` (one rank) does it in one call, on a GPU one graph replay; else it is
-        queued here phase by phase on every DP rank. Then one read (counts and tokens) and the
-        host's part: rollback, drafts, the taken tokens. Tokens, drafts and acceptance are the
-        general path's."""
+        queued here phase by phase on every DP rank. While it runs, the cycle before's tokens
+        stream (`_stream`: a stop string among them ends its request one cycle late, its tokens
+        of this cycle dropped); then one read (counts and tokens) and the host's part: rollback,
+        drafts, the taken tokens, streamed during the next cycle (or at the end of the next step
+        when no cycle runs on the device). Tokens, drafts and acceptance are the general path's."""
         N, e = self.num_steps, self.engine
         self.num_device_cycles += 1
         tables = []   # per rank: [R, 2N + 1] each request's first verified position, its drafts, the chain's slots
@@ -340,10 +354,12 @@ class MtpSpeculator:
             results = [e.runner.cycle(work[0].fb, tables[0], N)]
         else:
             results = self._queue_cycle(work, tables)
+        self._stream()   # the cycle before's tokens, while this one runs
         values = self.read(torch.cat([torch.cat([a, t]) for a, t, _ in results if a is not None]))
         for w, (_, _, drafts) in zip(work, results):
             if w is not None:
                 values = self._take(w, drafts.flatten(), values)
+        self._deferred = True
 
     def _padded(self, w: _Verify) -> _Verify:
         """`w` with every request's verify N + 1 tokens long: a request with fewer drafts (near
@@ -426,6 +442,8 @@ class MtpSpeculator:
         R = len(w.batch.reqs)
         accepted, target = values[:R], values[R:R + R * (N + 1)]
         for i, (r, start, d) in enumerate(zip(w.batch.reqs, w.batch.prefix_lens, w.drafts)):
+            if r.finished:   # a stop string in the cycle before's tokens, found as they streamed
+                continue
             a = accepted[i]
             tokens = target[i * (N + 1):i * (N + 1) + a + 1]
             w.s.rollback(r, start + 1 + a)
