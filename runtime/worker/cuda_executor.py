@@ -364,7 +364,12 @@ class CudaExecutor(PlanExecutor):
         T = vectors.shape[1]
         R = T // (N + 1)
         out = self.run_tokens("mtp_verify", vectors)
-        target = tt.sample(out["logits"], 0.0, 0, 1.0, 0.0, 0, 0, lib=self.kernels)
+        dev = vectors.device
+
+        def greedy():   # the sampler's parameters at temperature 0, made before any capture (no copies in one)
+            zero, izero = torch.zeros(T, device=dev), torch.zeros(T, dtype=torch.int64, device=dev)
+            return zero, izero, zero + 1.0, zero, izero, izero
+        target = tt.sample(out["logits"], *self.derived(("greedy", T), greedy), lib=self.kernels)
         held = target.view(R, N + 1)[:, :N] == vectors[0].view(R, N + 1)[:, 1:]
         held &= torch.arange(N, device=vectors.device)[None, :] < table[:, 1:2]   # its own drafts only
         accepted = held.long().cumprod(1).sum(1)
