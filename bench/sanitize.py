@@ -39,17 +39,26 @@ from bench import ROOT, common
 TOOLS = ("memcheck", "racecheck")
 PARTS = ("plan_check", "tp8ep8", "dp8ep8")
 SUMMARY = re.compile(r"=+ ERROR SUMMARY: (\d+) errors?")
+# racecheck ends with its own line: "RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)"
+RACES = re.compile(r"=+ RACECHECK SUMMARY: \d+ hazards? displayed \((\d+) errors?, (\d+) warnings?\)")
 DONE = "sanitize workload done: "
 
 
 def verdict(output: str) -> dict:
-    """A compute-sanitizer run's output -> {errors (None: no summary line: the tool did not finish),
-    first: its first report lines, workload: the workload's own result line (JSON) if it printed one}."""
+    """A compute-sanitizer run's output -> {errors (None: no summary line: the tool did not finish;
+    memcheck's ERROR SUMMARY, racecheck's RACECHECK SUMMARY errors), first: its first report lines,
+    workload: the workload's own result line (JSON) if it printed one; race_warnings: racecheck's
+    warnings (hazards it could not prove)}."""
     counts = [int(m) for m in SUMMARY.findall(output)]
-    lines = [ln for ln in output.splitlines() if ln.startswith("=========") and "ERROR SUMMARY" not in ln]
+    races = [(int(e), int(w)) for e, w in RACES.findall(output)]
+    counts += [e for e, _ in races]
+    lines = [ln for ln in output.splitlines() if ln.startswith("=========") and " SUMMARY" not in ln]
     done = [ln[len(DONE):] for ln in output.splitlines() if ln.startswith(DONE)]
-    return {"errors": sum(counts) if counts else None, "first": lines[:40],
-            "workload": json.loads(done[-1]) if done else None}
+    out = {"errors": sum(counts) if counts else None, "first": lines[:40],
+           "workload": json.loads(done[-1]) if done else None}
+    if races:
+        out["race_warnings"] = sum(w for _, w in races)
+    return out
 
 
 # ----------------------------------------------------------------------------- workloads

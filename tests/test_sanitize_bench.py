@@ -32,6 +32,13 @@ def test_verdict_reads_the_error_summary_and_the_workload():
     # a tool that never reached its summary (killed, timed out) is no verdict, and not clean
     cut = sanitize.verdict("========= COMPUTE-SANITIZER\n")
     assert cut["errors"] is None and not sanitize.clean({"rc": None, **cut}, cpu=False)
+    # racecheck's summary is its own line (compute-sanitizer 2025)
+    races = "========= COMPUTE-SANITIZER\n========= RACECHECK SUMMARY: {} hazards displayed ({} errors, {} warnings)\n"
+    calm = sanitize.verdict(races.format(0, 0, 0))
+    assert calm["errors"] == 0 and calm["race_warnings"] == 0 and calm["first"] == ["========= COMPUTE-SANITIZER"]
+    hazard = sanitize.verdict(races.format(3, 2, 1))
+    assert hazard["errors"] == 2 and hazard["race_warnings"] == 1
+    assert not sanitize.clean({"rc": 0, **hazard}, cpu=False)
     # a workload whose own check failed is not clean whatever the tool says
     failed = sanitize.verdict(CLEAN.replace("true", "false"))
     assert not sanitize.clean({"rc": 0, **failed}, cpu=False)
