@@ -37,6 +37,8 @@ def test_explain_quotes_the_recorded_quality(tiny_ckpt):
     plan = plan_for(ROOT / "models" / "small", device="cuda", max_running=4)
     q = recorded_quality(plan)
     assert q is not None and Path(ROOT / q["source"]).is_file()
+    assert q["target"] == "cuda"   # the GPU run for a CUDA plan, the CPU one for a CPU plan
+    assert recorded_quality(plan_for(ROOT / "models" / "small", device="cpu", max_running=4))["target"] == "cpu"
     assert q["formats"] == "fp8_kv" and {r["format"] for r in q["rows"]} >= {"bf16", "fp8_kv"}
     text = render(explain_plan(plan, batch=4, context=512))
     assert "## Quality (recorded for models/small" in text and "| fp8_kv (this plan) |" in text
