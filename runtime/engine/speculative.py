@@ -93,6 +93,7 @@ from glmc.runtime.engine.sampling import SamplingBatch, TokenLogprobs, sample_ba
 from glmc.runtime.engine.spec_sampling import draw_drafts, verify_drafts
 from glmc.runtime.engine.scheduler import ScheduledBatch, Scheduler
 from glmc.runtime.worker.forward_batch import ForwardBatch, to_device
+from glmc.runtime.worker.model_runner import cycle_accepted, cycle_chain_step, cycle_last_kept
 
 UNREAD = -1   # the host's placeholder for a draft id that lives on the device only
 
@@ -186,12 +187,11 @@ class _Outcome:
 @dataclass
 class _Cycle:
     """One DP rank's cycle queued phase by phase (`MtpSpeculator._queue_cycle`): R requests,
-    each with N + 1 verified positions from `start` (its KV length before the verify)."""
+    each with N + 1 verified positions."""
     w: _Verify
     target: torch.Tensor     # [R * (N + 1)] the target's greedy token at every verified position
-    accepted: torch.Tensor   # [R] drafts held (the leading run where a draft is the target's token)
-    start: torch.Tensor      # [R] each request's first verified position
-    slots: torch.Tensor      # [R, 2N - 1] KV slots of positions start + 1 .. start + 2N - 1
+    accepted: torch.Tensor   # [R] drafts held (`model_runner.cycle_accepted`)
+    table: torch.Tensor      # the cycle table on the device (`ModelRunner.cycle`)
     chain: ForwardBatch      # the chain steps' batch: positions and slots set on the device
 
 
@@ -338,7 +338,7 @@ class MtpSpeculator:
         when no cycle runs on the device). Tokens, drafts and acceptance are the general path's."""
         N, e = self.num_steps, self.engine
         self.num_device_cycles += 1
-        tables = []   # per rank: [R, 2N + 1] each request's first verified position, its drafts, the chain's slots
+        tables = []   # per rank: the cycle table (`ModelRunner.cycle`)
         for i, w in enumerate(work):
             if w is not None:
                 w.s.commit(w.batch)
@@ -396,23 +396,27 @@ class MtpSpeculator:
         heads = []   # per rank: the last drafts [R] and the MTP hidden rows they came with
         for c, (logits, hidden) in zip(cycles, extended):
             if c is not None:
-                rows = c.start.new_tensor(range(0, c.start.numel() * (N + 1), N + 1)) + c.accepted
+                rows = cycle_last_kept(c.accepted, N)
                 heads.append((logits.index_select(0, rows).argmax(-1), hidden.index_select(0, rows)))
             else:
                 heads.append(None)
         drafts = [[h[0]] if h else [] for h in heads]
         for k in range(1, N):
-            fbs = [dataclasses.replace(c.chain, device_ids=h[0], device_positions=c.start + c.accepted + k,
-                                       device_loc=c.slots.gather(1, (c.accepted + (k - 1))[:, None])[:, 0])
-                   if c else i for c, h, i in zip(cycles, heads, idle)]
+            fbs = [self._chain_step(c, h[0], k) if c else i for c, h, i in zip(cycles, heads, idle)]
             stepped = e.runner.draft_dp(fbs, [h[1] if c else empty for c, h in zip(cycles, heads)])
-            heads = [(logits.argmax(-1), hidden[:c.start.numel()]) if c else None
+            heads = [(logits.argmax(-1), hidden[:c.accepted.numel()]) if c else None
                      for c, (logits, hidden) in zip(cycles, stepped)]
             for d, h in zip(drafts, heads):
                 if h is not None:
                     d.append(h[0])
         return [(c.accepted, c.target, torch.stack(d, 1)) if c else (None, None, None)
                 for c, d in zip(cycles, drafts)]
+
+    @staticmethod
+    def _chain_step(c: _Cycle, tokens: torch.Tensor, k: int) -> ForwardBatch:
+        """Chain step k's batch: the last drafts `tokens` at positions and slots the device computes."""
+        positions, loc = cycle_chain_step(c.table, c.accepted, k)
+        return dataclasses.replace(c.chain, device_ids=tokens, device_positions=positions, device_loc=loc)
 
     def _accept(self, w: _Verify, logits: torch.Tensor, table: torch.Tensor) -> _Cycle:
         """The target's greedy token at every verified position and the drafts each request
@@ -424,20 +428,19 @@ class MtpSpeculator:
             self._greedy[key] = SamplingBatch.greedy(T, dev)
         target = sample_batch(logits, self._greedy[key], kernels=self.engine.runner.kernels).token_ids
         ids = w.fb.device_ids if w.fb.device_ids is not None else to_device(w.fb.input_ids, dev)
-        held = target.view(R, N + 1)[:, :N] == ids.view(R, N + 1)[:, 1:]
-        held &= to_device(torch.arange(N)[None, :] < table[:, 1:2], dev)   # a padded verify's own drafts only
         starts = table[:, 0].tolist()
         # host positions and slots: the furthest the chain may reach (workspace bounds, valid slots)
         chain = ForwardBatch.build("extend", [[UNREAD]] * R, [r.row for r in w.batch.reqs],
                                    [p + 2 * N - 1 for p in starts], w.s.req_pool.table)
         chain.rows_on_device = True
         table = to_device(table, dev)
-        return _Cycle(w, target, held.long().cumprod(1).sum(1), table[:, 0], table[:, 2:], chain)
+        return _Cycle(w, target, cycle_accepted(target, ids, table, N), table, chain)
 
     def _take(self, w: _Verify, drafts: torch.Tensor, values: list) -> list:
         """The host's part of a device cycle for one rank, from the read `values` (counts, then
         tokens; -> what follows them): roll each request back to what the target kept, give the
-        ones that go on their N drafts (`drafts`, [R * N] on the device), take the tokens."""
+        ones that go on as many of their N drafts (`drafts`, [R * N] on the device) as the
+        general path would draft, take the tokens."""
         N = self.num_steps
         R = len(w.batch.reqs)
         accepted, target = values[:R], values[R:R + R * (N + 1)]

@@ -54,6 +54,7 @@ from glmc.runtime.worker.comm import Comm
 from glmc.runtime.worker.executor import PlanExecutor, Step
 from glmc.runtime.worker.forward_batch import ForwardBatch, to_device
 from glmc.runtime.worker.kv_cache import KVPool
+from glmc.runtime.worker.model_runner import cycle_accepted, cycle_chain_step, cycle_last_kept
 
 from glmc.plan import Plan
 
@@ -310,9 +311,7 @@ class CudaExecutor(PlanExecutor):
             if extra is None:   # a prefill graph: outputs per request
                 extra_host.copy_(self._last_tokens(batch, cap.extra.numel()))
             else:
-                extra_host[:extra.shape[0]].copy_(extra)
-                extra_host[extra.shape[0]:, :2].zero_()   # padding requests: no drafts, scratch slots
-                extra_host[extra.shape[0]:, 2:].fill_(self.scratch)
+                extra_host.copy_(extra)
             cap.extra.copy_(extra_host, non_blocking=True)
         copied.record()
         if cap.hidden is not None:
@@ -347,8 +346,11 @@ class CudaExecutor(PlanExecutor):
             self._load_rows(batch, width=int(batch.prefix_lens.max()))
         caps = self.cycle_captured if N == self.cycle_steps else {}
         bucket = next((b for b in sorted(caps) if b >= R), None)
-        if bucket is not None:
-            out = self._replay(bucket, batch, caps[bucket], extra=table)
+        if bucket is not None:   # padding requests: no drafts, scratch slots
+            padded = torch.full((bucket, table.shape[1]), self.scratch, dtype=torch.int64)
+            padded[:, :2] = 0
+            padded[:R] = table
+            out = self._replay(bucket, batch, caps[bucket], extra=padded)
         else:
             vectors = to_device(self.host_vectors(batch, batch.num_tokens), self.r2t.device)
             self._device_inputs(vectors, batch)
@@ -370,17 +372,14 @@ class CudaExecutor(PlanExecutor):
             zero, izero = torch.zeros(T, device=dev), torch.zeros(T, dtype=torch.int64, device=dev)
             return zero, izero, zero + 1.0, zero, izero, izero
         target = tt.sample(out["logits"], *self.derived(("greedy", T), greedy), lib=self.kernels)
-        held = target.view(R, N + 1)[:, :N] == vectors[0].view(R, N + 1)[:, 1:]
-        held &= torch.arange(N, device=vectors.device)[None, :] < table[:, 1:2]   # its own drafts only
-        accepted = held.long().cumprod(1).sum(1)
+        accepted = cycle_accepted(target, vectors[0], table, N)
         drafted = self.run_tokens("mtp_draft", torch.cat([target[None], vectors[1:4]]), out["hidden"])
-        rows = torch.arange(0, T, N + 1, device=vectors.device) + accepted
+        rows = cycle_last_kept(accepted, N)
         token = drafted["logits"].index_select(0, rows).argmax(-1)
         hidden = drafted["hidden"].index_select(0, rows)
         drafts, req_rows = [token], vectors[3].view(R, N + 1)[:, 0]
         for k in range(1, N):
-            chain = torch.stack([token, table[:, 0] + accepted + k,
-                                 table[:, 2:].gather(1, (accepted + (k - 1))[:, None])[:, 0], req_rows])
+            chain = torch.stack([token, *cycle_chain_step(table, accepted, k), req_rows])
             drafted = self.run_tokens("mtp_draft", chain, hidden)
             token, hidden = drafted["logits"].argmax(-1), drafted["hidden"]
             drafts.append(token)

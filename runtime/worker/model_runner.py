@@ -73,7 +73,10 @@ class ModelRunner(ABC):
 
     def cycle(self, batch: ForwardBatch, table: torch.Tensor, num_steps: int) -> tuple:
         """A greedy speculative cycle in one call (`cuda_executor.CudaExecutor.cycle`: verify,
-        acceptance, draft-extend and chain; -> accepted, target tokens, drafts on the device)."""
+        acceptance, draft-extend and chain; -> accepted, target tokens, drafts on the device).
+        `table` [R, 2N + 1] int64: per request its first verified position, its number of drafts,
+        then the KV slots of the 2N - 1 positions after the first (`cycle_accepted`,
+        `cycle_chain_step` read it)."""
         raise NotImplementedError(f"{type(self).__name__} does not run a speculative cycle in one call")
 
     def verify_dp(self, batches: list[ForwardBatch]) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -93,6 +96,28 @@ class ModelRunner(ABC):
         if len(batches) != 1:
             raise ValueError(f"{type(self).__name__} has one DP rank, got {len(batches)} batches")
         return [self.forward(batches[0])]
+
+
+def cycle_accepted(target: torch.Tensor, ids: torch.Tensor, table: torch.Tensor, N: int) -> torch.Tensor:
+    """A greedy cycle's accepted counts [R]: per request (N + 1 verified positions, `ids` its verify
+    input [own token, N drafts], `target` the target's token at each position) the leading drafts
+    equal to the target's token before them, among its own (`table`'s draft count; those past
+    it pad the verify). `table`: the cycle table (`ModelRunner.cycle`), on the tokens' device."""
+    R = target.numel() // (N + 1)
+    held = target.view(R, N + 1)[:, :N] == ids.view(R, N + 1)[:, 1:]
+    held &= torch.arange(N, device=target.device)[None, :] < table[:, 1:2]
+    return held.long().cumprod(1).sum(1)
+
+
+def cycle_last_kept(accepted: torch.Tensor, N: int) -> torch.Tensor:
+    """Each request's last kept verified position, as a row of the cycle's [R (N + 1)] tokens."""
+    return torch.arange(0, accepted.numel() * (N + 1), N + 1, device=accepted.device) + accepted
+
+
+def cycle_chain_step(table: torch.Tensor, accepted: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chain step k's (1..N-1) position and KV slot per request [R], from the cycle table and
+    the accepted counts: position first + accepted + k, its slot from the table's."""
+    return table[:, 0] + accepted + k, table[:, 2:].gather(1, (accepted + (k - 1))[:, None])[:, 0]
 
 
 def context_limit(max_position_embeddings: int, num_pages: int, max_context: int | None) -> int:
