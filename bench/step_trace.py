@@ -131,6 +131,8 @@ def main():
     ap.add_argument("--ctx", type=int, default=1024)
     ap.add_argument("--replays", type=int, default=10)
     ap.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 32, 128])
+    ap.add_argument("--prefill-tokens", type=int, default=None,
+                    help="tokens per prefill forward (default: 8192 for a lone rank, 16384 for the whole step)")
     ap.add_argument("--parallel", default="tp1", help="not tp1: rank 0 of this mesh alone (LoneComm), collectives left out")
     args = ap.parse_args()
     import torch
@@ -158,9 +160,9 @@ def main():
     table = common.req_table(B_max, (ctx + 64) // 64)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, plan.config.vocab_size, (ctx,), generator=g).tolist() for _ in range(B_max)]
-    # a lone rank prefills 8192 tokens a forward, as mtp_gpu_check's rank part: 16384 under tp8ep8
-    # ended in an illegal memory access (README, "Limits")
-    common.prefill(runner, prompts, table, group=max(1, (8192 if lone else 16384) // ctx))
+    # a lone rank prefills 8192 tokens a forward by default, as mtp_gpu_check's rank part
+    per_forward = args.prefill_tokens or (8192 if lone else 16384)
+    common.prefill(runner, prompts, table, group=max(1, per_forward // ctx))
     if not lone:
         runner.capture(args.batches)
     res = {}
