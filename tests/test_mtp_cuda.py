@@ -45,7 +45,10 @@ def test_greedy_with_mtp_on_the_cuda_target_equals_without(tiny_ckpt):
     want = run(engine(tiny_ckpt), specs)
     e = engine(tiny_ckpt, 2)
     assert isinstance(e.runner.executor, CudaExecutor) and e.runner.supports_speculative
-    assert e.runner.executor.phase_buckets["mtp_verify"] == [3, 6, 12]   # decode buckets x (N + 1)
+    buckets = e.runner.executor.phase_buckets
+    # decode buckets x (N + 1), then the prefill graphs' token counts (steps with prompts' chunks)
+    assert buckets["mtp_verify"] == [3, 6, 12] + [b for b in buckets["prefill"] if b > 12] == [3, 6, 12, 16, 32, 64, 128, 256]
+    assert set(buckets["mtp_draft"]) == set(buckets["mtp_verify"]) | set(buckets["decode"])
     assert run(e, specs) == want
     assert e.speculator.num_device_cycles > 0
     c = e.metrics.counters

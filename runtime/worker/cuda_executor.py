@@ -31,7 +31,8 @@ draft-extend over the kept positions, is a decode step over more tokens, several
 `hidden` row per token (static buffer [b, hidden] in its graphs). `capture(phases=MTP_PHASES...)`
 records them per token bucket: verify at the plan's `mtp_verify` buckets (decode buckets x the
 verify width), draft at those and the decode buckets (a draft-extend carries up to N + 1 tokens
-per request, a chain step one).
+per request, a chain step one); with prefill graphs (one rank) both also at the prefill token
+counts above those, for speculative steps that carry prompts' chunks.
 A greedy speculative cycle (verify, acceptance, the draft-extend over every verified position
 and the draft chain at positions computed from the accepted counts) runs as one graph per decode
 bucket of requests (`cycle`, phase `mtp_cycle`, one rank), read back once by the speculator.
@@ -156,8 +157,11 @@ class CudaExecutor(PlanExecutor):
         width = verify[0] // self.buckets[0] if verify and self.buckets else 0
         self.cycle_steps = width - 1
         cycle = self.buckets if width and comm.world == 1 and not self.dp_rows else []
-        self.phase_buckets = {"decode": self.buckets, "mtp_verify": verify,
-                              "mtp_draft": sorted(set(self.buckets) | set(verify)) if verify else [],
+        # a speculative step that carries prompts' chunks runs them through mtp_verify and the MTP
+        # layer over their positions: with prefill graphs, those phases get the prefill token counts too
+        chunks = [b for b in prefill if b > verify[-1]] if verify else []
+        self.phase_buckets = {"decode": self.buckets, "mtp_verify": verify + chunks,
+                              "mtp_draft": sorted(set(self.buckets) | set(verify) | set(chunks)) if verify else [],
                               "prefill": prefill, CYCLE: cycle}
         self.timings: dict = {}
         self.last_bucket: int | None = None   # the bucket the last decode step replayed
