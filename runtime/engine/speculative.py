@@ -19,7 +19,9 @@ target's token at each: the accepted draft, then the replacement; positions past
 get MTP KV that is overwritten before it is read) and the chain at positions and slots the device
 computes from the counts are queued before the cycle's one read, on one rank as one CUDA graph
 (`runner.cycle`). A request near its end pads its verify to N + 1 tokens. Tokens, drafts and
-acceptance are what the general path below gives.
+acceptance are what the general path below gives. A step that also carries prompts' chunks runs
+those apart (`_split`): the cycles on the device first, then the chunks on the general path (a
+second read).
 
 Overlap (the general path): after the read the host rolls pages back, queues the draft-extend, takes the tokens
 (their ids join the output: the drafts' RNG counters and the next cycle read them) and queues the
@@ -237,10 +239,22 @@ class MtpSpeculator:
         batches = e.scheduler.schedule()
         if batches is not None:
             e.metrics.step([b for b in batches if b is not None])
-            work = [self._prepare(s, b) if b is not None and b.reqs else None
-                    for s, b in zip(e.scheduler.ranks, batches)]
-            if any(work):
-                self._run(work)
+            parts = [self._split(b) if b is not None and b.reqs else (None, None) for b in batches]
+            if any(d for d, _ in parts) and any(c for _, c in parts):
+                # prompts' chunks beside greedy cycles: the cycles on the device, the chunks apart
+                ranks = e.scheduler.ranks
+                cycles = [self._prepare(s, d) if d else None for s, (d, _) in zip(ranks, parts)]
+                chunks = [self._prepare(s, c) if c else None for s, (_, c) in zip(ranks, parts)]
+                if self._on_device(cycles):
+                    self._run_on_device(cycles)
+                else:   # pages for the chains fell short: both the general way
+                    self._run(cycles)
+                self._run(chunks)
+            else:
+                work = [self._prepare(s, b) if b is not None and b.reqs else None
+                        for s, b in zip(e.scheduler.ranks, batches)]
+                if any(work):
+                    self._run(work)
         if not self._deferred:
             self._stream()
         # drafts a release dropped (retraction, abort) take their tokens and q rows with them
@@ -248,6 +262,35 @@ class MtpSpeculator:
         self.draft_tokens = {r: t for r, t in self.draft_tokens.items() if r.draft_ids}
         e.update_gauges()
         return batches is not None
+
+    def _split(self, b: ScheduledBatch) -> tuple[ScheduledBatch | None, ScheduledBatch | None]:
+        """(b's requests that a greedy cycle could take whole on the device: next token due after
+        one token of its own, `_simple`; the others: prompts' chunks), either None when empty.
+        (None, b) when cycles do not run on the device or a request whose next token is due
+        samples or reads its drafts: that step runs whole on the general path."""
+        if not self.device_cycles:
+            return None, b
+        cycle, other = ScheduledBatch(), ScheduledBatch()
+        for r, start, n in zip(b.reqs, b.prefix_lens, b.extend_lens):
+            own = n - min(len(r.draft_ids), max(n - r.num_pending, 0))   # `_prepare`'s
+            if own == 1 and start + own == r.num_tokens:
+                if not self._simple(r):
+                    return None, b
+                cycle.add(r, n)
+                cycle.prefix_lens[-1] = start
+            else:
+                other.add(r, n)
+                other.prefix_lens[-1] = start
+        if not other.reqs:
+            return b, None
+        other.admitted, other.retracted = b.admitted, b.retracted
+        return cycle if cycle.reqs else None, other
+
+    @staticmethod
+    def _simple(r: Request) -> bool:
+        """Greedy without logprobs, bias, penalties or a grammar: a request a device cycle can take."""
+        p = r.params
+        return p.greedy and not p.logprobs and not p.logit_bias and not reads_drafts(r)
 
     def _stream(self) -> None:
         """Stream the tokens this cycle took (`_append`): each through the engine's
@@ -315,9 +358,7 @@ class MtpSpeculator:
             return False
         for w in work:
             for r, own, ready, start in zip(w.batch.reqs, w.own, w.ready, w.batch.prefix_lens) if w else ():
-                p = r.params
-                if not (ready and own == 1 and p.greedy and not p.logprobs and not p.logit_bias
-                        and not reads_drafts(r) and start + 2 * N + 2 <= r.max_context):
+                if not (ready and own == 1 and self._simple(r) and start + 2 * N + 2 <= r.max_context):
                     return False
         return all(w.s.reserve(r, start + 2 * N + 2) for w in work if w
                    for r, start in zip(w.batch.reqs, w.batch.prefix_lens))
