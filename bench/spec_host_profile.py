@@ -2,7 +2,7 @@
 
     python -m bench.spec_host_profile --out FILE                 # the GPU: glmc-small, N = 0 and 3
     python -m bench.spec_host_profile --cpu --gen 8               # dry run on the CPU
-    [--drafts 0,3] [--concurrency 1,16] [--gen 64] [--general]
+    [--drafts 0,3] [--concurrency 1,16] [--gen 64] [--general] [--unchained]
 
 glmc-small (models/small) in an in-process engine as `mtp_gpu_check --parts small` builds it (CUDA
 graphs for decode, verify and draft); per draft count and concurrency a warm-up wave, then a wave of
@@ -12,8 +12,10 @@ remaining engine step's wall time, and for the functions of the speculative loop
 the runner and the executor (`WATCHED`) their calls per step and wall time per step exclusive of
 the watched functions they call. What no watched function covers is the `rest` row (the engine's
 own step loop, metrics). Greedy cycles run whole on the device (`device_cycles`: how many steps
-did); `--general` profiles each N > 0 again with every cycle on the general path. Plain decoding (N = 0) overlaps its host work with the device, so its
-step is the larger of the two. Measures; changes nothing.
+did; each queued from the one before's outputs before that one is read, `overlap_cycles`);
+`--general` profiles each N > 0 again with every cycle on the general path, `--unchained` with
+device cycles each read before the next is queued. Plain decoding (N = 0) overlaps its host work
+with the device, so its step is the larger of the two. Measures; changes nothing.
 """
 from __future__ import annotations
 
@@ -29,7 +31,8 @@ from bench import mtp_gpu_check as mg
 WATCHED = {
     "speculator": ("_prepare", "_run", "_sample", "read", "_extend", "_draft_extend", "_draft", "_chain",
                    "_add_drafts", "_append", "_stream", "_append_now", "_with_drafts", "_pack", "_unpack",
-                   "_on_device", "_run_on_device", "_accept", "_take"),
+                   "_on_device", "_run_on_device", "_accept", "_take", "_chain_next", "_finish",
+                   "_queue_device", "_chainable", "_split"),
     "scheduler": ("schedule",),
     "rank": ("reserve", "rollback", "commit", "offer_pages", "schedule"),
     "runner": ("verify_dp", "draft_dp", "forward_dp", "forward", "step"),
@@ -76,15 +79,18 @@ class Timers:
         self.calls.clear()
 
 
-def profile(dev: str, drafts: int, concurrency: list[int], gen: int, prompts: list, general: bool = False) -> dict:
-    """`general`: every cycle takes the speculative loop's general path (no cycle run whole on
-    the device: `MtpSpeculator.device_cycles` off)."""
+def profile(dev: str, drafts: int, concurrency: list[int], gen: int, prompts: list, variant: str = "") -> dict:
+    """`variant` "general": every cycle takes the speculative loop's general path (no cycle run
+    whole on the device: `MtpSpeculator.device_cycles` off); "unchained": device cycles, each read
+    before the next is queued (`MtpSpeculator.overlap_cycles` off)."""
     import torch
     from glmc.runtime.engine.sampling import SamplingParams
     greedy = SamplingParams(max_tokens=gen, temperature=0.0, ignore_eos=True)
     e = mg.small_engine(drafts, dev)
-    if general:
+    if variant == "general":
         e.speculator.device_cycles = False
+    elif variant == "unchained":
+        e.speculator.overlap_cycles = False
     timers = Timers()
     timers.watch(e)
     out = {}
@@ -115,7 +121,7 @@ def profile(dev: str, drafts: int, concurrency: list[int], gen: int, prompts: li
                         "step_ms_median": 1e3 * sorted(walls)[len(walls) // 2] if walls else None,
                         "functions": rows}
         r = out[f"c{c}"]
-        print(f"N={drafts}{' general' if general else ''} c={c}: {r['steps']} steps ({r['device_cycles']} "
+        print(f"N={drafts}{' ' + variant if variant else ''} c={c}: {r['steps']} steps ({r['device_cycles']} "
               f"on the device), mean {r['step_ms_mean']:.2f} ms, median {r['step_ms_median']:.2f} ms", flush=True)
         for k, f in list(rows.items())[:14]:
             print(f"   {k:28s} {f['calls_per_step']:6.1f} calls  {f['ms_per_step']:7.3f} ms per step")
@@ -132,6 +138,8 @@ def main(argv=None):
     ap.add_argument("--gen", type=int, default=64, help="tokens per request")
     ap.add_argument("--general", action="store_true",
                     help="also profile each N > 0 with every cycle on the speculative loop's general path")
+    ap.add_argument("--unchained", action="store_true",
+                    help="also profile each N > 0 with each device cycle read before the next is queued")
     a = ap.parse_args(argv)
     if a.cpu:
         os.environ["TRITON_INTERPRET"] = "1"
@@ -144,8 +152,8 @@ def main(argv=None):
         res["device"] = torch.cuda.get_device_name()
     for n in a.drafts:
         res["runs"][f"N={n}"] = profile(dev, n, a.concurrency, a.gen, prompts)
-        if n and a.general:
-            res["runs"][f"N={n} general"] = profile(dev, n, a.concurrency, a.gen, prompts, general=True)
+        for variant in [v for v in ("general", "unchained") if n and getattr(a, v)]:
+            res["runs"][f"N={n} {variant}"] = profile(dev, n, a.concurrency, a.gen, prompts, variant)
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps(res, indent=1))

@@ -230,14 +230,18 @@ def test_prompts_arriving_leave_the_other_cycles_on_the_device():
 
 
 @pytest.mark.skipif(not (SMALL / "model.safetensors").exists(), reason="models/small is absent")
-def test_a_device_cycle_streams_the_cycle_befores_tokens_while_it_runs(monkeypatch):
-    """A cycle on the device streams the tokens the cycle before took between queueing its work
-    and its read (the host's streaming overlaps the device); its own stream during the next."""
+@pytest.mark.parametrize("chained", [True, False])
+def test_a_device_cycle_streams_the_cycle_befores_tokens_while_it_runs(monkeypatch, chained):
+    """Chained (the default): each cycle after the first is queued from the one before's outputs
+    before that one is read, and the one before's tokens stream while it runs (all taken at a
+    read were streamed before it). Not chained: a cycle streams the tokens the cycle before took
+    between queueing its work and its read; its own stream during the next."""
     from glmc.runtime.engine import speculative
     e = build_engine(SMALL, warmup=False, speculative_num_steps=3)
+    e.speculator.overlap_cycles = chained
     ids = e.tokenizer.encode((SMALL / "heldout.txt").read_text(encoding="utf-8"))[:60]
     events, at_read = [], []
-    req = e.make_request(ids, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
+    req = e.make_request(ids, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
     monkeypatch.setattr(speculative, "read_back", lambda t: at_read.append(
         (len(events), len(req.output_ids), e.speculator.num_device_cycles)) or t.tolist())
     e.submit(req, events.append)
@@ -245,9 +249,16 @@ def test_a_device_cycle_streams_the_cycle_befores_tokens_while_it_runs(monkeypat
     while not req.finished:
         e.step()
         after_step.append((len(events), len(req.output_ids), e.speculator.num_device_cycles))
-    device = [(n, out) for n, out, cycles in at_read if cycles > 1]
-    assert len(device) > 3 and all(n == out for n, out in device)   # all taken before streamed
-    assert sum(n < out for n, out, cycles in after_step[:-1] if cycles) > 3   # deferred to the next
+    device = [(i, n, out, cycles) for i, (n, out, cycles) in enumerate(at_read) if cycles > 1]
+    assert len(device) > 3 and all(n == out for _, n, out, _ in device)   # all taken before streamed
+    # read i (the first: the prompt's): chained, the cycle after the one read is queued already
+    ahead = [cycles - i for i, _, _, cycles in device]
+    if chained:
+        assert ahead.count(1) >= len(ahead) - 2, ahead
+        assert all(n == out for n, out, _ in after_step)   # streamed within the step
+    else:
+        assert set(ahead) == {0}, ahead
+        assert sum(n < out for n, out, cycles in after_step[:-1] if cycles) > 3   # deferred to the next
     assert [ev.token_id for ev in events] == req.output_ids
 
 

@@ -153,12 +153,13 @@ class Scheduler:
             return False
         return self._ensure_pages(req, num_tokens)
 
-    def rollback(self, req: Request, num_computed: int) -> None:
+    def rollback(self, req: Request, num_computed: int, hold: int = 0) -> None:
         """After verification: only the first `num_computed` positions of `req` hold accepted KV.
         Pages past the one its next token goes to are freed (they were never cached: only pages
-        full of computed, known tokens are)."""
+        full of computed, known tokens are), except those of positions < `hold` (a cycle queued
+        since writes there)."""
         req.num_computed = num_computed
-        keep = num_pages_for(num_computed + 1, self.page_size)
+        keep = num_pages_for(max(num_computed + 1, hold), self.page_size)
         if len(req.pages) > keep:
             self.allocator.decref(req.pages[keep:])
             req.pages = req.pages[:keep]

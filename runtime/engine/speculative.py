@@ -95,7 +95,7 @@ from glmc.runtime.engine.sampling import SamplingBatch, TokenLogprobs, sample_ba
 from glmc.runtime.engine.spec_sampling import draw_drafts, verify_drafts
 from glmc.runtime.engine.scheduler import ScheduledBatch, Scheduler
 from glmc.runtime.worker.forward_batch import ForwardBatch, to_device
-from glmc.runtime.worker.model_runner import cycle_accepted, cycle_chain_step, cycle_last_kept
+from glmc.runtime.worker.model_runner import cycle_accepted, cycle_chain_step, cycle_last_kept, cycle_next
 
 UNREAD = -1   # the host's placeholder for a draft id that lives on the device only
 
@@ -198,6 +198,17 @@ class _Cycle:
 
 
 @dataclass
+class _Pending:
+    """A device cycle queued whose read has started and is not waited for (`MtpSpeculator._pending`):
+    the next cycle may be queued from its outputs on the device before it is read (`_chain_next`)."""
+    work: list[_Verify | None]
+    results: list[tuple]     # per rank: accepted [R], target [R (N + 1)], drafts [R, N] on the device
+    tables: list             # per rank: its cycle table on the device, or None
+    host: torch.Tensor       # every rank's counts then tokens, copied to the host
+    done: Any                # that copy's CUDA event (None on the CPU: `host` is the device tensor)
+
+
+@dataclass
 class _Extend:
     """One DP rank's draft-extend: its unfinished requests, their batch and target hidden states."""
     s: Scheduler
@@ -225,6 +236,9 @@ class MtpSpeculator:
         self.device_cycles = True
         self.num_device_cycles = 0
         self._deferred = False   # this step's taken tokens stream while the next cycle runs
+        # device cycles chain: the next is queued from an unread one's outputs (`_chain_next`)
+        self.overlap_cycles = True
+        self._pending: _Pending | None = None
         self._greedy: dict[tuple[int, str], SamplingBatch] = {}
         self.unstreamed: list[tuple[Scheduler, Request, list]] = []   # taken, streamed at the step end
 
@@ -236,6 +250,10 @@ class MtpSpeculator:
         """Schedule, verify + accept, draft; False when there was nothing to do."""
         e = self.engine
         self._deferred = False
+        took = self._pending is not None
+        if took and self._chain_next():
+            e.update_gauges()
+            return True
         batches = e.scheduler.schedule()
         if batches is not None:
             e.metrics.step([b for b in batches if b is not None])
@@ -261,7 +279,7 @@ class MtpSpeculator:
         self.draft_q = {r: q for r, q in self.draft_q.items() if r.draft_ids}
         self.draft_tokens = {r: t for r, t in self.draft_tokens.items() if r.draft_ids}
         e.update_gauges()
-        return batches is not None
+        return batches is not None or took
 
     def _split(self, b: ScheduledBatch) -> tuple[ScheduledBatch | None, ScheduledBatch | None]:
         """(b's requests that a greedy cycle could take whole on the device: next token due after
@@ -391,16 +409,108 @@ class MtpSpeculator:
                 tables.append(torch.cat([torch.tensor([starts, [len(d) for d in w.drafts]]).T, slots], 1))
             else:
                 tables.append(None)
+        self._pending = self._queue_device(work, tables)
+        self._stream()   # the cycle before's tokens, while this one runs
+        self._deferred = True
+        if not self.overlap_cycles:
+            self._finish()
+
+    def _queue_device(self, work: list[_Verify | None], tables: list) -> _Pending:
+        """Queue a greedy cycle on every rank (one call on a runner that `supports_cycle`) and the
+        copy of its counts and tokens to the host; nothing waits."""
+        N, e = self.num_steps, self.engine
         if e.runner.supports_cycle:
             results = [e.runner.cycle(work[0].fb, tables[0], N)]
         else:
             results = self._queue_cycle(work, tables)
-        self._stream()   # the cycle before's tokens, while this one runs
-        values = self.read(torch.cat([torch.cat([a, t]) for a, t, _ in results if a is not None]))
-        for w, (_, _, drafts) in zip(work, results):
+        packed = torch.cat([torch.cat([a, t]) for a, t, _ in results if a is not None])
+        dev, done = packed.device, None
+        if packed.is_cuda:
+            host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            host.copy_(packed, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        else:
+            host = packed
+        return _Pending(work, results, [to_device(t, dev) if t is not None else None for t in tables], host, done)
+
+    def _finish(self, hold: bool = False) -> list:
+        """Wait for the pending cycle's read (`num_reads`) and take its tokens (`_take`; `hold`:
+        the cycle after is queued already). -> per rank its accepted counts, or None."""
+        p, self._pending = self._pending, None
+        if p.done is not None:
+            p.done.synchronize()
+        values, counts = self.read(p.host), []
+        for w, (_, _, drafts) in zip(p.work, p.results):
+            counts.append(values[:len(w.batch.reqs)] if w is not None else None)
             if w is not None:
-                values = self._take(w, drafts.flatten(), values)
+                values = self._take(w, drafts.flatten(), values, hold)
+        return counts
+
+    def _chainable(self, p: _Pending) -> bool:
+        """Whether the cycle after `p` can be queued before `p` is read: overlap is on; every
+        rank's running requests are all in `p`, none waits to be admitted, none has ended; each
+        had N drafts and has room for N more after `p`'s tokens (the positions of both cycles
+        fit its context: their pages are held now, `reserve`)."""
+        N, e = self.num_steps, self.engine
+        if not self.overlap_cycles:
+            return False
+        for s, w in zip(e.scheduler.ranks, p.work):
+            reqs = w.batch.reqs if w is not None else []
+            if s.waiting or set(reqs) != set(s.running):
+                return False
+            for r, start, d in zip(reqs, w.batch.prefix_lens, w.drafts) if w else ():
+                if (r.finished or len(d) != N or start + 3 * N + 3 > r.max_context
+                        or start + 2 * N + 2 > r.max_total_tokens):
+                    return False
+        return all(w.s.reserve(r, start + 3 * N + 3) for w in p.work if w
+                   for r, start in zip(w.batch.reqs, w.batch.prefix_lens))
+
+    def _chain_next(self) -> bool:
+        """Overlap of device cycles: queue the cycle after the pending one from its outputs on the
+        device (`cycle_next`: ids, positions, slots and table follow its unread counts), then wait
+        for the pending one's read and take its tokens, then stream them while the next runs.
+        False (the pending cycle only read and taken) when it cannot chain (`_chainable`)."""
+        p, N, e = self._pending, self.num_steps, self.engine
+        if not self._chainable(p):
+            self._finish()
+            return False
+        work, tables = [], []
+        for w, (accepted, target, drafts), table in zip(p.work, p.results, p.tables):
+            if w is None:
+                work.append(None)
+                tables.append(None)
+                continue
+            reqs, starts, R = w.batch.reqs, list(w.batch.prefix_lens), len(w.batch.reqs)
+            rows = [r.row for r in reqs]
+            window = w.s.req_pool.table[torch.tensor(rows)[:, None],
+                                        torch.tensor(starts)[:, None] + torch.arange(1, 3 * N + 1)]
+            ids, positions, loc, nxt = cycle_next(table, accepted, target, drafts,
+                                                  to_device(window, accepted.device), N)
+            furthest = [s + N + 1 for s in starts]   # host bounds until the counts are read
+            fb = ForwardBatch.build("extend", [[0] * (N + 1)] * R, rows, furthest, w.s.req_pool.table)
+            fb = dataclasses.replace(fb, device_ids=ids, device_positions=positions, device_loc=loc,
+                                     rows_on_device=True)
+            work.append(_Verify(w.s, ScheduledBatch(list(reqs), furthest, [N + 1] * R),
+                                [[UNREAD] * N for _ in reqs], [[] for _ in reqs], [1] * R, [True] * R, fb))
+            tables.append(nxt)
+        self.num_device_cycles += 1
+        nxt = self._queue_device(work, tables)
+        counts = self._finish(hold=True)
+        for w, before, a in zip(nxt.work, p.work, counts):
+            if w is not None:   # where each request really starts, now that the counts are read
+                w.batch.prefix_lens = [s + 1 + n for s, n in zip(before.batch.prefix_lens, a)]
+                live = ScheduledBatch()
+                for r, s in zip(w.batch.reqs, w.batch.prefix_lens):
+                    if not r.finished:
+                        live.add(r, N + 1)
+                        live.prefix_lens[-1] = s
+                w.s.commit(live)
+        e.metrics.step([w.batch for w in nxt.work if w is not None])
+        self._pending = nxt
+        self._stream()   # the pending cycle's tokens, while the next runs
         self._deferred = True
+        return True
 
     def _padded(self, w: _Verify) -> _Verify:
         """`w` with every request's verify N + 1 tokens long: a request with fewer drafts (near
@@ -469,7 +579,7 @@ class MtpSpeculator:
             self._greedy[key] = SamplingBatch.greedy(T, dev)
         target = sample_batch(logits, self._greedy[key], kernels=self.engine.runner.kernels).token_ids
         ids = w.fb.device_ids if w.fb.device_ids is not None else to_device(w.fb.input_ids, dev)
-        starts = table[:, 0].tolist()
+        starts = w.batch.prefix_lens   # (after an unread cycle: the furthest each may start at)
         # host positions and slots: the furthest the chain may reach (workspace bounds, valid slots)
         chain = ForwardBatch.build("extend", [[UNREAD]] * R, [r.row for r in w.batch.reqs],
                                    [p + 2 * N - 1 for p in starts], w.s.req_pool.table)
@@ -477,11 +587,12 @@ class MtpSpeculator:
         table = to_device(table, dev)
         return _Cycle(w, target, cycle_accepted(target, ids, table, N), table, chain)
 
-    def _take(self, w: _Verify, drafts: torch.Tensor, values: list) -> list:
+    def _take(self, w: _Verify, drafts: torch.Tensor, values: list, hold: bool = False) -> list:
         """The host's part of a device cycle for one rank, from the read `values` (counts, then
         tokens; -> what follows them): roll each request back to what the target kept, give the
         ones that go on as many of their N drafts (`drafts`, [R * N] on the device) as the
-        general path would draft, take the tokens."""
+        general path would draft, take the tokens. `hold`: the cycle after is queued already
+        (`_chain_next`): it took the drafts, and the pages of its positions stay."""
         N = self.num_steps
         R = len(w.batch.reqs)
         accepted, target = values[:R], values[R:R + R * (N + 1)]
@@ -490,9 +601,9 @@ class MtpSpeculator:
                 continue
             a = accepted[i]
             tokens = target[i * (N + 1):i * (N + 1) + a + 1]
-            w.s.rollback(r, start + 1 + a)
+            w.s.rollback(r, start + 1 + a, hold=start + 3 * N + 3 if hold else 0)
             length = min(N, r.max_total_tokens - (r.num_tokens + len(tokens)))   # the general path's
-            if not _ends(r, tokens) and length > 0:
+            if not hold and not _ends(r, tokens) and length > 0:
                 r.draft_ids = [UNREAD] * length
                 self.draft_tokens[r] = [(drafts, i * N + k) for k in range(length)]
             self._append(w.s, r, len(d), a, [(t, None) for t in tokens])

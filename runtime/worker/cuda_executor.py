@@ -231,8 +231,8 @@ class CudaExecutor(PlanExecutor):
     def forward(self, phase: str, batch: ForwardBatch, hidden=None, dp_tokens=None) -> dict:
         if phase not in ("prefill", *GRAPH_PHASES):
             raise ValueError(f"CudaExecutor: no phase {phase!r} (prefill, {', '.join(GRAPH_PHASES)})")
-        if batch.device_positions is not None and phase != "mtp_draft":
-            raise ValueError(f"CudaExecutor: device positions are for mtp_draft steps, not {phase}")
+        if batch.device_positions is not None and phase not in MTP_PHASES:
+            raise ValueError(f"CudaExecutor: device positions are for verify and draft steps, not {phase}")
         if phase in MTP_PHASES and phase not in self.graphs:
             raise ValueError(f"CudaExecutor: the plan has no {phase} phase (no MTP layer)")
         longest = int(batch.seq_lens.max()) if batch.batch_size else 1   # idle: padding only
@@ -311,7 +311,9 @@ class CudaExecutor(PlanExecutor):
         host.copy_(self.host_vectors(batch, cap.packed.shape[1], dp_tokens))
         cap.packed.copy_(host, non_blocking=True)
         self._device_inputs(cap.packed, batch)
-        if cap.extra is not None:
+        if cap.extra is not None and extra is not None and extra.device.type != "cpu":
+            cap.extra.copy_(extra)   # a cycle table computed on the device (`cycle_next`)
+        elif cap.extra is not None:
             if extra is None:   # a prefill graph: outputs per request
                 extra_host.copy_(self._last_tokens(batch, cap.extra.numel()))
             else:
@@ -334,9 +336,11 @@ class CudaExecutor(PlanExecutor):
     def cycle(self, batch: ForwardBatch, table: torch.Tensor, num_steps: int) -> tuple:
         """A greedy speculative cycle (`speculative.MtpSpeculator._run_on_device`) in one replay:
         `batch` is the verify, R requests x (N + 1) tokens ([own token, N drafts], the drafts as
-        `device_ids`); `table` [R, 2N + 1] int64 (host): each request's first verified position,
-        its number of drafts (those past it pad the verify), then the KV slots of the 2N - 1
-        positions after the first (the chain's, pages held). -> on the device: accepted [R] (the
+        `device_ids`, and after an unread cycle its positions and slots too: `cycle_next`);
+        `table` [R, 2N + 1] int64 (host, or on the device after an unread cycle): each request's
+        first verified position, its number of drafts (those past it pad the verify), then the
+        KV slots of the 2N - 1 positions after the first (the chain's, pages held). -> on the
+        device: accepted [R] (the
         leading drafts, of its own, equal to the target's greedy token before them), target
         [R (N + 1)] (that token at every verified position) and drafts [R, N] (the MTP chain from
         each request's last kept position). The graph of the smallest captured bucket >= R
@@ -351,7 +355,7 @@ class CudaExecutor(PlanExecutor):
         caps = self.cycle_captured if N == self.cycle_steps else {}
         bucket = next((b for b in sorted(caps) if b >= R), None)
         if bucket is not None:   # padding requests: no drafts, scratch slots
-            padded = torch.full((bucket, table.shape[1]), self.scratch, dtype=torch.int64)
+            padded = torch.full((bucket, table.shape[1]), self.scratch, dtype=torch.int64, device=table.device)
             padded[:, :2] = 0
             padded[:R] = table
             out = self._replay(bucket, batch, caps[bucket], extra=padded)
@@ -359,7 +363,9 @@ class CudaExecutor(PlanExecutor):
             vectors = to_device(self.host_vectors(batch, batch.num_tokens), self.r2t.device)
             self._device_inputs(vectors, batch)
             out = self.cycle_body(vectors, to_device(table, self.r2t.device), N)
-        return out["accepted"][:R], out["target"][:R * (N + 1)], out["drafts"][:R]
+        # copies: a graph's outputs live in the pool every graph shares, and the next replay of
+        # any (a prompt's chunk beside this cycle) may overwrite them before the drafts are read
+        return out["accepted"][:R].clone(), out["target"][:R * (N + 1)].clone(), out["drafts"][:R].clone()
 
     def cycle_body(self, vectors: torch.Tensor, table: torch.Tensor, N: int) -> dict:
         """`cycle` over `host_vectors` of the verify and the table on the device (the captured

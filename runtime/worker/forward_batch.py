@@ -21,7 +21,7 @@ def to_device(t: torch.Tensor, device) -> torch.Tensor:
     and a non-blocking copy (a copy from pageable memory would wait for the work already queued,
     which defeats queueing the next step while the current one runs)."""
     device = torch.device(device)
-    if device.type != "cuda":
+    if device.type != "cuda" or t.device.type == "cuda":   # (a device tensor: a copy in stream order)
         return t.to(device)
     staged = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)   # (t.pin_memory() first asks
     staged.copy_(t)                                                  # CUDA whether t is pinned: slow)
@@ -54,10 +54,10 @@ class ForwardBatch:
     # position's slot as it computed it), so that a speculative step need not copy the rows again
     rows_on_device: bool = False
     # [T] int64 on the runner's device, or None: each token's position and KV slot computed on the
-    # device (a speculative chain step after an acceptance the host has not read), in place of
-    # positions and out_cache_loc, which then hold upper bounds (valid slots of the request at the
-    # furthest position it may be at, for workspace sizes). Only for one token per request: the
-    # runner takes seq_lens as the positions + 1.
+    # device (a speculative chain step or verify after an acceptance the host has not read), in
+    # place of positions and out_cache_loc, which then hold upper bounds (valid slots of the
+    # request at the furthest position it may be at, for workspace sizes). A request's tokens are
+    # consecutive: the runner takes its first token's position as its prefix length.
     device_positions: torch.Tensor | None = None
     device_loc: torch.Tensor | None = None
 
@@ -131,7 +131,5 @@ class ForwardBatch:
             raise ValueError(f"decode batch needs extend_lens all 1, got {extend}")
         if (self.device_positions is None) != (self.device_loc is None):
             raise ValueError("device_positions and device_loc come together")
-        if self.device_positions is not None and any(e != 1 for e in extend):
-            raise ValueError(f"device positions need one token per request, got extend_lens {extend}")
         if self.mode == "idle" and T:
             raise ValueError(f"idle batch must have no tokens, got T={T}")

@@ -120,6 +120,25 @@ def cycle_chain_step(table: torch.Tensor, accepted: torch.Tensor, k: int) -> tup
     return table[:, 0] + accepted + k, table[:, 2:].gather(1, (accepted + (k - 1))[:, None])[:, 0]
 
 
+def cycle_next(table: torch.Tensor, accepted: torch.Tensor, target: torch.Tensor, drafts: torch.Tensor,
+               window: torch.Tensor, N: int) -> tuple:
+    """The greedy cycle after one whose counts are not read yet, on the device. Per request (each
+    with N drafts in both): the verify's ids [the target's token after the last kept position, the
+    N drafts], their positions (first + accepted + 1 + j) and KV slots, and its cycle table.
+    `table`, `accepted`, `target`, `drafts`: the cycle's (`ModelRunner.cycle`); `window` [R, 3N]:
+    the KV slots of positions first + 1 .. first + 3N (pages held). -> ids, positions, slots
+    [R (N + 1)] each, table [R, 2N + 1]."""
+    R, dev = accepted.numel(), accepted.device
+    a = accepted.long()[:, None]
+    ids = torch.cat([target.view(R, N + 1).gather(1, a), drafts.view(R, N)], 1).reshape(-1)
+    first = table[:, :1] + 1 + a
+    j = torch.arange(2 * N, device=dev)[None, :]
+    slots = window.gather(1, a + j)                  # positions first + 1 + a + j: the next cycle's
+    positions = (first + j[:, :N + 1]).reshape(-1)
+    nxt = torch.cat([first, torch.full_like(first, N), slots[:, 1:]], 1)
+    return ids, positions, slots[:, :N + 1].reshape(-1), nxt
+
+
 def context_limit(max_position_embeddings: int, num_pages: int, max_context: int | None) -> int:
     """The longest sequence a runner serves: the model's positions, the pool, and the caller's cap."""
     limit = min(max_position_embeddings, num_pages * PAGE_SIZE)
@@ -182,9 +201,11 @@ class PlanRunner(ModelRunner):
         if batch.device_ids is not None:
             batch = dataclasses.replace(batch, input_ids=batch.device_ids.to(batch.input_ids.device),
                                         device_ids=None)
-        if batch.device_positions is not None:   # one token per request (ForwardBatch.validate)
+        if batch.device_positions is not None:   # each request's tokens at consecutive positions
             pos = batch.device_positions.to(batch.positions.device)
-            batch = dataclasses.replace(batch, positions=pos, prefix_lens=pos, seq_lens=pos + 1,
+            first = pos[torch.cumsum(batch.extend_lens, 0) - batch.extend_lens] if batch.batch_size else pos
+            batch = dataclasses.replace(batch, positions=pos, prefix_lens=first,
+                                        seq_lens=first + batch.extend_lens,
                                         out_cache_loc=batch.device_loc.to(pos.device),
                                         device_positions=None, device_loc=None)
         future = batch.input_ids < 0
