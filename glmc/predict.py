@@ -61,12 +61,13 @@ _FIELDS = ("seconds", "memory_s", "compute_s", "data_s", "overhead_s", "latency_
 
 
 # The engine's host time per speculative cycle that the device does not hide: a served cycle's wall
-# time minus its graph replays (verify + draft-extend + N - 1 draft steps), glmc-small on one H200,
-# greedy, 48 tokens per request (`python -m bench.mtp_gpu_check --parts small`): ms by drafts, at
-# concurrency 1 and 16. It is per request and cycle host work (scheduling, batch building, sampling,
-# acceptance, streaming), so it carries over to a larger model served from one process.
-SPEC_HOST_SOURCE = "bench/results/h200_2026-12-05/mtp_gpu_check_small_serve.json"
-SPEC_HOST_MS = {1: (1.783, 3.301), 2: (2.299, 10.883), 3: (2.610, 16.896)}
+# time minus its graph replays (verify + draft-extend + N - 1 draft steps), glmc-small on one H100,
+# greedy cycles whole on the device and chained, 48 tokens per request (`python -m bench.mtp_gpu_check
+# --parts small`): ms by drafts, at concurrency 1 and 16. It is per request and cycle host work
+# (scheduling, batch building, acceptance, streaming), so it carries over to a larger model served
+# from one process.
+SPEC_HOST_SOURCE = "bench/results/h100_2026-12-06b/mtp_gpu_check_2026-12-06.json"
+SPEC_HOST_MS = {1: (0.77, 2.17), 2: (1.258, 3.822), 3: (0.464, 2.298)}
 
 
 def spec_host_ms(drafts: int, concurrency: int) -> float:
