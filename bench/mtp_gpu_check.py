@@ -165,7 +165,8 @@ def check_small(device, gen, concurrencies):
                   + (f", accept {r['accept_length']:.2f}, equal {r['equal_to_plain']}/{c}" if n else ""), flush=True)
         if n and hasattr(e.runner.executor, "mtp_captured"):
             ex = e.runner.executor
-            row["graphs"] = {**{p: sorted(c) for p, c in ex.mtp_captured.items()}, "mtp_cycle": sorted(ex.cycle_captured)}
+            row["graphs"] = {**{p: sorted(c) for p, c in ex.mtp_captured.items()}, "mtp_cycle": sorted(ex.cycle_captured),
+                             "mtp_cycle_next": sorted(ex.chain_captured)}
         for c in concurrencies if n else ():   # after the waves: the replays write KV where they left it
             r = row[f"c{c}"]
             r["replays"] = graphs = cycle_replays_ms(getattr(e.runner, "executor", None), c, n)

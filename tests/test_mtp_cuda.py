@@ -123,3 +123,55 @@ def test_a_cycle_in_one_call_is_the_steps_it_fuses(tiny_ckpt):
             drafts.append(int(d["logits"][0].argmax()))
             hidden = d["hidden"]
         assert got[0].tolist() == [a] and got[1].tolist() == target.tolist() and got[2].tolist() == [drafts], held
+
+
+def test_a_cycle_chained_on_the_device_is_the_cycle_the_host_would_queue(tiny_ckpt):
+    """`CudaExecutor.cycle_after` (the `mtp_cycle_next` graph's body: the next cycle's ids,
+    positions, slots and table made on the device from the last cycle's unread outputs) gives
+    what `cycle` gives when the host reads that cycle and builds the next from its counts: the
+    same counts, tokens and drafts, and the same slots in the device's table. Drafts of the plain
+    run's tokens up to `held` make each count; two cycles chain after the first."""
+    import torch
+    from glmc.runtime.worker.forward_batch import ForwardBatch
+    N = 2
+    prompt = [(37 * i + 11) % 500 + 10 for i in range(66)]
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    truth = run(engine(tiny_ckpt), [[(prompt, greedy)]])[0]
+
+    def first_cycle(held):
+        e = engine(tiny_ckpt, N)
+        req = e.make_request(prompt, greedy)
+        e.submit(req)
+        while not req.output_ids:
+            e.step()
+        s, ex = e.scheduler.ranks[0], e.runner.executor
+        n = req.num_computed
+        assert s.reserve(req, n + 9 * N + 9)
+        table = s.req_pool.table
+        wrong = (truth[held + 1] + 1) % 500 + 10
+        ids = [truth[0], *truth[1:1 + held], *[wrong] * (N - held)]
+        slots = torch.cat([torch.tensor([[n, N]]), table[req.row, n + 1:n + 2 * N][None]], 1)
+        return ex, req, table, n, ex.cycle(ForwardBatch.build("extend", [ids], [req.row], [n], table), slots, N)
+
+    for held in (2, 0):
+        ex, req, table, n, got = first_cycle(held)
+        chained = []
+        for _ in range(2):
+            a = int(got[0])
+            n_next = n + 1 + a
+            window = table[req.row, n + 1:n + 3 * N + 1][None]
+            got = ex.cycle_after(window, N)
+            chained.append([t.tolist() for t in got])
+            n = n_next
+        r2t = ex.r2t[req.row, :n + N + 1].tolist()
+        ex, req, table, n, got = first_cycle(held)
+        host = []
+        for _ in range(2):
+            a, target, drafts = int(got[0]), got[1].tolist(), got[2][0].tolist()
+            n += 1 + a
+            ids = [target[a], *drafts]
+            slots = torch.cat([torch.tensor([[n, N]]), table[req.row, n + 1:n + 2 * N][None]], 1)
+            got = ex.cycle(ForwardBatch.build("extend", [ids], [req.row], [n], table), slots, N)
+            host.append([t.tolist() for t in got])
+        assert chained == host, held
+        assert ex.r2t[req.row, :n + N + 1].tolist() == r2t == table[req.row, :n + N + 1].tolist()

@@ -21,7 +21,10 @@ computes from the counts are queued before the cycle's one read, on one rank as 
 (`runner.cycle`). A request near its end pads its verify to N + 1 tokens. Tokens, drafts and
 acceptance are what the general path below gives. A step that also carries prompts' chunks runs
 those apart (`_split`): the cycles on the device first, then the chunks on the general path (a
-second read).
+second read). Device cycles chain (`_chain_next`, `overlap_cycles`): while every running request
+is in the unread cycle, none waits and each has room, the next cycle is queued from its outputs on
+the device (`runner.cycle_after`, or `model_runner.cycle_next` and the phases), then the unread
+one is read, its tokens taken and streamed while the next runs (stop strings one cycle late).
 
 Overlap (the general path): after the read the host rolls pages back, queues the draft-extend, takes the tokens
 (their ids join the output: the drafts' RNG counters and the next cycle read them) and queues the
@@ -415,11 +418,14 @@ class MtpSpeculator:
         if not self.overlap_cycles:
             self._finish()
 
-    def _queue_device(self, work: list[_Verify | None], tables: list) -> _Pending:
-        """Queue a greedy cycle on every rank (one call on a runner that `supports_cycle`) and the
-        copy of its counts and tokens to the host; nothing waits."""
+    def _queue_device(self, work: list[_Verify | None], tables: list, window: torch.Tensor | None = None) -> _Pending:
+        """Queue a greedy cycle on every rank (one call on a runner that `supports_cycle`; with
+        `window`, the cycle after its last one: `cycle_after`) and the copy of its counts and
+        tokens to the host; nothing waits."""
         N, e = self.num_steps, self.engine
-        if e.runner.supports_cycle:
+        if window is not None:
+            results = [e.runner.cycle_after(window, N)]
+        elif e.runner.supports_cycle:
             results = [e.runner.cycle(work[0].fb, tables[0], N)]
         else:
             results = self._queue_cycle(work, tables)
@@ -432,7 +438,8 @@ class MtpSpeculator:
             done.record()
         else:
             host = packed
-        return _Pending(work, results, [to_device(t, dev) if t is not None else None for t in tables], host, done)
+        return _Pending(work, results, [to_device(t, dev) if t is not None and not e.runner.supports_cycle else None
+                                        for t in tables], host, done)
 
     def _finish(self, hold: bool = False) -> list:
         """Wait for the pending cycle's read (`num_reads`) and take its tokens (`_take`; `hold`:
@@ -475,7 +482,8 @@ class MtpSpeculator:
         if not self._chainable(p):
             self._finish()
             return False
-        work, tables = [], []
+        work, tables, windows = [], [], []
+        one_call = e.runner.supports_cycle   # the runner makes the next inputs itself (`cycle_after`)
         for w, (accepted, target, drafts), table in zip(p.work, p.results, p.tables):
             if w is None:
                 work.append(None)
@@ -485,17 +493,22 @@ class MtpSpeculator:
             rows = [r.row for r in reqs]
             window = w.s.req_pool.table[torch.tensor(rows)[:, None],
                                         torch.tensor(starts)[:, None] + torch.arange(1, 3 * N + 1)]
-            ids, positions, loc, nxt = cycle_next(table, accepted, target, drafts,
-                                                  to_device(window, accepted.device), N)
             furthest = [s + N + 1 for s in starts]   # host bounds until the counts are read
-            fb = ForwardBatch.build("extend", [[0] * (N + 1)] * R, rows, furthest, w.s.req_pool.table)
-            fb = dataclasses.replace(fb, device_ids=ids, device_positions=positions, device_loc=loc,
-                                     rows_on_device=True)
+            fb = None
+            if one_call:
+                windows.append(window)
+                tables.append(None)
+            else:
+                ids, positions, loc, nxt = cycle_next(table, accepted, target, drafts,
+                                                      to_device(window, accepted.device), N)
+                fb = ForwardBatch.build("extend", [[0] * (N + 1)] * R, rows, furthest, w.s.req_pool.table)
+                fb = dataclasses.replace(fb, device_ids=ids, device_positions=positions, device_loc=loc,
+                                         rows_on_device=True)
+                tables.append(nxt)
             work.append(_Verify(w.s, ScheduledBatch(list(reqs), furthest, [N + 1] * R),
                                 [[UNREAD] * N for _ in reqs], [[] for _ in reqs], [1] * R, [True] * R, fb))
-            tables.append(nxt)
         self.num_device_cycles += 1
-        nxt = self._queue_device(work, tables)
+        nxt = self._queue_device(work, tables, windows[0] if one_call else None)
         counts = self._finish(hold=True)
         for w, before, a in zip(nxt.work, p.work, counts):
             if w is not None:   # where each request really starts, now that the counts are read

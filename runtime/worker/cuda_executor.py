@@ -35,8 +35,10 @@ per request, a chain step one); with prefill graphs (one rank) both also at the 
 counts above those, for speculative steps that carry prompts' chunks.
 A greedy speculative cycle (verify, acceptance, the draft-extend over every verified position
 and the draft chain at positions computed from the accepted counts) runs as one graph per decode
-bucket of requests (`cycle`, phase `mtp_cycle`, one rank), read back once by the speculator.
-Made by `runtime/worker/loader.py` (`load_runner`), which also captures the graphs.
+bucket of requests (`cycle`, phase `mtp_cycle`, one rank), read back once by the speculator;
+the cycle after it, over the same requests, as a second graph per bucket that makes its own
+verify inputs from the last cycle's outputs on the device (`cycle_after`, `mtp_cycle_next`), so it
+is queued before that cycle is read. Made by `runtime/worker/loader.py` (`load_runner`), which also captures the graphs.
 """
 from __future__ import annotations
 
@@ -55,7 +57,7 @@ from glmc.runtime.worker.comm import Comm
 from glmc.runtime.worker.executor import PlanExecutor, Step
 from glmc.runtime.worker.forward_batch import ForwardBatch, to_device
 from glmc.runtime.worker.kv_cache import KVPool
-from glmc.runtime.worker.model_runner import cycle_accepted, cycle_chain_step, cycle_last_kept
+from glmc.runtime.worker.model_runner import cycle_accepted, cycle_chain_step, cycle_last_kept, cycle_next
 
 from glmc.plan import Plan
 
@@ -102,6 +104,7 @@ class GpuStep(Step):
 GRAPH_PHASES = ("decode", "mtp_verify", "mtp_draft")   # the phases run per token (`run_tokens`)
 MTP_PHASES = ("mtp_verify", "mtp_draft")
 CYCLE = "mtp_cycle"   # a greedy speculative cycle, verify to the last draft, as one graph (`cycle`)
+CHAIN = "mtp_cycle_next"   # the cycle after the last one, its inputs made from that one's outputs (`cycle_after`)
 # Pinned staging buffers per graph, used in turn: the host queues up to this many replays of one
 # graph ahead of the device before it waits for the oldest one's input copy (a speculative cycle
 # replays the draft graph of one bucket N - 1 times in a row, without reading anything back).
@@ -118,7 +121,8 @@ class Captured:
     counts: dict = field(default_factory=dict)  # the collectives one replay runs (as captured)
     hidden: torch.Tensor | None = None  # mtp_draft: [b, hidden] static input rows
     # int64 static input beside `packed`: prefill: [L] each request's last token (padded 0);
-    # mtp_cycle: [b, 2N + 1] each request's first verified position, drafts, the slots after it (`cycle`)
+    # mtp_cycle: [b, 2N + 1] each request's first verified position, drafts, the slots after it (`cycle`);
+    # mtp_cycle_next: [b, 3N] the slots of the 3N positions after the last cycle's first (`cycle_after`)
     extra: torch.Tensor | None = None
     turn: int = 0                       # the staging buffers' next
 
@@ -144,6 +148,11 @@ class CudaExecutor(PlanExecutor):
         self.mtp_captured: dict[str, dict[int, Captured]] = {p: {} for p in MTP_PHASES}
         self.prefill_captured: dict[int, Captured] = {}
         self.cycle_captured: dict[int, Captured] = {}   # mtp_cycle graphs by requests
+        self.chain_captured: dict[int, Captured] = {}   # mtp_cycle_next graphs by requests
+        # per cycle bucket: the last cycle's outputs and inputs that the next one starts from
+        # (`cycle_after`), static buffers outside the graphs' pool; and which the last cycle wrote
+        self.cycle_state: dict[int, dict[str, torch.Tensor]] = {}
+        self._last_cycle: tuple[int | None, dict] | None = None
         self.num_prefill_replays = 0   # prefill steps that replayed a graph
         split = plan.mesh.token_split_size
         self.buckets = [b for b in plan.decode_buckets if b % split == 0]
@@ -162,7 +171,7 @@ class CudaExecutor(PlanExecutor):
         chunks = [b for b in prefill if b > verify[-1]] if verify else []
         self.phase_buckets = {"decode": self.buckets, "mtp_verify": verify + chunks,
                               "mtp_draft": sorted(set(self.buckets) | set(verify) | set(chunks)) if verify else [],
-                              "prefill": prefill, CYCLE: cycle}
+                              "prefill": prefill, CYCLE: cycle, CHAIN: cycle}
         self.timings: dict = {}
         self.last_bucket: int | None = None   # the bucket the last decode step replayed
 
@@ -362,17 +371,69 @@ class CudaExecutor(PlanExecutor):
         else:
             vectors = to_device(self.host_vectors(batch, batch.num_tokens), self.r2t.device)
             self._device_inputs(vectors, batch)
-            out = self.cycle_body(vectors, to_device(table, self.r2t.device), N)
-        # copies: a graph's outputs live in the pool every graph shares, and the next replay of
-        # any (a prompt's chunk beside this cycle) may overwrite them before the drafts are read
-        return out["accepted"][:R].clone(), out["target"][:R * (N + 1)].clone(), out["drafts"][:R].clone()
+            out = self.cycle_body(vectors, to_device(table, self.r2t.device), N, self._new_state(R, N))
+        self._last_cycle = (bucket, out)
+        return out["accepted"][:R], out["target"][:R * (N + 1)], out["drafts"][:R]
 
-    def cycle_body(self, vectors: torch.Tensor, table: torch.Tensor, N: int) -> dict:
+    @torch.no_grad()
+    def cycle_after(self, window: torch.Tensor, num_steps: int) -> tuple:
+        """The greedy cycle after the last `cycle` (or `cycle_after`) over the same R requests, each
+        with N drafts in both, queued before that one is read: its verify's ids, positions, slots
+        and its table are made on the device from that cycle's outputs (`model_runner.cycle_next`)
+        and `window` [R, 3N] int64 (host): the KV slots of the 3N positions after each request's
+        first verified position in that cycle (pages held). -> as `cycle`. The `mtp_cycle_next`
+        graph of that cycle's bucket (inputs: the window), else the same body eagerly. The outputs
+        (of both) live in buffers outside the graphs' pool, valid until the next cycle."""
+        R, N = window.shape[0], num_steps
+        if self._last_cycle is None:
+            raise ValueError("CudaExecutor.cycle_after: no cycle before it")
+        bucket, state = self._last_cycle
+        if bucket is not None and bucket in self.chain_captured:
+            cap = self.chain_captured[bucket]
+            _, padded, copied = cap.staged[cap.turn]
+            cap.turn = (cap.turn + 1) % len(cap.staged)
+            copied.synchronize()
+            padded.fill_(self.scratch)
+            padded[:R] = window
+            cap.extra.copy_(padded, non_blocking=True)
+            copied.record()
+            cap.graph.replay()
+            out = cap.out
+        else:
+            out = self.chain_body(state, to_device(window, self.r2t.device), N)
+        self._last_cycle = (bucket, out)
+        return out["accepted"][:R], out["target"][:R * (N + 1)], out["drafts"][:R]
+
+    def _new_state(self, R: int, N: int) -> dict:
+        """A cycle's outputs and the inputs the next starts from (`cycle_after`): accepted [R],
+        target [R (N + 1)], drafts [R, N], table [R, 2N + 1], rows [R]; padding requests as
+        `cycle` pads them (no drafts, position 0, the spare row)."""
+        dev = self.r2t.device
+        z = dict(dtype=torch.int64, device=dev)
+        return {"accepted": torch.zeros(R, **z), "target": torch.zeros(R * (N + 1), **z),
+                "drafts": torch.zeros(R, N, **z), "table": torch.zeros(R, 2 * N + 1, **z),
+                "rows": torch.full((R,), self.pad_row, **z)}
+
+    def _state(self, bucket: int, N: int) -> dict:
+        if bucket not in self.cycle_state:
+            self.cycle_state[bucket] = self._new_state(bucket, N)
+        return self.cycle_state[bucket]
+
+    def chain_body(self, state: dict, window: torch.Tensor, N: int) -> dict:
+        """`cycle_after`'s region: the next cycle's verify inputs and table from `state` (the last
+        cycle's, `cycle_next`) and the window, then `cycle_body` over them, into `state`."""
+        ids, positions, loc, table = cycle_next(state["table"], state["accepted"], state["target"],
+                                                state["drafts"], window, N)
+        rows = state["rows"][:, None].expand(-1, N + 1).reshape(-1)
+        return self.cycle_body(torch.stack([ids, positions, loc, rows]), table, N, state)
+
+    def cycle_body(self, vectors: torch.Tensor, table: torch.Tensor, N: int, state: dict | None = None) -> dict:
         """`cycle` over `host_vectors` of the verify and the table on the device (the captured
         region): verify; the target's greedy tokens (the plan's sampler at temperature 0) and the
         accepted counts; the draft-extend over every verified position fed the target's token
         there; the first draft from each last kept position; N - 1 chain steps at positions and
-        slots computed from the counts."""
+        slots computed from the counts. Outputs (and the table and rows, for `cycle_after`) are
+        written into `state` (`_new_state`; default a new one) and returned as it."""
         T = vectors.shape[1]
         R = T // (N + 1)
         out = self.run_tokens("mtp_verify", vectors)
@@ -393,7 +454,11 @@ class CudaExecutor(PlanExecutor):
             drafted = self.run_tokens("mtp_draft", chain, hidden)
             token, hidden = drafted["logits"].argmax(-1), drafted["hidden"]
             drafts.append(token)
-        return {"accepted": accepted, "target": target, "drafts": torch.stack(drafts, 1)}
+        state = state if state is not None else self._new_state(R, N)
+        for name, value in (("accepted", accepted), ("target", target), ("drafts", torch.stack(drafts, 1)),
+                            ("table", table), ("rows", req_rows)):
+            state[name].copy_(value)
+        return state
 
     @staticmethod
     def _device_inputs(vectors: torch.Tensor, batch: ForwardBatch) -> None:
@@ -410,6 +475,7 @@ class CudaExecutor(PlanExecutor):
         self.captured.clear()
         self.prefill_captured.clear()
         self.cycle_captured.clear()
+        self.chain_captured.clear()
         for caps in self.mtp_captured.values():
             caps.clear()
         if self.r2t.is_cuda:
@@ -437,7 +503,8 @@ class CudaExecutor(PlanExecutor):
         return {b: t for b, t in self.timings.items() if isinstance(b, int)}
 
     def _graphs_of(self, phase: str) -> dict[int, Captured]:
-        own = {"decode": self.captured, "prefill": self.prefill_captured, CYCLE: self.cycle_captured}
+        own = {"decode": self.captured, "prefill": self.prefill_captured, CYCLE: self.cycle_captured,
+               CHAIN: self.chain_captured}
         return own[phase] if phase in own else self.mtp_captured[phase]
 
     def num_graphs(self, phases=("decode",)) -> int:
@@ -445,9 +512,9 @@ class CudaExecutor(PlanExecutor):
         return sum(len(self.phase_buckets[p]) for p in phases)
 
     def _capture_one(self, phase: str, b: int, warmup: int, pool, side: torch.cuda.Stream) -> Captured:
-        """One graph: `b` tokens (mtp_cycle: `b` requests of N + 1 tokens)."""
+        """One graph: `b` tokens (mtp_cycle, mtp_cycle_next: `b` requests of N + 1 tokens)."""
         dev, N = self.r2t.device, self.cycle_steps
-        tokens = b * (N + 1) if phase == CYCLE else b
+        tokens = b * (N + 1) if phase in (CYCLE, CHAIN) else b
         packed = torch.zeros(4 + self.dp_rows, tokens, dtype=torch.int64, device=dev)
         packed[2].fill_(self.scratch), packed[3].fill_(self.pad_row)
         hidden = (torch.zeros(b, self.config.hidden_size, dtype=self.dtype, device=dev)
@@ -458,12 +525,16 @@ class CudaExecutor(PlanExecutor):
         elif phase == CYCLE:
             extra = torch.full((b, 2 * N + 1), self.scratch, dtype=torch.int64, device=dev)
             extra[:, :2] = 0
+        elif phase == CHAIN:
+            extra = torch.full((b, 3 * N), self.scratch, dtype=torch.int64, device=dev)
 
         def body():
             if phase == "prefill":
                 return self.prefill_body(packed, extra, self.prefill_max_len)
             if phase == CYCLE:
-                return self.cycle_body(packed, extra, N)
+                return self.cycle_body(packed, extra, N, self._state(b, N))
+            if phase == CHAIN:   # (the warm-up runs chain from whatever the state holds: padding)
+                return self.chain_body(self._state(b, N), extra, N)
             return self.run_tokens(phase, packed, hidden)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):        # compile kernels, create handles, fill caches

@@ -109,7 +109,7 @@ def load_runner(plan: Plan, weights: Weights, run: RunConfig | None = None, *, c
         pool = KVPool.for_plan(plan, num_pages + 1, torch.float32, device, run.kv_fp8 or "none")
         executor = PlanExecutor(plan, local, pool, comm, device=device, stacks=stacks)
         return PlanRunner(executor, max_context)
-    from glmc.runtime.worker.cuda_executor import CYCLE, MTP_PHASES, CudaExecutor, to_device_weight, to_device_weights
+    from glmc.runtime.worker.cuda_executor import CHAIN, CYCLE, MTP_PHASES, CudaExecutor, to_device_weight, to_device_weights
 
     dtype = compute_dtype(plan.dtypes)
     max_ctx = context_limit(plan.config.max_position_embeddings, num_pages, max_context)
@@ -123,7 +123,7 @@ def load_runner(plan: Plan, weights: Weights, run: RunConfig | None = None, *, c
     loaded, captured = time.perf_counter() - t0, {}
     phases = ("decode", *MTP_PHASES) if run.speculative_num_steps and plan.has_mtp else ("decode",)
     if len(phases) > 1 and gpu.phase_buckets[CYCLE] and gpu.cycle_steps == run.speculative_num_steps:
-        phases += (CYCLE,)   # greedy cycles in one graph (one rank)
+        phases += (CYCLE, CHAIN)   # greedy cycles in one graph (one rank), and chained
     phases += ("prefill",) if gpu.phase_buckets["prefill"] else ()
     if run.capture and device.type == "cuda":
         with progress(total=gpu.num_graphs(phases), desc="capturing CUDA graphs", unit="graph") as bar:
@@ -132,6 +132,7 @@ def load_runner(plan: Plan, weights: Weights, run: RunConfig | None = None, *, c
     if comm.rank == 0:
         others = {p: sorted(gpu.mtp_captured[p]) for p in MTP_PHASES if gpu.mtp_captured[p]}
         others.update({CYCLE: sorted(gpu.cycle_captured)} if gpu.cycle_captured else {})
+        others.update({CHAIN: sorted(gpu.chain_captured)} if gpu.chain_captured else {})
         others.update({"prefill": sorted(gpu.prefill_captured)} if gpu.prefill_captured else {})
         print(f"glmc: {device} runner ({plan.parallel}, rank 0 of {comm.world}): "
               f"weights {loaded:.1f} s, {len(gpu.captured)} decode graphs {sorted(gpu.captured)}"

@@ -79,6 +79,12 @@ class ModelRunner(ABC):
         `cycle_chain_step` read it)."""
         raise NotImplementedError(f"{type(self).__name__} does not run a speculative cycle in one call")
 
+    def cycle_after(self, window: torch.Tensor, num_steps: int) -> tuple:
+        """The cycle after the last `cycle` over the same requests, its inputs made on the device
+        from that one's unread outputs (`cycle_next`; `window` [R, 3N]: the slots after each
+        request's first verified position there): `cuda_executor.CudaExecutor.cycle_after`."""
+        raise NotImplementedError(f"{type(self).__name__} does not run a speculative cycle in one call")
+
     def verify_dp(self, batches: list[ForwardBatch]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """`verify` on every DP rank at once (idle ranks get `ForwardBatch.idle`)."""
         if len(batches) != 1:
@@ -131,11 +137,12 @@ def cycle_next(table: torch.Tensor, accepted: torch.Tensor, target: torch.Tensor
     R, dev = accepted.numel(), accepted.device
     a = accepted.long()[:, None]
     ids = torch.cat([target.view(R, N + 1).gather(1, a), drafts.view(R, N)], 1).reshape(-1)
-    first = table[:, :1] + 1 + a
+    live = table[:, 1:2] > 0   # padding requests (no drafts: a graph bucket's spare rows) stay at 0
+    first = torch.where(live, table[:, :1] + 1 + a, 0)
     j = torch.arange(2 * N, device=dev)[None, :]
     slots = window.gather(1, a + j)                  # positions first + 1 + a + j: the next cycle's
     positions = (first + j[:, :N + 1]).reshape(-1)
-    nxt = torch.cat([first, torch.full_like(first, N), slots[:, 1:]], 1)
+    nxt = torch.cat([first, live.long() * N, slots[:, 1:]], 1)
     return ids, positions, slots[:, :N + 1].reshape(-1), nxt
 
 
@@ -261,6 +268,9 @@ class DevicePlanRunner(PlanRunner):
 
     def cycle(self, batch: ForwardBatch, table: torch.Tensor, num_steps: int) -> tuple:
         return self.executor.cycle(batch, table, num_steps)
+
+    def cycle_after(self, window: torch.Tensor, num_steps: int) -> tuple:
+        return self.executor.cycle_after(window, num_steps)
 
     def record_tokens(self, rows: list[int], tokens: torch.Tensor) -> None:
         self.executor.record_tokens(rows, tokens)
