@@ -67,7 +67,7 @@ _FIELDS = ("seconds", "memory_s", "compute_s", "data_s", "overhead_s", "latency_
 # (scheduling, batch building, acceptance, streaming), so it carries over to a larger model served
 # from one process.
 SPEC_HOST_SOURCE = "bench/results/h100_2026-12-06b/mtp_gpu_check_2026-12-06.json"
-SPEC_HOST_MS = {1: (0.77, 2.17), 2: (1.258, 3.822), 3: (0.464, 2.298)}
+SPEC_HOST_MS = {1: (0.089, 1.224), 2: (0.075, 1.441), 3: (0.09, 1.687)}
 
 
 def spec_host_ms(drafts: int, concurrency: int) -> float:
