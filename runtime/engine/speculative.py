@@ -291,21 +291,31 @@ class MtpSpeculator:
         samples or reads its drafts: that step runs whole on the general path."""
         if not self.device_cycles:
             return None, b
-        cycle, other = ScheduledBatch(), ScheduledBatch()
+        cycle, other = [], []
         for r, start, n in zip(b.reqs, b.prefix_lens, b.extend_lens):
-            own = n - min(len(r.draft_ids), max(n - r.num_pending, 0))   # `_prepare`'s
+            own = n - len(self._drafts_in(r, n))
             if own == 1 and start + own == r.num_tokens:
                 if not self._simple(r):
                     return None, b
-                cycle.add(r, n)
-                cycle.prefix_lens[-1] = start
+                cycle.append((r, start, n))
             else:
-                other.add(r, n)
-                other.prefix_lens[-1] = start
-        if not other.reqs:
+                other.append((r, start, n))
+        if not other:
             return b, None
-        other.admitted, other.retracted = b.admitted, b.retracted
-        return cycle if cycle.reqs else None, other
+        return (ScheduledBatch(*map(list, zip(*cycle))) if cycle else None,
+                ScheduledBatch(*map(list, zip(*other)), admitted=b.admitted, retracted=b.retracted))
+
+    @staticmethod
+    def _drafts_in(r: Request, n: int) -> list[int]:
+        """The drafts among the `n` tokens a batch gives `r` (the rest are its own)."""
+        return r.draft_ids[:max(n - r.num_pending, 0)]
+
+    @staticmethod
+    def _slots(w: _Verify, starts: list[int], first: int, end: int) -> torch.Tensor:
+        """[R, end - first] the KV slots of positions start + first .. start + end - 1 of each of
+        `w`'s requests (pages held)."""
+        rows = torch.tensor([r.row for r in w.batch.reqs])[:, None]
+        return w.s.req_pool.table[rows, torch.tensor(starts)[:, None] + torch.arange(first, end)]
 
     @staticmethod
     def _simple(r: Request) -> bool:
@@ -331,7 +341,7 @@ class MtpSpeculator:
 
     def _prepare(self, s: Scheduler, batch: ScheduledBatch) -> _Verify:
         reqs = batch.reqs
-        drafts = [r.draft_ids[:max(n - r.num_pending, 0)] for r, n in zip(reqs, batch.extend_lens)]
+        drafts = [self._drafts_in(r, n) for r, n in zip(reqs, batch.extend_lens)]
         q = [self.draft_q.pop(r, [])[:len(d)] for r, d in zip(reqs, drafts)]
         q = [rows if len(rows) == len(d) else [] for rows, d in zip(q, drafts)]   # none kept: matching
         tokens = [self.draft_tokens.pop(r, [])[:len(d)] for r, d in zip(reqs, drafts)]
@@ -406,9 +416,8 @@ class MtpSpeculator:
                 w.s.commit(w.batch)
                 if any(len(d) < N for d in w.drafts):   # near its end: padded to N drafts
                     work[i] = w = self._padded(w)
-                rows, starts = [r.row for r in w.batch.reqs], list(w.batch.prefix_lens)
-                slots = w.s.req_pool.table[torch.tensor(rows)[:, None],
-                                           torch.tensor(starts)[:, None] + torch.arange(1, 2 * N)]
+                starts = list(w.batch.prefix_lens)
+                slots = self._slots(w, starts, 1, 2 * N)
                 tables.append(torch.cat([torch.tensor([starts, [len(d) for d in w.drafts]]).T, slots], 1))
             else:
                 tables.append(None)
@@ -491,8 +500,7 @@ class MtpSpeculator:
                 continue
             reqs, starts, R = w.batch.reqs, list(w.batch.prefix_lens), len(w.batch.reqs)
             rows = [r.row for r in reqs]
-            window = w.s.req_pool.table[torch.tensor(rows)[:, None],
-                                        torch.tensor(starts)[:, None] + torch.arange(1, 3 * N + 1)]
+            window = self._slots(w, starts, 1, 3 * N + 1)
             furthest = [s + N + 1 for s in starts]   # host bounds until the counts are read
             fb = None
             if one_call:
@@ -513,12 +521,8 @@ class MtpSpeculator:
         for w, before, a in zip(nxt.work, p.work, counts):
             if w is not None:   # where each request really starts, now that the counts are read
                 w.batch.prefix_lens = [s + 1 + n for s, n in zip(before.batch.prefix_lens, a)]
-                live = ScheduledBatch()
-                for r, s in zip(w.batch.reqs, w.batch.prefix_lens):
-                    if not r.finished:
-                        live.add(r, N + 1)
-                        live.prefix_lens[-1] = s
-                w.s.commit(live)
+                live = [(r, s) for r, s in zip(w.batch.reqs, w.batch.prefix_lens) if not r.finished]
+                w.s.commit(ScheduledBatch([r for r, _ in live], [s for _, s in live], [N + 1] * len(live)))
         e.metrics.step([w.batch for w in nxt.work if w is not None])
         self._pending = nxt
         self._stream()   # the pending cycle's tokens, while the next runs

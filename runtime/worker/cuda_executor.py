@@ -312,17 +312,17 @@ class CudaExecutor(PlanExecutor):
     def _replay(self, bucket: int, batch: ForwardBatch, cap: Captured | None = None, hidden=None,
                 dp_tokens=None, extra: torch.Tensor | None = None) -> dict:
         """Replay `cap` (default: the decode graph of `bucket`) over `batch`; `extra`: the host
-        values of a cycle graph's `Captured.extra` (a prefill graph's are the batch's)."""
+        values of a cycle graph's `Captured.extra` (a prefill graph's are the batch's). No batch:
+        a chained cycle's graph, whose token vectors it makes itself (`cycle_after`)."""
         cap = cap or self.captured[bucket]
         host, extra_host, copied = cap.staged[cap.turn]
         cap.turn = (cap.turn + 1) % len(cap.staged)
         copied.synchronize()                 # this buffer's previous copy to the device is done
-        host.copy_(self.host_vectors(batch, cap.packed.shape[1], dp_tokens))
-        cap.packed.copy_(host, non_blocking=True)
-        self._device_inputs(cap.packed, batch)
-        if cap.extra is not None and extra is not None and extra.device.type != "cpu":
-            cap.extra.copy_(extra)   # a cycle table computed on the device (`cycle_next`)
-        elif cap.extra is not None:
+        if batch is not None:
+            host.copy_(self.host_vectors(batch, cap.packed.shape[1], dp_tokens))
+            cap.packed.copy_(host, non_blocking=True)
+            self._device_inputs(cap.packed, batch)
+        if cap.extra is not None:
             if extra is None:   # a prefill graph: outputs per request
                 extra_host.copy_(self._last_tokens(batch, cap.extra.numel()))
             else:
@@ -345,11 +345,9 @@ class CudaExecutor(PlanExecutor):
     def cycle(self, batch: ForwardBatch, table: torch.Tensor, num_steps: int) -> tuple:
         """A greedy speculative cycle (`speculative.MtpSpeculator._run_on_device`) in one replay:
         `batch` is the verify, R requests x (N + 1) tokens ([own token, N drafts], the drafts as
-        `device_ids`, and after an unread cycle its positions and slots too: `cycle_next`);
-        `table` [R, 2N + 1] int64 (host, or on the device after an unread cycle): each request's
-        first verified position, its number of drafts (those past it pad the verify), then the
-        KV slots of the 2N - 1 positions after the first (the chain's, pages held). -> on the
-        device: accepted [R] (the
+        `device_ids`); `table` [R, 2N + 1] int64 (host): each request's first verified position,
+        its number of drafts (those past it pad the verify), then the KV slots of the 2N - 1
+        positions after the first (the chain's, pages held). -> on the device: accepted [R] (the
         leading drafts, of its own, equal to the target's greedy token before them), target
         [R (N + 1)] (that token at every verified position) and drafts [R, N] (the MTP chain from
         each request's last kept position). The graph of the smallest captured bucket >= R
@@ -364,7 +362,7 @@ class CudaExecutor(PlanExecutor):
         caps = self.cycle_captured if N == self.cycle_steps else {}
         bucket = next((b for b in sorted(caps) if b >= R), None)
         if bucket is not None:   # padding requests: no drafts, scratch slots
-            padded = torch.full((bucket, table.shape[1]), self.scratch, dtype=torch.int64, device=table.device)
+            padded = torch.full((bucket, table.shape[1]), self.scratch, dtype=torch.int64)
             padded[:, :2] = 0
             padded[:R] = table
             out = self._replay(bucket, batch, caps[bucket], extra=padded)
@@ -388,17 +386,10 @@ class CudaExecutor(PlanExecutor):
         if self._last_cycle is None:
             raise ValueError("CudaExecutor.cycle_after: no cycle before it")
         bucket, state = self._last_cycle
-        if bucket is not None and bucket in self.chain_captured:
-            cap = self.chain_captured[bucket]
-            _, padded, copied = cap.staged[cap.turn]
-            cap.turn = (cap.turn + 1) % len(cap.staged)
-            copied.synchronize()
-            padded.fill_(self.scratch)
+        if bucket is not None and bucket in self.chain_captured:   # padding requests: scratch slots
+            padded = torch.full((bucket, window.shape[1]), self.scratch, dtype=torch.int64)
             padded[:R] = window
-            cap.extra.copy_(padded, non_blocking=True)
-            copied.record()
-            cap.graph.replay()
-            out = cap.out
+            out = self._replay(bucket, None, self.chain_captured[bucket], extra=padded)
         else:
             out = self.chain_body(state, to_device(window, self.r2t.device), N)
         self._last_cycle = (bucket, out)
