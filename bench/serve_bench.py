@@ -16,7 +16,8 @@ chunks; a token whose text is held back, e.g. half a UTF-8 character, merges int
 TPOT (per request: (e2e - TTFT) / (output tokens - 1)), end-to-end latency, requests/s and output
 tokens/s over the whole run (token counts from the server's usage). From the server's /metrics
 (difference over the run): with speculative decoding (`--launch "... --speculative-num-steps N"`),
-drafts verified, draft and accepted tokens and the accept length (accepted drafts + 1 per verify).
+drafts verified, draft and accepted tokens, the accept length (accepted drafts + 1 per verify)
+and the cycles by path (chained, device, general).
 The JSON (config, device,
 date, git commit, summary, per-request rows) goes to bench/results/serve_<device>_<date>.json
 unless --out says otherwise.
@@ -148,18 +149,24 @@ def summarize(rows: list[dict]) -> dict:
 SPEC_COUNTERS = ("spec_verify_steps_total", "spec_draft_tokens_total", "spec_accepted_tokens_total")
 
 
+CYCLE_PATHS = ("chained", "device", "general")
+
+
 def spec_counters(url: str) -> dict[str, float]:
-    """The server's speculative-decoding counters (0 where absent: a server without them)."""
+    """The server's speculative-decoding counters, its cycles by path among them (0 where absent:
+    a server without them)."""
     text = httpx.get(url.removesuffix("/v1") + "/metrics", timeout=30).text
-    return {k: float(m.group(1)) if (m := re.search(rf"^glmc_{k} (\S+)$", text, re.M)) else 0.0
-            for k in SPEC_COUNTERS}
+    series = [*SPEC_COUNTERS, *(f'spec_cycles_total{{path="{p}"}}' for p in CYCLE_PATHS)]
+    return {k: float(m.group(1)) if (m := re.search(rf"^glmc_{re.escape(k)} (\S+)$", text, re.M)) else 0.0
+            for k in series}
 
 
 def spec_summary(before: dict, after: dict) -> dict | None:
     d = {k.removeprefix("spec_").removesuffix("_total"): after[k] - before[k] for k in SPEC_COUNTERS}
     if not d["verify_steps"]:
         return None
-    return {**d, "accept_length": d["accepted_tokens"] / d["verify_steps"] + 1}
+    cycles = {p: after[k] - before[k] for p in CYCLE_PATHS if (k := f'spec_cycles_total{{path="{p}"}}')}
+    return {**d, "accept_length": d["accepted_tokens"] / d["verify_steps"] + 1, "cycles": cycles}
 
 
 def device_name() -> str:
@@ -262,7 +269,8 @@ def main(argv=None) -> int:
     if spec:
         print(f"speculative: {spec['verify_steps']:.0f} verifies, {spec['draft_tokens']:.0f} draft "
               f"tokens, {spec['accepted_tokens']:.0f} accepted, accept length "
-              f"{spec['accept_length']:.2f}")
+              f"{spec['accept_length']:.2f}; cycles "
+              + ", ".join(f"{n:.0f} {path}" for path, n in spec["cycles"].items()))
     device = a.device or device_name()
     date = datetime.datetime.now(datetime.timezone.utc)
     result = {"device": device, "date": date.isoformat(timespec="seconds"), "commit": git_commit(),

@@ -37,7 +37,7 @@ WATCHED = {
     "rank": ("reserve", "rollback", "commit", "offer_pages", "schedule"),
     "runner": ("verify_dp", "draft_dp", "forward_dp", "forward", "step"),
     "executor": ("_replay", "_load_rows", "host_vectors", "run_tokens", "_mtp"),
-    "engine": ("append_token", "update_gauges"),
+    "engine": ("append_token", "append_tokens", "update_gauges"),
 }
 
 

@@ -242,13 +242,16 @@ def test_a_device_cycle_streams_the_cycle_befores_tokens_while_it_runs(monkeypat
     ids = e.tokenizer.encode((SMALL / "heldout.txt").read_text(encoding="utf-8"))[:60]
     events, at_read = [], []
     req = e.make_request(ids, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+
+    def streamed():   # tokens streamed so far (a cycle's run of them is one event)
+        return events[-1].num_output_tokens if events else 0
     monkeypatch.setattr(speculative, "read_back", lambda t: at_read.append(
-        (len(events), len(req.output_ids), e.speculator.num_device_cycles)) or t.tolist())
+        (streamed(), len(req.output_ids), e.speculator.num_device_cycles)) or t.tolist())
     e.submit(req, events.append)
     after_step = []
     while not req.finished:
         e.step()
-        after_step.append((len(events), len(req.output_ids), e.speculator.num_device_cycles))
+        after_step.append((streamed(), len(req.output_ids), e.speculator.num_device_cycles))
     device = [(i, n, out, cycles) for i, (n, out, cycles) in enumerate(at_read) if cycles > 1]
     assert len(device) > 3 and all(n == out for _, n, out, _ in device)   # all taken before streamed
     # read i (the first: the prompt's): chained, the cycle after the one read is queued already
@@ -259,7 +262,13 @@ def test_a_device_cycle_streams_the_cycle_befores_tokens_while_it_runs(monkeypat
     else:
         assert set(ahead) == {0}, ahead
         assert sum(n < out for n, out, cycles in after_step[:-1] if cycles) > 3   # deferred to the next
-    assert [ev.token_id for ev in events] == req.output_ids
+    # a cycle's accepted run is one event: its text, its last token, the count so far
+    assert "".join(ev.text for ev in events) == req.output_text
+    assert [ev.token_id for ev in events] == [req.output_ids[ev.num_output_tokens - 1] for ev in events]
+    assert len(events) < len(req.output_ids) and streamed() == len(req.output_ids) == 40
+    cycles = e.metrics.cycles   # /metrics: cycles by how they ran
+    assert cycles.get("chained", 0) + cycles["device"] == e.speculator.num_device_cycles
+    assert (cycles.get("chained", 0) > 0) == chained and "general" not in cycles
 
 
 def test_abort_mid_draft_frees_everything(tiny_ckpt):
@@ -430,3 +439,62 @@ def test_tokens_stream_after_the_drafts_are_queued_and_stop_strings_cut_there(mo
         e.flush_cache()
         assert e.allocator.num_free == e.allocator.num_pages
     assert any(dropped), dropped
+
+
+@pytest.mark.skipif(not (SMALL / "model.safetensors").exists(), reason="models/small is absent")
+def test_a_cycles_run_of_tokens_streams_as_one_event_with_the_text_of_one_by_one():
+    """`Engine.append_tokens`: a run that only its count could end goes as one event (one
+    detokenizer pass, one metrics record) whose text and counts are what appending the tokens
+    one by one gives, multi-byte characters split across tokens included; a run with a stop
+    token, stop strings or logprobs goes token by token and stops where one by one would."""
+    e = build_engine(SMALL, warmup=False, overlap=False)
+    text = "def f(x):\n    return 'héllo wörld ✓ 日本語'  # ünïcode\n" * 3
+    ids = e.tokenizer.encode(text)
+
+    def appended(params, runs, one_by_one):
+        req = e.make_request(ids[:5], params)
+        events = []
+        e.submit(req, events.append)
+        e._drain_inbox()
+        for run in runs:
+            if one_by_one:
+                for t in run:
+                    if not req.finished:
+                        e.append_token(req, t, None)
+            elif not req.finished:
+                e.append_tokens(req, [(t, None) for t in run])
+        return req, events
+
+    runs = [ids[i:i + 3] for i in range(5, len(ids) - 3, 3)]
+    before = e.metrics.counters["generation_tokens_total"]
+    greedy = SamplingParams(max_tokens=1000, temperature=0.0)
+    req, events = appended(greedy, runs, one_by_one=False)
+    assert e.metrics.counters["generation_tokens_total"] - before == len(req.output_ids) == 3 * len(runs)
+    want, want_events = appended(greedy, runs, one_by_one=True)
+    assert req.output_text == want.output_text == "".join(ev.text for ev in events)
+    assert req.output_ids == want.output_ids and len(events) == len(runs) < len(want_events)
+    assert [ev.num_output_tokens for ev in events] == [3 * (k + 1) for k in range(len(runs))]
+    for params in (SamplingParams(max_tokens=1000, temperature=0.0, stop=["wörld"]),
+                   SamplingParams(max_tokens=1000, temperature=0.0, stop_token_ids=[ids[12]]),
+                   SamplingParams(max_tokens=10, temperature=0.0)):
+        got, _ = appended(params, runs, one_by_one=False)
+        want, _ = appended(params, runs, one_by_one=True)
+        assert got.finished and (got.output_ids, got.output_text, got.finish_reason) == \
+            (want.output_ids, want.output_text, want.finish_reason), params
+
+
+def test_a_request_offers_the_prefix_cache_each_page_once_as_it_fills(tiny_ckpt):
+    """Speculative cycles offer a request's pages after every take; the cache is walked only when
+    a page has filled since the last offer (and once more at the release)."""
+    e = build_engine(tiny_ckpt, warmup=False, speculative_num_steps=2)
+    inserts = []
+    cache = e.scheduler.ranks[0].cache
+    insert = cache.insert
+    cache.insert = lambda tokens, pages: inserts.append(len(pages)) or insert(tokens, pages)
+    req, = [e.make_request(prompts(70)[0], SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True))]
+    e.submit(req)
+    while not req.finished:
+        e.step()
+    assert len(req.output_ids) == 200 and e.metrics.counters["spec_verify_steps_total"] > 60
+    full = (70 + 200) // 64
+    assert sorted(set(inserts)) == list(range(1, full + 1)) and len(inserts) <= full + 2, inserts

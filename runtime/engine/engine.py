@@ -79,7 +79,8 @@ class Overloaded(RuntimeError):
 
 @dataclass
 class StreamEvent:
-    """One new token of a request: its id, the text now safe to send, and the finish reason."""
+    """A request's new token (its id; of a speculative cycle's run appended at once, the last),
+    the text now safe to send, and the finish reason."""
 
     token_id: int
     text: str
@@ -386,6 +387,27 @@ class Engine:
             self._finish(req, reason, event)
         else:
             self._emit(req, event)
+
+    def append_tokens(self, req: Request, emitted: list[tuple[int, TokenLogprobs | None]]) -> None:
+        """Append a speculative cycle's tokens [(token, logprobs)] to `req` as `append_token` would
+        one by one, up to where it finishes. A run that nothing but a stop string could end mid-way
+        (no logprobs, grammar or stop strings, none of it a stop token or past a length) goes as
+        one: one detokenizer pass, one metrics record, one `StreamEvent` with the run's text (one
+        chunk for a streaming client)."""
+        tokens = [t for t, _ in emitted]
+        if (len(tokens) == 1 or any(lp is not None for _, lp in emitted) or req.params.stop
+                or req.grammar_state is not None or req.would_end(tokens)):
+            for token, lp in emitted:
+                self.append_token(req, token, lp)
+                if req.finished:
+                    return
+            return
+        req.output_ids.extend(tokens)
+        self.metrics.token(req, len(tokens))
+        text = self._detok[req.rid].add(*tokens)
+        req.output_text += text
+        self._emit(req, StreamEvent(tokens[-1], text, None, None, len(req.prompt_ids), req.num_cached_tokens,
+                                    len(req.output_ids)))
 
     def _emit(self, req: Request, event: StreamEvent) -> None:
         sink = self._sinks.get(req.rid)

@@ -71,6 +71,11 @@ class Metrics:
         self._finished = Counter(PREFIX + "requests_finished_total",
                                  "Finished requests by finish_reason.", ["finish_reason"],
                                  registry=r)
+        self._cycles = Counter(PREFIX + "spec_cycles_total", "Speculative decoding: cycles by how they "
+                               "ran: chained (queued from the cycle before's outputs on the device, before "
+                               "its read), device (whole on the device, one read), general (phase by "
+                               "phase: sampled requests, logprobs, grammars, prompts' chunks alone).",
+                               ["path"], registry=r)
         self._admitted = Counter(PREFIX + "requests_admitted_total", "Admissions (first and after "
                                  "retraction) by attention-DP rank.", ["dp_rank"], registry=r)
         Gauge(PREFIX + "prefix_cache_hit_rate", self.DERIVED["prefix_cache_hit_rate"],
@@ -104,25 +109,30 @@ class Metrics:
             self.inc("prefill_tokens_total", sum(n for r, n in zip(batch.reqs, batch.extend_lens)
                                                  if not r.is_decoding))
 
-    def token(self, req) -> None:
-        """`req` just got a token: TTFT or inter-token latency, and the throughput window."""
+    def token(self, req, num_tokens: int = 1) -> None:
+        """`req` just got `num_tokens` tokens at once: TTFT or inter-token latency (0 between the
+        tokens of one run: they arrive together), and the throughput window."""
         now = time.monotonic()
         if req.first_token_time is None:
             req.first_token_time = now
             self.observe("time_to_first_token_seconds", now - req.arrival_time)
         else:
             self.observe("inter_token_latency_seconds", now - req.last_token_time)
+        for _ in range(num_tokens - 1):
+            self.observe("inter_token_latency_seconds", 0.0)
         req.last_token_time = now
-        self.inc("generation_tokens_total")
+        self.inc("generation_tokens_total", num_tokens)
         with self._lock:
-            self._recent.append(now)
+            self._recent.extend([now] * num_tokens)
 
-    def verify(self, num_draft: int, num_accepted: int) -> None:
-        """One request's draft of `num_draft` tokens was verified; the first `num_accepted` held."""
-        self.inc("spec_verify_steps_total")
-        self.inc("spec_draft_tokens_total", num_draft)
-        self.inc("spec_accepted_tokens_total", num_accepted)
-        self._accept_length.observe(num_accepted + 1)
+    def verify(self, num_drafts: list[int], num_accepted: list[int]) -> None:
+        """A speculative cycle verified each request's draft of `num_drafts[i]` tokens, of which
+        the first `num_accepted[i]` held (requests without a draft left out)."""
+        self.inc("spec_verify_steps_total", len(num_drafts))
+        self.inc("spec_draft_tokens_total", sum(num_drafts))
+        self.inc("spec_accepted_tokens_total", sum(num_accepted))
+        for n in num_accepted:
+            self._accept_length.observe(n + 1)
 
     @property
     def accept_length(self) -> float:
@@ -156,6 +166,14 @@ class Metrics:
     @property
     def finished(self) -> dict[str, int]:
         return self._by_label(self._finished, "finish_reason", str)
+
+    def cycle(self, path: str) -> None:
+        """A speculative cycle ran on `path` ("chained", "device" or "general")."""
+        self._cycles.labels(path=path).inc()
+
+    @property
+    def cycles(self) -> dict[str, int]:
+        return self._by_label(self._cycles, "path", str)
 
     @property
     def admitted_by_dp_rank(self) -> dict[int, int]:

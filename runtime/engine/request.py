@@ -50,6 +50,7 @@ class Request:
     num_cached_tokens: int = 0  # prefix-cache hit of the latest admission
     num_retractions: int = 0
     num_inflight: int = 0  # tokens sampled by launched steps whose ids the host has not read yet
+    num_offered_pages: int = 0  # leading full pages offered to the prefix cache since admission
     # Speculative decoding: the MTP layer's guesses for the tokens after the pending one; the next
     # step verifies them with the pending token (the scheduler grants up to 1 + len(draft_ids)).
     draft_ids: list[int] = field(default_factory=list)
@@ -107,6 +108,14 @@ class Request:
     def max_total_tokens(self) -> int:
         """Largest sequence this request can reach (prompt + max_tokens, capped by the context)."""
         return min(len(self.prompt_ids) + self.params.max_tokens, self.max_context)
+
+    def would_end(self, tokens: list[int]) -> bool:
+        """Whether appending `tokens` ends the request by a token (a stop token, eos) or by its
+        length; a stop string or its grammar's end is found only as the tokens are appended."""
+        p = self.params
+        return (any(t in p.stop_token_ids or (t in self.eos_token_ids and not p.ignore_eos) for t in tokens)
+                or len(self.output_ids) + len(tokens) >= p.max_tokens
+                or self.num_tokens + len(tokens) >= self.max_context)
 
     def check_stop_token(self, token: int) -> str | None:
         """Finish reason after appending `token` (stop strings are the detokenizer's business)."""

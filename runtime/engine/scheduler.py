@@ -229,16 +229,20 @@ class Scheduler:
         self.waiting.appendleft(req)  # newest retracted first, so older ones end up in front
         batch.retracted.append(req)
 
-    def _cache_pages(self, req: Request) -> None:
+    def _cache_pages(self, req: Request, again: bool = False) -> None:
         """Offer the request's full computed pages to the prefix cache, as far as their token ids
-        are known (a token still in flight has KV but no id yet: its page waits for the release)."""
+        are known (a token still in flight has KV but no id yet: its page waits for the release).
+        Only when a page has filled since the last offer (a decode offers every step), unless
+        `again` (the release: the cache may have dropped its own copy of a prefix since)."""
         full = min(req.num_computed, req.num_tokens - req.num_inflight) // self.page_size
-        if full:
-            self.cache.insert(req.all_ids[:full * self.page_size], req.pages[:full])
+        if full and (again or full > req.num_offered_pages):
+            self.cache.insert(req.ids(0, full * self.page_size), req.pages[:full])
+            req.num_offered_pages = full
 
     def _release(self, req: Request) -> None:
         req.draft_ids = []   # drafts live in the MTP layer's KV on these pages
-        self._cache_pages(req)
+        self._cache_pages(req, again=True)
+        req.num_offered_pages = 0
         self.allocator.decref(req.pages)
         self.req_pool.free(req.row)
         req.pages, req.row, req.num_computed = [], None, 0

@@ -110,8 +110,8 @@ class EngineView(Protocol):
     runner: Any       # the engine's runner: verify_dp, draft_dp, kernels
     metrics: Any      # the engine's metrics: step, verify
 
-    def append_token(self, req: Request, token: int, lp: TokenLogprobs | None) -> None:
-        """Detokenize, stream and check stops for one accepted token, as a plain step does."""
+    def append_tokens(self, req: Request, emitted: list[tuple[int, TokenLogprobs | None]]) -> None:
+        """Detokenize, stream and check stops for accepted tokens, as plain steps do one by one."""
 
     def update_gauges(self) -> None:
         """Refresh the engine's gauges after a step."""
@@ -145,14 +145,6 @@ def reads_drafts(req: Request) -> bool:
     """Whether the sampler reads `req`'s draft ids on the host: its grammar's mask and its
     penalties depend on the tokens before each position, so its drafts are read back as drawn."""
     return req.params.grammar is not None or req.params.needs_history
-
-
-def _ends(req: Request, tokens: list[int]) -> bool:
-    """Whether appending `tokens` ends `req` by a token (a stop token, eos, its length); a stop
-    string or its grammar's end is found only as the tokens are appended."""
-    return (any(req.check_stop_token(t) == "stop" for t in tokens)
-            or len(req.output_ids) + len(tokens) >= req.params.max_tokens
-            or req.num_tokens + len(tokens) >= req.max_context)
 
 
 def read_back(packed: torch.Tensor) -> list:
@@ -226,7 +218,7 @@ class MtpSpeculator:
     draft counts (and the ids of requests that `reads_drafts`) ride on `Request.draft_ids`, pages
     and rows on the engine's schedulers (one per attention-DP rank: every rank steps every
     forward, idle ones with an empty batch), and tokens reach clients through the engine's
-    `append_token` (detokenize, stream, stop), as in plain steps. `num_reads` counts the device
+    `append_tokens` (detokenize, stream, stop), as in plain steps. `num_reads` counts the device
     to host reads (`read_back`): one per cycle unless a request `reads_drafts`."""
 
     def __init__(self, engine: EngineView, num_steps: int):
@@ -325,7 +317,7 @@ class MtpSpeculator:
 
     def _stream(self) -> None:
         """Stream the tokens this cycle took (`_append`): each through the engine's
-        `append_token` (detokenize, send, stop strings), as if appended then; a request a stop
+        `append_tokens` (detokenize, send, stop strings), as if appended then; a request a stop
         string ends there keeps only the tokens up to it. Runs at the end of the step, while the
         device runs the drafts queued before it (their work for a request stopped here is dropped
         with its pages), and before the next step schedules."""
@@ -410,6 +402,7 @@ class MtpSpeculator:
         when no cycle runs on the device). Tokens, drafts and acceptance are the general path's."""
         N, e = self.num_steps, self.engine
         self.num_device_cycles += 1
+        e.metrics.cycle("device")
         tables = []   # per rank: the cycle table (`ModelRunner.cycle`)
         for i, w in enumerate(work):
             if w is not None:
@@ -516,6 +509,7 @@ class MtpSpeculator:
             work.append(_Verify(w.s, ScheduledBatch(list(reqs), furthest, [N + 1] * R),
                                 [[UNREAD] * N for _ in reqs], [[] for _ in reqs], [1] * R, [True] * R, fb))
         self.num_device_cycles += 1
+        e.metrics.cycle("chained")
         nxt = self._queue_device(work, tables, windows[0] if one_call else None)
         counts = self._finish(hold=True)
         for w, before, a in zip(nxt.work, p.work, counts):
@@ -613,6 +607,8 @@ class MtpSpeculator:
         N = self.num_steps
         R = len(w.batch.reqs)
         accepted, target = values[:R], values[R:R + R * (N + 1)]
+        verified = [(len(d), a) for r, d, a in zip(w.batch.reqs, w.drafts, accepted) if d and not r.finished]
+        self.engine.metrics.verify([n for n, _ in verified], [a for _, a in verified])
         for i, (r, start, d) in enumerate(zip(w.batch.reqs, w.batch.prefix_lens, w.drafts)):
             if r.finished:   # a stop string in the cycle before's tokens, found as they streamed
                 continue
@@ -620,10 +616,10 @@ class MtpSpeculator:
             tokens = target[i * (N + 1):i * (N + 1) + a + 1]
             w.s.rollback(r, start + 1 + a, hold=start + 3 * N + 3 if hold else 0)
             length = min(N, r.max_total_tokens - (r.num_tokens + len(tokens)))   # the general path's
-            if not hold and not _ends(r, tokens) and length > 0:
+            if not hold and not r.would_end(tokens) and length > 0:
                 r.draft_ids = [UNREAD] * length
                 self.draft_tokens[r] = [(drafts, i * N + k) for k in range(length)]
-            self._append(w.s, r, len(d), a, [(t, None) for t in tokens])
+            self._append(w.s, r, [(t, None) for t in tokens])
         return values[R + R * (N + 1):]
 
     def _run(self, work: list[_Verify | None]) -> None:
@@ -649,9 +645,14 @@ class MtpSpeculator:
         extends = [self._extend(w, acc, hidden) if w else None
                    for w, acc, (_, hidden) in zip(work, accepted, outs)]
         drafted = self._draft_extend(extends) if any(extends) else None
+        verified = [(len(w.drafts[i]), a) for w, acc in zip(work, accepted) for i, (a, _) in acc.items()
+                    if w.drafts[i]]
+        self.engine.metrics.verify([n for n, _ in verified], [a for _, a in verified])
+        if verified:
+            self.engine.metrics.cycle("general")
         for w, acc in zip(work, accepted):
-            for i, (num_accepted, emitted) in (acc.items() if w else ()):
-                self._append(w.s, w.batch.reqs[i], len(w.drafts[i]), num_accepted, emitted)
+            for i, (_, emitted) in (acc.items() if w else ()):
+                self._append(w.s, w.batch.reqs[i], emitted)
         if drafted is not None:
             self._draft(extends, drafted)   # queued: `_stream` runs while they do
 
@@ -729,15 +730,13 @@ class MtpSpeculator:
                                  range(f.first[n], f.first[n] + accepted + 1)])
         return out
 
-    def _append(self, s: Scheduler, req: Request, num_draft: int, accepted: int, emitted: list) -> None:
+    def _append(self, s: Scheduler, req: Request, emitted: list) -> None:
         """Take the accepted drafts and the target's token after them: their ids join the
         request's output now (the drafts read them) and they are streamed at the step's end
         (`_stream`), after this cycle's drafts are queued. A request they
-        end by a token (`_ends`) or with a grammar (its state must advance before its drafts'
+        end by a token (`Request.would_end`) or with a grammar (its state must advance before its drafts'
         masks) appends them at once (detokenize, stream, stop) and offers its pages."""
-        if num_draft:
-            self.engine.metrics.verify(num_draft, accepted)
-        if req.params.grammar is None and not _ends(req, [t for t, _ in emitted]):
+        if req.params.grammar is None and not req.would_end([t for t, _ in emitted]):
             req.output_ids.extend(t for t, _ in emitted)
             self.unstreamed.append((s, req, emitted))
             return
@@ -746,10 +745,7 @@ class MtpSpeculator:
     def _append_now(self, s: Scheduler, req: Request, emitted: list) -> None:
         """Append `emitted` [(token, logprobs)] to `req` (detokenize, send, stop) up to where it
         finishes, then offer its pages to the prefix cache if it goes on."""
-        for token, logprobs in emitted:
-            self.engine.append_token(req, token, logprobs)
-            if req.finished:
-                break
+        self.engine.append_tokens(req, emitted)
         if not req.finished:
             s.offer_pages(req)
 
@@ -766,7 +762,7 @@ class MtpSpeculator:
             tokens = [t for t, _ in emitted]
             if not w.ready[i]:
                 kept[i] = own
-            elif not _ends(r, tokens):
+            elif not r.would_end(tokens):
                 w.s.rollback(r, start + own + num_accepted)
                 kept[i] = own + num_accepted
             else:

@@ -283,10 +283,11 @@ class Detokenizer:
         self.stopped = False
         self._prefix, self._read = 0, 0
 
-    def add(self, token_id: int) -> str:
-        """Append one output token; returns the text that is now safe to send."""
+    def add(self, *token_ids: int) -> str:
+        """Append output tokens (one per step, or a speculative cycle's run of them, decoded
+        together); returns the text that is now safe to send."""
         if not self.stopped:
-            self.ids.append(token_id)
+            self.ids.extend(token_ids)
             dec = self.tokenizer.decode
             before = dec(self.ids[self._prefix:self._read])
             after = dec(self.ids[self._prefix:])
