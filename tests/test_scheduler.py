@@ -7,7 +7,7 @@ from glmc.runtime.engine.pages import PageAllocator, ReqToTokenPool, slots_for
 from glmc.runtime.engine.prefix_cache import NoPrefixCache, RadixCache
 from glmc.runtime.engine.request import Request, Status
 from glmc.runtime.engine.sampling import SamplingParams
-from glmc.runtime.engine.scheduler import Scheduler
+from glmc.runtime.engine.scheduler import ScheduledBatch, Scheduler
 from glmc.runtime.worker.checkpoint import (
     detect_mtp,
     expected_tensors,
@@ -245,3 +245,42 @@ def test_request_ids_slices_all_ids(inflight):
     for a in range(len(full) + 2):
         for b in range(a, len(full) + 3):
             assert req.ids(a, b) == full[a:b], (a, b)
+
+
+def test_busy_requests_sit_out_the_schedule_and_are_never_retracted():
+    """`schedule(busy)` (a speculative cycle already queued for them): busy requests get no
+    tokens, count as decoding for the mixed-prefill budget, and when the pool runs dry a prompt's
+    chunk retracts a request that is not busy (itself at the last) rather than a busy one."""
+    def setup():
+        s = scheduler(4, max_batch_tokens=64)
+        a, c = req(60, max_tokens=100), req(100, max_tokens=4, base=7)
+        s.add(a)
+        while len(a.output_ids) < 2:
+            step(s)
+        s.add(c)
+        while c.num_computed < s.page_size:   # c admitted, its chunks beside a's decodes: a page full
+            step(s)
+        while s.allocator.num_free:   # a holds the pages c's next chunks would need (its drafts')
+            s.reserve(a, len(a.pages) * s.page_size + 1)
+        s.running = [c, a]   # a last: the first the pool would retract
+        return s, a, c
+
+    s, a, c = setup()
+    assert c.num_pending > 1 and a.is_decoding
+    b = s.schedule(busy=frozenset([a]))
+    assert a not in b.reqs and b.retracted == [c] and a.status is Status.RUNNING and a.pages
+    s, a, c = setup()
+    b = s.schedule()
+    assert b.retracted == [a]
+    # the prefill budget: a busy request counts as decoding (mixed chunks, not the whole budget)
+    s = scheduler(64, max_batch_tokens=64)
+    a, c = req(10, max_tokens=100), req(200, base=3)
+    s.add(a)
+    while len(a.output_ids) < 2:
+        step(s)
+    s.reserve(a, a.num_tokens + 8)   # a cycle queued for a: its positions run ahead of its tokens
+    s.commit(ScheduledBatch([a], [a.num_computed], [4]))
+    s.add(c)
+    assert not a.is_decoding
+    b = s.schedule(busy=frozenset([a]))
+    assert b.reqs == [c] and b.extend_lens == [s.mixed_prefill_tokens]

@@ -107,16 +107,23 @@ class Scheduler:
 
     # -- one step --------------------------------------------------------------------------------
 
-    def schedule(self) -> ScheduledBatch | None:
+    def schedule(self, busy: frozenset[Request] = frozenset()) -> ScheduledBatch | None:
+        """The next batch: every running request's next tokens (decodes with their drafts, then
+        prompts' chunks within the mixed-prefill budget), then admissions from the queue. `busy`:
+        running requests with work queued already (a speculative cycle chained on the device):
+        left out, counted as decoding for the prefill budget, never retracted."""
         batch, budget = ScheduledBatch(), self.max_batch_tokens
-        decoding = sum(r.is_decoding for r in self.running)
+        decoding = sum(r.is_decoding or r in busy for r in self.running)
         prefill = min(budget, self.mixed_prefill_tokens) if decoding else budget  # prefill tokens left
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if req in busy:
+                i += 1
+                continue
             want = (min(1 + len(req.draft_ids), budget) if req.is_decoding else    # drafts ride along
                     min(req.num_pending, prefill, budget - decoding))
-            n = self._grow(req, max(want, 0), batch) if want > 0 else 0
+            n = self._grow(req, max(want, 0), batch, busy) if want > 0 else 0
             if n:
                 batch.add(req, n)
                 budget -= n
@@ -171,16 +178,19 @@ class Scheduler:
 
     # -- internals -------------------------------------------------------------------------------
 
-    def _grow(self, req: Request, n: int, batch: ScheduledBatch) -> int:
+    def _grow(self, req: Request, n: int, batch: ScheduledBatch, busy: frozenset[Request] = frozenset()) -> int:
         """Get pages for `n` more tokens of running `req`; shrink a prefill chunk or retract newer
-        requests when the pool is dry. Returns tokens granted (0 if `req` itself was retracted)."""
+        requests (not `busy` ones) when the pool is dry. Returns tokens granted (0 if `req` itself
+        was retracted, or none but busy ones could make room)."""
         while not self._ensure_pages(req, req.num_computed + n):
             room = (len(req.pages) + self.allocator.num_free + self.cache.num_evictable_pages()
                     ) * self.page_size - req.num_computed
             if 0 < room < n:
                 n = room  # a smaller prefill chunk fits: no need to retract anyone
                 continue
-            victim = self.running[-1]
+            victim = next((r for r in reversed(self.running) if r not in busy), None)
+            if victim is None:
+                return 0
             self._retract(victim, batch)
             if victim is req:
                 return 0
@@ -286,7 +296,7 @@ class DataParallelScheduler:
     def finish(self, req: Request, reason: str) -> None:
         self.ranks[req.dp_rank].finish(req, reason)
 
-    def schedule(self) -> list[ScheduledBatch | None] | None:
-        """Every rank's batch, or None when no rank has anything to do."""
-        batches = [s.schedule() for s in self.ranks]
+    def schedule(self, busy: frozenset[Request] = frozenset()) -> list[ScheduledBatch | None] | None:
+        """Every rank's batch (`Scheduler.schedule`), or None when no rank has anything to do."""
+        batches = [s.schedule(busy) for s in self.ranks]
         return None if all(b is None for b in batches) else batches
