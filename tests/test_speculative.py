@@ -230,6 +230,42 @@ def test_prompts_arriving_leave_the_other_cycles_on_the_device():
 
 
 @pytest.mark.skipif(not (SMALL / "model.safetensors").exists(), reason="models/small is absent")
+def test_cycles_chain_while_prompts_arrive_and_up_to_a_requests_end():
+    """A chained cycle's requests sit out the step's schedule (`Scheduler.schedule(busy)`): the
+    prompts that arrive meanwhile run their chunks beside it, and a request in its last cycles
+    chains too (its tokens past its end are dropped): the tokens and acceptance of every cycle on
+    the general path; a lone request's cycles all chain after its first; chained cycles in steps
+    that carry a prompt's chunk."""
+    probe = build_engine(SMALL, warmup=False, overlap=False)
+    ids = probe.tokenizer.encode((SMALL / "heldout.txt").read_text(encoding="utf-8"))
+    stride = len(ids) // 4
+    specs = [(ids[i * stride:i * stride + 150 + 9 * i], SamplingParams(
+        max_tokens=30 + i, temperature=0.0, ignore_eos=True)) for i in range(4)]
+
+    def go(on, specs, every=4):
+        e = build_engine(SMALL, warmup=False, speculative_num_steps=3)
+        e.speculator.device_cycles = on
+        reqs, steps = [], []   # per step: (a prompt's chunk in it, chained cycles after)
+        while len(reqs) < len(specs) or not all(r.finished for r in reqs):
+            if len(reqs) < len(specs) and len(steps) % every == 0:
+                reqs.append(e.make_request(*specs[len(reqs)]))
+                e.submit(reqs[-1])
+            chunk = any(not r.num_generated and not r.finished for r in reqs)
+            e.step()
+            steps.append((chunk, e.metrics.cycles.get("chained", 0)))
+        c = e.metrics.counters
+        return ([r.output_ids for r in reqs], steps, e.metrics.cycles,
+                (c["spec_verify_steps_total"], c["spec_accepted_tokens_total"]))
+    out, _, cycles, _ = go(True, specs[:1])
+    assert len(out[0]) == 30 and cycles["device"] == 1 and cycles["chained"] >= 6, cycles
+    fast, steps, cycles, counts = go(True, specs)
+    general, _, _, want = go(False, specs)
+    assert fast == general and counts == want
+    beside = [i for i in range(1, len(steps)) if steps[i][0] and steps[i][1] > steps[i - 1][1]]
+    assert len(beside) >= 3, steps
+
+
+@pytest.mark.skipif(not (SMALL / "model.safetensors").exists(), reason="models/small is absent")
 @pytest.mark.parametrize("chained", [True, False])
 def test_a_device_cycle_streams_the_cycle_befores_tokens_while_it_runs(monkeypatch, chained):
     """Chained (the default): each cycle after the first is queued from the one before's outputs

@@ -458,19 +458,20 @@ class MtpSpeculator:
 
     def _chainable(self, p: _Pending) -> bool:
         """Whether the cycle after `p` can be queued before `p` is read: overlap is on; every
-        rank's running requests are all in `p`, none waits to be admitted, none has ended; each
-        had N drafts and has room for N more after `p`'s tokens (the positions of both cycles
-        fit its context: their pages are held now, `reserve`)."""
+        rank's decoding requests are all in `p` (others may wait or be mid-prompt: their chunks
+        run beside the chained cycle), none of `p`'s has ended; each had N drafts and positions
+        for N + 1 more after `p`'s fit its context (their pages are held now, `reserve`). A
+        request that ends within `p` or the next cycle is dropped there, its tokens past its end
+        with it, as a stop string would."""
         N, e = self.num_steps, self.engine
         if not self.overlap_cycles:
             return False
         for s, w in zip(e.scheduler.ranks, p.work):
-            reqs = w.batch.reqs if w is not None else []
-            if s.waiting or set(reqs) != set(s.running):
+            reqs = set(w.batch.reqs) if w is not None else set()
+            if any(r.is_decoding and r not in reqs for r in s.running):
                 return False
-            for r, start, d in zip(reqs, w.batch.prefix_lens, w.drafts) if w else ():
-                if (r.finished or len(d) != N or start + 3 * N + 3 > r.max_context
-                        or start + 2 * N + 2 > r.max_total_tokens):
+            for r, start, d in zip(w.batch.reqs, w.batch.prefix_lens, w.drafts) if w else ():
+                if r.finished or len(d) != N or start + 3 * N + 3 > r.max_context:
                     return False
         return all(w.s.reserve(r, start + 3 * N + 3) for w in p.work if w
                    for r, start in zip(w.batch.reqs, w.batch.prefix_lens))
@@ -521,7 +522,22 @@ class MtpSpeculator:
         self._pending = nxt
         self._stream()   # the pending cycle's tokens, while the next runs
         self._deferred = True
+        self._chunks(frozenset(r for w in nxt.work if w is not None for r in w.batch.reqs))
         return True
+
+    def _chunks(self, busy: frozenset[Request]) -> None:
+        """Prompts' chunks (and admissions) beside a chained cycle, its requests `busy`: through the
+        general path after it on the device; their first tokens stream now."""
+        e = self.engine
+        batches = e.scheduler.schedule(busy)
+        if batches is None:
+            return
+        e.metrics.step([b for b in batches if b is not None])
+        work = [self._prepare(s, b) if b is not None and b.reqs else None
+                for s, b in zip(e.scheduler.ranks, batches)]
+        if any(work):
+            self._run(work)
+            self._stream()
 
     def _padded(self, w: _Verify) -> _Verify:
         """`w` with every request's verify N + 1 tokens long: a request with fewer drafts (near
@@ -606,8 +622,12 @@ class MtpSpeculator:
         (`_chain_next`): it took the drafts, and the pages of its positions stay."""
         N = self.num_steps
         R = len(w.batch.reqs)
-        accepted, target = values[:R], values[R:R + R * (N + 1)]
-        verified = [(len(d), a) for r, d, a in zip(w.batch.reqs, w.drafts, accepted) if d and not r.finished]
+        target = values[R:R + R * (N + 1)]
+        # the drafts the general path gives: none past the request's end (a chained cycle has N)
+        drafts_in = [min(len(d), r.max_total_tokens - start - 1)
+                     for r, start, d in zip(w.batch.reqs, w.batch.prefix_lens, w.drafts)]
+        accepted = [min(a, n) for a, n in zip(values[:R], drafts_in)]
+        verified = [(n, a) for r, n, a in zip(w.batch.reqs, drafts_in, accepted) if n > 0 and not r.finished]
         self.engine.metrics.verify([n for n, _ in verified], [a for _, a in verified])
         for i, (r, start, d) in enumerate(zip(w.batch.reqs, w.batch.prefix_lens, w.drafts)):
             if r.finished:   # a stop string in the cycle before's tokens, found as they streamed
