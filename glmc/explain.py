@@ -23,7 +23,9 @@ cuda`) {phase: {tokens: {step {kind: count}, layers {launches per layer: [layer,
 conventions are those of `glmc.passes.costs`.
 With a calibration (`glmc.calibration`), `predicted` {calibration, point: `glmc.predict.predict_step`
 at the explain point, table: [{batch_per_rank, step_ms, tpot_ms, tokens_per_s, comm_ms, overhead_ms,
-graph_bucket, kv_fits}], assumptions: [str]}.
+graph_bucket, kv_fits}], assumptions: [str], mtp (a plan with MTP phases: `glmc.predict.predict_mtp`)
+{accept_lengths, accept_source, host_source, table: [{batch_per_rank, drafts, verify_ms,
+draft_extend_ms, draft_ms, host_ms, cycle_ms, tpot_ms, speedup}]}}.
 `quality` (`recorded_quality`; only for a plan of models/small's config, from a checkout's
 bench/results/quality_*.json) {source, target, device, date, commit, settings, formats (this
 plan's), rows: [{format, weights, kv_cache, perplexity, agreement}]}.

@@ -39,7 +39,7 @@ from glmc.calibration import torch_op_seconds
 from glmc.codegen.launch_model import STEP_TORCH_OPS
 from glmc.passes.costs import weight_bytes_for
 from glmc.passes.plan_memory import op_weight_bytes
-from glmc.predict import SPEC_HOST_SOURCE, op_seconds, spec_host_ms
+from glmc.predict import SMALL_ACCEPT_LENGTH, SMALL_ACCEPT_SOURCE, SPEC_HOST_SOURCE, op_seconds, spec_host_ms
 
 # a checkout's calibration measured on two H200s (bench/calibrate.py)
 DEFAULT_CALIBRATION = Path(__file__).resolve().parents[1] / "bench/results/calibration_nvidia-h200-x2_2026-11-30.json"
@@ -48,10 +48,6 @@ DEFAULT_GPU_MEMORY_GB = 141   # an H200
 DEFAULT_CONCURRENCY = (1, 4, 16, 64, 256)
 KV_DTYPES = ("fp8", "bf16")
 JOBS = min(2, os.cpu_count() or 1)   # compile processes
-# bench/results/mtp_accept_2026-12-01_specsampling.json: glmc-small, standard speculative sampling
-# at temperature 1.0, accept length (tokens per verify step) by drafts
-SMALL_ACCEPT_LENGTH = {0: 1.0, 1: 1.718, 2: 2.054, 3: 2.274}
-SMALL_ACCEPT_SOURCE = "bench/results/mtp_accept_2026-12-01_specsampling.json"
 
 
 class PlanSearchError(ValueError):

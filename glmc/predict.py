@@ -70,6 +70,12 @@ SPEC_HOST_SOURCE = "bench/results/h100_2026-12-06b/mtp_gpu_check_2026-12-06.json
 SPEC_HOST_MS = {1: (0.089, 1.224), 2: (0.075, 1.441), 3: (0.09, 1.687)}
 
 
+# bench/results/mtp_accept_2026-12-01_specsampling.json: glmc-small, standard speculative sampling
+# at temperature 1.0, accept length (tokens per verify step) by drafts
+SMALL_ACCEPT_LENGTH = {0: 1.0, 1: 1.718, 2: 2.054, 3: 2.274}
+SMALL_ACCEPT_SOURCE = "bench/results/mtp_accept_2026-12-01_specsampling.json"
+
+
 def spec_host_ms(drafts: int, concurrency: int) -> float:
     """`SPEC_HOST_MS` at `concurrency` requests: linear through the two measured points (past 16
     requests extrapolated); 0 without drafts (plain decoding overlaps its host work with the device)."""
@@ -185,9 +191,50 @@ def predict_plan(plan, calibration: dict, context: int, batch_per_rank: int,
                      "tokens_per_s": t * dp / p["step_s"], "comm_ms": p["comm_s"] * 1e3,
                      "overhead_ms": p["overhead_s"] * 1e3, "graph_bucket": _bucket(buckets, t),
                      "kv_fits": None if kv_tokens_per_rank is None else t * context <= kv_tokens_per_rank})
-    return {"calibration": {k: calibration.get(k) for k in ("path", "device", "gpus", "date", "measured", "schema")},
-            "point": at(batch_per_rank), "table": rows,
-            "assumptions": assumptions(plan, calibration, context, buckets)}
+    out = {"calibration": {k: calibration.get(k) for k in ("path", "device", "gpus", "date", "measured", "schema")},
+           "point": at(batch_per_rank), "table": rows,
+           "assumptions": assumptions(plan, calibration, context, buckets)}
+    mtp = predict_mtp(plan, calibration, context, {r["batch_per_rank"]: r["step_ms"] for r in rows})
+    if mtp is not None:
+        out["mtp"] = mtp
+    return out
+
+
+def predict_mtp(plan, calibration: dict, context: int, plain_ms: dict[int, float],
+                accept: dict[int, float] | None = None) -> dict | None:
+    """Speculative decoding with N = 1..3 MTP drafts at each batch per DP rank t of `plain_ms`
+    {t: plain step ms}; None for a plan without MTP phases. A cycle is the served one:
+
+        cycle = verify(t (N + 1) tokens) + draft-extend (a draft step at t (N + 1), its upper bound)
+                + (N - 1) draft steps at t + the host's work per cycle (`spec_host_ms` at t x DP requests)
+
+    and TPOT = cycle / accept length (`accept`, default glmc-small's measured ones).
+    -> {accept_lengths, accept_source, host_source, table: [{batch_per_rank, drafts, verify_ms,
+    draft_extend_ms, draft_ms, host_ms, cycle_ms, tpot_ms, speedup (plain step / TPOT)}]}."""
+    graphs, cfg = plan.graphs, plan.config
+    if "mtp_verify" not in graphs or "mtp_draft" not in graphs:
+        return None
+    dp, world = plan.mesh.get("attn_dp", 1), plan.world
+    accept = accept or SMALL_ACCEPT_LENGTH
+    most = min(3, plan.options.mtp_draft_tokens, max(accept))
+
+    def ms(phase, t, b):
+        return predict_step(graphs[phase], {"T": t, "B": b, "S": context, "K": cfg.index_topk}, plan.dtypes,
+                            calibration, world)["step_s"] * 1e3
+    rows = []
+    for t, plain in plain_ms.items():
+        draft = ms("mtp_draft", t, t)
+        for n in range(1, most + 1):
+            verify, extend = ms("mtp_verify", t * (n + 1), t), ms("mtp_draft", t * (n + 1), t)
+            host = spec_host_ms(n, t * dp)
+            cycle = verify + extend + (n - 1) * draft + host
+            tpot = cycle / accept[n]
+            rows.append({"batch_per_rank": t, "drafts": n, "verify_ms": verify, "draft_extend_ms": extend,
+                         "draft_ms": draft, "host_ms": host, "cycle_ms": cycle, "tpot_ms": tpot,
+                         "speedup": plain / tpot})
+    return {"accept_lengths": {n: accept[n] for n in range(1, most + 1)},
+            "accept_source": SMALL_ACCEPT_SOURCE if accept is SMALL_ACCEPT_LENGTH else "given",
+            "host_source": SPEC_HOST_SOURCE, "table": rows}
 
 
 def assumptions(plan, cal: dict, context: int, buckets: list) -> list[str]:

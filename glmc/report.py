@@ -82,7 +82,24 @@ def _predicted(p: dict) -> list[str]:
         fits = "-" if r["kv_fits"] is None else "yes" if r["kv_fits"] else "no"
         out.append(f"| {r['batch_per_rank']} | {r['step_ms']:.2f} | {r['tpot_ms']:.2f} | {r['tokens_per_s']:,.0f} | "
                    f"{r['comm_ms']:.2f} | {r['overhead_ms']:.2f} | {r['graph_bucket'] or 'none'} | {fits} |")
-    return [*out, "", "Assumptions:", *(f"- {a}" for a in p["assumptions"])]
+    out += ["", "Assumptions:", *(f"- {a}" for a in p["assumptions"])]
+    return out + (_mtp(p["mtp"]) if p.get("mtp") else [])
+
+
+def _mtp(m: dict) -> list[str]:
+    """The `predicted.mtp` table: a served speculative cycle by drafts and batch per rank."""
+    accept = ", ".join(f"{e:.2f}" for e in m["accept_lengths"].values())
+    out = ["", "## Predicted with MTP drafts", "",
+           (f"A cycle = verify at t (N + 1) tokens + draft-extend (a draft step at t (N + 1)) + (N - 1) draft "
+            f"steps at t + the host's work per cycle ({m['host_source']}); TPOT = cycle / accept length "
+            f"(N = 1..{len(m['accept_lengths'])}: {accept}; {m['accept_source']})."), "",
+           "| batch per rank | drafts | verify ms | draft-extend ms | draft ms | host ms | cycle ms | TPOT ms "
+           "| speedup |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in m["table"]:
+        out.append(f"| {r['batch_per_rank']} | {r['drafts']} | {r['verify_ms']:.2f} | {r['draft_extend_ms']:.2f} | "
+                   f"{r['draft_ms']:.2f} | {r['host_ms']:.2f} | {r['cycle_ms']:.2f} | {r['tpot_ms']:.2f} | "
+                   f"{r['speedup']:.2f}x |")
+    return out
 
 
 def _formats(w: dict) -> str:

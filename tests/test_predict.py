@@ -314,3 +314,32 @@ def test_the_cost_model_knows_where_the_moe_align_kernel_runs():
     assert ck.launches("moe.experts", glm, routed_rows=1024) == ck.Launches(torch_ops.kernels + 1, torch_ops.torch_ops - 36)
     assert ck.launches("moe.experts", glm, routed_rows=1032) == torch_ops
     assert ck.launches("moe.experts", {"experts": 8}, routed_rows=512) == torch_ops      # 64 rows per expert
+
+
+def test_the_mtp_table_prices_a_served_cycle():
+    """`predicted.mtp`: per batch and drafts, verify at t (N + 1) tokens + a draft-extend at t (N + 1)
+    + N - 1 draft steps at t + the measured host time per cycle, over the accept length; the
+    report prints it; a plan without MTP phases has none."""
+    from glmc.predict import SMALL_ACCEPT_LENGTH, spec_host_ms
+    from glmc.report import _predicted
+    p = plan(TINY, "tp1")
+    cal = {**ROUND2, "gpus": 1, "path": "round"}
+    got = predict_plan(p, cal, 1024, 4, batches=(1, 16))
+    rows = {(r["batch_per_rank"], r["drafts"]): r for r in got["mtp"]["table"]}
+    assert sorted(rows) == [(t, n) for t in (1, 16) for n in (1, 2, 3)]
+
+    def ms(phase, t, b):
+        return predict_step(p.graphs[phase], {"T": t, "B": b, "S": 1024, "K": p.config.index_topk},
+                            p.dtypes, cal, 1)["step_s"] * 1e3
+    plain = {r["batch_per_rank"]: r["step_ms"] for r in got["table"]}
+    for (t, n), r in rows.items():
+        cycle = ms("mtp_verify", t * (n + 1), t) + ms("mtp_draft", t * (n + 1), t) + (n - 1) * ms("mtp_draft", t, t)
+        assert r["host_ms"] == spec_host_ms(n, t) > 0
+        assert r["cycle_ms"] == pytest.approx(cycle + r["host_ms"], rel=1e-12)
+        assert r["tpot_ms"] == pytest.approx(r["cycle_ms"] / SMALL_ACCEPT_LENGTH[n], rel=1e-12)
+        assert r["speedup"] == pytest.approx(plain[t] / r["tpot_ms"], rel=1e-12)
+    assert rows[(16, 3)]["host_ms"] > rows[(1, 3)]["host_ms"]
+    text = "\n".join(_predicted(got))
+    assert "## Predicted with MTP drafts" in text and f"| 16 | 3 | {rows[(16, 3)]['verify_ms']:.2f} |" in text
+    p.graphs.pop("mtp_verify")
+    assert "mtp" not in predict_plan(p, cal, 1024, 4, batches=(1,))
