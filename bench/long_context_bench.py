@@ -133,11 +133,12 @@ def kernel_rows(runner, batch, ctx, bw):
     calls = common.op_calls(runner, lambda: runner.run_tokens(
         "decode", runner.host_vectors(batch, batch.batch_size).to(runner.r2t.device)))
     op, args, rt, _ = next(c for c in calls if c[0].kind == "idx.topk")
-    q, w, layer = args
+    q, w, layer = args[:3]          # then the positions q is turned by, where the plan folds its RoPE
     heads, k, T = int(op.attr("heads")), int(op.attr("k")), q.shape[0]
     kv_row, idx_row = rt.pool.bytes_per_token_per_layer()
+    rope = tt.QueryRope.of(op)      # each kernel as the plan runs it: queries turned as loaded
     scores = tt.indexer_scores(q, w, rt.pool.index_k[layer], rt.r2t, rt.rows, rt.pos, rt.max_len, lib=rt.kernels,
-                               w_scale=heads ** -0.5)
+                               w_scale=heads ** -0.5, rope=rope)
     slots = tt.topk_select(scores, rt.pos + 1, k, TOPK_CHUNK, rt.kernels, slots_of=(rt.r2t, rt.rows))
     attn = next(c for c in calls if c[0].kind.startswith("attn."))[0]
     H, R, dr = int(attn.attr("heads")), int(attn.attr("kv_lora")), int(attn.attr("dr"))
@@ -145,14 +146,14 @@ def kernel_rows(runner, batch, ctx, bw):
     keys = min(ctx + 1, k)
     jobs = [
         ("indexer scores", lambda: tt.indexer_scores(q, w, rt.pool.index_k[layer], rt.r2t, rt.rows, rt.pos,
-                                                     rt.max_len, lib=rt.kernels, w_scale=heads ** -0.5),
+                                                     rt.max_len, lib=rt.kernels, w_scale=heads ** -0.5, rope=rope),
          T * (ctx + 1) * (idx_row + 4)),                                  # keys read, fp32 scores written
         ("top-k select", lambda: tt.topk_select(scores, rt.pos + 1, k, TOPK_CHUNK, rt.kernels,
                                                 slots_of=(rt.r2t, rt.rows)),
          T * ((ctx + 1) * 4 + k * 4)),                                    # scores read, slots written
         ("sparse MLA decode", lambda: tt.sparse_mla_latent(q_lat, q_pe, rt.pool.kv[layer], rt.r2t, rt.rows, rt.pos,
                                                            slots, float(attn.attr("scale")), slots=slots,
-                                                           lib=rt.kernels),
+                                                           lib=rt.kernels, rope=tt.QueryRope.of(attn)),
          T * (keys * kv_row + H * (2 * R + dr) * q_lat.element_size())),  # selected rows, q in, out
     ]
     rows = []
@@ -296,12 +297,13 @@ def indexer_tiles_micro(runner, batch, tiles) -> list:
     import torch
     from glmc.codegen import triton_launch as tt
     calls = common.op_calls(runner, lambda: runner.forward("prefill", batch))
-    op, (q, w, layer), rt, _ = next(c for c in calls if c[0].kind == "idx.topk")
-    heads = int(op.attr("heads"))
+    op, args, rt, _ = next(c for c in calls if c[0].kind == "idx.topk")
+    (q, w, layer), heads = args[:3], int(op.attr("heads"))   # (then the positions q is turned by)
 
     def scores(tiled):
         return tt.indexer_scores(q, w, rt.pool.index_k[layer], rt.r2t, rt.rows, rt.pos, rt.max_len,
-                                 lib=tt.JIT, w_scale=heads ** -0.5, tiled=tiled)   # tiles not in the plan
+                                 lib=tt.JIT, w_scale=heads ** -0.5, tiled=tiled,   # tiles not in the plan
+                                 rope=tt.QueryRope.of(op))
     want = scores(False)
     fin = torch.isfinite(want)
     out = [{"tiles": "per token", "us": common.bench_ms(lambda: scores(False)) * 1e3}]

@@ -33,6 +33,7 @@ from glmc.codegen import triton_p2p as tp2p
 from glmc.codegen import triton_launch as tt
 from glmc.codegen.context import CudaStepContext
 from glmc.codegen.fp8_ref import Fp8Weight
+from glmc.codegen.triton_contexts import QueryRope
 from glmc.codegen.weight_formats import FP8_KINDS, op_weight_names
 from glmc.ir.types import DTYPE_BYTES
 from glmc.target import NORM_QUANT_ROWS, TOPK_CHUNK, fp8_group_gap, fp8_row_groups, gemv_takes
@@ -267,10 +268,12 @@ def _topk(op, args, ctx: CudaStepContext):
     runs of tokens per request: the token-block kernel), then exact top-k. The
     value is the selected keys' KV slots (int32 [T, k], -1 padded), which the select kernel writes
     instead of the positions: this target's only readers of a top-k are the attention ops, which
-    read KV rows by slot (the torch target's value is the positions; the IR's type is the same)."""
-    q, w, layer = args
+    read KV rows by slot (the torch target's value is the positions; the IR's type is the same).
+    A positions operand (fuse-query-rope): the scores kernel turns q by them as it loads it (ctx.pos:
+    the step's positions, which the pass requires of them)."""
+    q, w, layer = args[:3]
     scores = tt.indexer_scores(q, w, ctx.pool.index_k[layer], ctx.r2t, ctx.rows, ctx.pos, ctx.max_len,
-                               lib=ctx.kernels, w_scale=ref.index_head_scale(op),
+                               lib=ctx.kernels, w_scale=ref.index_head_scale(op), rope=QueryRope.of(op),
                                tiled=ctx.token_runs)   # long prefill runs: token blocks share keys
     return tt.topk_select(scores, ctx.lens, int(op.attr("k")), TOPK_CHUNK, ctx.kernels,
                           slots_of=(ctx.r2t, ctx.rows))
@@ -287,15 +290,16 @@ def _absorbed_weights(ctx: CudaStepContext, name, heads, dn, dv):
 @impl("attn.mla_absorbed", "attn.sparse_mla", "attn.mla_mha")
 def _attn(op, args, ctx: CudaStepContext):
     """Absorbed MLA for every phase (`triton_launch.mla_absorbed`): q_lat = q_nope W_UK (batched GEMM),
-    the sparse latent kernel over top-k (or causal) keys, o = out_lat W_UV. The MHA form of prefill
-    is the same function."""
-    q_nope, q_pe, layer, topk = args
+    the sparse latent kernel over top-k (or causal) keys, o = out_lat W_UV; with a positions operand
+    (fuse-query-rope) the latent kernel turns q_pe as `_topk` turns q. The MHA form of prefill is the
+    same function."""
+    q_nope, q_pe, layer, topk = args[:4]
     H, dn, dv = q_nope.shape[1], int(op.attr("dn")), int(op.attr("dv"))   # this rank's heads
     w_uk, w_uv = _absorbed_weights(ctx, op.attr("weight"), H, dn, dv)
     slots = topk if topk is not None and topk.dtype == torch.int32 else None   # `_topk`'s slots
     o = tt.mla_absorbed(q_nope, q_pe, w_uk, w_uv, ctx.pool.kv[layer], ctx.r2t, ctx.rows, ctx.pos, topk,
                         op.attr("scale"), num_keys=None if topk is not None else ctx.max_len, slots=slots,
-                        lib=ctx.kernels)
+                        lib=ctx.kernels, rope=QueryRope.of(op))
     return o.view(o.shape[0], H * dv)
 
 

@@ -87,8 +87,9 @@ def _qkv(op, graph, dtype, kv=(False, False)):
 
 def _topk(op, graph, dtype, kv=(False, False)):
     heads, dim = _dims(graph, op.operands[0])
-    return [tc.IndexerScoresCtx.make(heads, dim, dtype, fp8=kv[1], w_scale=ref.index_head_scale(op)),
-            tc.IndexerScoresCtx.make_tiled(heads, dim, dtype, fp8=kv[1], w_scale=ref.index_head_scale(op)),
+    scale, rope = ref.index_head_scale(op), tc.QueryRope.of(op)
+    return [tc.IndexerScoresCtx.make(heads, dim, dtype, fp8=kv[1], w_scale=scale, rope=rope),
+            tc.IndexerScoresCtx.make_tiled(heads, dim, dtype, fp8=kv[1], w_scale=scale, rope=rope),
             tc.TopkSelectCtx.make(int(op.attr("k")), chunk=TOPK_CHUNK)]
 
 
@@ -96,8 +97,8 @@ def _attn(op, graph, dtype, kv=(False, False)):
     heads = int(op.attr("heads")) // int(op.attr("tp", 1))
     kv_lora = int(op.attr("kv_lora"))
     topk = _dims(graph, op.operands[3])[-1] if len(op.operands) > 3 else None
-    return (tc.SparseMlaDecodeCtx.variants(heads, kv_lora, int(op.attr("dr")), topk, op.attr("scale"), dtype, kv[0])
-            + tc.MlaCombineCtx.variants(heads, kv_lora))
+    return (tc.SparseMlaDecodeCtx.variants(heads, kv_lora, int(op.attr("dr")), topk, op.attr("scale"), dtype, kv[0],
+                                           tc.QueryRope.of(op)) + tc.MlaCombineCtx.variants(heads, kv_lora))
 
 
 def _router(op, graph, dtype, kv=(False, False)):

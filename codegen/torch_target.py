@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from glmc.codegen import torch_ref as ref
 from glmc.codegen.context import StepContext
+from glmc.ir.dialect import ROPE_READERS
 from glmc.ir.types import DTYPE_BYTES
 
 IMPLS: dict = {}
@@ -58,11 +59,28 @@ def _ln(op, args, ctx: StepContext):
     return ref.layer_norm(args[0], ctx.w(op.attr("weight")), ctx.w(op.attr("bias")), op.attr("eps"))
 
 
+def turn(x, positions, op, prefix: str = ""):
+    """x with its first `dims` turned as rope.apply turns them, by `op`'s attributes named `prefix` +
+    dims, interleaved, theta, scaling (a rope's own, or a ROPE_READERS op's rope_*)."""
+    d = int(op.attr(prefix + "dims"))
+    roped = ref.rope(x[..., :d], positions, op.attr(prefix + "theta"), op.attr(prefix + "interleaved", True),
+                     op.attr(prefix + "scaling"))
+    return torch.cat([roped, x[..., d:]], dim=-1) if d < x.shape[-1] else roped
+
+
+def unfused_args(op, args) -> list:
+    """A ROPE_READERS op's operands as it reads them: with the positions (fuse-query-rope), its query
+    turned by them and the positions dropped."""
+    q, n = ROPE_READERS[op.kind]
+    out = list(args[:n])
+    if len(args) > n:
+        out[q] = turn(out[q], args[n], op, "rope_")
+    return out
+
+
 @impl("rope.apply")
 def _rope(op, args, ctx: StepContext):
-    x, d = args[0], int(op.attr("dims"))
-    roped = ref.rope(x[..., :d], args[1], op.attr("theta"), op.attr("interleaved", True), op.attr("scaling"))
-    return torch.cat([roped, x[..., d:]], dim=-1) if d < x.shape[-1] else roped
+    return turn(args[0], args[1], op)
 
 
 @impl("linear", "mla.a_proj", "lm.head")
@@ -140,13 +158,13 @@ def _qkv_fused(op, args, ctx: StepContext):
 
 @impl("idx.topk")
 def _topk(op, args, ctx: StepContext):
-    q, w, layer = args
+    q, w, layer = unfused_args(op, args)
     return ref.indexer_topk(q, w.float() * ref.index_head_scale(op), ctx.pool, layer, ctx.batch, int(op.attr("k")))
 
 
 @impl("attn.mla_mha", "attn.mla_absorbed", "attn.sparse_mla")
 def _attn(op, args, ctx: StepContext):
-    q_nope, q_pe, layer, topk = args
+    q_nope, q_pe, layer, topk = unfused_args(op, args)
     fn = ref.mla_attention_mha if op.kind == "attn.mla_mha" else ref.mla_attention_absorbed
     return fn(q_nope, q_pe, ctx.pool, layer, ctx.w(op.attr("weight")), topk, ctx.batch,
               op.attr("scale"), int(op.attr("dn")), int(op.attr("dv")))

@@ -11,6 +11,7 @@ from typing import ClassVar
 import torch
 
 from glmc.codegen.fp8_ref import KV_PAGE
+from glmc.codegen.torch_ref import rope_attention_factor
 from glmc.codegen.triton_render import _DOT, _warps, next_pow2
 from glmc.target import (ARGMAX_SPLITS, FP8_BLOCK, GEMV_ROW_CLASSES, INDEXER_BLOCK_N, MLA_MAX_SPLITS, NARROW_BLOCK_K,
                          NARROW_BLOCK_M, TOPK_CHUNK, mla_tiles, mla_v_parts, mla_wide, narrow_block_n)
@@ -235,6 +236,35 @@ class QkvNormRopeWriteCtx:
 
 
 @dataclass(frozen=True)
+class QueryRope:
+    """RoPE that a kernel turns its query by as it loads it (a ROPE_READERS op's rope_* attributes,
+    fuse-query-rope): rope.apply's `dims`, pairing, theta and yarn `scaling`. Its kernel fields
+    (`fields`: the `q_rope_*` of a context, read by `_rope_query.j2`) hold what the source depends
+    on; theta and the yarn frequencies reach the kernel as a launch argument (the inv_freq table)."""
+    dims: int
+    theta: float
+    interleaved: bool = True
+    scaling: tuple | None = None
+
+    @classmethod
+    def of(cls, op) -> "QueryRope | None":
+        """The RoPE an op's kernel turns its query by, None where it reads the query as it is."""
+        if op.attr("rope_dims") is None:
+            return None
+        return cls(int(op.attr("rope_dims")), float(op.attr("rope_theta")), bool(op.attr("rope_interleaved", True)),
+                   op.attr("rope_scaling"))
+
+    @staticmethod
+    def fields(rope: "QueryRope | None") -> dict:
+        """A context's q_rope_* fields: dims 0 (the query read as it is), or the turned dims, half of
+        them, the pairing and yarn's factor on cos and sin."""
+        if rope is None:
+            return {}
+        return dict(q_rope_dims=rope.dims, q_rope_half=rope.dims // 2, q_rope_interleaved=rope.interleaved,
+                    q_rope_factor=rope_attention_factor(rope.scaling))
+
+
+@dataclass(frozen=True)
 class IndexerScoresCtx:
     """indexer_scores.py.j2: one (token, key block) per program, heads padded to a dot tile; or
     (`block_m` > 1, prefill) one (block of a request's tokens, key block) per program, a dot per head."""
@@ -252,23 +282,27 @@ class IndexerScoresCtx:
     w_scale: float = 1.0   # multiplies the head weights as loaded (the plan's: num_heads ** -0.5)
     block_m: int = 1       # tokens per program: 1, or a prefill token block sharing its key tile
     num_stages: int = 2
+    q_rope_dims: int = 0   # the query's first dims turned as loaded (`QueryRope`); 0: read as it is
+    q_rope_half: int = 0
+    q_rope_interleaved: bool = True
+    q_rope_factor: float = 1.0
 
     @classmethod
-    def make(cls, num_heads, index_dim, dtype, block_n=None, fp8=False, w_scale=1.0):
+    def make(cls, num_heads, index_dim, dtype, block_n=None, fp8=False, w_scale=1.0, rope=None):
         dot_dtype, precision = _DOT[dtype]
         block_n = block_n or INDEXER_BLOCK_N
         return cls(num_heads, index_dim, index_dim ** -0.5, max(16, next_pow2(num_heads)), block_n,
-                   dot_dtype, precision, 4, bool(fp8), KV_PAGE, float(w_scale))
+                   dot_dtype, precision, 4, bool(fp8), KV_PAGE, float(w_scale), **QueryRope.fields(rope))
 
     @classmethod
     def make_tiled(cls, num_heads, index_dim, dtype, fp8=False, w_scale=1.0, block_m=None, block_n=None,
-                   num_warps=None, num_stages=None):
+                   num_warps=None, num_stages=None, rope=None):
         """The prefill kernel: block_m tokens x block_n keys per program. Defaults 64 x 256, 8 warps, 3
         stages: each key read once per 64 tokens, each head's q tile once per 256 keys. Measured on an
         H200 (8192 tokens over 32K FP8 keys, GLM-5.3's 32 x 128 indexer, 2026-12-04): 4.52 ms; 2 stages
         5.69, 64 x 128 8.63, 128 x 128 6.17, 128 x 256 6.50, 32 x 256 at 4 warps 7.95; the per-token
         kernel 16.6."""
-        base = cls.make(num_heads, index_dim, dtype, fp8=fp8, w_scale=w_scale)
+        base = cls.make(num_heads, index_dim, dtype, fp8=fp8, w_scale=w_scale, rope=rope)
         return replace(base, block_m=block_m or 64, block_n=block_n or 256, num_warps=num_warps or 8,
                        num_stages=num_stages or 3)
 
@@ -319,10 +353,15 @@ class SparseMlaDecodeCtx:
     group: int = FP8_BLOCK
     dequant: bool = False  # FP8 rows: scale each gathered tile once (one dot over kv_lora), not per group
     v_parts: int = 1       # programs per head block, each accumulating kv_lora / v_parts output columns
+    q_rope_dims: int = 0   # q_pe turned as loaded (`QueryRope`); 0: read as it is
+    q_rope_half: int = 0
+    q_rope_interleaved: bool = True
+    q_rope_factor: float = 1.0
 
     @classmethod
     def make(cls, num_heads, kv_lora, rope_dim, topk, scale, dtype, num_tokens, block_h=None, block_n=None,
-             num_warps=None, num_stages=None, key_major=None, kv_fp8=False, dot16=None, dequant=None, v_parts=None):
+             num_warps=None, num_stages=None, key_major=None, kv_fp8=False, dot16=None, dequant=None, v_parts=None,
+             rope=None):
         if kv_lora != next_pow2(kv_lora) or rope_dim != next_pow2(rope_dim):
             raise ValueError(f"sparse_mla_decode needs power-of-two kv_lora/rope dims, got {kv_lora}/{rope_dim}")
         # Why these defaults: sweeps on an H200 (64 heads, k 2048, contexts 1K and 2K):
@@ -358,12 +397,14 @@ class SparseMlaDecodeCtx:
                              f"tile, a power of two and parts of >= {FP8_BLOCK if kv_fp8 else 16} of kv_lora {kv_lora}")
         return cls(num_heads, kv_lora, rope_dim, topk is not None, topk or 0, block_h, block_n, bool(key_major),
                    float(scale) * 1.4426950408889634, dot_dtype, precision, num_warps, num_stages, bool(kv_fp8),
-                   FP8_BLOCK, bool(dequant and kv_fp8), v_parts)
+                   FP8_BLOCK, bool(dequant and kv_fp8), v_parts, **QueryRope.fields(rope))
 
     @classmethod
-    def variants(cls, num_heads, kv_lora, rope_dim, topk, scale, dtype, kv_fp8=False) -> list["SparseMlaDecodeCtx"]:
+    def variants(cls, num_heads, kv_lora, rope_dim, topk, scale, dtype, kv_fp8=False,
+                 rope=None) -> list["SparseMlaDecodeCtx"]:
         """Every context `make` gives for some token count (the token classes)."""
-        out = [cls.make(num_heads, kv_lora, rope_dim, topk, scale, dtype, t, kv_fp8=kv_fp8) for t in (1, 4, 8, 32, 64)]
+        out = [cls.make(num_heads, kv_lora, rope_dim, topk, scale, dtype, t, kv_fp8=kv_fp8, rope=rope)
+               for t in (1, 4, 8, 32, 64)]
         return list(dict.fromkeys(out))
 
 

@@ -27,6 +27,7 @@ from glmc.codegen.triton_contexts import (  # noqa: F401  (re-exported)
     MoeRouterCtx,
     NarrowGemmCtx,
     QkvNormRopeWriteCtx,
+    QueryRope,
     RmsNormCtx,
     RopeCtx,
     SampleCtx,
@@ -65,6 +66,11 @@ def _inv_freq(theta: float, dim: int, device, scaling=None) -> torch.Tensor:
     if key not in _INV_FREQ:
         _INV_FREQ[key] = ref.rope_inv_freq(float(theta), dim, scaling).to(device)
     return _INV_FREQ[key]
+
+
+def _rope_args(rope: QueryRope | None, device) -> list:
+    """Kernel arguments of a query turned as loaded: the inv_freq table rope.apply's kernel reads."""
+    return [] if rope is None else [_inv_freq(rope.theta, rope.dims, device, rope.scaling)]
 
 
 def token_rows(batch, device):
@@ -292,7 +298,7 @@ def indexer_topk(q_idx, weights, index_cache, req_to_token, rows, pos, topk, max
 
 
 def indexer_scores(q_idx, weights, k_cache, req_to_token, rows, pos, max_len, block_n=None,
-                   lib: KernelLibrary = JIT, w_scale=1.0, tiled=False):
+                   lib: KernelLibrary = JIT, w_scale=1.0, tiled=False, rope: QueryRope | None = None):
     """[T, >= max_len] fp32 index scores of every key position (-inf after the token's own position),
     with head weights `weights` x w_scale (fp32, in the kernel: the plan's raw weights_proj output
     and w_scale = heads ** -0.5 give torch_ref's pre-scaled weights to the bit).
@@ -300,18 +306,21 @@ def indexer_scores(q_idx, weights, k_cache, req_to_token, rows, pos, max_len, bl
     (`IndexerScoresCtx.make_tiled`), which reads each key once per token block, not once per token;
     any token order stays correct (a block's tokens of other requests are scored one by one), the
     same scores up to the order of the sum over heads.
+    `rope`: q_idx is turned by each token's position in the kernel, as `rope` would turn it first.
     Graph-safe: no host sync; max_len (>= every seq_len) fixes the workspace shape."""
     T, Hi, Di = q_idx.shape
     fp8 = k_cache.dtype == torch.uint8
     dtype = q_idx.dtype if fp8 else k_cache.dtype
-    ctx = IndexerScoresCtx.make(Hi, Di, dtype, block_n, fp8, w_scale)
+    ctx = IndexerScoresCtx.make(Hi, Di, dtype, block_n, fp8, w_scale, rope)
     weights = weights if weights.stride(-1) == 1 else weights.contiguous()
     width = -(-max_len // ctx.block_n) * ctx.block_n
     scores = torch.empty(T, width, dtype=torch.float32, device=q_idx.device)
     args = (q_idx, q_idx.stride(0), q_idx.stride(1), weights, weights.stride(0), *_index_args(k_cache, Di),
-            _index_slots(k_cache), *_table_args(req_to_token), rows, pos, scores, scores.stride(0))
+            _index_slots(k_cache), *_table_args(req_to_token), rows, pos, *_rope_args(rope, q_idx.device), scores,
+            scores.stride(0))
     if T and tiled:   # True, or make_tiled's tile overrides (benchmarks)
-        ctx = IndexerScoresCtx.make_tiled(Hi, Di, dtype, fp8, w_scale, **(tiled if isinstance(tiled, dict) else {}))
+        ctx = IndexerScoresCtx.make_tiled(Hi, Di, dtype, fp8, w_scale, rope=rope,
+                                          **(tiled if isinstance(tiled, dict) else {}))
         lib(ctx)[(-(-T // ctx.block_m), -(-width // ctx.block_n))](*args, T, width, num_warps=ctx.num_warps,
                                                                   num_stages=ctx.num_stages)
     elif T:
@@ -355,14 +364,15 @@ def topk_select(scores, lens, k, chunk=None, lib: KernelLibrary = JIT, segment=N
 
 
 def sparse_mla_latent(q_lat, q_pe, kv_cache, req_to_token, rows, pos, topk, scale, num_keys=None, slots=None,
-                      num_splits=None, lib: KernelLibrary = JIT, **tiles):
+                      num_splits=None, lib: KernelLibrary = JIT, rope: QueryRope | None = None, **tiles):
     """out_lat[t, h] = softmax_s(scale (q_lat.c_kv_s + q_pe.k_pe_s)) c_kv_s over the token's keys s:
     its top-k positions (topk [T, K], -1 padded) or, with topk None, every position <= its own
     (num_keys >= max position + 1 then fixes the split count; read from pos if not given). Each token
     splits only its own keys (at most min(pos + 1, K)), so a short context does not pay for K.
     Graph-safe with topk or num_keys given. `slots` (topk_slots of topk) skips the conversion, e.g. when
     shared indexer layers reuse a full layer's top-k. `num_splits` overrides `mla_num_splits`;
-    `tiles` override SparseMlaDecodeCtx.make's choices."""
+    `tiles` override SparseMlaDecodeCtx.make's choices. `rope`: q_pe is turned by each token's
+    position in the kernel, as `rope` would turn it first."""
     T, H, R = q_lat.shape
     dev = q_lat.device
     if topk is not None:
@@ -371,7 +381,7 @@ def sparse_mla_latent(q_lat, q_pe, kv_cache, req_to_token, rows, pos, topk, scal
         num_keys = int(pos.max()) + 1 if T else 1
     fp8 = kv_cache.dtype == torch.uint8
     ctx = SparseMlaDecodeCtx.make(H, R, q_pe.shape[-1], None if topk is None else topk.shape[1], scale,
-                                  q_lat.dtype if fp8 else kv_cache.dtype, T, kv_fp8=fp8, **tiles)
+                                  q_lat.dtype if fp8 else kv_cache.dtype, T, kv_fp8=fp8, rope=rope, **tiles)
     S = num_splits or mla_num_splits(T, H, ctx.block_h, num_keys, ctx.block_n, sm_count(dev), ctx.v_parts,
                                      ctx.num_warps)
     # one split: the kernel's normalised rows are the output, stored in its dtype (the combine of one
@@ -382,7 +392,7 @@ def sparse_mla_latent(q_lat, q_pe, kv_cache, req_to_token, rows, pos, topk, scal
     if not T:
         return out
     args = [q_lat, q_lat.stride(0), q_lat.stride(1), q_pe, q_pe.stride(0), q_pe.stride(1),
-            *_kv_args(kv_cache, R), kv_cache.shape[0], *_table_args(req_to_token), rows, pos]
+            *_kv_args(kv_cache, R), kv_cache.shape[0], *_table_args(req_to_token), rows, pos, *_rope_args(rope, dev)]
     if topk is not None:
         slots = topk_slots(topk, req_to_token, rows, pos) if slots is None else slots
         args += [slots, slots.stride(0)]
@@ -395,16 +405,17 @@ def sparse_mla_latent(q_lat, q_pe, kv_cache, req_to_token, rows, pos, topk, scal
 
 
 def mla_absorbed(q_nope, q_pe, w_uk, w_uv, kv_cache, req_to_token, rows, pos, topk, scale, num_keys=None,
-                 slots=None, lib: KernelLibrary = JIT, **tiles):
+                 slots=None, lib: KernelLibrary = JIT, rope: QueryRope | None = None, **tiles):
     """Absorbed MLA -> o [T, H, dv]: q_lat = q_nope W_UK (w_uk [H, dn, R]) and o = out_lat W_UV (w_uv
     [H, R, dv]) as cuBLAS batched GEMMs around the sparse latent kernel (`sparse_mla_latent`'s
-    arguments) and its combine; both weights contiguous in the compute dtype. (Per-head Triton
+    arguments, `rope` included: q_pe is turned after its cast to q_lat's dtype, which the CUDA
+    target's q_pe already has) and its combine; both weights contiguous in the compute dtype. (Per-head Triton
     GEMVs at <= 4 tokens, the second merging the splits, lost to this on an H200: 32.1 against 24.5 us
     at 64 heads and one token.)"""
     T = q_nope.shape[0]
     q_lat = torch.bmm(q_nope.transpose(0, 1).to(w_uk.dtype), w_uk).transpose(0, 1)   # [T, H, R] view
     out_lat = sparse_mla_latent(q_lat, q_pe.to(q_lat.dtype), kv_cache, req_to_token, rows, pos, topk, scale,
-                                num_keys, slots, lib=lib, **tiles)
+                                num_keys, slots, lib=lib, rope=rope, **tiles)
     o = torch.empty(T, out_lat.shape[1], w_uv.shape[2], dtype=out_lat.dtype, device=out_lat.device)
     torch.bmm(out_lat.transpose(0, 1), w_uv, out=o.transpose(0, 1))   # cuBLAS writes [T, H, dv] itself: no copy
     return o

@@ -142,9 +142,28 @@ def _index_write(op, ins):
     return [T(dims("S", _last(ins[0])), op.attr("dtype"))]
 
 
-@register("idx.topk", 3, attrs=("k",))
+# Readers that turn their query by RoPE as they load it (fuse-query-rope): kind -> (the query's
+# operand, operands without the positions). With one more operand, the positions, the op first does
+# what rope.apply(query, positions) {dims, interleaved, theta, scaling} would, its attributes
+# named rope_dims, rope_interleaved, rope_theta, rope_scaling on the reader.
+ROPE_READERS = {"idx.topk": (0, 3), "attn.sparse_mla": (1, 4), "attn.mla_mha": (1, 4), "attn.mla_absorbed": (1, 4)}
+
+
+def _query_rope(op, ins) -> None:
+    """Checks a ROPE_READERS op's operands: its own, or those and the positions with rope_* attributes."""
+    q, n = ROPE_READERS[op.kind]
+    _check(len(ins) in (n, n + 1), f"takes {n} operands, or {n + 1} with the positions its query turns by")
+    if len(ins) > n:
+        _check(op.attr("rope_dims") is not None and op.attr("rope_theta") is not None,
+               "positions operand without rope_dims and rope_theta")
+        _check(ins[n].shape[0] == ins[q].shape[0], f"positions {ins[n]} do not match query {ins[q]}")
+
+
+@register("idx.topk", None, attrs=("k",))
 def _topk(op, ins):
-    """I(t,s)=sum_h w_h relu(q_h.k_s / sqrt(D)), causal, top-k key indices per query."""
+    """I(t,s)=sum_h w_h relu(q_h.k_s / sqrt(D)), causal, top-k key indices per query; (q, w, cache
+    [, positions]): with positions, q turned first (ROPE_READERS)."""
+    _query_rope(op, ins)
     return [T((ins[0].shape[0], Dim.of(op.attr("k"))), "i32")]
 
 
@@ -161,7 +180,10 @@ def _bcast(op, ins):
 
 
 def _attn(op, ins):
-    q_nope, q_pe, kv, topk = ins
+    """MLA over the latent cache: (q_nope, q_pe, kv, top-k [, positions]); with positions, q_pe
+    turned first (ROPE_READERS)."""
+    _query_rope(op, ins)
+    q_nope, q_pe = ins[:2]
     heads = int(op.attr("heads")) // _tp(op)
     _check(q_nope.shape[1:] == dims(heads, op.attr("dn")), f"q_nope {q_nope} != [T, {heads}, dn]")
     _check(q_pe.shape[1:] == dims(heads, op.attr("dr")), f"q_pe {q_pe} != [T, {heads}, dr]")
@@ -169,7 +191,7 @@ def _attn(op, ins):
 
 
 for _kind in ("attn.sparse_mla", "attn.mla_mha", "attn.mla_absorbed"):
-    register(_kind, 4, attrs=("heads", "dn", "dr", "dv"))(_attn)
+    register(_kind, None, attrs=("heads", "dn", "dr", "dv"))(_attn)
 
 
 @register("moe.gate", 1, attrs=("experts",))

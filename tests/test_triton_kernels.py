@@ -340,6 +340,54 @@ def test_topk_select_heavy_ties(chunk):
         assert g.tolist() == sorted(ref.topk_lowest_first(scores[t][:n], 12).tolist())  # ties: lowest first
 
 
+YARN = (("type", "yarn"), ("factor", 8.0), ("original_max_position_embeddings", 16), ("beta_fast", 32.0),
+        ("beta_slow", 1.0), ("truncate", True), ("attention_factor", 1.2))
+# (pairing, yarn scaling) of a query turned as loaded: GLM-5.3's, DeepSeek-V3.2's indexer (yarn, halves)
+TURNS = [(True, None), (False, YARN)]
+
+
+@pytest.mark.parametrize("interleaved,scaling", TURNS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tiled", [False, True])
+def test_indexer_scores_turn_q_as_they_load_it(tiled, dtype, interleaved, scaling):
+    """fuse-query-rope's indexer: the scores kernel given the un-turned q and the rope (its first DR of
+    DI dims) gives, to the bit, the scores of the rope kernel's output (both kernels, both caches'
+    dtypes, both pairings, yarn)."""
+    pool = make_pool(dtype)
+    batch = make_batch("extend", [0, 21, 2], [19, 3, 1], pool.num_slots)
+    q, w = (x.to(dtype) for x in _indexer_inputs(batch))
+    rows, pos = tt.token_rows(batch, q.device)
+    rope = tt.QueryRope(DR, 8e6, interleaved, scaling)
+    args = (w, pool.index_k[0], batch.req_to_token, rows, pos, int(batch.seq_lens.max()))
+    turned = tt.rope(q, pos, 8e6, interleaved, rope_dim=DR, scaling=scaling)
+    want = tt.indexer_scores(turned, *args, w_scale=0.5, tiled=tiled)
+    assert torch.equal(tt.indexer_scores(q, *args, w_scale=0.5, tiled=tiled, rope=rope), want)
+
+
+@pytest.mark.parametrize("interleaved,scaling", TURNS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mode,prefix,extend,use_topk,splits", [
+    ("decode", [4, 40, 16], [1, 1, 1], True, 3),
+    ("extend", [0, 9], [12, 3], False, 2),
+])
+def test_sparse_mla_turns_q_pe_as_it_loads_it(mode, prefix, extend, use_topk, splits, dtype, interleaved, scaling):
+    """fuse-query-rope's attention: the latent kernel given the un-turned q_pe and the rope gives, to
+    the bit, the attention of the rope kernel's q_pe (top-k and dense causal keys, split or not)."""
+    pool = make_pool(dtype)
+    batch = make_batch(mode, prefix, extend, pool.num_slots)
+    T, H, dn, dv = batch.num_tokens, 4, 16, 8
+    topk = ref.indexer_topk(*_indexer_inputs(batch), pool, 0, batch, 16) if use_topk else None
+    q_nope, q_pe = torch.randn(T, H, dn, dtype=dtype), torch.randn(T, H, DR, dtype=dtype)
+    w_kv_b = (torch.randn(H * (dn + dv), R) * 0.2).to(dtype)
+    rows, pos = tt.token_rows(batch, q_nope.device)
+    args = (pool.kv[0], w_kv_b, topk, batch.req_to_token, rows, pos, 0.25, dn, dv)
+    want = tt.mla_attention_absorbed(q_nope, tt.rope(q_pe, pos, 8e6, interleaved, scaling=scaling), *args,
+                                     num_splits=splits, block_n=16)
+    got = tt.mla_attention_absorbed(q_nope, q_pe, *args, num_splits=splits, block_n=16,
+                                    rope=tt.QueryRope(DR, 8e6, interleaved, scaling))
+    assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("key_major", [False, True])
 @pytest.mark.parametrize("mode,prefix,extend,use_topk,splits", [
     ("decode", [4, 40, 16], [1, 1, 1], True, 3),

@@ -41,11 +41,13 @@ The contract: the two executors run the same plan on the same weights; the targe
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from glmc.codegen.fp8_ref import Fp8Weight, quantize_token_groups
 from glmc.codegen.torch_ref import index_head_scale, indexer_scores, latent_probs
+from glmc.codegen.torch_target import unfused_args
+from glmc.ir.dialect import ROPE_READERS
 from glmc.target import FP8_BLOCK as FP8_KV_GROUP
 
 # Summation order in fp32 (blocked, split-K, tensor-core fragments) moves a result by up to a few
@@ -294,9 +296,10 @@ def attention_oracle(op, args, ctx, dtype: torch.dtype, cache=None) -> tuple[tor
     - out_lat rounded before W_UV: sum_r W_UV[v, r]^2 out_lat_r^2.
     slack = ATTN_LAMBDA u (sqrt(PV terms) + sqrt(score term) + sqrt(out_lat term)), plus the output's
     own rounding (`bound`). `OpRow.slack_rel` reports its width against the output. `args` and `ctx`:
-    the torch target's (positions for top-k); `cache` the keys to attend over (`TargetCache`: the
-    target's, which its own writes filled from the same inputs), else the oracle's pool."""
-    q_nope, q_pe, layer, topk = args
+    the torch target's (positions for top-k; with the positions the op turns q_pe by, q_pe turned
+    first, `unfused_args`); `cache` the keys to attend over (`TargetCache`: the target's, which its
+    own writes filled from the same inputs), else the oracle's pool."""
+    q_nope, q_pe, layer, topk = unfused_args(op, args)
     u = unit_roundoff(dtype)
     scale, dn, dv = op.attr("scale"), int(op.attr("dn")), int(op.attr("dv"))
     T, H = q_nope.shape[:2]
@@ -334,19 +337,37 @@ def attention_oracle(op, args, ctx, dtype: torch.dtype, cache=None) -> tuple[tor
     return want, slack.reshape(T, H * dv)
 
 
+def _unfolded(op, args, run: _Run):
+    """A reader that turns its query by the positions (fuse-query-rope) as the plain reader of the
+    query its kernel computes: turned in fp32 and rounded to the dtype the target holds the query in;
+    the positions and the rope_* attributes dropped. Other ops as they are."""
+    i, n = ROPE_READERS.get(op.kind, (0, len(args)))
+    if len(args) <= n:
+        return op, args
+    args = unfused_args(op, args)
+    seen = run.seen.get(op.operands[i])
+    if isinstance(seen, torch.Tensor) and seen.is_floating_point():
+        args[i] = args[i].to(seen.dtype).float()
+    plain = tuple(a for a in op.attrs if not a[0].startswith("rope_"))
+    return replace(op, operands=op.operands[:n], attrs=plain), args
+
+
+def _index_scores(op, args, ctx) -> torch.Tensor:
+    """What an idx.topk ranks: each key's index score [T, keys], future keys at -inf."""
+    q, w, layer = args
+    per_request = indexer_scores(q, w.float() * index_head_scale(op), ctx.pool, layer, ctx.batch)
+    width = max((index.shape[1] for _, index, _ in per_request), default=0)
+    choice = torch.full((q.shape[0], width), float("-inf"), device=q.device)
+    for tok, index, _ in per_request:
+        choice[tok, :index.shape[1]] = index
+    return choice
+
+
 def _rerun(run: _Run, again: dict, rounded: dict, slack: dict, ranked: dict):
     def hook(fn, op, args, ctx):
         if op.kind == "moe.topk":    # what the router ranks: sigmoid(logits) + the correction bias
             choice = torch.sigmoid(_fp32_of(args[0], run.seen.get(op.operands[0])).float())
             ranked[op.results[-1]] = choice + ctx.w(ctx.gate_bias(op)).float().to(choice.device)
-        if op.kind == "idx.topk":    # what the indexer ranks: each key's index score, future keys at -inf
-            q, w, layer = [_fp32_of(a, run.seen.get(name)) for name, a in zip(op.operands, args)]
-            per_request = indexer_scores(q, w.float() * index_head_scale(op), ctx.pool, layer, ctx.batch)
-            width = max((index.shape[1] for _, index, _ in per_request), default=0)
-            choice = torch.full((q.shape[0], width), float("-inf"), device=q.device)
-            for tok, index, _ in per_request:
-                choice[tok, :index.shape[1]] = index
-            ranked[op.results[-1]] = choice
         if op.kind in ROUNDED_KINDS:
             seen = [run.seen.get(name) for name in op.operands]
             own = [s.to(a.device) if isinstance(s, torch.Tensor) and isinstance(a, torch.Tensor) else a
@@ -356,6 +377,9 @@ def _rerun(run: _Run, again: dict, rounded: dict, slack: dict, ranked: dict):
                     rounded[name] = v
         args = [_fp32_of(a, run.seen.get(name)) if _is_float(a) else _given(a, run.values.get(name))
                 for name, a in zip(op.operands, args)]
+        op, args = _unfolded(op, args, run)
+        if op.kind == "idx.topk":    # what the indexer ranks: each key's index score, future keys at -inf
+            ranked[op.results[-1]] = _index_scores(op, args, ctx)
         out = fn(op, args, ctx)
         for name, v in _results(op, out):
             if isinstance(v, torch.Tensor):
