@@ -5,6 +5,7 @@ from .estimate_cost import EstimateCost
 from .expand_layers import ExpandLayers
 from .fuse_add_norm import FuseAddNorm
 from .fuse_qkv_norm_rope import FuseQKVNormRope
+from .fuse_query_rope import FuseQueryRope
 from .infer_shapes import InferShapes
 from .insert_collectives import InsertCollectives
 from .lower_moe import LowerMoE
@@ -17,8 +18,8 @@ from .share_indexer import ShareIndexer
 
 PIPELINE: list[Pass] = [
     ExpandLayers(), InferShapes(), PropagateSharding(), InsertCollectives(), LowerMoE(),
-    FuseAddNorm(), FuseQKVNormRope(), ShareIndexer(), SelectMLAForm(), SelectAttentionBackend(),
-    SelectCollectiveBackend(), BucketCudaGraphs(), PlanMemory(), EstimateCost(),
+    FuseAddNorm(), FuseQKVNormRope(), FuseQueryRope(), ShareIndexer(), SelectMLAForm(),
+    SelectAttentionBackend(), SelectCollectiveBackend(), BucketCudaGraphs(), PlanMemory(), EstimateCost(),
 ]
 PASS_NAMES = [p.name for p in PIPELINE]
 

@@ -22,7 +22,8 @@ class Rewrite:
 Rule = Callable[[Op, Graph], "Rewrite | None"]
 
 # rewrite names that are fusions (reported as such by explain and diff)
-FUSIONS = ("allreduce/reduce-scatter+add+rmsnorm", "add+rmsnorm", "q/kv norm+rope+kv write")
+FUSIONS = ("allreduce/reduce-scatter+add+rmsnorm", "add+rmsnorm", "q/kv norm+rope+kv write",
+           "q rope+indexer/attention")
 
 
 def apply_patterns(graph: Graph, rules: list[tuple[str, Rule]], **meta) -> Graph:

@@ -7,13 +7,13 @@ never expands the cache. Same function, other cost.
 
 Example (GLM-5.3, tp1, decode):
 
-    %L0.attn = attn.sparse_mla(%L0.q_nope, %L0.q_pe, %L0.kv, %L0.topk) {...} : [T, 16384] bf16 @ R  # L0
- -> %L0.attn = attn.mla_absorbed(%L0.q_nope, %L0.q_pe, %L0.kv, %L0.topk) {...} : [T, 16384] bf16 @ R  # L0
+    %L0.attn = attn.sparse_mla(%L0.q_nope, %L0.q_pe_a, %L0.kv, %L0.topk, %positions) {...} : [T, 16384] bf16 @ R  # L0
+ -> %L0.attn = attn.mla_absorbed(%L0.q_nope, %L0.q_pe_a, %L0.kv, %L0.topk, %positions) {...} : [T, 16384] bf16 @ R  # L0
 
 Example (GLM-5.3, tp1, prefill):
 
-    %L0.attn = attn.sparse_mla(%L0.q_nope, %L0.q_pe, %L0.kv, %L0.topk) {...} : [T, 16384] bf16 @ R  # L0
- -> %L0.attn = attn.mla_mha(%L0.q_nope, %L0.q_pe, %L0.kv, %L0.topk) {...} : [T, 16384] bf16 @ R  # L0
+    %L0.attn = attn.sparse_mla(%L0.q_nope, %L0.q_pe_a, %L0.kv, %L0.topk, %positions) {...} : [T, 16384] bf16 @ R  # L0
+ -> %L0.attn = attn.mla_mha(%L0.q_nope, %L0.q_pe_a, %L0.kv, %L0.topk, %positions) {...} : [T, 16384] bf16 @ R  # L0
 """
 from __future__ import annotations
 

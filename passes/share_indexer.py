@@ -8,10 +8,10 @@ the full layer each shared layer reads. GLM-5.3, layer 3:
 Example (GLM-5.3, tp1, decode):
 
     %L3.topk = idx.reuse(%L2.topk) : [T, 2048] i32 @ R  # L3
-    %L3.attn = attn.sparse_mla(%L3.q_nope, %L3.q_pe, %L3.kv, %L3.topk) {...} : [T, 16384] bf16 @ R  # L3
+    %L3.attn = attn.sparse_mla(%L3.q_nope, %L3.q_pe_a, %L3.kv, %L3.topk, %positions) {...} : ...
  -> #!   full_layers: [0..2, 6..74 step 4],
     #!     3..5: 2,
-    %L3.attn = attn.sparse_mla(%L3.q_nope, %L3.q_pe, %L3.kv, %L2.topk) {...} : [T, 16384] bf16 @ R  # L3
+    %L3.attn = attn.sparse_mla(%L3.q_nope, %L3.q_pe_a, %L3.kv, %L2.topk, %positions) {...} : ...
 """
 from __future__ import annotations
 

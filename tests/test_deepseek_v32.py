@@ -86,12 +86,16 @@ def test_plan_tp2ep2_as_gloo_processes_equals_tp1(dsv32, tmp_path):
 
 
 def test_triton_kernels_match_transformers(dsv32):
-    """The CUDA target's op table (Triton RoPE with yarn, the fused q/kv norm + RoPE + cache write with
-    the indexer's half-split keys, indexer scores and top-k, sparse MLA) on the CPU interpreter."""
+    """The CUDA target's op table (the fused q/kv norm + RoPE + cache write with the indexer's
+    half-split keys, indexer scores and top-k, sparse MLA, the last two turning their queries by
+    the yarn RoPE as they load them) on the CPU interpreter."""
     from glmc.api import plan_for
     from glmc.runtime.worker.loader import load_runner
     path, model = dsv32
     plan = plan_for(path, device="cuda", max_running=1)      # the CUDA target, run on the CPU
+    text = print_graph(plan.graphs["prefill"], fold=False)
+    assert "rope.apply" not in text and "rope_interleaved=false, rope_scaling=[[type, yarn]" in text
+    assert parse(text) == plan.graphs["prefill"]              # the readers' rope_* attributes round-trip
     runner = load_runner(plan, path, device="cpu", num_pages=2, max_context=64, max_running=1).executor
     (p,) = prompts(plan.config.vocab_size, [17], seed=2)
     r2t = torch.arange(64, 128).view(1, 64)

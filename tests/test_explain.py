@@ -199,5 +199,5 @@ def test_glmc_dump_ir_env(tmp_path, monkeypatch):
     monkeypatch.setenv("GLMC_DUMP_IR", str(tmp_path / "dumps"))
     plan("glm_moe_dsa_tiny", "tp8")
     names = sorted(p.name for p in (tmp_path / "dumps").iterdir())
-    assert names[0] == "00-expand-layers" and names[-1] == "13-estimate-cost"
+    assert names[0] == "00-expand-layers" and names[-1] == "14-estimate-cost"
     assert "comm.reshard" in (tmp_path / "dumps" / "02-propagate-sharding" / "decode.ir").read_text()

@@ -7,12 +7,16 @@ their own quantised input; an FP8 code of a SwiGLU's h that lands on the other s
 boundary is admitted only through the bound's flip term. A wrong weight scale and a wrong kernel
 result are both caught, at the op that has them.
 """
+from dataclasses import replace
+
 import pytest
 import torch
 from tiny_hf import save_tiny_fp8
 
 from glmc.codegen import cuda_target, fp8_torch_target
 from glmc.codegen.fp8_ref import Fp8Weight
+from glmc.codegen.torch_target import unfused_args
+from glmc.codegen.triton_contexts import QueryRope
 from glmc.compiler import compile_plan
 from glmc.config import Options
 from glmc.parallel import parse_parallel
@@ -99,13 +103,21 @@ def test_a_wrong_weight_scale_is_caught_at_its_op(plan_and_ckpt, one_torch_threa
     assert bad and bad[0].result == "L1.o" and bad[0].fp8_out_of_bound > 0
 
 
-def test_a_wrong_kernel_result_is_caught_at_its_op(plan_and_ckpt, one_torch_thread, monkeypatch):
+def test_a_wrong_query_turn_is_caught_at_its_reader(plan_and_ckpt, one_torch_thread, monkeypatch):
+    """Layer 2's query RoPEs turned with theta 0.1% off, inside the kernels that read the queries
+    (fuse-query-rope: the indexer and the attention turn their query as they load it): caught at
+    that layer's reader, not elsewhere."""
     plan, path = plan_and_ckpt
     target, oracle, again = executors(plan, path)
-    scale_result(target, "rope.apply", layer=2, factor=1 + 1e-3)
+    of = QueryRope.of
+
+    def off_by_a_little(op):
+        rope = of(op)
+        return replace(rope, theta=rope.theta * (1 + 1e-3)) if rope is not None and op.layer == 2 else rope
+    monkeypatch.setattr(QueryRope, "of", staticmethod(off_by_a_little))
     rows = compare_step(target, oracle, again, "prefill", batches()[0])
     bad = {r.result for r in rows if not r.ok()}
-    assert bad == {"L2.iq", "L2.q_pe"}, bad
+    assert "L2.attn" in bad and bad <= {"L2.topk", "L2.attn"}, bad
 
 
 def test_a_wrong_attention_result_is_caught_at_its_op(plan_and_ckpt, one_torch_thread, monkeypatch):
@@ -246,8 +258,9 @@ def test_the_attention_bound_covers_bf16_roundings_and_is_tight(plan_and_ckpt, o
     seen = []
 
     def check(op, args, ctx):
-        got = kernel_roundings(op, args, ctx)
-        want, slack = attention_oracle(op, args, ctx, torch.bfloat16)
+        plain = unfused_args(op, args)   # q_pe turned by the positions (fuse-query-rope), as the kernel turns it
+        got = kernel_roundings(op, plain, ctx)
+        want, slack = attention_oracle(op, plain, ctx, torch.bfloat16)
         limit = bound(want, torch.bfloat16) + slack
         seen.append({"width": float(slack.norm() / want.norm()), "outside": int(((got - want).abs() > limit).sum()),
                      "caught": float((got * 1.1 - want).abs().gt(limit).float().mean())})

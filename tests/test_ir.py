@@ -61,7 +61,7 @@ def test_identical_layers_print_once_with_their_layers():
     assert re.findall(r"^layers (.*) \{$", text, re.MULTILINE) == [
         "0", "1, 2", "3", "4..76 step 4", "5..77 step 4", "6..74 step 4", "7..75 step 4"]
     block = text[text.index("layers 5..77 step 4 {"):]
-    assert "  %L.attn = attn.mla_absorbed(%L.q_nope, %L.q_pe, %L.kv, %L-3.topk) {" in block
+    assert "  %L.attn = attn.mla_absorbed(%L.q_nope, %L.q_pe_a, %L.kv, %L-3.topk, %positions) {" in block
     assert "weight=.self_attn.o_proj.weight}" in block
     assert "model.layers." not in text and "  # L" not in text
     assert len(text.splitlines()) < len(print_graph(graph(FULL, "tp8", "decode"), fold=False).splitlines()) / 6

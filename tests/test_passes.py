@@ -123,9 +123,20 @@ def test_share_indexer():
     g = graph(FULL, "tp1", "decode")
     text = print_graph(g, fold=False)
     assert not lines(text, r"idx\.reuse")
-    assert lines(text, r"%L5\.attn = attn\.mla_absorbed\(%L5\.q_nope, %L5\.q_pe, %L5\.kv, %L2\.topk\)")
+    assert lines(text, r"%L5\.attn = attn\.mla_absorbed\(%L5\.q_nope, %L5\.q_pe_a, %L5\.kv, %L2\.topk, %positions\)")
     assert g.meta["indexer"]["full_layers"][:4] == [0, 1, 2, 6]
     assert g.meta["indexer"]["shared_from"]["77"] == 74
+
+
+@pytest.mark.parametrize("phase", ["prefill", "decode", "mtp_draft", "mtp_verify"])
+def test_query_ropes_fold_into_their_readers_on_cuda_only(phase):
+    """Every query RoPE of a CUDA plan is turned by its reader (the indexer on full layers, the
+    attention on every layer), in every phase; a CPU plan keeps its rope ops."""
+    cuda, cpu = ir(TINY, "tp8", phase), ir(TINY, "tp8", phase, device="cpu")
+    attn, topk = lines(cuda, r"= attn\."), lines(cuda, r"= idx\.topk\(")
+    assert not lines(cuda, r"rope\.apply") and attn and topk
+    assert all(re.search(r", %(L\d+\.)?positions\) \{", l) for l in attn + topk)   # mtp_draft: its own input
+    assert len(lines(cpu, r"rope\.apply")) == len(attn) + len(topk)
 
 
 def test_mla_form_and_backend_per_phase():
@@ -155,7 +166,7 @@ def test_failing_pass_is_named_with_those_before():
 def test_topk_broadcast_option():
     text = ir(TINY, "tp8", "decode", topk_broadcast=True)
     assert lines(text, r"%L0\.topk\.bc = comm\.broadcast\(%L0\.topk\)")
-    assert lines(text, r"attn\.mla_absorbed\(%L1\.q_nope, %L1\.q_pe, %L1\.kv, %L0\.topk\.bc\)")
+    assert lines(text, r"attn\.mla_absorbed\(%L1\.q_nope, %L1\.q_pe_a, %L1\.kv, %L0\.topk\.bc, %positions\)")
     assert not lines(ir(TINY, "dp8ep8", "decode", topk_broadcast=True), r"comm\.broadcast")
 
 
