@@ -192,3 +192,26 @@ def test_select_collective_backend_thresholds_by_group_size():
     assert not marked(graph(FULL, "tp8", "decode", device="cpu"))
     assert not marked(graph(FULL, "tp8", "decode", p2p_collectives=False))
     assert not marked(graph(FULL, "tp1", "decode"))
+
+
+def test_a_query_rope_stays_where_its_reader_could_not_turn_it():
+    """fuse-query-rope's rule folds a query RoPE into its reader only when the reader is its one
+    user and its positions are the step's input: a rope with a second reader, or one turned by
+    other positions, stays."""
+    from dataclasses import replace
+
+    from glmc.ir.dialect import ROPE_READERS
+    from glmc.passes.fuse_query_rope import fold_query_rope
+    g = graph(TINY, "tp1", "decode", device="cpu")   # the cpu plan keeps its ropes
+
+    def reader_of_rope(g):
+        return next(op for op in g.ops if op.kind in ROPE_READERS
+                    and g.producer(op.operands[ROPE_READERS[op.kind][0]]).kind == "rope.apply")
+    op = reader_of_rope(g)
+    assert fold_query_rope(op, g) is not None
+    twice = g.with_ops([*g.ops, replace(op, results=tuple(r + ".again" for r in op.results))])
+    assert fold_query_rope(reader_of_rope(twice), twice) is None
+    rope = g.producer(op.operands[ROPE_READERS[op.kind][0]])
+    other = rope.operands[0]   # any value that is not the step's positions input
+    moved = g.with_ops([replace(o, operands=(o.operands[0], other)) if o is rope else o for o in g.ops])
+    assert fold_query_rope(reader_of_rope(moved), moved) is None
