@@ -112,9 +112,8 @@ class Request:
     def would_end(self, tokens: list[int]) -> bool:
         """Whether appending `tokens` ends the request by a token (a stop token, eos) or by its
         length; a stop string or its grammar's end is found only as the tokens are appended."""
-        p = self.params
-        return (any(t in p.stop_token_ids or (t in self.eos_token_ids and not p.ignore_eos) for t in tokens)
-                or len(self.output_ids) + len(tokens) >= p.max_tokens
+        return (any(self.check_stop_token(t) == "stop" for t in tokens)
+                or len(self.output_ids) + len(tokens) >= self.params.max_tokens
                 or self.num_tokens + len(tokens) >= self.max_context)
 
     def check_stop_token(self, token: int) -> str | None:
