@@ -17,7 +17,7 @@ one-GPU ceilings while the others wait:
   (a one-element add: the floor);
 - torch_op_s (schema /2): the CUDA target's own torch code at one token in a graph: the MoE row
   alignment (`triton_moe.align_rows`, top-8 of 256 experts) and the torch add + RMS norm ([1, 6144]
-  bf16), replay time over their aten ops (`codegen/launch_model.py`'s counts);
+  bf16), replay time over their aten ops (`codegen/launch_model.py`'s ALIGN_ROWS_OPS + ADD_RMS_TORCH_OPS);
 - gemm_launch_s (/2): the cuBLAS calls of one GLM-5.3 decode layer at one token row (A-projection,
   indexer Q, Q, W_UK / W_UV bmm, O, the fp32 router, shared and dense SwiGLU, lm_head), each weight
   its own tensor (2.8 GB: none stays in L2), in one graph: (replay - their bytes / hbm_bytes_per_s)

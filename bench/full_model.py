@@ -166,11 +166,13 @@ def collective_ms(step, reps: int) -> float:
 # ----------------------------------------------------------------------------- the run
 def predicted_ms(plan, phase: str, tokens: int, context: int, cal) -> float | None:
     """explain's calibrated step time of `phase` at `tokens` per rank (the plan's own dtypes)."""
+    from glmc.launches import LaunchCounts
     from glmc.predict import predict_step
     if cal is None or phase not in plan.graphs:
         return None
     env = {"T": tokens, "B": tokens, "S": context, "K": plan.config.index_topk}
-    return predict_step(plan.graphs[phase], env, plan.dtypes, cal, plan.world)["step_s"] * 1e3
+    return predict_step(plan.graphs[phase], env, plan.dtypes, cal, plan.world,
+                        LaunchCounts(plan)(phase, tokens, context))["step_s"] * 1e3
 
 
 def summarise(plan, ranks: list[dict], c: int, n: int, args, cal) -> dict:

@@ -416,12 +416,15 @@ def experts_touched(groups, ep, experts):
 def comm_ms(plan, phase, env, cal):
     """{segment: ms} of the calibrated collectives of `phase`'s ops at `env` (glmc/predict.py's
     comm_s: the one-shot kernel's time where the plan runs it, else NCCL's)."""
+    from glmc.launches import LaunchCounts
     from glmc.passes.costs import weight_bytes_for
     from glmc.predict import op_seconds
     graph, wb, out = plan.graphs[phase], weight_bytes_for(plan.dtypes), {}
+    made = LaunchCounts(plan)(phase, env["T"], env["S"]).op_launches()
     for op in graph.ops:
         key = f"layer{op.layer}" if op.layer is not None else "head"
-        out[key] = out.get(key, 0.0) + op_seconds(op, graph, env, plan.dtypes, cal, wb)["comm_s"] * 1e3
+        out[key] = out.get(key, 0.0) + op_seconds(op, graph, env, plan.dtypes, cal, wb,
+                                                  made.get(op.results[0], ()))["comm_s"] * 1e3
     return out
 
 

@@ -7,8 +7,10 @@ calibration fields that today's per-kernel profiles give.
 The plans are rebuilt without a GPU by the benchmarks' own builders (`spec_bench.py`: common.GLM53 +
 common.SLICE + its LAYERS, max_batch 2 x the largest batch; `multi_gpu_check.py`: `compile_for` over its
 tiny checkpoint and width slice) and predicted at each row's bucket and context with
-`bench/predicted.py`, as the benchmarks do. "before" reads the calibration as its /1 fields only
-(the predictor's /1 fallback is the model before the /2 terms).
+`bench/predicted.py`, as the benchmarks do, with the launches of the code those runs measured
+(`MEASURED_LAUNCHES`, `measured_program`: the CUDA target has changed since; today's plans launch
+what their launch programs say). "before" reads the calibration as its /1 fields only (the
+predictor's /1 fallback is the model before the /2 terms).
 
 Derived fields (`derive`), from `spec_bench`'s `profile_rank0` (per kernel of one replay:
 launches, device microseconds; torch.profiler over 5 replays of the captured decode graph):
@@ -17,7 +19,7 @@ launches, device microseconds; torch.profiler over 5 replays of the captured dec
   replay figure like the calibration's launch overheads;
 - topk_select: `topk_select_kernel` per launch on tp1 at 1, 32 and 128 rows of 4097 scores;
 - torch_op_s: the device time of every kernel that is neither a cuBLAS GEMM, a glmc Triton kernel
-  nor NCCL, over the aten ops `codegen/launch_model.py` counts for the plan, at B=1 (mean of the
+  nor NCCL, over the aten ops the measured code launched (`MEASURED_LAUNCHES`), at B=1 (mean of the
   specs);
 - gemm_launch_s: cuBLAS kernels (nvjet, split-K reduce, gemv) at B=1, less the bytes of the plan's
   GEMM calls at the measured copy bandwidth, per GEMM call the plan makes (mean of the specs).
@@ -38,6 +40,68 @@ SPEC_BENCH = RESULTS / "spec_bench_2026-11-30.json"
 MULTI = RESULTS / "multi_gpu_check_2026-11-30_predicted.json"
 CALIBRATION = RESULTS / "calibration_nvidia-h200-x2_2026-11-30.json"
 TRITON_KERNELS = re.compile(r"^[a-z_]+_kernel$")      # glmc's templates: `<name>_kernel`
+
+
+# ----------------------------------------------------------------------------- the measured code's launches
+# What the CUDA target of the recorded runs (2026-11-30) launched per op in a decode step: (Triton
+# kernels + cuBLAS GEMMs, of them GEMM calls, other torch kernels, collectives). Each attention op then
+# gathered its top-k's KV slots in 7 torch ops and turned its query by a RoPE kernel of its own, the
+# indexer's top-k likewise, the greedy sampler made its parameter tensors in 10 torch ops, the MoE
+# experts sorted their rows (36 torch ops) and summed their slots in torch ops at any row count.
+MEASURED_LAUNCHES = {
+    "embed.lookup": (0, 0, 1, ()), "norm.rms": (1, 0, 0, ()), "fused.add_rms": (1, 0, 0, ()),
+    "rope.apply": (1, 0, 0, ()), "norm.layer": (0, 0, 3, ()),
+    "fused.qkv_a_norm_rope_write": (1, 0, 0, ()), "fused.qkv_a_norm_rope_write_index": (1, 0, 0, ()),
+    "mem.kv_write": (0, 0, 3, ()), "mem.index_k_write": (0, 0, 2, ()),
+    "linear": (1, 1, 0, ()), "mla.a_proj": (1, 1, 0, ()), "lm.head": (1, 1, 0, ()), "mlp.swiglu": (3, 2, 0, ()),
+    "idx.topk": (3, 0, 2, ()), "attn.mla_absorbed": (5, 2, 8, ()), "attn.sparse_mla": (5, 2, 8, ()),
+    "attn.mla_mha": (5, 2, 8, ()), "moe.gate": (2, 0, 0, ()), "moe.topk": (1, 0, 0, ()),
+    "moe.experts": (2, 0, 43, ()), "elt.add": (0, 0, 1, ()), "tensor.concat": (0, 0, 1, ()),
+    "tensor.select_last": (0, 0, 1, ()), "sample.tokens": (1, 0, 10, ()),
+    "comm.all_reduce": (0, 0, 0, ("all_reduce",)), "comm.all_gather": (0, 0, 0, ("all_gather",)),
+    "comm.reduce_scatter": (0, 0, 0, ("reduce_scatter",)), "comm.broadcast": (0, 0, 0, ("all_gather",)),
+    "fused.allreduce_add_rms": (1, 0, 0, ("all_reduce",)),
+    "fused.reduce_scatter_add_rms": (1, 0, 0, ("reduce_scatter",)),
+    "moe.dispatch": (0, 0, 18, ("all_to_all",)), "moe.combine": (0, 0, 4, ("all_to_all",)),
+}
+MEASURED_STEP_TORCH_OPS = 1   # the step's write of each row's slot into the device table
+
+
+def measured_counts(op, env: dict) -> tuple[int, int, int, tuple]:
+    """MEASURED_LAUNCHES of `op` (no entry: no launch) with what depended on the op: a vocab-parallel
+    embedding masked its rows (8 torch ops), a collective along a dim other than 0 concatenated its
+    chunks, the router's GEMV ran as one kernel below the GEMV rows."""
+    from glmc.target import gemv_takes
+    k, g, t, c = MEASURED_LAUNCHES.get(op.kind, (0, 0, 0, ()))
+    if op.kind == "moe.gate" and gemv_takes(op.types[0].shape[0].eval(env), int(op.attr("experts", 0))):
+        return 1, 0, 0, ()
+    if op.kind == "embed.lookup" and int(op.attr("tp", 1)) > 1:
+        return 0, 0, 8, ()
+    if op.kind in ("comm.all_gather", "comm.reduce_scatter") and int(op.attr("dim", 0)):
+        return k, g, t + 1, c
+    return k, g, t, c
+
+
+def measured_program(graph, env: dict):
+    """A launch program of `graph` at `env` with the measured code's launches (`measured_counts`),
+    for `glmc.predict.predict_step`."""
+    from glmc.codegen.launch_program import Launch, Program
+    out = [Launch("torch", "step") for _ in range(MEASURED_STEP_TORCH_OPS)]
+    for op in graph.ops:
+        kernels, gemms, torch_ops, collectives = measured_counts(op, env)
+        where = {"op": op.results[0], "op_kind": op.kind, "layer": op.layer}
+        out += [Launch("gemm", "mm", **where) for _ in range(gemms)]
+        out += [Launch("triton", "kernel", **where) for _ in range(kernels - gemms)]
+        out += [Launch("torch", "op", **where) for _ in range(torch_ops)]
+        out += [Launch("collective", c, **where) for c in collectives]
+    return Program("decode", env["T"], out)
+
+
+def measured_ms(plan, tokens: int, context: int, cal: dict) -> float:
+    """`predicted.predict_ms` of a recorded run's plan with the launches of the code it measured."""
+    from bench import predicted
+    env = {"T": tokens, "B": tokens, "S": context, "K": plan.config.index_topk}
+    return predicted.predict_ms(plan, tokens, context, cal, measured_program(plan.graphs["decode"], env))
 
 
 def kernel_class(name: str) -> str:
@@ -77,11 +141,10 @@ def spec_plans(data: dict) -> dict:
 
 def spec_rows(data: dict, cal: dict, plans: dict | None = None) -> list[dict]:
     """[{name, bucket, context, measured_ms, predicted_ms, ratio}] for every timed spec_bench row."""
-    from bench import predicted
     plans = plans or spec_plans(data)
     ctx = data["info"]["ctx"]
     return [_row(f"{r['spec']} B={r['B_per_rank']}", r["bucket"], ctx, r["replay_ms"],
-                 predicted.predict_ms(plans[r["spec"]], r["bucket"], ctx, cal))
+                 measured_ms(plans[r["spec"]], r["bucket"], ctx, cal))
             for r in data["rows"] if "replay_ms" in r]
 
 
@@ -117,7 +180,6 @@ def multi_rows(data: dict, cal: dict, plans: dict) -> list[dict]:
     """The rows of a multi_gpu_check --calibration file, predicted again. tp1 replays all 4 requests
     (bucket 4); the file keeps the other specs' buckets."""
     from bench import multi_gpu_check as mg
-    from bench import predicted
     out = []
     for r in data["rows"]:
         if not (r.get("predicted") or {}).get("measured_ms"):
@@ -127,7 +189,7 @@ def multi_rows(data: dict, cal: dict, plans: dict) -> list[dict]:
         bucket = r.get("bucket") or len(lengths)
         plan = plans[r["check"], r["parallel"], r["moe"]]
         out.append(_row(f"{r['check']} {r['parallel']}/{r['moe']}", bucket, context, r["predicted"]["measured_ms"],
-                        predicted.predict_ms(plan, bucket, context, cal)))
+                        measured_ms(plan, bucket, context, cal)))
     return out
 
 
@@ -151,13 +213,12 @@ def _gemm_calls(plan) -> tuple[int, float]:
     """(cuBLAS GEMM calls, their bytes) of the plan's decode step at one token (runner dtypes)."""
     from bench import predicted
 
-    from glmc.codegen.launch_model import launches
     from glmc.passes.costs import op_cost, params_of, weight_bytes_for
     graph, wb = plan.graphs["decode"], weight_bytes_for(predicted.runner_dtypes(plan))
     env = {"T": 1, "B": 1, "S": 1, "K": plan.config.index_topk}
     calls, nbytes = 0, 0.0
     for op in graph.ops:
-        n = launches(op.kind, dict(op.attrs)).gemms
+        n = measured_counts(op, env)[1]
         if n:
             calls += n
             _, local, _, cls = params_of(op)      # attention: only its W_UK / W_UV are GEMM operands
@@ -167,7 +228,7 @@ def _gemm_calls(plan) -> tuple[int, float]:
 
 def derive(data: dict, plans: dict, cal: dict) -> tuple[dict, dict]:
     """(the /2 fields, a note per field with its numbers) from spec_bench's profiles (module docstring)."""
-    from glmc.codegen.launch_model import STEP_TORCH_OPS, TOPK_CHUNK, launches
+    from glmc.codegen.launch_model import TOPK_CHUNK
     rows = [r for r in data["rows"] if "profile_rank0" in r]
     one_gpu = [r for r in rows if r["spec"] == "tp1"]
     gaps = [(r["replay_ms"] * 1e3 - sum(c[1] for c in _profile(r).values())) /
@@ -181,7 +242,8 @@ def derive(data: dict, plans: dict, cal: dict) -> tuple[dict, dict]:
     torch_ops, gemm = {}, {}
     for r in (r for r in rows if r["B_per_rank"] == 1):
         prof, plan = _profile(r), plans[r["spec"]]
-        counted = sum(launches(op.kind, dict(op.attrs)).torch_ops for op in plan.graphs["decode"].ops) + STEP_TORCH_OPS
+        one = {"T": 1, "B": 1, "S": 1, "K": plan.config.index_topk}
+        counted = sum(measured_counts(op, one)[2] for op in plan.graphs["decode"].ops) + MEASURED_STEP_TORCH_OPS
         n, us = prof["torch"]
         torch_ops[r["spec"]] = (us * 1e-6 + gap * n) / counted
         calls, nbytes = _gemm_calls(plan)
@@ -202,7 +264,7 @@ def derive(data: dict, plans: dict, cal: dict) -> tuple[dict, dict]:
         "topk_select": (f"topk_select_kernel device time per launch on tp1 + gap ({src}); row_len = context "
                         f"{ctx} + 1 (lens = pos + 1), chunk = TOPK_CHUNK"),
         "torch_op_s": (f"device time of the non-GEMM, non-Triton, non-NCCL kernels + gap per launch, over the aten "
-                       f"ops codegen/launch_model.py counts, at B=1, us per op: {us(torch_ops)}; mean ({src}). "
+                       f"ops the measured code launched (MEASURED_LAUNCHES), at B=1, us per op: {us(torch_ops)}; mean ({src}). "
                        "Cross-check: decode_bench_2026-11-30 replays one moe.experts op alone at T=1 in 228.3 us; "
                        "its two Triton kernels take 143.6 us per layer in this tp1 B=1 profile: (228.3 - 143.6) / "
                        "43 aten ops = 1.97 us"),

@@ -18,11 +18,15 @@ def runner_dtypes(plan):
     return plan.dtypes.model_copy(update={"weight": act, "kv_cache": act, "index_cache": act})
 
 
-def predict_ms(plan, tokens_per_rank: int, context: int, calibration: dict) -> float:
-    """Predicted graph replay (ms) of the plan's decode step at `tokens_per_rank` (the bucket)."""
+def predict_ms(plan, tokens_per_rank: int, context: int, calibration: dict, program=None) -> float:
+    """Predicted graph replay (ms) of the plan's decode step at `tokens_per_rank` (the bucket), its
+    launches `program`'s (default: the plan's launch program there, `glmc.launches.LaunchCounts`)."""
+    from glmc.launches import LaunchCounts
     from glmc.predict import predict_step
     env = {"T": tokens_per_rank, "B": tokens_per_rank, "S": context, "K": plan.config.index_topk}
-    return predict_step(plan.graphs["decode"], env, runner_dtypes(plan), calibration, plan.world)["step_s"] * 1e3
+    program = program or LaunchCounts(plan)("decode", tokens_per_rank, context)
+    return predict_step(plan.graphs["decode"], env, runner_dtypes(plan), calibration, plan.world,
+                        program)["step_s"] * 1e3
 
 
 def compare(name: str, predicted_ms: float, measured_ms: float | None) -> dict:

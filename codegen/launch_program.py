@@ -4,7 +4,7 @@ that runs it.
 A step of the CUDA target is decided at run time by `cuda_target.IMPLS` and the launchers it calls.
 This module records that decision instead of describing it a second time: `Recorder` watches an
 executor (anything with the CUDA executor's `kernels`, `comm` and `impls` attributes: the runtime's
-`CudaExecutor`; codegen imports no runtime, so `glmc.api.meta_executor` builds one) while it runs,
+`CudaExecutor`; codegen imports no runtime, so `glmc.launches.meta_executor` builds one) while it runs,
 at its seams (the kernel library, a TorchDispatchMode, the `Comm`, the op table for the IR op of
 each launch), and writes one `Launch` per
 
@@ -114,13 +114,38 @@ class Program:
     buffers: list[Buffer] = field(default_factory=list)
     untraced: list[tuple[str, int | None, str]] = field(default_factory=list)   # (op kind, layer, why)
     header: dict = field(default_factory=dict)
+    # a sampled trace (`trace(sample=True)`): op result -> (the result of the op of its layer class's
+    # first layer, which ran in its place and whose launches it makes; the op's own layer)
+    aliases: dict[str, tuple[str, int]] = field(default_factory=dict)
 
     def per_layer(self) -> Counter:
         """Launches per decoder layer (None: outside the layers)."""
-        return Counter(x.layer for x in self.launches)
+        out = Counter(x.layer for x in self.launches)
+        made = Counter(x.op for x in self.launches)
+        for same, layer in self.aliases.values():
+            out[layer] += made[same]
+        return out
+
+    def op_launches(self) -> dict[str, list[Launch]]:
+        """The launches each IR op makes, by the op's first result (a sampled trace's stood-in
+        layers make their class representative's); ops that launch nothing are absent."""
+        out: dict[str, list[Launch]] = {}
+        for x in self.launches:
+            if x.op is not None:
+                out.setdefault(x.op, []).append(x)
+        for op, (same, _) in self.aliases.items():
+            if same in out:
+                out[op] = out[same]
+        return out
+
+    def step_launches(self) -> list[Launch]:
+        """The launches outside every op (the step's own: its inputs into the device table)."""
+        return [x for x in self.launches if x.op is None]
 
     def text(self) -> str:
         """The folded text form (module docstring); `counts` reads it back."""
+        if self.aliases:
+            raise ValueError(f"{self.phase}: a sampled trace has no text form (trace without sample=True)")
         head = [f"# {self.phase}: {self.tokens} {'requests' if self.phase != 'prefill' else 'tokens'}, "
                 f"{len(self.launches)} launches, {len(self.buffers)} buffers"
                 + "".join(f", {k} {v}" for k, v in self.header.items())]
@@ -201,9 +226,11 @@ class Recorder:
     """Records the launches of what runs while it watches an executor (module docstring).
     `with Recorder().watching(executor) as rec: ...`; then `rec.program(phase, tokens)`."""
 
-    def __init__(self, kernel_names: dict[str, str] | None = None, stand_in: bool = False):
+    def __init__(self, kernel_names: dict[str, str] | None = None, stand_in: bool = False,
+                 skip: frozenset = frozenset()):
         self.kernel_names = dict(kernel_names or {})    # repr(ctx) -> plan kernel name
         self.stand_in = stand_in   # an op that fails on data-less tensors: listed, its results stood in for
+        self.skip = skip           # layers whose ops do not run: their results stood in for, nothing recorded
         self.launches: list[Launch] = []
         self.untraced: list[tuple[str, int | None, str]] = []   # (op kind, layer, why)
         self._stand_ins: set[int] = set()
@@ -266,6 +293,8 @@ class Recorder:
 
     def _op_of(self, fn):
         def run(op, args, ctx):
+            if op.layer in self.skip:
+                return self._placeholders(op, args, ctx)
             outer, self._op = self._op, op
             try:
                 return fn(op, args, ctx)
@@ -285,7 +314,8 @@ class Recorder:
         multiple of T; activations in the compute dtype) in place of the results of an op that
         could not run without data."""
         dims = [(ctx.type_of(v).shape[0], a.shape[0]) for v, a in zip(op.operands, args) if isinstance(a, torch.Tensor)]
-        env = {"T": next((rows * d.coeff.denominator // d.coeff.numerator for d, rows in dims if d.sym == "T"), 0)}
+        env = {"T": next((rows * d.coeff.denominator // d.coeff.numerator for d, rows in dims if d.sym == "T"), 0),
+               "S": getattr(ctx, "max_len", 0)}
         device = next(_tensors(args)).device
         out = tuple(torch.empty([d.eval(env) for d in t.shape],
                                 dtype=ctx.ex.dtype if t.dtype == "bf16" else IR_DTYPES[t.dtype], device=device)
@@ -393,24 +423,47 @@ def run_body(executor, phase: str, inputs: dict, max_len: int | None = None) -> 
 
 
 def trace(executor, phase: str, tokens: int, num_sms: int = H200_SMS, warm: bool = True,
-          requests: int | None = None, max_len: int | None = None) -> Program:
+          requests: int | None = None, max_len: int | None = None, sample: bool = False) -> Program:
     """The launch program of one graph of `phase` at `tokens` tokens (decode: requests) on
     `executor` (a `CudaExecutor`; on the meta device nothing runs), grids sized for `num_sms` SMs
     where its device is not a GPU (`requests`, `max_len`: an eager prefill's instead of its graph's).
     `warm`: the body runs once first, its launches dropped, as capture warms up: what the target
     makes once and keeps (weights re-laid out for the absorbed MLA and the fused gate_up, RoPE
     frequencies) is then made, and the program holds what every step launches (an executor that
-    ran a step of any phase is warm)."""
+    ran a step of any phase is warm).
+    `sample`: only the first layer of each class of identical layers (ir/fold.py) runs; the others'
+    results are stood in for (empty tensors of their IR types) and `Program.aliases` maps their ops
+    to the ones that ran: the same launch counts per op and per layer for a fraction of the work
+    (GLM-5.3: 7 of 78 layers; a test holds the two equal), no text form and no buffers of the layers
+    left out."""
     from glmc.codegen.triton_render import assume_sms
 
     names = {v: k for k, v in executor.plan.kernel_contexts.items()}
+    skip, aliases = (_layer_classes(executor.graphs[phase]) if sample else (frozenset(), {}))
     with torch.no_grad(), assume_sms(num_sms):
         inputs = static_inputs(executor, phase, tokens, requests)
         for _ in range(2 if warm else 1):
-            with Recorder(names, stand_in=True).watching(executor) as rec:   # on meta nothing launches
+            with Recorder(names, stand_in=True, skip=skip).watching(executor) as rec:   # on meta nothing launches
                 run_body(executor, phase, inputs, max_len)
     graph_len = executor.prefill_max_len if phase == "prefill" else executor.max_context
-    return rec.program(phase, tokens, max_len=max_len or graph_len, sms=num_sms)
+    program = rec.program(phase, tokens, max_len=max_len or graph_len, sms=num_sms)
+    program.aliases = aliases
+    return program
+
+
+def _layer_classes(graph) -> tuple[frozenset, dict[str, tuple[str, int]]]:
+    """(the layers a sampled trace leaves out, {op result: its class representative's}): every
+    layer of a class (`ir.fold.fold`) but the first; nothing if the layers do not fold."""
+    from glmc.ir.fold import absolute, fold
+
+    blocks = fold([op for op in graph.ops if op.layer is not None])
+    skip, aliases = set(), {}
+    for layers, body in blocks or ():
+        first = [absolute(op, layers[0]).results[0] for op in body]
+        for layer in layers[1:]:
+            skip.add(layer)
+            aliases.update((absolute(op, layer).results[0], (same, layer)) for op, same in zip(body, first))
+    return frozenset(skip), aliases
 
 
 def split(text: str) -> dict[int, str]:

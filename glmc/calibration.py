@@ -31,7 +31,7 @@ that a launch floor plus bytes / bandwidth misses at small batch:
 - `torch_op_s`: seconds per aten op of the CUDA target's torch code (the MoE row alignment, the
   top-k slot gather, the torch add + RMS norm: index gathers, scans, a sort, scatters, small
   element-wise ops) replayed in a graph at one token: replay time / aten ops
-  (`codegen/launch_model.py` counts them). A one-element add (`torch_op_overhead_s`) is the floor.
+  (`codegen/launch_model.py`'s ALIGN_ROWS_OPS, ADD_RMS_TORCH_OPS). A one-element add (`torch_op_overhead_s`) is the floor.
 - `gemm_launch_s`: seconds per cuBLAS GEMM call in a graph beyond its bytes / `hbm_bytes_per_s`,
   at one token row with the weights out of L2 (GLM-5.3's decode GEMM shapes): a skinny GEMM's
   pipeline fill and epilogue, and split-K's second (reduce) kernel where cuBLAS picks split-K.

@@ -41,7 +41,7 @@ def _model_path(arg: str | None) -> str:
 
 
 def cmd_compile(a) -> int:
-    from glmc.api import launch_texts
+    from glmc.launches import launch_texts
     from glmc.compiler import compile_plan
     from glmc.config import Options
     from glmc.explain import explain_plan

@@ -21,8 +21,8 @@ outside the decoder layers), `kernels` {kernels/<name>.py: the context it was re
 target; empty for cpu), `launches` (a plan directory with launch/<phase>.txt, `glmc compile --device
 cuda`) {phase: {tokens: {step {kind: count}, layers {launches per layer: [layer, ...]}}}}. Byte
 conventions are those of `glmc.passes.costs`.
-With a calibration (`glmc.calibration`), `predicted` {calibration, point: `glmc.predict.predict_step`
-at the explain point, table: [{batch_per_rank, step_ms, tpot_ms, tokens_per_s, comm_ms, overhead_ms,
+With a calibration (`glmc.calibration`; a CUDA plan: its launch programs are priced), `predicted`
+{calibration, point: `glmc.predict.predict_step` at the explain point, table: [{batch_per_rank, step_ms, tpot_ms, tokens_per_s, comm_ms, overhead_ms,
 graph_bucket, kv_fits}], assumptions: [str], mtp (a plan with MTP phases: `glmc.predict.predict_mtp`)
 {accept_lengths, accept_source, host_source, table: [{batch_per_rank, drafts, verify_ms,
 draft_extend_ms, draft_ms, host_ms, cycle_ms, tpot_ms, speedup}]}}.
@@ -39,6 +39,7 @@ from glmc.codegen.launch_program import counts, split
 from glmc.compiler import compile_phase
 from glmc.config import DTypes, Options
 from glmc.ir.types import DTYPE_BYTES
+from glmc.launches import LaunchCounts
 from glmc.parallel import parse_parallel
 from glmc.passes.costs import params_of
 from glmc.passes.estimate_cost import bill
@@ -136,7 +137,8 @@ def explain_plan(plan: Plan, batch: int = 32, context: int = 4096,
         out["quality"] = quality
     if calibration is not None:
         t = _env("decode", batch, context, par.attn_dp, cfg.index_topk)["T"]
-        out["predicted"] = predict_plan(plan, calibration, context, t, out["memory"]["kv_tokens_per_rank"])
+        out["predicted"] = predict_plan(plan, calibration, context, t, LaunchCounts(plan),
+                                        out["memory"]["kv_tokens_per_rank"])
     return out
 
 

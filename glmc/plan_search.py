@@ -1,7 +1,8 @@
 """`glmc plan`: the parallel spec, MoE lowering and serving settings for a workload on N GPUs.
 
-Compile once, price many: every (parallel spec, MoE lowering, KV dtype) is compiled once (its
-decode and MTP-draft graphs); MTP drafts, concurrency and the prompt's chunks are numbers fed to
+Compile once, price many: every (parallel spec, MoE lowering, KV dtype) is compiled once (the CUDA
+plan; its decode and MTP-draft graphs are priced, with the launches of their launch programs,
+`glmc.launches.LaunchCounts`); MTP drafts, concurrency and the prompt's chunks are numbers fed to
 `glmc.predict.predict_step` on those graphs, never a recompile. Each candidate is compiled and
 priced in one worker process (`run_tasks`), so only its rows travel back. Per candidate and concurrency C
 (requests per DP rank r = ceil(C / attn_dp)), with d MTP drafts and an accept length E (tokens a
@@ -32,14 +33,14 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from glmc.compiler import compile_phase
+from glmc.compiler import compile_plan
 from glmc.config import Options
+from glmc.launches import LaunchCounts
 from glmc.parallel import ParallelError, parse_parallel
-from glmc.calibration import torch_op_seconds
-from glmc.codegen.launch_model import STEP_TORCH_OPS
 from glmc.passes.costs import weight_bytes_for
 from glmc.passes.plan_memory import op_weight_bytes
-from glmc.predict import SMALL_ACCEPT_LENGTH, SMALL_ACCEPT_SOURCE, SPEC_HOST_SOURCE, op_seconds, spec_host_ms
+from glmc.predict import (SMALL_ACCEPT_LENGTH, SMALL_ACCEPT_SOURCE, SPEC_HOST_SOURCE, launch_terms, op_seconds,
+                          spec_host_ms)
 
 # a checkout's calibration measured on two H200s (bench/calibrate.py)
 DEFAULT_CALIBRATION = Path(__file__).resolve().parents[1] / "bench/results/calibration_nvidia-h200-x2_2026-11-30.json"
@@ -162,26 +163,41 @@ STEP_TERMS = {"collectives": "collectives", "launches": "launches (kernels, GEMM
 
 class StepPricer:
     """`glmc.predict.predict_step`'s `step_s` for one graph at many points, fast: ops that differ
-    only in their layer's weight names (same kind, attributes, operand and result types) cost the
-    same, so each such group is priced once per point and counted (a test holds it equal to
-    predict_step)."""
+    only in their layer's weight names (same kind, attributes, operand and result types) and make
+    the same launches at the point cost the same, so each such group is priced once per point and
+    counted (a test holds it equal to predict_step). `launches(tokens, context)`: the graph's launch
+    program at a point (`LaunchCounts` of its phase)."""
 
-    def __init__(self, graph, dtypes, cal: dict, ranks: int, p2p: bool = True):
-        self.graph, self.dtypes, self.cal = graph, dtypes, cal
+    def __init__(self, graph, dtypes, cal: dict, ranks: int, launches, p2p: bool = True):
+        self.graph, self.dtypes, self.cal, self.launches = graph, dtypes, cal, launches
         self.weight_bytes = weight_bytes_for(dtypes)
-        groups: dict = {}
-        for op in graph.ops if p2p else map(without_p2p, graph.ops):
+        for op in graph.ops:
             if int(op.attr("size", 1)) > ranks:
                 raise ValueError(f"{op.kind} {op.results[0]}: a group of {op.attr('size')} on {ranks} GPUs")
-            key = (op.kind, _layerless(op.attrs), tuple(graph.type_of(v) for v in op.operands), op.types)
-            groups.setdefault(key, [op, 0])[1] += 1
-        self.groups = list(groups.values())
+        self._ops(graph.ops if p2p else [without_p2p(op) for op in graph.ops])
+
+    def _ops(self, ops) -> None:
+        self.ops = list(ops)
+        self.keys = [(op.kind, _layerless(op.attrs), tuple(self.graph.type_of(v) for v in op.operands), op.types)
+                     for op in self.ops]
 
     def nccl(self) -> "StepPricer":
-        """The same graph priced as a `--no-p2p` plan (`without_p2p`), its groups kept."""
+        """The same graph priced as a `--no-p2p` plan (`without_p2p`)."""
         other = copy.copy(self)
-        other.groups = [[without_p2p(op), n] for op, n in self.groups]
+        other._ops([without_p2p(op) for op in self.ops])
         return other
+
+    def groups(self, program) -> list:
+        """[[op, count, its launches]] of the ops priced alike at a point whose program is `program`."""
+        per_op, groups = program.op_launches(), {}
+        for op, key in zip(self.ops, self.keys):
+            made = per_op.get(op.results[0], ())
+            sig = (key, tuple((x.kind, x.name) for x in made))
+            if sig in groups:
+                groups[sig][1] += 1
+            else:
+                groups[sig] = [op, 1, made]
+        return list(groups.values())
 
     def step_seconds(self, env: dict) -> float:
         return self.step_terms(env)["seconds"]
@@ -189,21 +205,22 @@ class StepPricer:
     def step_terms(self, env: dict) -> dict:
         """{"seconds": the step, and its STEP_TERMS}: each op's max(HBM, compute) counted under the
         one that bounds it, so the terms sum to the step."""
+        program = self.launches(env["T"], env["S"])
         terms, ops = dict.fromkeys(STEP_TERMS, 0.0), 0.0
-        for op, n in self.groups:
-            t = op_seconds(op, self.graph, env, self.dtypes, self.cal, self.weight_bytes)
+        for op, n, made in self.groups(program):
+            t = op_seconds(op, self.graph, env, self.dtypes, self.cal, self.weight_bytes, made)
             ops += n * t["seconds"]
             terms["hbm" if t["memory_s"] >= t["compute_s"] else "compute"] += n * t["data_s"]
             for term, key in (("launches", "overhead_s"), ("topk_select", "latency_s"), ("collectives", "comm_s")):
                 terms[term] += n * t[key]
-        host = STEP_TORCH_OPS * torch_op_seconds(self.cal)
-        terms["launches"] += host
-        return {"seconds": ops + host, **terms}
+        step, _ = launch_terms(program.step_launches(), self.cal)
+        terms["launches"] += step
+        return {"seconds": ops + step, **terms}
 
 
 @dataclass(frozen=True)
 class Compiled:
-    """One compiled candidate: the graphs that price every number of it."""
+    """One compiled candidate: the graphs that price every number of it and their launch programs."""
     name: str
     par: object
     moe: str
@@ -211,6 +228,7 @@ class Compiled:
     spec: object
     decode: object
     draft: object | None
+    launches: LaunchCounts
 
 
 def candidate_tasks(spec, gpus: int, kv_dtypes=KV_DTYPES, only: list[str] | None = None) -> tuple[list, list]:
@@ -247,11 +265,12 @@ def run_tasks(fn, tasks: list, jobs: int = JOBS, desc: str = "") -> list:
 
 
 def _compile_one(task) -> Compiled:
-    """The decode (and MTP-draft) graph of one candidate; a module-level function, so a worker process can run it."""
+    """One candidate's CUDA plan: its decode (and MTP-draft) graph and their launch programs; a
+    module-level function, so a worker process can run it."""
     s, name, kv, moe, forced = task
-    par, opts = parse_parallel(name, s.config), Options(moe_a2a=forced)
-    draft = compile_phase(s, par, "mtp_draft", opts) if s.config.num_nextn_predict_layers else None
-    return Compiled(name, par, moe, kv, s, compile_phase(s, par, "decode", opts), draft)
+    par, opts = parse_parallel(name, s.config), Options(moe_a2a=forced, device="cuda")
+    plan = compile_plan(s, par, opts)
+    return Compiled(name, par, moe, kv, s, plan.graphs["decode"], plan.graphs.get("mtp_draft"), LaunchCounts(plan))
 
 
 def _compile_and_price(task) -> tuple[list[dict], list[dict]]:
@@ -306,11 +325,13 @@ def _gib(n: float) -> str:
 
 
 def _pricer(c: Compiled, phase: str, cal: dict, gpus: int, memo: dict, p2p: bool) -> StepPricer:
-    """One StepPricer per graph and backend; the NCCL one reuses the p2p one's groups."""
+    """One StepPricer per graph and backend; the NCCL one reuses the p2p one's ops."""
     key = (c.name, c.moe, c.kv_dtype, p2p, phase)
     if key not in memo:
+        graph_phase = "decode" if phase == "decode" else "mtp_draft"
         memo[key] = _pricer(c, phase, cal, gpus, memo, True).nccl() if not p2p else \
-            StepPricer(c.decode if phase == "decode" else c.draft, c.spec.dtypes, cal, gpus)
+            StepPricer(c.decode if phase == "decode" else c.draft, c.spec.dtypes, cal, gpus,
+                       lambda t, context: c.launches(graph_phase, t, context))
     return memo[key]
 
 
@@ -459,7 +480,6 @@ MOE_OPTION = {"a2a": True, "gather": False, "auto": None}
 def compile_choice(spec, row: dict, out_dir, prefill_chunk: int) -> tuple[str, str]:
     """Compile `row`'s plan (its spec, MoE lowering and KV dtype; every phase, the CUDA target) into
     `out_dir`; returns the directory and the `glmc run` command that serves it with the row's settings."""
-    from glmc.compiler import compile_plan
     from glmc.explain import explain_plan
     from glmc.report import render
     from glmc.spec import kv_dtyped

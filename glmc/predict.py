@@ -7,9 +7,15 @@ Every op of the decode graph at a point (T tokens per DP rank, S context, K inde
            + latency_s (the indexer's top-k select)
            + each of its collectives, timed from the calibration's table for its group size
 
-and a step is the sum (plus the step's own slot write): the CUDA target replays one graph on one
-stream, so nothing overlaps. Launch counts and implementation workspaces are the CUDA target's
-(`codegen/launch_model.py`); HBM bytes and FLOPs are `glmc.passes.costs`' (weights read, the
+and a step is the sum (plus the step's own launches outside every op: its inputs into the device
+table): the CUDA target replays one graph on one stream, so nothing overlaps. The launches are the
+plan's launch program at the point (`glmc.launches.LaunchCounts`: what the CUDA target launches
+for that graph, traced on the meta device): per op its Triton kernels, cuBLAS GEMM calls, other torch
+kernels and collectives. A collective the one-shot peer-memory kernel runs (`runs_p2p`) is priced as
+that kernel (`p2p_collective_seconds`, launch included), which in a fused reduction also does the add
++ RMS norm: such an op launches nothing else (a lone rank's program, traced without peers, shows the
+NCCL call and the norm kernel there). Implementation workspaces are
+`codegen/launch_model.py`'s; HBM bytes and FLOPs are `glmc.passes.costs`' (weights read, the
 experts some token picks, KV and indexer rows read, activations). compute_s = FLOPs / the GEMM rate
 of the weights' dtype (the router: fp32); attention splits into its W_UK/W_UV projections (GEMM
 rate) and the latent part over every top-k slot its kernel walks (K, pads included) at
@@ -44,14 +50,7 @@ from glmc.calibration import (
     topk_select_seconds,
     torch_op_seconds,
 )
-from glmc.codegen.launch_model import (
-    STEP_TORCH_OPS,
-    TOPK_CHUNK,
-    collective_bytes,
-    launches,
-    moe_workspace_bytes,
-    topk_select_passes,
-)
+from glmc.codegen.launch_model import TOPK_CHUNK, collective_bytes, moe_workspace_bytes, topk_select_passes
 from glmc.ir.types import DTYPE_BYTES
 from glmc.passes.costs import moe_pairs, op_cost, runs_p2p, weight_bytes_for
 
@@ -118,8 +117,35 @@ def _select_latency(op, env: dict, cal: dict) -> float:
     return max(0.0, topk_select_seconds(cal, rows, ratio) - cal["kernel_overhead_s"])
 
 
-def op_seconds(op, graph, env: dict, dtypes, cal: dict, weight_bytes: dict) -> dict:
-    """The terms of t_op (module docstring) for one op."""
+# the calibration's collective kinds of a program's collective launches (a broadcast is timed as an
+# all-gather of the same bytes: NCCL runs both as rings; MoE dispatch and combine are all-to-alls)
+COLLECTIVE_KINDS = {"all_reduce": "all_reduce", "all_gather": "all_gather", "reduce_scatter": "reduce_scatter",
+                    "broadcast": "all_gather", "dispatch": "all_to_all", "combine": "all_to_all",
+                    "all_to_all": "all_to_all"}
+P2P_FUSES = frozenset({"fused.allreduce_add_rms", "fused.reduce_scatter_add_rms"})
+
+
+def launch_terms(launches, cal: dict) -> tuple[float, dict]:
+    """(overhead seconds, {kernels, gemms, torch_ops}) of launches that are not collectives: each
+    Triton kernel `kernel_overhead_s`, each cuBLAS GEMM call `gemm_launch_s`, each other torch
+    kernel `torch_op_s`."""
+    n = {"kernels": 0, "gemms": 0, "torch_ops": 0}
+    for x in launches:
+        if x.kind == "triton":
+            n["kernels"] += 1
+        elif x.kind == "gemm":
+            n["kernels"] += 1
+            n["gemms"] += 1
+        elif x.kind == "torch":
+            n["torch_ops"] += 1
+    seconds = (n["gemms"] * gemm_launch_seconds(cal) + (n["kernels"] - n["gemms"]) * cal["kernel_overhead_s"]
+               + n["torch_ops"] * torch_op_seconds(cal))
+    return seconds, n
+
+
+def op_seconds(op, graph, env: dict, dtypes, cal: dict, weight_bytes: dict, launches=()) -> dict:
+    """The terms of t_op (module docstring) for one op making `launches` (its launches in the
+    program: `Program.op_launches()`)."""
     cost = op_cost(op, graph, env, weight_bytes)
     hbm = cost.hbm_bytes
     if op.kind == "moe.experts":
@@ -127,44 +153,45 @@ def op_seconds(op, graph, env: dict, dtypes, cal: dict, weight_bytes: dict) -> d
         inter = int(op.attr("inter")) // int(op.attr("moe_tp", 1))
         hbm += moe_workspace_bytes(pairs, int(op.attr("hidden")), inter, DTYPE_BYTES[dtypes.activation])
     p2p = runs_p2p(op, cost.message_bytes)          # the plan's one-shot kernel
-    sorted_rows = None
-    if op.kind == "moe.experts":                    # every (token, slot) of its ids is sorted
-        ids = graph.type_of(op.operands[2]).shape
-        sorted_rows = ids[0].eval(env) * ids[1].eval(env)
-    launch = launches(op.kind, dict(op.attrs), p2p, sorted_rows,
-                      op.types[0].shape[0].eval(env) if op.kind == "moe.gate" else None)
     size = int(op.attr("size", 1))
-    kind = "all_to_all" if cost.comm in ("dispatch", "combine") else cost.comm
-    comm = p2p_collective_seconds(cal, kind, cost.message_bytes, size) if p2p else 0.0
-    for kind in launch.collectives:
-        comm += collective_seconds(cal, kind, collective_bytes(op.kind, cost.message_bytes, size), size)
+    collectives = [COLLECTIVE_KINDS[x.name] for x in launches if x.kind == "collective"]
+    if p2p:
+        kind = "all_to_all" if cost.comm in ("dispatch", "combine") else cost.comm
+        comm = p2p_collective_seconds(cal, kind, cost.message_bytes, size)
+        launches = () if op.kind in P2P_FUSES else launches
+        collectives = []
+    else:
+        comm = sum(collective_seconds(cal, k, collective_bytes(op.kind, cost.message_bytes, size), size)
+                   for k in collectives)
+    overhead, n = launch_terms(launches, cal)
     memory, compute = hbm / cal["hbm_bytes_per_s"], _compute_seconds(op, cost.flops, env, dtypes, cal)
-    overhead = (launch.gemms * gemm_launch_seconds(cal) + (launch.kernels - launch.gemms) * cal["kernel_overhead_s"]
-                + launch.torch_ops * torch_op_seconds(cal))
     latency = _select_latency(op, env, cal)
     return {"seconds": overhead + max(memory, compute) + latency + comm, "memory_s": memory, "compute_s": compute,
             "data_s": max(memory, compute), "overhead_s": overhead, "latency_s": latency, "comm_s": comm,
-            "hbm_bytes": hbm,
-            "flops": cost.flops, "kernels": launch.kernels, "torch_ops": launch.torch_ops,
-            "collectives": len(launch.collectives)}
+            "hbm_bytes": hbm, "flops": cost.flops, "kernels": n["kernels"], "torch_ops": n["torch_ops"],
+            "collectives": len(collectives)}
 
 
-def predict_step(graph, env: dict, dtypes, calibration: dict, ranks: int) -> dict:
-    """Predicted decode step of `graph` (one rank of a plan over `ranks` GPUs) at `env`:
+def predict_step(graph, env: dict, dtypes, calibration: dict, ranks: int, program) -> dict:
+    """Predicted step of `graph` (one rank of a plan over `ranks` GPUs) at `env`, its launches
+    those of `program` (the launch program of that graph at that point, `codegen.launch_program.Program`):
     {step_s, the summed terms of every op, by_kind {op kind: the same, plus count}}."""
     wb = weight_bytes_for(dtypes)
+    per_op = program.op_launches()
     by_kind: dict = defaultdict(lambda: dict.fromkeys(("count",) + _FIELDS, 0))
     for op in graph.ops:
         if int(op.attr("size", 1)) > ranks:
             raise ValueError(f"{op.kind} {op.results[0]}: a group of {op.attr('size')} on {ranks} GPUs")
         row = by_kind[op.kind]
         row["count"] += 1
-        for key, value in op_seconds(op, graph, env, dtypes, calibration, wb).items():
+        for key, value in op_seconds(op, graph, env, dtypes, calibration, wb, per_op.get(op.results[0], ())).items():
             row[key] += value
     total = {key: sum(r[key] for r in by_kind.values()) for key in _FIELDS}
-    step_torch = STEP_TORCH_OPS * torch_op_seconds(calibration)
-    total["seconds"] += step_torch
-    total["overhead_s"] += step_torch
+    step, n = launch_terms(program.step_launches(), calibration)
+    total["seconds"] += step
+    total["overhead_s"] += step
+    total["torch_ops"] += n["torch_ops"]
+    total["kernels"] += n["kernels"]
     return {"step_s": total.pop("seconds"), **total, "point": dict(env),
             "by_kind": dict(sorted(by_kind.items(), key=lambda kv: -kv[1]["seconds"]))}
 
@@ -173,17 +200,18 @@ def _bucket(buckets: list, batch: int):
     return next((b for b in sorted(buckets) if b >= batch), None)
 
 
-def predict_plan(plan, calibration: dict, context: int, batch_per_rank: int,
+def predict_plan(plan, calibration: dict, context: int, batch_per_rank: int, launches,
                  kv_tokens_per_rank: int | None = None, batches=TABLE_BATCHES) -> dict:
     """`glmc explain`'s `predicted` section: the step at the explain point, a table over batches per
-    DP rank, and the assumptions behind both."""
+    DP rank, and the assumptions behind both; `launches(phase, tokens, context)` -> the launch
+    program the step runs (`glmc.launches.LaunchCounts` of the plan)."""
     graph, cfg, mesh = plan.graphs["decode"], plan.config, plan.mesh
     dp, world = mesh.get("attn_dp", 1), plan.world
     buckets = graph.meta.get("cuda_graph_buckets", [])
 
     def at(t):
         return predict_step(graph, {"T": t, "B": t, "S": context, "K": cfg.index_topk}, plan.dtypes,
-                            calibration, world)
+                            calibration, world, launches("decode", t, context))
     rows = []
     for t in batches:
         p = at(t)
@@ -193,14 +221,14 @@ def predict_plan(plan, calibration: dict, context: int, batch_per_rank: int,
                      "kv_fits": None if kv_tokens_per_rank is None else t * context <= kv_tokens_per_rank})
     out = {"calibration": {k: calibration.get(k) for k in ("path", "device", "gpus", "date", "measured", "schema")},
            "point": at(batch_per_rank), "table": rows,
-           "assumptions": assumptions(plan, calibration, context, buckets)}
-    mtp = predict_mtp(plan, calibration, context, {r["batch_per_rank"]: r["step_ms"] for r in rows})
+           "assumptions": assumptions(plan, calibration, context, buckets, launches("decode", 1, context))}
+    mtp = predict_mtp(plan, calibration, context, {r["batch_per_rank"]: r["step_ms"] for r in rows}, launches)
     if mtp is not None:
         out["mtp"] = mtp
     return out
 
 
-def predict_mtp(plan, calibration: dict, context: int, plain_ms: dict[int, float],
+def predict_mtp(plan, calibration: dict, context: int, plain_ms: dict[int, float], launches,
                 accept: dict[int, float] | None = None) -> dict | None:
     """Speculative decoding with N = 1..3 MTP drafts at each batch per DP rank t of `plain_ms`
     {t: plain step ms}; None for a plan without MTP phases. A cycle is the served one:
@@ -208,7 +236,8 @@ def predict_mtp(plan, calibration: dict, context: int, plain_ms: dict[int, float
         cycle = verify(t (N + 1) tokens) + draft-extend (a draft step at t (N + 1), its upper bound)
                 + (N - 1) draft steps at t + the host's work per cycle (`spec_host_ms` at t x DP requests)
 
-    and TPOT = cycle / accept length (`accept`, default glmc-small's measured ones).
+    and TPOT = cycle / accept length (`accept`, default glmc-small's measured ones); `launches` as
+    `predict_plan`'s.
     -> {accept_lengths, accept_source, host_source, table: [{batch_per_rank, drafts, verify_ms,
     draft_extend_ms, draft_ms, host_ms, cycle_ms, tpot_ms, speedup (plain step / TPOT)}]}."""
     graphs, cfg = plan.graphs, plan.config
@@ -220,7 +249,7 @@ def predict_mtp(plan, calibration: dict, context: int, plain_ms: dict[int, float
 
     def ms(phase, t, b):
         return predict_step(graphs[phase], {"T": t, "B": b, "S": context, "K": cfg.index_topk}, plan.dtypes,
-                            calibration, world)["step_s"] * 1e3
+                            calibration, world, launches(phase, t, context))["step_s"] * 1e3
     rows = []
     for t, plain in plain_ms.items():
         draft = ms("mtp_draft", t, t)
@@ -237,8 +266,8 @@ def predict_mtp(plan, calibration: dict, context: int, plain_ms: dict[int, float
             "host_source": SPEC_HOST_SOURCE, "table": rows}
 
 
-def assumptions(plan, cal: dict, context: int, buckets: list) -> list[str]:
-    """What the prediction takes for granted, in words."""
+def assumptions(plan, cal: dict, context: int, buckets: list, program) -> list[str]:
+    """What the prediction takes for granted, in words (`program`: the decode step's launches)."""
     cfg, d = plan.config, plan.dtypes
     graph = plan.graphs["decode"]
     sizes = sorted({int(op.attr("size")) for op in graph.ops if op.attr("size") and int(op.attr("size")) > 1})
@@ -250,7 +279,8 @@ def assumptions(plan, cal: dict, context: int, buckets: list) -> list[str]:
             f"GEMM call, {torch_op_seconds(cal) * 1e6:.1f} us per torch op"),
            ("one CUDA-graph replay per step, ops back to back on one stream (no compute/communication "
             "overlap); per op: launches x overhead + max(HBM bytes / bandwidth, FLOPs / rate) + the top-k "
-            "select's latency + collectives")]
+            "select's latency + collectives; the launches are the plan's launch program at each point, "
+            "traced on the meta device")]
     if cal.get("schema") == SCHEMA_V1:
         out.append(f"calibration schema {SCHEMA_V1}: no top-k select latency, GEMM calls and torch ops at the "
                    "launch floor (small batches come out short; re-run bench/calibrate.py)")
@@ -268,14 +298,16 @@ def assumptions(plan, cal: dict, context: int, buckets: list) -> list[str]:
              f"indexer cache {d.index_cache}, as the CUDA runner allocates them"),
             ("no MTP: one token per request per step, TPOT = step time; host work (scheduling, sampling "
              "read-back, HTTP) not included")]
+    per_op = program.op_launches()
     for n in sizes:
-        kinds = {k for op in graph.ops if int(op.attr("size", 1)) == n
-                 for k in launches(op.kind, dict(op.attrs)).collectives}
+        kinds = {COLLECTIVE_KINDS[x.name] for op in graph.ops if int(op.attr("size", 1)) == n
+                 for x in per_op.get(op.results[0], ()) if x.kind == "collective"}
         base = sorted({measured_ranks(cal, k, n) for k in kinds})
         out.append(f"collectives over {n} GPUs: " + ("measured" if base == [n] else
                    f"extrapolated from the {'/'.join(map(str, base))}-GPU tables at equal per-rank wire bytes "
                    "(latency not scaled with the group)"))
     if buckets:
         out.append(f"batches above the largest CUDA-graph bucket ({max(buckets)} per rank) would run eagerly "
-                   "today; their rows assume a graph (compile with a larger max_batch)")
+                   "today; their rows price that eager step's launches as a graph replays them, without the "
+                   "host's launch time (compile with a larger max_batch)")
     return out

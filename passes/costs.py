@@ -14,7 +14,7 @@
   indexer read (min(S, index_topk) and S keys per decode query) and the cache rows it writes, and
   its IR-typed operands and results. Views (VIEW_KINDS) move nothing; a collective's own traffic
   is its `message_bytes` (0 here; a fused collective + norm counts the norm's tensors). Workspaces
-  inside a kernel are a target's business (`codegen/launch_model.py`).
+  inside a kernel are a target's business (`codegen/launch_model.py`, `glmc/launches.py`).
 """
 from __future__ import annotations
 

@@ -7,19 +7,20 @@
   data, so the a2a lowering is traced only on the meta device). A real step starts with host-side work outside every op (its requests' rows into the
   device table, the step's index vectors), which a CUDA graph leaves outside the graph.
 - GLM-5.3 at its real shapes: per MoE layer at one decode request, a plan with bf16 weights launches
-  what `codegen/launch_model.py` predicts; the card's block-FP8 plan launches more (its GEMMs are
-  quantise + FP8 GEMM + split reduction, which the launch model does not count).
+  19 and 22 kernels; the card's block-FP8 plan launches more (its GEMMs are quantise + FP8 GEMM +
+  split reduction). A sampled trace (one layer per class) makes the same launches per op as the
+  whole program, and `glmc.predict` prices each of them.
 - The text form folds identical layers and reads back the counts; `glmc compile --device cuda`
   writes it and `glmc explain` reports it.
 """
-from collections import Counter, defaultdict
+from collections import Counter
 
 import pytest
 from tiny_hf import save_tiny, save_tiny_fp8
 
-from glmc.api import Model, launch_programs, meta_executor
+from glmc.api import Model
+from glmc.launches import launch_programs, meta_executor
 from glmc.cli import main
-from glmc.codegen.launch_model import launches
 from glmc.codegen.launch_program import Recorder, counts, split, trace
 from glmc.compiler import compile_plan
 from glmc.config import Options
@@ -110,31 +111,14 @@ def glm53(weight: str):
     return compile_plan(s, parse_parallel("tp1", s.config), Options(device="cuda"))
 
 
-def predicted_per_layer(graph, context: int) -> dict:
-    """`launch_model.launches` summed per layer at one decode token, as `glmc.predict` reads it."""
-    env = {"T": 1, "B": 1, "S": context, "K": 2048}
-    out = defaultdict(int)
-    for op in graph.ops:
-        rows = None
-        if op.kind == "moe.experts":
-            ids = graph.type_of(op.operands[2]).shape
-            rows = ids[0].eval(env) * ids[1].eval(env)
-        n = launches(op.kind, dict(op.attrs), False, rows, op.types[0].shape[0].eval(env) if op.kind == "moe.gate" else None)
-        out[op.layer] += n.kernels + n.torch_ops + len(n.collectives)
-    return out
-
-
 def test_glm53_decode_launches_per_moe_layer():
     """One decode request, context 4096 (the top-k select in one pass). Layer 4 is an MoE layer
     reading layer 3's top-k, layer 6 an MoE layer with its own indexer."""
     run = RunConfig(max_context=4096)
     bf16 = glm53("bf16")
     per_layer = trace(meta_executor(bf16, 0, run), "decode", 1).per_layer()
-    want = predicted_per_layer(bf16.graphs["decode"], 4096)
-    assert (per_layer[4], per_layer[6]) == (want[4], want[6]) == (19, 22)
-    assert all(per_layer[n] == want[n] for n in range(bf16.config.num_hidden_layers))
-    # The card's block-FP8 weights: 26 and 31. The launch model still says 19 and 22: it counts
-    # each linear as one cuBLAS GEMM, where an FP8 linear is its input's quantisation (unless the
+    assert (per_layer[4], per_layer[6]) == (19, 22)
+    # The card's block-FP8 weights: 26 and 31. An FP8 linear is its input's quantisation (unless the
     # norm before it quantised), the FP8 GEMM and its split-K reduction (3 launches: q_b, o_proj;
     # the A-projection 2 and its unquantised weights_proj's gemv 1), the shared expert 4 (gate/up
     # GEMM, its reduction with SwiGLU and quantisation, down GEMM, its reduction) and the routed
@@ -143,7 +127,6 @@ def test_glm53_decode_launches_per_moe_layer():
     prog = trace(meta_executor(fp8, 0, run), "decode", 1)
     per_layer = prog.per_layer()
     assert (per_layer[4], per_layer[6]) == (26, 31)
-    assert predicted_per_layer(fp8.graphs["decode"], 4096)[4] == 19
     kinds = Counter(x.op_kind for x in prog.launches if x.layer == 4)
     assert (kinds["linear"], kinds["mlp.swiglu"], kinds["moe.experts"]) == (6, 4, 5)
     # the text folds the 78 layers into a few classes and reads back every layer's count
@@ -151,6 +134,62 @@ def test_glm53_decode_launches_per_moe_layer():
     assert text.count("\nlayers ") <= 6
     assert counts(text)["layers"] == {n: {k: c for k, c in Counter(x.kind for x in prog.launches if x.layer == n).items()}
                                       for n in range(fp8.config.num_hidden_layers)}
+
+
+def signature(program) -> dict:
+    return {op: Counter((x.kind, x.name, x.grid) for x in made) for op, made in program.op_launches().items()}
+
+
+@pytest.mark.parametrize("parallel", ["tp1", "tp8ep8", "dp8ep8"])
+def test_a_sampled_trace_makes_the_whole_programs_launches(parallel):
+    """`trace(sample=True)` runs one layer per class of identical layers and stands in for the
+    others: per op, per layer and outside the layers it launches what the whole program launches
+    (GLM-5.3 with block-FP8 weights, decode at 1 and 32 requests, an MTP verify and draft step and
+    a prefill chunk), in a fraction of the ops."""
+    from compile_util import spec
+    s = spec("glm_moe_dsa")
+    plan = compile_plan(s, parse_parallel(parallel, s.config), Options(device="cuda"))
+    ex = meta_executor(plan, 0, RunConfig(max_context=4096))
+    for phase, tokens in (("decode", 1), ("decode", 32), ("mtp_verify", 4), ("mtp_draft", 8), ("prefill", 512)):
+        whole = trace(ex, phase, tokens)
+        sampled = trace(ex, phase, tokens, warm=False, sample=True)
+        assert signature(sampled) == signature(whole), (phase, tokens)
+        assert sampled.per_layer() == whole.per_layer()
+        assert [x.line() for x in sampled.step_launches()] == [x.line() for x in whole.step_launches()]
+        if phase != "mtp_draft":     # one layer: nothing to leave out
+            assert len(sampled.launches) < len(whole.launches) / 5
+    with pytest.raises(ValueError, match="sampled trace has no text form"):
+        sampled.text()
+
+
+def test_the_predictor_prices_the_program():
+    """`glmc.predict` counts the launches of the plan's program: a block-FP8 GLM-5.3 step at one
+    request makes its quantisations and split-K reductions (2118 launches on tp1), which the
+    prediction counts one by one (on dp8ep8 its small collectives are the one-shot kernel's,
+    priced as that); where the MoE rows outgrow the moe_align kernel (dp8ep8 at 32
+    requests per rank: 2048 routed rows) the torch form's ops are counted instead."""
+    from compile_util import spec
+
+    from glmc.calibration import load
+    from glmc.launches import LaunchCounts
+    from glmc.predict import predict_step
+    cal = load("bench/results/calibration_nvidia-h200-x2_2026-11-30.json")
+    s = spec("glm_moe_dsa")
+    for parallel, tokens in (("tp1", 1), ("dp8ep8", 1), ("dp8ep8", 32)):
+        plan = compile_plan(s, parse_parallel(parallel, s.config), Options(device="cuda"))
+        prog = LaunchCounts(plan)("decode", tokens, 4096)
+        env = {"T": tokens, "B": tokens, "S": 4096, "K": s.config.index_topk}
+        p = predict_step(plan.graphs["decode"], env, plan.dtypes, cal, plan.world, prog)
+        made = Counter(x.kind for x in prog.launches) + Counter(
+            x.kind for same, layer in prog.aliases.values() for x in prog.op_launches().get(same, ()))
+        assert p["torch_ops"] == made["torch"]
+        if parallel == "tp1":
+            assert p["kernels"] == made["triton"] + made["gemm"] and made["collective"] == 0
+            assert p["kernels"] + p["torch_ops"] == 2118
+        elif tokens == 32:
+            assert p["by_kind"]["moe.experts"]["torch_ops"] >= 36 * 75
+        else:
+            assert p["by_kind"]["moe.experts"]["torch_ops"] == 0
 
 
 def test_text_round_trips_and_compile_writes_it(fp32_ckpt, tmp_path, capsys):

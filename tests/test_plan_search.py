@@ -8,8 +8,9 @@ import pytest
 
 from glmc.calibration import load
 from glmc.cli import main
-from glmc.compiler import compile_phase
+from glmc.compiler import compile_plan
 from glmc.config import Options
+from glmc.launches import LaunchCounts
 from glmc.parallel import parse_parallel
 from glmc.plan_report import explain_recipes, render_explain, render_svg, render_table
 from glmc.plan_search import PlanSearchError, StepPricer, parse_slo, parse_workload, search, specs_for
@@ -43,18 +44,21 @@ def test_fixed_calibration_gives_fixed_ranking(result):
                                                 ("dp2ep2", "decode", False)])
 def test_step_pricer_equals_the_predictor(tiny, parallel, phase, p2p):
     """Priced once per layer, and --no-p2p priced on the p2p plan's graph: both as the predictor
-    prices the graph compiled for them."""
+    prices the plan compiled for them, with its launch program."""
     par = parse_parallel(parallel, tiny.config)
-    graph = compile_phase(tiny, par, phase, Options(p2p_collectives=p2p))
+    compiled = compile_plan(tiny, par, Options(p2p_collectives=p2p))
+    graph, launches = compiled.graphs[phase], LaunchCounts(compiled)
     cal = load(CALIBRATION)
-    pricer = StepPricer(compile_phase(tiny, par, phase, Options()), tiny.dtypes, cal, 2)
+    mine = compile_plan(tiny, par, Options())
+    counts = LaunchCounts(mine)
+    pricer = StepPricer(mine.graphs[phase], tiny.dtypes, cal, 2, lambda t, s: counts(phase, t, s))
     pricer = pricer if p2p else pricer.nccl()
     if phase == "decode":
-        assert len(pricer.groups) < len(graph.ops) / 2   # layers priced once
+        assert len(pricer.groups(counts(phase, 1, 640))) < len(graph.ops) / 2   # layers priced once
     for t, s in ((1, 640), (24, 640), (512, 512)):
         env = {"T": t, "B": t, "S": s, "K": tiny.config.index_topk}
-        assert pricer.step_seconds(env) == pytest.approx(predict_step(graph, env, tiny.dtypes, cal, 2)["step_s"],
-                                                         rel=1e-12)
+        want = predict_step(graph, env, tiny.dtypes, cal, 2, launches(phase, t, s))["step_s"]
+        assert pricer.step_seconds(env) == pytest.approx(want, rel=1e-12)
 
 
 def test_pareto_rows_are_not_dominated(result):
@@ -117,9 +121,9 @@ def test_outputs_say_their_assumptions(result):
     assert len(dots) == len(result["rows"]) + len(result["pareto"])
 
 
-GOLDEN_FRONT = [("dp2ep2 moe=gather kv=fp8 mtp=1", 1), ("dp2ep2 moe=gather kv=fp8 mtp=0", 8),
+GOLDEN_FRONT = [("dp2ep2 moe=gather kv=fp8 mtp=0", 1), ("dp2ep2 moe=gather kv=fp8 mtp=0", 8),
                 ("tp2 moe=auto kv=fp8 mtp=0", 64)]
-GOLDEN_BEST = ("dp2ep2 moe=gather kv=fp8 mtp=0", 8)
+GOLDEN_BEST = ("tp2 moe=auto kv=fp8 mtp=0", 64)
 
 
 def test_plan_command_writes_the_search_and_compiles_the_best(tmp_path, capsys):

@@ -1,5 +1,5 @@
 """The step-time predictor (glmc/predict.py), its calibration files (glmc/calibration.py) and the
-CUDA target's launch facts (codegen/launch_model.py) it reads."""
+launch programs it prices (glmc/launches.py)."""
 import itertools
 import json
 import math
@@ -12,8 +12,10 @@ from glmc.passes.costs import hbm_bytes_of, touched_experts, weight_bytes_for
 
 from glmc.calibration import CalibrationError, collective_seconds, load, table_seconds
 from glmc.codegen.launch_model import topk_select_passes
+from glmc.codegen.launch_program import Launch, Program
 from glmc.cli import main
 from glmc.config import DTypes
+from glmc.launches import LaunchCounts
 from glmc.predict import TABLE_BATCHES, predict_plan, predict_step
 from tests.compile_util import FULL, TINY, plan
 
@@ -35,13 +37,16 @@ def _bf16(*shape):
 
 
 def test_a_hand_computed_step():
-    """input -> linear 1000x500 (bf16) -> all-reduce over 2 GPUs, at T=10, round numbers."""
+    """input -> linear 1000x500 (bf16) -> all-reduce over 2 GPUs, at T=10, round numbers; the
+    program: one cuBLAS GEMM for the linear, one NCCL call, one torch op of the step's own."""
     g = Graph([Op.make("io.input", "x", attrs={"name": "x"}, types=[_bf16("T", 1000)]),
                Op.make("linear", "y", ["x"], {"in_features": 1000, "out_features": 500, "weight": "w",
                                               "parallel": "replicated"}, types=[_bf16("T", 500)]),
                Op.make("comm.all_reduce", "z", ["y"], {"group": ("attn_tp",), "size": 2},
                        types=[_bf16("T", 500)])])
-    p = predict_step(g, {"T": 10, "B": 10, "S": 1, "K": 1}, DTypes(), ROUND, ranks=2)
+    prog = Program("decode", 10, [Launch("torch", "index_copy_"), Launch("gemm", "mm", op="y"),
+                                  Launch("collective", "all_reduce", op="z")])
+    p = predict_step(g, {"T": 10, "B": 10, "S": 1, "K": 1}, DTypes(), ROUND, 2, prog)
     linear = 1e-6 + (1000 * 500 * 2 + 10 * 1000 * 2 + 10 * 500 * 2) / 1e12   # 1 kernel + bytes (> 1e7 FLOP / 1e14)
     all_reduce = 1e-5 * math.sqrt(2)        # 10,000 B: halfway (log) between 1,000 B and 100,000 B
     assert p["by_kind"]["linear"]["hbm_bytes"] == 1_030_000
@@ -49,9 +54,16 @@ def test_a_hand_computed_step():
     assert p["by_kind"]["comm.all_reduce"]["comm_s"] == pytest.approx(all_reduce, rel=1e-12)
     assert p["step_s"] == pytest.approx(linear + all_reduce + 0.5e-6, rel=1e-12)   # + the step's slot write
     # schema /2: the GEMM call costs gemm_launch_s, the slot write torch_op_s
-    p2 = predict_step(g, {"T": 10, "B": 10, "S": 1, "K": 1}, DTypes(), ROUND2, ranks=2)
+    p2 = predict_step(g, {"T": 10, "B": 10, "S": 1, "K": 1}, DTypes(), ROUND2, 2, prog)
+    # the launches are the program's: one Triton kernel more (a split-K reduce, say) costs its overhead
+    prog.launches.append(Launch("triton", "reduce", op="y"))
+    p3 = predict_step(g, {"T": 10, "B": 10, "S": 1, "K": 1}, DTypes(), ROUND2, 2, prog)
+    assert p3["step_s"] - p2["step_s"] == pytest.approx(1e-6, rel=1e-9) and p3["kernels"] == 2
     assert p2["by_kind"]["linear"]["seconds"] == pytest.approx(linear - 1e-6 + 4e-6, rel=1e-12)
     assert p2["step_s"] == pytest.approx(linear + 3e-6 + all_reduce + 2e-6, rel=1e-12)
+
+
+NONE = Program("decode", 1)   # launches nothing: what does not depend on the launches
 
 
 def test_the_top_k_select_latency():
@@ -64,12 +76,12 @@ def test_the_top_k_select_latency():
     assert n_topk >= 1
     for t, table in ((1, 3e-5), (4, 3e-5 * (4e-5 / 3e-5) ** (math.log(4) / math.log(8))), (16, 4e-5 * 2)):
         env = {"T": t, "B": t, "S": 100, "K": 16}
-        got = predict_step(g, env, DTypes(), ROUND2, ranks=1)["by_kind"]["idx.topk"]["latency_s"]
+        got = predict_step(g, env, DTypes(), ROUND2, 1, NONE)["by_kind"]["idx.topk"]["latency_s"]
         assert got == pytest.approx(n_topk * (table - 1e-6), rel=1e-9)   # 101 scores: the measured row walks
         env["S"] = 8192                                                  # 8193 scores: the split select
-        got = predict_step(g, env, DTypes(), ROUND2, ranks=1)["by_kind"]["idx.topk"]["latency_s"]
+        got = predict_step(g, env, DTypes(), ROUND2, 1, NONE)["by_kind"]["idx.topk"]["latency_s"]
         assert got == pytest.approx(n_topk * (table * 15 / 34 - 1e-6), rel=1e-9)
-    assert predict_step(g, env, DTypes(), ROUND, ranks=1)["by_kind"]["idx.topk"]["latency_s"] == 0.0
+    assert predict_step(g, env, DTypes(), ROUND, 1, NONE)["by_kind"]["idx.topk"]["latency_s"] == 0.0
 
 
 def test_table_lookup_and_group_extrapolation():
@@ -123,6 +135,14 @@ def test_the_cli_refuses_a_bad_calibration(tmp_path, capsys):
     assert f"calibration {bad}: missing 'hbm_bytes_per_s'" in capsys.readouterr().err
 
 
+def test_a_cpu_plan_gets_no_prediction(tmp_path, capsys):
+    out = tmp_path / "plan"
+    assert main(["compile", "--model", TINY, "--parallel", "tp1", "--device", "cpu", "-o", str(out)]) == 0
+    assert main(["explain", str(out), "--calibration", str(EXAMPLE)]) == 2
+    assert "prices a CUDA plan's launches; this plan targets 'cpu' (compile it with --device cuda)" in \
+        capsys.readouterr().err
+
+
 def test_the_cli_prints_the_table(tmp_path, capsys):
     out = tmp_path / "plan"
     assert main(["compile", "--model", TINY, "--parallel", "dp2ep2", "-o", str(out)]) == 0
@@ -146,21 +166,24 @@ def test_the_cli_prints_the_table(tmp_path, capsys):
 @pytest.mark.parametrize("parallel, opts", [("tp1", {}), ("tp2ep2", {}), ("dp2ep2", {"moe_a2a": True}),
                                             ("dp2ep2", {"moe_a2a": False})])
 def test_monotone_in_batch(parallel, opts):
-    p = predict_plan(plan(TINY, parallel, **opts), load(EXAMPLE), context=4096, batch_per_rank=4)
+    tiny = plan(TINY, parallel, **opts)
+    p = predict_plan(tiny, load(EXAMPLE), context=4096, batch_per_rank=4, launches=LaunchCounts(tiny))
     steps = [r["step_ms"] for r in p["table"]]
     assert steps == sorted(steps) and steps[0] > 0
     assert [r["tokens_per_s"] for r in p["table"]] == sorted(r["tokens_per_s"] for r in p["table"])
 
 
 def test_glm53_dp8ep8_table():
-    p = predict_plan(plan(FULL, "dp8ep8"), load(EXAMPLE), context=4096, batch_per_rank=4, kv_tokens_per_rank=10**6)
+    full = plan(FULL, "dp8ep8")
+    launches = LaunchCounts(full)
+    p = predict_plan(full, load(EXAMPLE), context=4096, batch_per_rank=4, launches=launches, kv_tokens_per_rank=10**6)
     rows = p["table"]
     assert [r["batch_per_rank"] for r in rows] == [1, 2, 4, 8, 16, 32, 64, 128, 256]
     assert all(a["step_ms"] < b["step_ms"] for a, b in itertools.pairwise(rows))
     assert 5 < rows[0]["step_ms"] < 100 and rows[0]["graph_bucket"] == 1 and rows[-1]["graph_bucket"] is None
     assert any("extrapolated from the 2-GPU tables" in a for a in p["assumptions"])
     # at 32 tokens per rank every rank's 32 experts are touched: the step reads all its weights
-    moe = predict_plan(plan(FULL, "dp8ep8"), load(EXAMPLE), 4096, 32, batches=())["point"]["by_kind"]["moe.experts"]
+    moe = predict_plan(full, load(EXAMPLE), 4096, 32, launches, batches=())["point"]["by_kind"]["moe.experts"]
     assert moe["hbm_bytes"] > 75 * 32 * 3 * 6144 * 2048 * 0.999
 
 
@@ -183,31 +206,10 @@ def test_the_slice_lands_near_its_measured_steps():
             measured[str(batch)]["replay_ms"], rel=0.2)
 
 
-@pytest.fixture
-def launches_as_measured(monkeypatch):
-    """The launch counts of the code the recorded 2-GPU runs (2026-11-30) measured: each attention op
-    then gathered its top-k's KV slots in 7 torch ops (the select writes them since 2026-12-02), and
-    the select's pos + 1 was not counted, the greedy sampler made its 6 parameter tensors in 10
-    torch ops (one split argmax launch and a memset since 2026-12-02), and the MoE experts sorted
-    their rows and summed their slots in torch ops at any row count (the moe_align kernel took <= 64
-    rows from 2026-12-01 and <= 1024 from 2026-12-02; moe_combine summed from 2026-12-01). Each
-    query RoPE was then a rope kernel of its own, which fuse-query-rope folds into the indexer and
-    the attention that read the query: one kernel more for each of them here, as the plans rebuilt
-    today have no rope op left to count. Predictions of those runs are checked with that code's counts."""
-    from glmc.codegen import launch_model
-    from glmc.codegen.launch_model import Launches
-    table = dict(launch_model.LAUNCHES, **{k: Launches(4 + 1, 8, gemms=2) for k in
-                                           ("attn.mla_absorbed", "attn.sparse_mla", "attn.mla_mha")})
-    table["idx.topk"] = Launches(2 + 1, 2)
-    table["sample.tokens"] = Launches(1, 10)
-    table["moe.experts"] = Launches(2, launch_model.ALIGN_ROWS_OPS + 7)     # torch sort and combine, any rows
-    monkeypatch.setattr(launch_model, "LAUNCHES", table)
-    monkeypatch.setattr(launch_model, "ALIGN_ROWS", 0)
-
-
-def test_every_spec_bench_row_within_20_percent(launches_as_measured):
+def test_every_spec_bench_row_within_20_percent():
     """bench/results/spec_bench_2026-11-30.json (2x H200: tp1, tp2, tp2ep2/gather, dp2ep2/gather and
-    /a2a at 1, 32 and 128 per rank, context 4096): the plans rebuilt on the CPU predict the measured
+    /a2a at 1, 32 and 128 per rank, context 4096): the plans rebuilt on the CPU, with the launches of
+    the code those runs measured (bench/predict_check.py's MEASURED_LAUNCHES), predict the measured
     replay within 20% with the measured calibration, and give what the benchmark printed with it."""
     from bench import predict_check
     data = json.loads(SPEC_BENCH.read_text())
@@ -239,11 +241,11 @@ def test_hbm_bytes_of_attention_and_experts():
     assert touched_experts(16, 4, 16, 2) == pytest.approx(16 * (1 - 0.75 ** 2))
 
 
-def test_the_launch_counts_follow_the_torch_code():
-    """LAUNCHES counts one kernel per aten op of the torch code around the MoE and attention
-    kernels: count them on the CPU (views and wrapped scalars launch nothing)."""
+def test_the_torch_align_is_the_ops_the_calibration_divides_by():
+    """bench/calibrate.py times align_rows' torch form and divides by ALIGN_ROWS_OPS: count its aten
+    ops on the CPU (views and wrapped scalars launch nothing)."""
     import torch
-    from glmc.codegen import launch_model, triton_moe, triton_launch
+    from glmc.codegen import launch_model, triton_moe
     from torch.utils._python_dispatch import TorchDispatchMode
     free = {"view", "_unsafe_view", "slice", "select", "expand", "t", "transpose", "alias", "detach",
             "reshape", "unsqueeze", "squeeze", "as_strided", "empty", "empty_strided", "scalar_tensor"}
@@ -258,42 +260,13 @@ def test_the_launch_counts_follow_the_torch_code():
                 self.ops.append(func._schema.name)
             return func(*args, **(kwargs or {}))
 
-    class NoLaunch:
-        """A kernel library whose kernels launch nothing."""
-        def __call__(self, ctx):
-            return self
-
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: None
-
     ids = torch.randint(0, 256, (4, 8))
     with Count() as align:
         triton_moe.align_rows(ids, 32, 16, 0)
     assert len(align.ops) == launch_model.ALIGN_ROWS_OPS
-    # absorbed MLA with the select's slots: its two projections are cuBLAS GEMMs (`bmm`), no other
-    # torch op beside its kernels
-    H, dn, dv, R, dr, T = 2, 8, 8, 16, 8, 3
-    q = torch.randn(T, H, dn + dr)
-    slots = torch.randint(0, 64, (T, 4), dtype=torch.int32)
-    args = (q[:, :, :dn], q[:, :, dn:], torch.randn(H, dn, R), torch.randn(H, R, dv), torch.randn(64, R + dr),
-            torch.zeros(1, 1, dtype=torch.int64), torch.arange(T), torch.full((T,), 40), slots, 0.1)
-    with Count() as attn:        # kernels not launched: the interpreter runs torch ops of its own
-        triton_launch.mla_absorbed(*args, slots=slots, lib=NoLaunch())
-    want = launch_model.launches("attn.mla_absorbed", {})
-    assert len(attn.ops) == want.torch_ops + want.gemms and attn.ops.count("aten::bmm") == want.gemms
-    # the routed experts at decode sizes (the moe_align kernel's rows), in the activations' dtype: no
-    # torch op beside the kernels (the combine stores bf16 itself; a cast was one more launch)
-    E, H, inter = 8, 16, 32
-    stacks = (torch.randn(E, inter, H).bfloat16(), torch.randn(E, inter, H).bfloat16(),
-              torch.randn(E, H, inter).bfloat16())
-    x, ids, weights = torch.randn(3, H).bfloat16(), torch.randint(0, E, (3, 2)), torch.rand(3, 2)
-    with Count() as experts:
-        out = triton_moe.moe_experts(x, ids, weights, *stacks, lib=NoLaunch(), out_dtype=torch.bfloat16)
-    assert out.dtype == torch.bfloat16
-    assert len(experts.ops) == launch_model.launches("moe.experts", {"experts": E}, routed_rows=6).torch_ops == 0
 
 
-def test_every_multi_gpu_check_row_within_20_percent(tmp_path, launches_as_measured):
+def test_every_multi_gpu_check_row_within_20_percent(tmp_path):
     """bench/results/multi_gpu_check_2026-11-30_predicted.json (2x H200: the tiny checkpoint and the
     GLM-width slice, tp1 to dp2ep2 at buckets 2-4): the measured calibration predicts each replay
     within 20%."""
@@ -305,20 +278,6 @@ def test_every_multi_gpu_check_row_within_20_percent(tmp_path, launches_as_measu
     assert not outside, outside
 
 
-def test_the_cost_model_knows_where_the_moe_align_kernel_runs():
-    """Below the target's moe_align limits a MoE step is the kernel's launch, above (or without a
-    row count) align_rows' 36 torch ops; the limit per expert is where the decode row block ends."""
-    from glmc import target
-    from glmc.codegen import launch_model as ck
-    assert target.block_m_for(target.ALIGN_ROWS_PER_EXPERT * 8 - 1, 8) == target.MOE_SPLIT_BLOCK_M
-    assert target.block_m_for(target.ALIGN_ROWS_PER_EXPERT * 8, 8) != target.MOE_SPLIT_BLOCK_M
-    glm = {"experts": 256, "ep": 1}
-    torch_ops = ck.launches("moe.experts", glm)
-    assert ck.launches("moe.experts", glm, routed_rows=1024) == ck.Launches(torch_ops.kernels + 1, torch_ops.torch_ops - 36)
-    assert ck.launches("moe.experts", glm, routed_rows=1032) == torch_ops
-    assert ck.launches("moe.experts", {"experts": 8}, routed_rows=512) == torch_ops      # 64 rows per expert
-
-
 def test_the_mtp_table_prices_a_served_cycle():
     """`predicted.mtp`: per batch and drafts, verify at t (N + 1) tokens + a draft-extend at t (N + 1)
     + N - 1 draft steps at t + the measured host time per cycle, over the accept length; the
@@ -327,13 +286,14 @@ def test_the_mtp_table_prices_a_served_cycle():
     from glmc.report import _predicted
     p = plan(TINY, "tp1")
     cal = {**ROUND2, "gpus": 1, "path": "round"}
-    got = predict_plan(p, cal, 1024, 4, batches=(1, 16))
+    launches = LaunchCounts(p)
+    got = predict_plan(p, cal, 1024, 4, launches, batches=(1, 16))
     rows = {(r["batch_per_rank"], r["drafts"]): r for r in got["mtp"]["table"]}
     assert sorted(rows) == [(t, n) for t in (1, 16) for n in (1, 2, 3)]
 
     def ms(phase, t, b):
         return predict_step(p.graphs[phase], {"T": t, "B": b, "S": 1024, "K": p.config.index_topk},
-                            p.dtypes, cal, 1)["step_s"] * 1e3
+                            p.dtypes, cal, 1, launches(phase, t, 1024))["step_s"] * 1e3
     plain = {r["batch_per_rank"]: r["step_ms"] for r in got["table"]}
     for (t, n), r in rows.items():
         cycle = ms("mtp_verify", t * (n + 1), t) + ms("mtp_draft", t * (n + 1), t) + (n - 1) * ms("mtp_draft", t, t)
@@ -345,4 +305,4 @@ def test_the_mtp_table_prices_a_served_cycle():
     text = "\n".join(_predicted(got))
     assert "## Predicted with MTP drafts" in text and f"| 16 | 3 | {rows[(16, 3)]['verify_ms']:.2f} |" in text
     p.graphs.pop("mtp_verify")
-    assert "mtp" not in predict_plan(p, cal, 1024, 4, batches=(1,))
+    assert "mtp" not in predict_plan(p, cal, 1024, 4, launches, batches=(1,))
