@@ -439,7 +439,8 @@ def trace(executor, phase: str, tokens: int, num_sms: int = H200_SMS, warm: bool
     from glmc.codegen.triton_render import assume_sms
 
     names = {v: k for k, v in executor.plan.kernel_contexts.items()}
-    skip, aliases = (_layer_classes(executor.graphs[phase]) if sample else (frozenset(), {}))
+    skip, aliases = (executor.derived(("layer classes", phase), lambda: _layer_classes(executor.graphs[phase]))
+                     if sample else (frozenset(), {}))
     with torch.no_grad(), assume_sms(num_sms):
         inputs = static_inputs(executor, phase, tokens, requests)
         for _ in range(2 if warm else 1):

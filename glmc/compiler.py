@@ -56,8 +56,9 @@ def compile_phase(spec: ModelSpec, parallel: Parallel, phase: str, options: Opti
 
 
 def compile_plan(spec: ModelSpec, parallel: Parallel, options: Options = Options(),
-                 dump_after: list[str] | None = None) -> Plan:
-    """All phases; `dump_after` (pass names or "all") keeps the graph after those passes
+                 dump_after: list[str] | None = None, phases: tuple[str, ...] | None = None) -> Plan:
+    """All phases (`phases`: only those of the model's that it names, for a caller that runs no
+    other: plan search traces decode and MTP steps, never a prefill); `dump_after` (pass names or "all") keeps the graph after those passes
     (`plan.dumps`, written under after/ by `Plan.save`). GLMC_DUMP_IR=dir also writes every
     pass's graph to dir/<NN>-<pass>/<phase>.ir."""
     env_dir = os.environ.get("GLMC_DUMP_IR")
@@ -67,7 +68,7 @@ def compile_plan(spec: ModelSpec, parallel: Parallel, options: Options = Options
                 parallel=parallel.name, mesh=parallel.mesh, options=options, graphs={},
                 spec=spec.model_dump(mode="json"))
     names = {p.name: f"{i:02d}-{p.name}" for i, p in enumerate(PIPELINE)}
-    for phase in phases_of(spec):
+    for phase in (p for p in phases_of(spec) if phases is None or p in phases):
         def dump(name, g, phase=phase):
             if dump_after is not None and ("all" in dump_after or name in dump_after):
                 plan.dumps.setdefault(names[name], {})[phase] = g

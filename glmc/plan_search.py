@@ -177,9 +177,10 @@ class StepPricer:
         self._ops(graph.ops if p2p else [without_p2p(op) for op in graph.ops])
 
     def _ops(self, ops) -> None:
-        self.ops = list(ops)
-        self.keys = [(op.kind, _layerless(op.attrs), tuple(self.graph.type_of(v) for v in op.operands), op.types)
-                     for op in self.ops]
+        self.ops, ids = list(ops), {}
+        self.keys = [ids.setdefault((op.kind, _layerless(op.attrs), tuple(self.graph.type_of(v) for v in op.operands),
+                                     op.types), len(ids)) for op in self.ops]
+        self._groups: dict = {}
 
     def nccl(self) -> "StepPricer":
         """The same graph priced as a `--no-p2p` plan (`without_p2p`)."""
@@ -189,6 +190,8 @@ class StepPricer:
 
     def groups(self, program) -> list:
         """[[op, count, its launches]] of the ops priced alike at a point whose program is `program`."""
+        if id(program) in self._groups:
+            return self._groups[id(program)][1]
         per_op, groups = program.op_launches(), {}
         for op, key in zip(self.ops, self.keys):
             made = per_op.get(op.results[0], ())
@@ -197,7 +200,8 @@ class StepPricer:
                 groups[sig][1] += 1
             else:
                 groups[sig] = [op, 1, made]
-        return list(groups.values())
+        self._groups[id(program)] = (program, list(groups.values()))   # the program held: its id stays its own
+        return self._groups[id(program)][1]
 
     def step_seconds(self, env: dict) -> float:
         return self.step_terms(env)["seconds"]
@@ -269,7 +273,7 @@ def _compile_one(task) -> Compiled:
     module-level function, so a worker process can run it."""
     s, name, kv, moe, forced = task
     par, opts = parse_parallel(name, s.config), Options(moe_a2a=forced, device="cuda")
-    plan = compile_plan(s, par, opts)
+    plan = compile_plan(s, par, opts, phases=("decode", "mtp_verify", "mtp_draft"))
     return Compiled(name, par, moe, kv, s, plan.graphs["decode"], plan.graphs.get("mtp_draft"), LaunchCounts(plan))
 
 
