@@ -62,14 +62,14 @@ def main():
         want = tm.align_rows(ids, 256, 16)
         for chunk in (16, 32, 64) if n <= tm.ALIGN_ROWS else ():
             for warps in (2, 4, 8):
-                ctx = tm.MoeAlignCtx.make(16, chunk, warps, num_rows=n)
+                ctx = tm.MoeAlignCtx.make(chunk, warps, num_rows=n)
                 nb = tm.num_blocks_bound(n, 256, 16)
                 sr = torch.empty(nb * 16, dtype=torch.int32, device=dev)
                 be = torch.empty(nb, dtype=torch.int32, device=dev)
                 k = JIT(ctx)
 
                 def run():
-                    k[ctx.grid(n)](ids, sr, be, n, nb, 256, 0, num_warps=warps)
+                    k[ctx.grid(n)](ids, sr, be, n, nb, 256, 0, ids, -1, 8, 16, False, num_warps=warps)
                 run()
                 ok = torch.equal(sr, want[0]) and torch.equal(be, want[1])
                 r[f"kernel_c{chunk}_w{warps}_us"] = us(run) if ok else "WRONG"

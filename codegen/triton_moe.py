@@ -103,30 +103,32 @@ class MoeSwigluReduceCtx:
 # 256 / 1024 rows (32 rows: 7.0 / 7.1 / 8.4 / 8.6; 2 or 8 warps slower), against the torch ops' 61.6 /
 # 63.9 / 87.0 / 96.6. The one-program kernel before it (each row walked twice by one program) took 6.5 /
 # 9.6 / 25.3 / 73.8 (2026-12-02). The classes differ in how many rows each program counts.
-ALIGN_TILES = ((64, 16, 4), (ALIGN_ROWS, 16, 4))
+# The class up to ALIGN_ROWS (4096: a dp8ep8 rank's 32 requests gathered over 8 ranks, or 512 tokens of
+# a prefill chunk, at top-8) is not measured yet: each program counts every row, as the others do.
+ALIGN_TILES = ((64, 16, 4), (1024, 16, 4), (ALIGN_ROWS, 32, 8))
 
 
 @dataclass(frozen=True)
 class MoeAlignCtx:
     """moe_align.py.j2: `align_rows` in one launch of cdiv(rows, `rows`) programs over <= `experts_block`
-    local experts and <= `all_rows` routed rows (row and expert counts are kernel arguments: one binary
-    for every step of the class)."""
+    local experts and <= `all_rows` routed rows (row and expert counts and the row block, a multiple
+    of `pad_chunk`, are kernel arguments: one binary for every step of the class and every block)."""
     template: ClassVar[str] = "moe_align"
-    block_m: int
     rows: int
     all_rows: int
     experts_block: int
     blocks_block: int
     fill: int
+    pad_chunk: int
     num_warps: int
 
     @classmethod
-    def make(cls, block_m, rows=None, num_warps=None, num_rows=1):
+    def make(cls, rows=None, num_warps=None, num_rows=1):
         """The row class of `num_rows` (ALIGN_TILES); `rows`, `num_warps` override its tile."""
         top, chunk, warps = next((t for t in ALIGN_TILES if num_rows <= t[0]), ALIGN_TILES[-1])
         if num_rows > top:
             raise ValueError(f"moe_align: {num_rows} routed rows is more than its largest class {top}")
-        return cls(int(block_m), int(rows or chunk), next_pow2(top), ALIGN_MAX_EXPERTS, 128, 256,
+        return cls(int(rows or chunk), next_pow2(top), ALIGN_MAX_EXPERTS, 128, 256, min(BLOCK_MS),
                    int(num_warps or warps))
 
     def grid(self, num_rows: int) -> tuple:
@@ -149,7 +151,7 @@ class MoeCombineCtx:
 
 def glue_variants(hidden, top_k) -> list:
     """The sort and combine kernels around the expert stages, as `variants` lists them."""
-    return ([MoeAlignCtx.make(MOE_SPLIT_BLOCK_M, num_rows=n) for n, _, _ in ALIGN_TILES]
+    return ([MoeAlignCtx.make(num_rows=n) for n, _, _ in ALIGN_TILES]
             + [MoeCombineCtx.make(hidden, top_k)])
 
 
@@ -170,20 +172,21 @@ def align_rows(ids, num_experts, block_m, expert_offset=0, lib: KernelLibrary | 
     ids [T, k] (global expert ids). Returns (sorted_rows [NB*BM] int32: flat row t*k+j or the sentinel
     T*k for padding; block_expert [NB] int32: local expert of each block, -1 past the end). Rows routed
     to experts outside [offset, offset+E) are dropped (another EP rank holds them). No host sync.
-    With `lib`, decode-sized rows (<= ALIGN_ROWS, <= ALIGN_MAX_EXPERTS experts, block_m MOE_SPLIT_BLOCK_M) are sorted
-    by one moe_align launch, which with `pad` = (loc [T], pad_slot) also drops the rows of padding
+    With `lib`, up to ALIGN_ROWS rows over <= ALIGN_MAX_EXPERTS experts (decode sizes, small prefill
+    chunks; any row block of BLOCK_MS) are sorted by one moe_align launch, which with `pad` =
+    (loc [T], pad_slot) also drops the rows of padding
     tokens (loc[t] == pad_slot: a step's padding rows all route as one token, up to k experts no real
     token may need); otherwise (and without `lib`) by torch ops, which keep them (prefill sizes, where
     the combine zeroes their output). Besides that the result is the same.
     """
     n, nb = ids.numel(), num_blocks_bound(ids.numel(), num_experts, block_m)
-    if lib is not None and n <= ALIGN_ROWS and num_experts <= ALIGN_MAX_EXPERTS and block_m == MOE_SPLIT_BLOCK_M:
+    if lib is not None and n <= ALIGN_ROWS and num_experts <= ALIGN_MAX_EXPERTS and block_m in BLOCK_MS:
         sorted_rows = torch.empty(nb * block_m, dtype=torch.int32, device=ids.device)
         block_expert = torch.empty(nb, dtype=torch.int32, device=ids.device)
-        ctx = MoeAlignCtx.make(block_m, num_rows=n)
+        ctx = MoeAlignCtx.make(num_rows=n)
         loc, pad_slot, mask = _pad_args(pad, ids)
         lib(ctx)[ctx.grid(n)](ids if ids.is_contiguous() else ids.contiguous(), sorted_rows, block_expert, n, nb,
-                              num_experts, expert_offset, loc, pad_slot, ids.shape[1], mask,
+                              num_experts, expert_offset, loc, pad_slot, ids.shape[1], block_m, mask,
                               num_warps=ctx.num_warps)
         return sorted_rows, block_expert
     dev = ids.device

@@ -240,8 +240,8 @@ def moe_block_n(block_m: int, n_out: int) -> int:
     return min(64 if block_m <= 16 else 128, max(16, next_pow2(n_out)))
 
 
-ALIGN_ROWS = 1024          # routed rows up to which one moe_align launch sorts them (decode: T <= 128 at top-8)
-ALIGN_MAX_EXPERTS = 256    # ... over at most this many local experts, at block_m MOE_SPLIT_BLOCK_M; else torch ops
+ALIGN_ROWS = 4096          # routed rows up to which one moe_align launch sorts them (T <= 512 at top-8)
+ALIGN_MAX_EXPERTS = 256    # ... over at most this many local experts, at any row block; else torch ops
 
 # Split-K thresholds: the lead sets them from bench/moe_sweep.py's table (T = 1 .. 128 on an H200).
 MOE_SPLIT_BLOCK_M = 16           # only the decode row-block class splits (its split forms are in the variants)

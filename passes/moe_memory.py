@@ -9,7 +9,7 @@ conventions). The dispatch and combine follow the code (NCCL's all_to_all_single
 from __future__ import annotations
 
 from glmc.ir.types import fp8_row_bytes
-from glmc.target import (ALIGN_MAX_EXPERTS, ALIGN_ROWS, FP8_BLOCK, MOE_SPLIT_BLOCK_M, block_m_for, gemv_takes,
+from glmc.target import (ALIGN_MAX_EXPERTS, ALIGN_ROWS, FP8_BLOCK, block_m_for, gemv_takes,
                          moe_splits, narrow_splits)
 
 from .comm_memory import p2p_runs
@@ -114,7 +114,7 @@ def _experts(op, args, s):
     if not rows:
         return Val(out, act)
     bm = block_m_for(n, E)
-    if n <= ALIGN_ROWS and E <= ALIGN_MAX_EXPERTS and bm == MOE_SPLIT_BLOCK_M:
+    if n <= ALIGN_ROWS and E <= ALIGN_MAX_EXPERTS:
         nb = -(-n // bm) + min(E, n)
         sorted_rows, block_expert = s.tmp(nb * bm, 4), s.tmp(nb, 4)
     else:

@@ -166,8 +166,9 @@ def test_the_predictor_prices_the_program():
     """`glmc.predict` counts the launches of the plan's program: a block-FP8 GLM-5.3 step at one
     request makes its quantisations and split-K reductions (2118 launches on tp1), which the
     prediction counts one by one (on dp8ep8 its small collectives are the one-shot kernel's,
-    priced as that); where the MoE rows outgrow the moe_align kernel (dp8ep8 at 32
-    requests per rank: 2048 routed rows) the torch form's ops are counted instead."""
+    priced as that); the MoE rows of 32 requests per dp8ep8 rank (2048 routed rows, 64 per local
+    expert) are sorted by the moe_align kernel, no torch op; past its 4096 rows (128 requests), by
+    torch's."""
     from compile_util import spec
 
     from glmc.calibration import load
@@ -175,7 +176,7 @@ def test_the_predictor_prices_the_program():
     from glmc.predict import predict_step
     cal = load("bench/results/calibration_nvidia-h200-x2_2026-11-30.json")
     s = spec("glm_moe_dsa")
-    for parallel, tokens in (("tp1", 1), ("dp8ep8", 1), ("dp8ep8", 32)):
+    for parallel, tokens in (("tp1", 1), ("dp8ep8", 1), ("dp8ep8", 32), ("dp8ep8", 128)):
         plan = compile_plan(s, parse_parallel(parallel, s.config), Options(device="cuda"))
         prog = LaunchCounts(plan)("decode", tokens, 4096)
         env = {"T": tokens, "B": tokens, "S": 4096, "K": s.config.index_topk}
@@ -186,10 +187,11 @@ def test_the_predictor_prices_the_program():
         if parallel == "tp1":
             assert p["kernels"] == made["triton"] + made["gemm"] and made["collective"] == 0
             assert p["kernels"] + p["torch_ops"] == 2118
-        elif tokens == 32:
+        elif tokens == 128:
             assert p["by_kind"]["moe.experts"]["torch_ops"] >= 36 * 75
         else:
             assert p["by_kind"]["moe.experts"]["torch_ops"] == 0
+            assert sum(x.name.startswith("moe_align") for x in prog.op_launches()["L3.routed"]) == 1
 
 
 def test_text_round_trips_and_compile_writes_it(fp32_ckpt, tmp_path, capsys):

@@ -122,8 +122,8 @@ def test_outputs_say_their_assumptions(result):
 
 
 GOLDEN_FRONT = [("dp2ep2 moe=gather kv=fp8 mtp=0", 1), ("dp2ep2 moe=gather kv=fp8 mtp=0", 8),
-                ("tp2 moe=auto kv=fp8 mtp=0", 64)]
-GOLDEN_BEST = ("tp2 moe=auto kv=fp8 mtp=0", 64)
+                ("dp2ep2 moe=gather kv=fp8 mtp=0", 64)]
+GOLDEN_BEST = ("dp2ep2 moe=gather kv=fp8 mtp=0", 64)
 
 
 def test_plan_command_writes_the_search_and_compiles_the_best(tmp_path, capsys):

@@ -98,28 +98,31 @@ def test_align_rows_pads_each_expert_to_whole_blocks():
     assert block_expert.tolist() == [0, 1, 3, 3] + [-1] * (nb - 4)
 
 
-# rows up to ALIGN_ROWS (1024): one moe_align launch, 16 rows per program (so 1 to 64 programs, each
-# counting every row); up to 256 local experts; global ids in [0, id_range),
-# this rank holding [offset, offset + E) (EP: the other rows are dropped); int32 and int64 ids
-@pytest.mark.parametrize("T,k,E,offset,id_range,skew", [
-    (1, 8, 256, 0, 256, False), (1, 8, 32, 64, 256, False), (3, 2, 6, 0, 6, True), (8, 8, 256, 0, 256, False),
-    (8, 4, 3, 1, 5, True), (32, 2, 4, 2, 8, True), (7, 1, 5, 0, 5, False), (17, 8, 256, 0, 256, False),
-    (40, 8, 64, 64, 256, True), (128, 8, 256, 0, 256, False), (128, 8, 32, 224, 256, True), (12, 8, 256, 0, 256, True)])
-def test_fused_align_equals_the_torch_ops(T, k, E, offset, id_range, skew):
+# rows up to ALIGN_ROWS (4096): one moe_align launch, 16 or 32 rows per program (so 1 to 128 programs,
+# each counting every row); up to 256 local experts; global ids in [0, id_range),
+# this rank holding [offset, offset + E) (EP: the other rows are dropped); int32 and int64 ids; the
+# expert kernels' row blocks 16, 32 and 64 (a dp8ep8 rank's gathered rows: 32 experts, 64 rows each)
+@pytest.mark.parametrize("T,k,E,offset,id_range,skew,bm", [
+    (1, 8, 256, 0, 256, False, 16), (1, 8, 32, 64, 256, False, 16), (3, 2, 6, 0, 6, True, 16),
+    (8, 8, 256, 0, 256, False, 16), (8, 4, 3, 1, 5, True, 32), (32, 2, 4, 2, 8, True, 64),
+    (7, 1, 5, 0, 5, False, 16), (17, 8, 256, 0, 256, False, 16), (40, 8, 64, 64, 256, True, 16),
+    (128, 8, 256, 0, 256, False, 16), (128, 8, 32, 224, 256, True, 32), (12, 8, 256, 0, 256, True, 16),
+    (256, 8, 32, 32, 256, False, 64), (200, 8, 32, 0, 256, True, 32), (512, 8, 256, 0, 256, False, 16)])
+def test_fused_align_equals_the_torch_ops(T, k, E, offset, id_range, skew, bm):
     """moe_align (one launch) gives align_rows' torch result exactly: the padded order, the padding
     sentinel, every block's expert and -1 past the end (all written: outputs start poisoned)."""
     _, ids = _routing(T, k, id_range, skew)
     ids = ids.int() if T == 3 else ids
     lib = _Launches()
-    fused = tm.align_rows(ids, E, 16, offset, lib=lib)
-    torch_ops = tm.align_rows(ids, E, 16, offset)
+    fused = tm.align_rows(ids, E, bm, offset, lib=lib)
+    torch_ops = tm.align_rows(ids, E, bm, offset)
     assert [c.template for c, _ in lib.grids] == ["moe_align"]
     assert lib.grids[0][1] == (-(-T * k // lib.grids[0][0].rows),)          # the rows split over programs
     assert torch.equal(fused[0], torch_ops[0]) and torch.equal(fused[1], torch_ops[1])
 
 
 def test_align_past_the_fused_size_uses_the_torch_ops():
-    _, ids = _routing(129, 8, 256)                  # 1032 rows > ALIGN_ROWS
+    _, ids = _routing(513, 8, 256)                  # 4104 rows > ALIGN_ROWS
     lib = _Launches()
     rows, block_expert = tm.align_rows(ids, 256, 16, lib=lib)
     assert not lib.grids and torch.equal(rows, tm.align_rows(ids, 256, 16)[0])
