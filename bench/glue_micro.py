@@ -3,8 +3,8 @@
     python -m bench.glue_micro --out-dir $OUT --commit <sha>
 
 - MoE row alignment (`triton_moe.align_rows`): the moe_align kernel at each rows-per-program x warps,
-  launched directly, against the torch ops, top-8 of 256 experts, 8 .. 1024 routed rows (2048: the
-  torch ops only, past ALIGN_ROWS);
+  launched directly, against the torch ops, top-8 of 256 experts, 8 .. 4096 routed rows (8192: the
+  torch ops only, past ALIGN_ROWS), and over 32 local experts (a dp8ep8 rank: row blocks of 32 and 64);
 - the decode GEMVs (`triton_launch.gemv`): the router's fp32 [256, 6144] and weights_proj's bf16
   [32, 6144] at 1, 4, 16, 32 rows, each tile (columns per program x K step x warps) against cuBLAS;
 - past the gemv's rows (`triton_launch.narrow_gemm`, into a column slice): the same two weights at
@@ -56,20 +56,24 @@ def main():
                     "date": time.strftime("%Y-%m-%d %H:%M:%S"), "torch": torch.__version__}}
     g = torch.Generator(device=dev).manual_seed(0)
     rows = []
-    for n in (8, 64, 256, 1024, 2048) if "align" in parts else ():
+    # (routed rows, local experts): top-8 of 256 experts on one rank, and a dp8ep8 rank's 32 experts
+    # (its gathered rows: 64 a request per rank), whose row block grows with the rows (block_m_for)
+    for n, E in ([(8, 256), (64, 256), (256, 256), (1024, 256), (2048, 256), (4096, 256), (8192, 256),
+                  (512, 32), (1024, 32), (2048, 32), (4096, 32)] if "align" in parts else ()):
         ids = torch.stack([torch.randperm(256, device=dev, generator=g)[:8] for _ in range(n // 8)])
-        r = {"rows": n, "torch_us": us(lambda: tm.align_rows(ids, 256, 16))}
-        want = tm.align_rows(ids, 256, 16)
+        bm = tm.block_m_for(n, E)
+        r = {"rows": n, "experts": E, "block_m": bm, "torch_us": us(lambda: tm.align_rows(ids, E, bm))}
+        want = tm.align_rows(ids, E, bm)
         for chunk in (16, 32, 64) if n <= tm.ALIGN_ROWS else ():
-            for warps in (2, 4, 8):
+            for warps in (4, 8):
                 ctx = tm.MoeAlignCtx.make(chunk, warps, num_rows=n)
-                nb = tm.num_blocks_bound(n, 256, 16)
-                sr = torch.empty(nb * 16, dtype=torch.int32, device=dev)
-                be = torch.empty(nb, dtype=torch.int32, device=dev)
+                nb = tm.num_blocks_bound(n, E, bm)
+                sr = torch.full((nb * bm,), -7, dtype=torch.int32, device=dev)
+                be = torch.full((nb,), -7, dtype=torch.int32, device=dev)
                 k = JIT(ctx)
 
                 def run():
-                    k[ctx.grid(n)](ids, sr, be, n, nb, 256, 0, ids, -1, 8, 16, False, num_warps=warps)
+                    k[ctx.grid(n)](ids, sr, be, n, nb, E, 0, ids, -1, 8, bm, False, num_warps=warps)
                 run()
                 ok = torch.equal(sr, want[0]) and torch.equal(be, want[1])
                 r[f"kernel_c{chunk}_w{warps}_us"] = us(run) if ok else "WRONG"

@@ -65,8 +65,8 @@ _FIELDS = ("seconds", "memory_s", "compute_s", "data_s", "overhead_s", "latency_
 # --parts small`): ms by drafts, at concurrency 1 and 16. It is per request and cycle host work
 # (scheduling, batch building, acceptance, streaming), so it carries over to a larger model served
 # from one process.
-SPEC_HOST_SOURCE = "bench/results/h100_2026-12-06b/mtp_gpu_check_2026-12-06.json"
-SPEC_HOST_MS = {1: (0.089, 1.224), 2: (0.075, 1.441), 3: (0.09, 1.687)}
+SPEC_HOST_SOURCE = "bench/results/h100_2026-12-07/mtp_gpu_check_small.json"
+SPEC_HOST_MS = {1: (0.087, 1.478), 2: (0.128, 2.042), 3: (0.088, 2.039)}
 
 
 # bench/results/mtp_accept_2026-12-01_specsampling.json: glmc-small, standard speculative sampling

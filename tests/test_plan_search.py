@@ -121,7 +121,7 @@ def test_outputs_say_their_assumptions(result):
     assert len(dots) == len(result["rows"]) + len(result["pareto"])
 
 
-GOLDEN_FRONT = [("dp2ep2 moe=gather kv=fp8 mtp=0", 1), ("dp2ep2 moe=gather kv=fp8 mtp=0", 8),
+GOLDEN_FRONT = [("dp2ep2 moe=gather kv=fp8 mtp=1", 1), ("dp2ep2 moe=gather kv=fp8 mtp=0", 8),
                 ("dp2ep2 moe=gather kv=fp8 mtp=0", 64)]
 GOLDEN_BEST = ("dp2ep2 moe=gather kv=fp8 mtp=0", 64)
 
