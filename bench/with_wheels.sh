@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Run a command on the device image with the wheels it lacks: `bash bench/with_wheels.sh python3 -m bench.x ...`
 #   bash bench/with_wheels.sh python3 -m bench.mtp_gpu_check --out-dir $OUT
-# .whl holds pydantic, fastapi, uvicorn and their dependencies (see bench/serve_gpu.sh) and glmc's own wheel,
+# .whl holds pydantic, fastapi, uvicorn, httptools, llguidance and their dependencies (see bench/serve_gpu.sh)
+# and glmc's own wheel,
 # built here from the tree being measured: `pip wheel --no-deps --no-build-isolation -w .whl . &&
 # git describe --always --dirty > .whl/COMMIT` (the device copy has no .git; GLMC_COMMIT is exported from it).
 set -u
