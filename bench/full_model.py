@@ -164,24 +164,24 @@ def collective_ms(step, reps: int) -> float:
 
 
 # ----------------------------------------------------------------------------- the run
-def predicted_ms(plan, phase: str, tokens: int, context: int, cal) -> float | None:
-    """explain's calibrated step time of `phase` at `tokens` per rank (the plan's own dtypes)."""
-    from glmc.launches import LaunchCounts
+def predicted_ms(plan, phase: str, tokens: int, context: int, cal, launches) -> float | None:
+    """explain's calibrated step time of `phase` at `tokens` per rank (the plan's own dtypes);
+    `launches`: the plan's `glmc.launches.LaunchCounts`, made once per plan (it traces each point once)."""
     from glmc.predict import predict_step
     if cal is None or phase not in plan.graphs:
         return None
     env = {"T": tokens, "B": tokens, "S": context, "K": plan.config.index_topk}
     return predict_step(plan.graphs[phase], env, plan.dtypes, cal, plan.world,
-                        LaunchCounts(plan)(phase, tokens, context))["step_s"] * 1e3
+                        launches(phase, tokens, context))["step_s"] * 1e3
 
 
-def summarise(plan, ranks: list[dict], c: int, n: int, args, cal) -> dict:
+def summarise(plan, ranks: list[dict], c: int, n: int, args, cal, launches) -> dict:
     pts = [r["points"][c] for r in ranks]
     b = pts[0]["batch_per_rank"]
     row = {"concurrency": c, "batch_per_rank": b, "tpot_ms": max(p["decode_ms"] for p in pts)}
     row["tok_s_per_gpu"] = c / row["tpot_ms"] * 1e3 / n
     row["collectives_ms"] = pts[0].get("collectives_ms")
-    row["predicted_ms"] = predicted_ms(plan, "decode", b, args.context, cal)
+    row["predicted_ms"] = predicted_ms(plan, "decode", b, args.context, cal, launches)
     if "memory" in pts[0]:
         row["memory_gib"] = {k: max(p["memory"][k] for p in pts) / GIB for k in pts[0]["memory"]}
     if args.mtp:
@@ -218,12 +218,15 @@ def run_spec(parallel, a2a, ckpt, n, args, device_bytes, cal, backend) -> dict:
     ranks = [torch.load(f"{out}/rank{r}.pt") for r in range(n)]
     res["seconds"] = time.perf_counter() - t0
     res["load_and_capture_s"] = max(r["load_and_capture_s"] for r in ranks)
-    res["rows"] = [summarise(plan, ranks, c, n, args, cal) for c in batches]
+    from glmc.launches import LaunchCounts
+    launches = LaunchCounts(plan)
+    res["rows"] = [summarise(plan, ranks, c, n, args, cal, launches) for c in batches]
     return res
 
 
 def full_prediction(args, cal) -> list[dict]:
     """explain's calibrated TPOT of the whole GLM-5.3 on 8 GPUs at every concurrency."""
+    from glmc.launches import LaunchCounts
     from glmc.tiny import make_random_glm
     if cal is None:
         return []
@@ -231,9 +234,10 @@ def full_prediction(args, cal) -> list[dict]:
     rows = []
     for parallel, a2a in specs_for(8, args.specs):
         plan = compile_for(ckpt, parallel, a2a, 1, 0)
+        launches = LaunchCounts(plan)
         for c in args.concurrency:
             b = per_rank_batch(plan, c)
-            tpot = predicted_ms(plan, "decode", b, args.context, cal)
+            tpot = predicted_ms(plan, "decode", b, args.context, cal, launches)
             rows.append({"parallel": parallel, "moe": MOE[a2a],
                          "concurrency": c, "batch_per_rank": b, "predicted_tpot_ms": tpot,
                          "predicted_tok_s_per_gpu": c / tpot * 1e3 / 8})

@@ -413,14 +413,14 @@ def experts_touched(groups, ep, experts):
     return out
 
 
-def comm_ms(plan, phase, env, cal):
+def comm_ms(plan, phase, env, cal, launches):
     """{segment: ms} of the calibrated collectives of `phase`'s ops at `env` (glmc/predict.py's
-    comm_s: the one-shot kernel's time where the plan runs it, else NCCL's)."""
-    from glmc.launches import LaunchCounts
+    comm_s: the one-shot kernel's time where the plan runs it, else NCCL's); `launches`: the plan's
+    `glmc.launches.LaunchCounts`."""
     from glmc.passes.costs import weight_bytes_for
     from glmc.predict import op_seconds
     graph, wb, out = plan.graphs[phase], weight_bytes_for(plan.dtypes), {}
-    made = LaunchCounts(plan)(phase, env["T"], env["S"]).op_launches()
+    made = launches(phase, env["T"], env["S"]).op_launches()
     for op in graph.ops:
         key = f"layer{op.layer}" if op.layer is not None else "head"
         out[key] = out.get(key, 0.0) + op_seconds(op, graph, env, plan.dtypes, cal, wb,
@@ -437,9 +437,10 @@ def check_rank(dev, narrow, ctx, budget_end, parallel, calibration, batches=(1, 
     (compute + collectives) and the parts."""
     import torch
     from glmc.calibration import load
+    from glmc.launches import LaunchCounts
     from glmc.runtime.worker.comm import LoneComm
     _, plan, weights, stacks = slice_with_mtp(dev, torch.bfloat16, narrow, fp8, parallel)
-    cal = load(calibration)
+    cal, launches = load(calibration), LaunchCounts(plan)
     lone = LoneComm(plan.mesh, rank=0)
     cfg = plan.config
     E, ep = cfg.n_routed_experts, plan.mesh["ep"]
@@ -456,7 +457,7 @@ def check_rank(dev, narrow, ctx, budget_end, parallel, calibration, batches=(1, 
             groups = segment_calls(runner, phase, batch, hidden, size)
             ranks = ep_rank_ms(groups, ep, E, bench)
             compute = {k: max(r[k] for r in ranks.values() if k in r) for k in ranks[0]}
-            comm = comm_ms(plan, phase, env, cal)
+            comm = comm_ms(plan, phase, env, cal, launches)
             row[name] = {k: compute[k] + comm.get(k, 0.0) for k in compute}
             parts[name] = {"compute_ms": compute, "comm_ms": comm, "per_rank_ms": ranks,
                            "experts_per_rank": experts_touched(groups, ep, E)}
